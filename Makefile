@@ -1,0 +1,37 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` the checks.
+# Both build the virtual environment themselves. torch is pinned here: a looser
+# requirement pulls a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+
+.PHONY: venv test lint typecheck pytest demo bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[runtime,test,dev]'
+	touch $@
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+pytest: venv
+	$(BIN)/pytest
+
+test: lint typecheck pytest
+
+bench: venv
+	$(BIN)/disagg bench transport
+
+demo: bench
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

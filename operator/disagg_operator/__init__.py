@@ -1,0 +1,1 @@
+"""disagg operator: reconciles DisaggregatedPipeline resources (kopf). Never imports torch."""

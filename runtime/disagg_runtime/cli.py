@@ -1,0 +1,50 @@
+"""`disagg` command line: thin argument parsing over the library; subcommands import lazily
+so that `disagg validate` never loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="disagg", description="Disaggregated inference pipelines: runtime and tools."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    validate = sub.add_parser("validate", help="validate DisaggregatedPipeline files")
+    validate.add_argument("files", nargs="+", help="pipeline YAML files")
+
+    bench = sub.add_parser("bench", help="measure transports")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    transport = bench_sub.add_parser("transport", help="relays vs memcpy and naive baselines")
+    transport.add_argument(
+        "--sizes", default="4KiB,1MiB,64MiB,256MiB", help="comma list, e.g. 64MiB,256MiB"
+    )
+    transport.add_argument("--repeats", type=int, default=0, help="repetitions (0 = by size)")
+    transport.add_argument(
+        "--methods",
+        default="memcpy,shm,tcp,pickle_zmq,copy_clone_zmq",
+        help="comma list of methods to run",
+    )
+    transport.add_argument("--json", action="store_true", help="print a JSON list")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "validate":
+        from disagg_runtime import spec
+
+        return spec.validate_cli(args.files, out=sys.stdout)
+    if args.command == "bench" and args.bench_command == "transport":
+        from disagg_runtime.bench import transport
+
+        return transport.run_cli(args)
+    raise AssertionError(f"unhandled command {args.command}")  # argparse enforces choices
+
+
+if __name__ == "__main__":
+    sys.exit(main())
