@@ -1,1 +1,53 @@
-"""Relays move payloads between two role processes: `shm` on one node, `tcp` (ZMQ) across nodes."""
+"""Relays move payloads between two role processes.
+
+`shm` (same node) writes tensors once into the receiver's shared pool; `tcp` (ZMQ, across
+nodes) streams them into the receiver's pool. Both end at an `Ingress`. CUDA IPC is
+another backend (GPU issue).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from disagg_runtime.relay.errors import RelayError, RelayTimeout
+from disagg_runtime.relay.ingress import Ingress, Message
+from disagg_runtime.relay.sender import Sender, ShmSender, TcpSender
+
+__all__ = [
+    "KINDS",
+    "Ingress",
+    "Message",
+    "Relay",
+    "RelayError",
+    "RelayTimeout",
+    "Sender",
+    "ShmSender",
+    "TcpSender",
+    "connect",
+]
+KINDS = ("shm", "tcp")
+
+
+class Relay(Protocol):
+    """What a role needs from a connection to one downstream peer."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def send(self, payload: Any, *, request_id: str, timeout: float | None = None) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def connect(kind: str, endpoint: str, **options: Any) -> Relay:
+    """Open a relay of `kind` to the ingress at `endpoint`."""
+    if kind == "shm":
+        return ShmSender(endpoint, **options)
+    if kind == "tcp":
+        return TcpSender(endpoint, **options)
+    raise RelayError(f"unknown relay {kind!r}; expected one of {', '.join(KINDS)}")

@@ -1,0 +1,1 @@
+"""Benchmarks behind `disagg bench`: ratios against limits measured in the same run."""

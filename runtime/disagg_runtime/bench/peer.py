@@ -1,0 +1,106 @@
+"""The receiving process of `disagg bench transport`: one per method, started with spawn.
+
+Each receive is answered on a separate PUSH socket with the one-way delay the receiver
+saw (the payload carries the sender's perf_counter stamp), so the parent times round
+trips (payload there, tiny reply back) and one-way latency. The naive baselines are written the
+way people hand-wire them: `pickle_zmq` is pyzmq's `send_pyobj`/`recv_pyobj` (pickle; a
+baseline only, between this benchmark's own two processes), `copy_clone_zmq` copies on
+send and clones every tensor on receive.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import zmq
+
+from disagg_runtime import codec
+from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
+from disagg_runtime.pool import Pool, shm_name
+from disagg_runtime.relay import Ingress
+
+
+def serve(method: str, pool_size: int, control: Connection) -> None:
+    """Receive until told to stop; report endpoint first and RSS figures last."""
+    torch.set_num_threads(1)
+    ctx = zmq.Context()
+    reply = ctx.socket(zmq.PUSH)
+    reply.setsockopt(zmq.LINGER, 1000)
+    reply_endpoint = control.recv()
+    reply.connect(reply_endpoint)
+    baseline = rss_bytes()
+    reset_peak()
+    tmp = tempfile.mkdtemp(prefix="disagg-bench-")
+    ingress: Ingress | None = None
+    pool: Pool | None = None
+    sock: zmq.Socket[Any] | None = None
+    try:
+        if method in ("shm", "tcp"):
+            if method == "shm":
+                pool = Pool.create(pool_size, device="shm", name=shm_name("bench", "receiver"))
+            else:
+                pool = Pool.create(pool_size, device="cpu")
+            endpoint = f"ipc://{tmp}/ingress.sock" if method == "shm" else "tcp://127.0.0.1:0"
+            ingress = Ingress(endpoint, pool, context=ctx)
+            control.send(ingress.endpoint)
+            _relay_loop(ingress, reply, control)
+        else:
+            sock = ctx.socket(zmq.PULL)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:0")
+            control.send(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            _baseline_loop(method, sock, reply, control)
+    finally:
+        if ingress is not None:
+            ingress.close()
+        if pool is not None:
+            pool.close()
+        if sock is not None:
+            sock.close(linger=0)
+        control.send({"rss_baseline": baseline, "rss_peak": peak_rss_bytes()})
+        reply.close()
+        ctx.term()
+        os.rmdir(tmp) if not os.listdir(tmp) else None
+
+
+def _one_way(payload: dict[str, Any]) -> bytes:
+    """Seconds since the sender stamped the payload: perf_counter is CLOCK_MONOTONIC on
+    Linux, one clock for every process on the machine."""
+    return struct.pack("d", time.perf_counter() - payload["sent"])
+
+
+def _relay_loop(ingress: Ingress, reply: zmq.Socket[Any], control: Connection) -> None:
+    while True:
+        if control.poll(0) and control.recv() == "stop":
+            return
+        try:
+            msg = ingress.recv(timeout=0.2)
+        except TimeoutError:
+            continue
+        reply.send(_one_way(msg.payload))
+        msg.release()
+
+
+def _baseline_loop(
+    method: str, sock: zmq.Socket[Any], reply: zmq.Socket[Any], control: Connection
+) -> None:
+    while True:
+        if control.poll(0) and control.recv() == "stop":
+            return
+        if not sock.poll(200):
+            continue
+        if method == "pickle_zmq":
+            payload = sock.recv_pyobj()
+        else:
+            decoded = codec.decode(sock.recv_multipart(copy=True))
+            payload = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in decoded.items()
+            }
+        reply.send(_one_way(payload))
+        del payload

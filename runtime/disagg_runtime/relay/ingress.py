@@ -1,0 +1,437 @@
+"""The receiving end of every relay: a ZMQ ROUTER plus the role's receive pool.
+
+One I/O thread owns the socket (ZMQ sockets are single-threaded). It answers
+reservations from the pool in arrival order, lands committed payloads (shm: already in
+the shared pool; tcp: `recv_into` the granted slot), and queues `Message`s for `recv`.
+Other threads never touch the socket: releasing a message frees its slot under a lock
+and wakes the I/O thread through a pipe so waiting reservations are granted at once.
+
+Every slot has an owner and a deadline: a grant not committed within its lease is
+freed; `abort(rid)` frees everything a request holds (pending, granted, delivered).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from disagg_runtime import codec
+from disagg_runtime.manifest import Manifest
+from disagg_runtime.pool import Pool, read_payload
+from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.errors import RelayTimeout
+
+log = logging.getLogger(__name__)
+_SCRATCH = bytearray(1 << 20)
+HWM = 16
+
+
+@dataclass(eq=False)
+class Message:
+    """One received payload. Tensors view the pool slot until `release()` (or abort)."""
+
+    request_id: str
+    payload: Any
+    nbytes: int
+    slot: int | None
+    received_at: float
+    _release: Callable[[Message], None] | None = field(default=None, repr=False)
+    released: bool = False
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release(self)
+
+    def __enter__(self) -> Message:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class _Reservation:
+    ident: bytes
+    xid: int
+    rid: str
+    nbytes: int
+    deadline: float
+    offset: int | None = None
+
+
+@dataclass
+class _Landing:
+    """A tcp transfer in progress: where each of the sender's next chunk messages goes."""
+
+    grant: _Reservation
+    xid: int
+    manifest: Manifest
+    targets: list[tuple[int, int]]
+    deadline: float
+    next: int = 0
+    error: str | None = None
+
+
+def chunk_targets(slot: int, manifest: Manifest, chunk: int) -> list[tuple[int, int]]:
+    """(pool offset, length) of every chunk, in the order the sender sends them."""
+    if chunk <= 0:
+        raise proto.ProtocolError("chunk size must be positive")
+    targets = []
+    for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
+        for start in range(0, meta.nbytes, chunk):
+            targets.append((slot + offset + start, min(chunk, meta.nbytes - start)))
+    return targets
+
+
+@dataclass(frozen=True)
+class IngressStats:
+    pool_total: int
+    pool_used: int
+    occupancy: float
+    queued: int
+    pending_reservations: int
+    delivered: int
+    rejected: int
+
+
+class Ingress:
+    """Bind `endpoint` (tcp://0.0.0.0:7000, ipc:///run/disagg/x.sock) and land into `pool`."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        pool: Pool,
+        *,
+        lease_s: float = 30.0,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.lease_s = lease_s
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, HWM)  # bounds chunks buffered ahead of recv_into
+        self._sock.bind(endpoint)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._queue: queue.Queue[Message] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: collections.deque[_Reservation] = collections.deque()
+        self._granted: dict[tuple[bytes, int], _Reservation] = {}
+        self._landing: dict[bytes, _Landing] = {}
+        self._live: dict[str, list[Message]] = collections.defaultdict(list)
+        self._aborted: dict[str, float] = {}
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._delivered = 0
+        self._rejected = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="disagg-ingress", daemon=True)
+        self._thread.start()
+
+    # ---- application side -------------------------------------------------------------
+    def recv(self, timeout: float | None = None) -> Message:
+        """Next payload; RelayTimeout when none arrives in time. Aborted ones are skipped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                msg = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                raise RelayTimeout(
+                    f"no payload arrived at {self.endpoint} in {timeout} s"
+                ) from None
+            if not msg.released:
+                return msg
+
+    def abort(self, request_id: str) -> None:
+        """Free every slot `request_id` holds here, now and for its late arrivals."""
+        self._abort_delivered(request_id)
+        self._call(lambda: self._abort_reservations(request_id))
+
+    def stats(self) -> IngressStats:
+        s = self.pool.stats()
+        return IngressStats(
+            pool_total=s.total,
+            pool_used=s.used,
+            occupancy=s.occupancy,
+            queued=self._queue.qsize(),
+            pending_reservations=len(self._pending),
+            delivered=self._delivered,
+            rejected=self._rejected,
+        )
+
+    def close(self) -> None:
+        """Stop the I/O thread and release the socket; the pool is the caller's to close."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        self._commands.put(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        # a full pipe means a wake-up is already pending; a closed one, that we are closing
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _release(self, msg: Message) -> None:
+        with self._lock:
+            if msg.released:
+                return
+            msg.released = True
+            live = self._live.get(msg.request_id)
+            if live is not None:
+                live.remove(msg)
+                if not live:
+                    del self._live[msg.request_id]
+            if msg.slot is not None:
+                self.pool.free(msg.slot)
+        self._wake()
+
+    def _abort_delivered(self, rid: str) -> None:
+        with self._lock:
+            self._aborted[rid] = time.monotonic() + self.lease_s
+            msgs = self._live.pop(rid, [])
+            for msg in msgs:
+                msg.released = True
+                if msg.slot is not None:
+                    self.pool.free(msg.slot)
+        self._wake()
+
+    # ---- I/O thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._stop.is_set():
+            events = dict(poller.poll(timeout=self._poll_ms()))
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            while not self._commands.empty():
+                self._commands.get()()
+            while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._handle_one()
+            self._expire(time.monotonic())
+            self._grant_pending()
+
+    def _poll_ms(self) -> int:
+        deadlines = [r.deadline for r in self._pending]
+        deadlines += [g.deadline for g in self._granted.values()]
+        deadlines += [landing.deadline for landing in self._landing.values()]
+        if not deadlines:
+            return 1000
+        return max(1, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+
+    def _handle_one(self) -> None:
+        ident = self._sock.recv()
+        if not self._sock.getsockopt(zmq.RCVMORE):
+            return  # an identity-only message: nothing to do
+        landing = self._landing.get(ident)
+        if landing is not None:
+            self._on_chunk(ident, landing)
+            return
+        header = self._sock.recv()
+        msg: dict[str, Any] = {}
+        try:
+            msg = proto.unpack(header, proto.OPS_TO_INGRESS)
+            handler = getattr(self, f"_on_{msg['op']}")
+            handler(ident, msg)
+        except (proto.ProtocolError, codec.CodecError) as exc:
+            self._rejected += 1
+            log.warning("ingress %s rejected a message: %s", self.endpoint, exc)
+            xid = msg.get("xid")
+            if msg.get("op") == "commit" and isinstance(xid, int) and ident not in self._landing:
+                self._reply(ident, "nack", xid=xid, reason=str(exc))
+        finally:
+            self._drain()
+
+    def _drain(self) -> None:
+        while self._sock.getsockopt(zmq.RCVMORE):
+            self._sock.recv_into(_SCRATCH)
+
+    def _reply(self, ident: bytes, op: str, **fields: Any) -> None:
+        self._sock.send_multipart([ident, proto.pack(op, **fields)])
+
+    def _on_hello(self, ident: bytes, msg: dict[str, Any]) -> None:
+        self._reply(
+            ident,
+            "welcome",
+            pool=self.pool.name,
+            pool_size=self.pool.allocator.capacity,
+            max_allocation=self.pool.allocator.max_allocation,
+            lease_s=self.lease_s,
+        )
+
+    def _on_inline(self, ident: bytes, msg: dict[str, Any]) -> None:
+        rid = proto.field(msg, "rid", str)
+        frames = [self._sock.recv()]
+        while self._sock.getsockopt(zmq.RCVMORE):
+            frames.append(self._sock.recv())
+        payload = codec.decode(frames)
+        self._deliver(
+            Message(rid, payload, sum(len(f) for f in frames[1:]), None, time.monotonic())
+        )
+
+    def _on_reserve(self, ident: bytes, msg: dict[str, Any]) -> None:
+        xid = proto.nonneg_int(msg, "xid")
+        rid = proto.field(msg, "rid", str)
+        nbytes = proto.nonneg_int(msg, "nbytes")
+        if nbytes > self.pool.allocator.max_allocation:
+            reason = (
+                f"payload of {nbytes} B can never fit: largest block of the receive pool at "
+                f"{self.endpoint} is {self.pool.allocator.max_allocation} B"
+            )
+            self._reply(ident, "deny", xid=xid, reason=reason)
+            return
+        if rid in self._aborted:
+            self._reply(ident, "deny", xid=xid, reason=f"request {rid} was aborted")
+            return
+        deadline = time.monotonic() + self.lease_s
+        self._pending.append(_Reservation(ident, xid, rid, nbytes, deadline))
+
+    def _grant_pending(self) -> None:
+        while self._pending:
+            head = self._pending[0]
+            offset = self.pool.allocate(head.nbytes)
+            if offset is None:
+                return  # arrival order: a large head is not overtaken by small ones
+            self._pending.popleft()
+            head.offset = offset
+            head.deadline = time.monotonic() + self.lease_s
+            self._granted[(head.ident, head.xid)] = head
+            self._reply(head.ident, "grant", xid=head.xid, offset=offset, lease_s=self.lease_s)
+
+    def _on_cancel(self, ident: bytes, msg: dict[str, Any]) -> None:
+        xid = proto.nonneg_int(msg, "xid")
+        grant = self._granted.pop((ident, xid), None)
+        if grant is not None and grant.offset is not None:
+            self.pool.free(grant.offset)
+        self._pending = collections.deque(
+            r for r in self._pending if (r.ident, r.xid) != (ident, xid)
+        )
+
+    def _on_abort(self, ident: bytes, msg: dict[str, Any]) -> None:
+        rid = proto.field(msg, "rid", str)
+        self._abort_delivered(rid)
+        self._abort_reservations(rid)
+
+    def _abort_reservations(self, rid: str) -> None:
+        for key, grant in list(self._granted.items()):
+            if grant.rid == rid:
+                del self._granted[key]
+                if grant.offset is not None:
+                    self.pool.free(grant.offset)
+        for r in [r for r in self._pending if r.rid == rid]:
+            self._pending.remove(r)
+            self._reply(r.ident, "deny", xid=r.xid, reason=f"request {rid} was aborted")
+
+    def _on_commit(self, ident: bytes, msg: dict[str, Any]) -> None:
+        xid = proto.nonneg_int(msg, "xid")
+        grant = self._granted.pop((ident, xid), None)
+        if grant is None or grant.offset is None:
+            raise proto.ProtocolError(f"commit for xid {xid} without a live grant (lease expired?)")
+        slot = grant.offset
+        try:
+            if proto.nonneg_int(msg, "offset") != slot:
+                raise proto.ProtocolError(f"commit offset differs from the grant ({slot})")
+            size = self.pool.allocator.size_of(slot)
+            manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
+            if self._sock.getsockopt(zmq.RCVMORE):
+                raise proto.ProtocolError("commit carries unexpected frames")
+            chunk = msg.get("chunk")
+            if chunk is not None:  # tcp: the data follows as one message per chunk
+                targets = chunk_targets(slot, manifest, proto.nonneg_int(msg, "chunk"))
+                if targets:
+                    deadline = time.monotonic() + self.lease_s
+                    self._landing[ident] = _Landing(grant, xid, manifest, targets, deadline)
+                    return
+        except BaseException:
+            self.pool.free(slot)
+            raise
+        self._finish(ident, xid, grant.rid, slot, manifest)
+
+    def _on_chunk(self, ident: bytes, landing: _Landing) -> None:
+        """Land the next chunk of `ident`'s transfer straight into its slot."""
+        offset, length = landing.targets[landing.next]
+        landing.next += 1
+        if landing.error is None:
+            got = self._sock.recv_into(self.pool.backing.buffer(offset, length))
+            if got != length:
+                landing.error = f"chunk {landing.next - 1}: {got} B, expected {length} B"
+            elif self._sock.getsockopt(zmq.RCVMORE):
+                landing.error = f"chunk {landing.next - 1}: unexpected extra frames"
+        else:
+            self._sock.recv_into(_SCRATCH)
+        self._drain()
+        if landing.next < len(landing.targets):
+            return
+        del self._landing[ident]
+        slot = landing.grant.offset
+        assert slot is not None  # landings are made from live grants
+        if landing.error is not None:
+            self.pool.free(slot)
+            self._rejected += 1
+            self._reply(ident, "nack", xid=landing.xid, reason=landing.error)
+            return
+        self._finish(ident, landing.xid, landing.grant.rid, slot, landing.manifest)
+
+    def _finish(self, ident: bytes, xid: int, rid: str, slot: int, manifest: Manifest) -> None:
+        try:
+            payload = read_payload(self.pool.backing, slot, manifest)
+        except BaseException:
+            self.pool.free(slot)
+            raise
+        if self._deliver(Message(rid, payload, manifest.nbytes, slot, time.monotonic())):
+            self._reply(ident, "ack", xid=xid)
+        else:
+            self._reply(ident, "nack", xid=xid, reason=f"request {rid} was aborted")
+
+    def _deliver(self, msg: Message) -> bool:
+        """Queue a landed payload unless its request was aborted (then free its slot)."""
+        msg._release = self._release
+        with self._lock:
+            if msg.request_id in self._aborted:
+                if msg.slot is not None:
+                    self.pool.free(msg.slot)
+                return False
+            self._live[msg.request_id].append(msg)
+            self._delivered += 1
+        self._queue.put(msg)
+        return True
+
+    def _expire(self, now: float) -> None:
+        for ident, landing in list(self._landing.items()):
+            if landing.deadline <= now:  # sender vanished mid-transfer
+                del self._landing[ident]
+                if landing.grant.offset is not None:
+                    self.pool.free(landing.grant.offset)
+                log.warning("transfer for request %s stalled; slot freed", landing.grant.rid)
+        for key, grant in list(self._granted.items()):
+            if grant.deadline <= now:
+                del self._granted[key]
+                if grant.offset is not None:
+                    self.pool.free(grant.offset)
+                log.warning("grant for request %s expired uncommitted; slot freed", grant.rid)
+        if any(r.deadline <= now for r in self._pending):
+            self._pending = collections.deque(r for r in self._pending if r.deadline > now)
+        with self._lock:
+            for rid, until in list(self._aborted.items()):
+                if until <= now:
+                    del self._aborted[rid]

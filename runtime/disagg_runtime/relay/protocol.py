@@ -1,0 +1,69 @@
+"""Relay control messages: what travels between a sender (ZMQ DEALER) and an ingress (ROUTER).
+
+Every message is `[header, *data]`, the header a JSON object with "op" and the protocol
+version "pv". Large payloads use a credit handshake so that a full receive pool stalls
+the sender instead of dropping or over-allocating (DESIGN.md section 7):
+
+    sender                               ingress (owns the receive pool)
+    hello {relay}                  -->
+                                   <--   welcome {pool, pool_size, max_allocation}
+    inline {rid, codec header} + frames  -->   small payloads, decoded on arrival
+    reserve {rid, xid, nbytes}     -->   queued until the pool has room
+                                   <--   grant {xid, offset, lease_s} | deny {xid, reason}
+    (shm: sender writes the slot in the shared pool)
+    commit {rid, xid, offset, manifest[, chunk]} [+ chunk frames for tcp]  -->
+                                   <--   ack {xid} | nack {xid, reason}
+    cancel {xid}                   -->   sender gave up waiting: drop the reservation/grant
+    abort {rid}                    -->   free every slot the request holds
+
+`xid` numbers each operation of a sender so that a late grant for an operation that timed
+out is never mistaken for the current one (completions are per operation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_runtime.codec import CodecError, decode_header, encode_header
+
+PROTOCOL_VERSION = 1
+MAX_CONTROL_BYTES = 4 << 20
+OPS_TO_INGRESS = frozenset({"hello", "inline", "reserve", "commit", "cancel", "abort"})
+OPS_TO_SENDER = frozenset({"welcome", "grant", "deny", "ack", "nack"})
+
+
+class ProtocolError(ValueError):
+    """A control message is malformed or unexpected."""
+
+
+def pack(op: str, **fields: Any) -> bytes:
+    return encode_header({"v": 1, "pv": PROTOCOL_VERSION, "op": op, **fields})
+
+
+def unpack(frame: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    """Parse a control header and check its op; raises ProtocolError."""
+    try:
+        msg = decode_header(frame, max_bytes=MAX_CONTROL_BYTES)
+    except CodecError as exc:
+        raise ProtocolError(f"bad control message: {exc}") from None
+    if msg.get("pv") != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported relay protocol version {msg.get('pv')!r}")
+    op = msg.get("op")
+    if op not in allowed:
+        raise ProtocolError(f"unexpected relay op {op!r}")
+    return msg
+
+
+def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """Fetch a typed field; bools are not ints here."""
+    value = msg.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ProtocolError(f"relay {msg.get('op')}: field {name!r} missing or not {kind}")
+    return value
+
+
+def nonneg_int(msg: dict[str, Any], name: str) -> int:
+    value: int = field(msg, name, int)
+    if value < 0:
+        raise ProtocolError(f"relay {msg.get('op')}: field {name!r} is negative")
+    return value
