@@ -83,20 +83,22 @@ class Sender:
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
         """Backend hook: e.g. attach the receiver's shared pool."""
 
-    def send(self, payload: Any, *, request_id: str, timeout: float | None = None) -> None:
+    def send(self, payload: Any, *, request_id: str, timeout: float | None = None) -> int:
         """Deliver `payload` to the receiver; returns once it holds it (large) or has it queued
-        (inline). Raises RelayTimeout when the receiver's pool stays full for `timeout` s."""
+        (inline), with the number of tensor bytes moved. Raises RelayTimeout when the
+        receiver's pool stays full for `timeout` s."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         frames = codec.encode(payload)
-        inline = sum(memoryview(f).nbytes for f in frames[1:]) <= self.inline_max
+        nbytes = sum(memoryview(f).nbytes for f in frames[1:])
         with self._lock:
             self._check_open()
             try:
-                if inline:
+                if nbytes <= self.inline_max:
                     self._sock.send_multipart([proto.pack("inline", rid=request_id), *frames])
-                    return
+                    return nbytes
                 manifest, tensors = Manifest.plan(payload)
                 self._send_staged(request_id, manifest, tensors, deadline)
+                return nbytes
             except zmq.Again:
                 raise RelayTimeout(
                     f"receiver at {self.endpoint} is not draining; request {request_id} not sent"

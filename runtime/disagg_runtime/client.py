@@ -1,0 +1,268 @@
+"""Submit payloads to a pipeline's entry roles; get results or chunk streams back.
+
+The client owns a small receive pool and an `Ingress`: exit roles send results (and any
+role sends errors) straight to it, named in every request's envelope. Results are copied
+out of the pool before the slot is released, so they stay valid for the caller.
+
+    client = Client(entries=[Peer("encoder", ("127.0.0.1:7400",))], exits=["decoder"])
+    video = client.submit({"prompt": tokens}, timeout=30)
+    for frame in client.stream(payload): ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from disagg_runtime import envelope as env
+from disagg_runtime.contract import Peer
+from disagg_runtime.envelope import Meta, Reply
+from disagg_runtime.peers import PeerSet, RelayCache, Resolver, resolve_dns
+from disagg_runtime.pool import Pool, shm_name
+from disagg_runtime.relay import Ingress, RelayError
+
+_END = object()
+
+
+class RequestFailed(RuntimeError):
+    """A role failed the request; `role` and `error` say where and why."""
+
+    def __init__(self, message: str, *, role: str = "", error: dict[str, str] | None = None):
+        super().__init__(message)
+        self.role = role
+        self.error = error or {}
+
+
+class RequestTimeout(RequestFailed, TimeoutError):
+    """No complete result before the request's deadline; the request was aborted."""
+
+
+def detach(value: Any) -> Any:
+    """Deep-copy tensors out of pool memory (containers rebuilt, scalars kept)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: detach(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [detach(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(detach(v) for v in value)
+    return value
+
+
+@dataclass
+class _Pending:
+    exits: frozenset[str]
+    deadline: float
+    future: Future[Any] = field(default_factory=Future)
+    chunks: queue.Queue[Any] = field(default_factory=queue.Queue)
+    results: dict[str, Any] = field(default_factory=dict)
+    streamed: dict[str, list[Any]] = field(default_factory=dict)
+    next_seq: dict[str, int] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)
+
+
+class Client:
+    def __init__(
+        self,
+        entries: Sequence[Peer],
+        exits: Sequence[str],
+        *,
+        pipeline: str = "pipeline",
+        entry_relay: str = "tcp",
+        reply_relay: str = "tcp",
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        pool_size: int = 256 << 20,
+        timeout: float = 30.0,
+        resolver: Resolver = resolve_dns,
+    ) -> None:
+        self.exits = frozenset(exits)
+        self.timeout = timeout
+        self.reply_relay = reply_relay
+        if reply_relay == "shm":
+            self.pool = Pool.create(pool_size, device="shm", name=shm_name(pipeline, "client"))
+        else:
+            self.pool = Pool.create(pool_size, device="cpu")
+        self.ingress = Ingress(f"tcp://{bind_host}:0", self.pool, lease_s=timeout)
+        port = self.ingress.endpoint.rsplit(":", 1)[1]
+        self.reply = Reply(f"tcp://{advertise_host or bind_host}:{port}", reply_relay)
+        self.entries = [PeerSet(p, entry_relay, resolver=resolver) for p in entries]
+        self.relays = RelayCache(timeout=timeout)
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._receive, name="disagg-client", daemon=True)
+        self._thread.start()
+
+    # ---- API -----------------------------------------------------------------------------------
+    def submit_async(self, payload: Any, *, timeout: float | None = None) -> Future[Any]:
+        """Start a request; the future holds the exit role's payload (a dict by exit role when
+        there are several; the list of chunks when the pipeline streams)."""
+        rid, pending = self._start(payload, timeout)
+        return pending.future
+
+    def submit(self, payload: Any, *, timeout: float | None = None) -> Any:
+        future = self.submit_async(payload, timeout=timeout)
+        return future.result()
+
+    def stream(self, payload: Any, *, timeout: float | None = None) -> Iterator[Any]:
+        """Chunks of a streaming pipeline, in order, as they arrive."""
+        rid, pending = self._start(payload, timeout)
+        while True:
+            remaining = pending.deadline - time.monotonic()
+            try:
+                item = pending.chunks.get(timeout=max(0.0, remaining) + 0.5)
+            except queue.Empty:
+                self._finish(rid, exc=self._timeout_error(rid))
+                item = None
+            if item is _END:
+                pending.future.result()  # raise the failure, if the stream ended by one
+                return
+            if item is not None:
+                yield item
+
+    def cancel(self, rid: str, reason: str = "cancelled by the client") -> None:
+        self._finish(rid, exc=RequestFailed(f"request {rid} {reason}"))
+
+    def fail_all(self, message: str, *, role: str = "") -> int:
+        """Fail every request in flight (e.g. a role process died)."""
+        with self._lock:
+            rids = list(self._pending)
+        for rid in rids:
+            self._finish(rid, exc=RequestFailed(f"request {rid} failed: {message}", role=role))
+        return len(rids)
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self.fail_all("client closed")
+        self._closed.set()
+        self._thread.join(timeout=5)
+        self.relays.close()
+        self.ingress.close()
+        self.pool.close()
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _start(self, payload: Any, timeout: float | None) -> tuple[str, _Pending]:
+        if self._closed.is_set():
+            raise RequestFailed("client is closed")
+        seconds = self.timeout if timeout is None else timeout
+        rid = uuid.uuid4().hex
+        pending = _Pending(self.exits, time.monotonic() + seconds)
+        with self._lock:
+            self._pending[rid] = pending
+        meta = Meta(rid, "data", "client", time.time() + seconds, self.reply)
+        try:
+            for peers in self.entries:
+                self._send(peers, meta, payload)
+        except (RelayError, OSError) as exc:
+            self._finish(rid, exc=RequestFailed(f"request {rid} could not be submitted: {exc}"))
+        return rid, pending
+
+    def _send(self, peers: PeerSet, meta: Meta, payload: Any) -> None:
+        endpoint = peers.endpoint_for(meta.rid)
+        relay = self.relays.get(peers.kind, endpoint)
+        try:
+            relay.send(env.wrap(meta, payload), request_id=meta.rid, timeout=self.timeout)
+        except RelayError:
+            self.relays.drop(peers.kind, endpoint)
+            raise
+
+    def _abort(self, rid: str) -> None:
+        meta = Meta(rid, "abort", "client", time.time() + 5, self.reply)
+        for peers in self.entries:
+            # an entry role that is gone holds nothing of the request any more
+            with contextlib.suppress(RelayError, OSError):
+                self._send(peers, meta, None)
+
+    def _timeout_error(self, rid: str) -> RequestTimeout:
+        return RequestTimeout(f"request {rid} timed out after {self.timeout} s")
+
+    def _finish(self, rid: str, *, result: Any = None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            pending = self._pending.pop(rid, None)
+        if pending is None:
+            return
+        if exc is not None:
+            self._abort(rid)  # let every role drop what it holds of the request
+            pending.future.set_exception(exc)
+        else:
+            pending.future.set_result(result)
+        pending.chunks.put(_END)
+
+    def _receive(self) -> None:
+        while not self._closed.is_set():
+            self._expire()
+            try:
+                msg = self.ingress.recv(timeout=0.1)
+            except TimeoutError:
+                continue
+            try:
+                meta, payload = env.unwrap(msg.payload)
+                payload = detach(payload)
+            except env.EnvelopeError:
+                continue
+            finally:
+                msg.release()
+            self._on_message(meta, payload)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [rid for rid, p in self._pending.items() if p.deadline < now]
+        for rid in late:
+            self._finish(rid, exc=self._timeout_error(rid))
+
+    def _on_message(self, meta: Meta, payload: Any) -> None:
+        with self._lock:
+            pending = self._pending.get(meta.rid)
+        if pending is None:
+            return  # finished already (timed out, failed, cancelled)
+        if meta.kind == "error":
+            error = dict(meta.error)
+            where = f"role {error.get('role', meta.source)} (replica {error.get('replica', '?')})"
+            message = f"request {meta.rid} failed at {where}: {error.get('message', '')}"
+            self._finish(meta.rid, exc=RequestFailed(message, role=meta.source, error=error))
+        elif meta.kind == "data":
+            pending.results[meta.source] = payload
+        elif meta.kind == "chunk":
+            expected = pending.next_seq.get(meta.source, 0)
+            if meta.seq != expected:
+                self._finish(
+                    meta.rid,
+                    exc=RequestFailed(
+                        f"stream from {meta.source}: chunk {meta.seq}, expected {expected}"
+                    ),
+                )
+                return
+            pending.next_seq[meta.source] = expected + 1
+            pending.streamed.setdefault(meta.source, []).append(payload)
+            pending.chunks.put(payload)
+        elif meta.kind == "end":
+            got = pending.next_seq.get(meta.source, 0)
+            if meta.count != got:
+                self._finish(
+                    meta.rid,
+                    exc=RequestFailed(f"stream from {meta.source}: {got} of {meta.count} chunks"),
+                )
+                return
+            pending.ended.add(meta.source)
+        if set(pending.results) | pending.ended >= pending.exits:
+            outputs: dict[str, Any] = {**pending.streamed, **pending.results}
+            result = outputs if len(self.exits) > 1 else next(iter(outputs.values()), None)
+            self._finish(meta.rid, result=result)

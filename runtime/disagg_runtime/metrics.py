@@ -1,0 +1,423 @@
+"""Prometheus metrics and health endpoints of one role process (torch-free).
+
+Every role process exports the series below on ``GET /metrics`` of its metrics port
+(``HealthServer``). This table is part of the operator <-> runtime contract: the operator's
+autoscaler scrapes ``disagg_pool_occupancy`` and ``disagg_queue_depth``, the local launcher
+reads the request and edge counters for its summary. Rename nothing without changing both.
+
+Every series carries the constant labels ``pipeline``, ``role`` and ``replica`` (the replica
+index as a decimal string); the table lists only the labels beyond those.
+
+==================================  =========  =====================  ==========================
+name                                type       extra labels           meaning
+==================================  =========  =====================  ==========================
+``disagg_pool_bytes_used``          gauge      -                      receive-pool bytes in use
+``disagg_pool_bytes_total``         gauge      -                      receive-pool capacity
+``disagg_pool_occupancy``           gauge      -                      used / total, 0..1 (0 when
+                                                                      total is 0): scaling signal
+``disagg_pool_free_slots``          gauge      -                      typical requests that still
+                                                                      fit the receive pool now
+``disagg_inflight_requests``        gauge      -                      requests being handled
+``disagg_queue_depth``              gauge      -                      received, waiting for a
+                                                                      worker: scaling signal
+``disagg_requests_total``           counter    ``outcome``            finished requests;
+                                                                      outcome is done|failed
+``disagg_request_failures_total``   counter    ``reason``             failed requests by reason:
+                                                                      handler|timeout|aborted|
+                                                                      transport|other
+``disagg_request_seconds``          histogram  -                      receive-to-done latency of
+                                                                      requests that completed
+``disagg_handler_seconds``          histogram  -                      time inside the user handler
+``disagg_edge_bytes_total``         counter    ``edge``,              payload bytes per edge;
+                                               ``direction``          direction is in|out
+``disagg_edge_seconds``             histogram  ``edge``               send time per edge
+                                                                      (buckets 100 us .. 10 s)
+==================================  =========  =====================  ==========================
+
+Histograms expose ``_bucket{le=...}``, ``_sum`` and ``_count`` as usual. The client
+library's ``*_created`` timestamp series are not exported (they would reach Prometheus as
+extra gauges). ``disagg_requests_total`` has both outcomes and
+``disagg_request_failures_total`` every reason from the start (value 0), so rates exist
+before the first request. ``edge`` is the edge name from the spec (bounded by the spec,
+so the label's cardinality is too).
+
+The six gauges are not stored: a custom collector calls the role's ``sample()`` at scrape time,
+so a scrape never sees a stale value. If ``sample()`` raises, the scrape still succeeds without
+those gauges (the error is logged once per run of failures).
+
+Each :class:`RoleMetrics` has its own ``CollectorRegistry`` (never the global one), so several
+roles can live in one process (tests, the local launcher).
+
+``/healthz`` answers 200 while ``live()`` is true, ``/readyz`` 200 while ``ready()`` is true,
+503 otherwise (also when the callable raises); every other path is 404.
+
+:func:`scrape` turns an exposition text back into ``{key: value}`` with keys like
+``disagg_pool_occupancy`` or ``disagg_requests_total{outcome="done"}`` (labels other than the
+constant three, sorted by name); :func:`fetch` is the tiny HTTP GET the launcher and the
+autoscaler use to get that text.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
+
+CONST_LABELS: Final = ("pipeline", "role", "replica")
+OUTCOMES: Final = ("done", "failed")
+FAILURE_REASONS: Final = ("handler", "timeout", "aborted", "transport", "other")
+DIRECTIONS: Final = ("in", "out")
+
+# 100 us .. 10 s, roughly 1-2.5-5 per decade: a 64 MiB hop over shm is a few ms, over tcp tens.
+EDGE_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# Requests and handlers: 1 ms .. 2 min (a video denoise step may take tens of seconds).
+LATENCY_BUCKETS: Final = (
+    0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0,
+    10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RoleSample:
+    """The live state of a role, read at scrape time."""
+
+    pool_used_bytes: int
+    pool_total_bytes: int
+    pool_free_slots: int  # how many more typical requests fit the receive pool now
+    inflight: int  # requests being handled
+    queue_depth: int  # received, waiting for a worker
+
+
+def occupancy(used: int, total: int) -> float:
+    """``used / total`` clamped to 0..1; 0 for an empty (or absent) pool."""
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, used / total))
+
+
+class _SampleCollector:
+    """Yields the six gauges from one call of ``sample()`` per scrape."""
+
+    _GAUGES: Final = (
+        ("disagg_pool_bytes_used", "Receive-pool bytes in use."),
+        ("disagg_pool_bytes_total", "Receive-pool capacity in bytes."),
+        ("disagg_pool_occupancy", "Receive-pool occupancy, used/total, 0..1."),
+        ("disagg_pool_free_slots", "Typical requests that still fit the receive pool."),
+        ("disagg_inflight_requests", "Requests being handled."),
+        ("disagg_queue_depth", "Requests received and waiting for a worker."),
+    )
+
+    def __init__(self, label_values: list[str], sample: Callable[[], RoleSample]) -> None:
+        self._label_values = label_values
+        self._sample = sample
+        self._failing = False
+
+    def describe(self) -> Iterable[Metric]:
+        # Declares the names (duplicate checks) without calling sample() at registration.
+        return [GaugeMetricFamily(name, doc, labels=CONST_LABELS) for name, doc in self._GAUGES]
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            s = self._sample()
+            values = (
+                float(s.pool_used_bytes),
+                float(s.pool_total_bytes),
+                occupancy(s.pool_used_bytes, s.pool_total_bytes),
+                float(s.pool_free_slots),
+                float(s.inflight),
+                float(s.queue_depth),
+            )
+        except Exception:
+            if not self._failing:
+                self._failing = True
+                logger.exception("metrics sample() failed; scraping without the role gauges")
+            return
+        if self._failing:
+            self._failing = False
+            logger.info("metrics sample() recovered")
+        for (name, doc), value in zip(self._GAUGES, values, strict=True):
+            family = GaugeMetricFamily(name, doc, labels=CONST_LABELS)
+            family.add_metric(self._label_values, value)
+            yield family
+
+
+class RoleMetrics:
+    """Counters and histograms of one role, plus gauges read from ``sample()`` at scrape.
+
+    All methods are thread-safe (``prometheus_client`` metrics lock internally).
+    """
+
+    def __init__(
+        self, *, pipeline: str, role: str, replica: int, sample: Callable[[], RoleSample]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self._const = [pipeline, role, str(replica)]
+        self.registry.register(_SampleCollector(self._const, sample))
+        reg = self.registry
+        self._requests = Counter(
+            "disagg_requests",
+            "Finished requests by outcome.",
+            [*CONST_LABELS, "outcome"],
+            registry=reg,
+        )
+        self._failures = Counter(
+            "disagg_request_failures",
+            "Failed requests by reason.",
+            [*CONST_LABELS, "reason"],
+            registry=reg,
+        )
+        self._request_seconds = Histogram(
+            "disagg_request_seconds",
+            "Latency of completed requests in this role, seconds.",
+            CONST_LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._handler_seconds = Histogram(
+            "disagg_handler_seconds",
+            "Time inside the user handler, seconds.",
+            CONST_LABELS,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self._edge_bytes = Counter(
+            "disagg_edge_bytes",
+            "Payload bytes per edge and direction.",
+            [*CONST_LABELS, "edge", "direction"],
+            registry=reg,
+        )
+        self._edge_seconds = Histogram(
+            "disagg_edge_seconds",
+            "Send time per edge, seconds.",
+            [*CONST_LABELS, "edge"],
+            buckets=EDGE_BUCKETS,
+            registry=reg,
+        )
+        for outcome in OUTCOMES:  # present from the first scrape, so rate() works at once
+            self._requests.labels(*self._const, outcome)
+        for reason in FAILURE_REASONS:
+            self._failures.labels(*self._const, reason)
+        self._request_seconds.labels(*self._const)
+        self._handler_seconds.labels(*self._const)
+
+    def request_done(self, seconds: float) -> None:
+        self._requests.labels(*self._const, "done").inc()
+        self._request_seconds.labels(*self._const).observe(seconds)
+
+    def request_failed(self, reason: str) -> None:
+        """Count a failed request; a reason outside :data:`FAILURE_REASONS` counts as other."""
+        self._requests.labels(*self._const, "failed").inc()
+        label = reason if reason in FAILURE_REASONS else "other"
+        self._failures.labels(*self._const, label).inc()
+
+    def edge_sent(self, edge: str, nbytes: int, seconds: float) -> None:
+        """Count ``nbytes`` sent on ``edge``; negative sizes raise ``ValueError`` (a bug)."""
+        self._edge_bytes.labels(*self._const, edge, "out").inc(nbytes)
+        self._edge_seconds.labels(*self._const, edge).observe(seconds)
+
+    def edge_received(self, edge: str, nbytes: int) -> None:
+        self._edge_bytes.labels(*self._const, edge, "in").inc(nbytes)
+
+    def handler_seconds(self, seconds: float) -> None:
+        self._handler_seconds.labels(*self._const).observe(seconds)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format, without ``*_created``."""
+        data: bytes = generate_latest(_WithoutCreated(self.registry))
+        return data
+
+
+class _WithoutCreated:
+    """A view of a registry that drops the ``*_created`` samples (per-registry, unlike
+    ``prometheus_client.disable_created_metrics()``, which is process-wide)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():  # fresh Metric objects on every collect
+            created = metric.name + "_created"
+            metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    metrics: RoleMetrics
+    live: Callable[[], bool]
+    ready: Callable[[], bool]
+
+
+_TEXT: Final = "text/plain; charset=utf-8"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    timeout = 10  # a stuck client must not pin a thread forever
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            try:
+                body = self.server.metrics.render()
+            except Exception as exc:  # never expected; answer instead of dropping the socket
+                logger.exception("rendering metrics failed")
+                self._reply(500, f"render failed: {exc}\n".encode())
+                return
+            self._reply(200, body, CONTENT_TYPE_LATEST)
+        elif path == "/healthz":
+            self._probe(self.server.live, b"live\n", b"not live\n")
+        elif path == "/readyz":
+            self._probe(self.server.ready, b"ready\n", b"not ready\n")
+        else:
+            self._reply(404, b"not found\n")
+
+    def _probe(self, check: Callable[[], bool], ok: bytes, bad: bytes) -> None:
+        try:
+            good = bool(check())
+        except Exception as exc:
+            self._reply(503, bad.rstrip(b"\n") + f": {exc}\n".encode())
+            return
+        self._reply(200 if good else 503, ok if good else bad)
+
+    def _reply(self, status: int, body: bytes, content_type: str = _TEXT) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # probes every few seconds would flood stderr
+
+
+class HealthServer:
+    """HTTP on host:port serving /metrics, /healthz (200 while live() is true, else 503),
+    /readyz (200 while ready() is true, else 503); other paths 404.
+
+    ThreadingHTTPServer in a daemon thread; no request logging to stderr. The socket is bound
+    in :meth:`start`; ``port=0`` picks a free port, readable from :attr:`port` afterwards.
+    """
+
+    def __init__(
+        self,
+        metrics: RoleMetrics,
+        *,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        live: Callable[[], bool],
+        ready: Callable[[], bool],
+    ) -> None:
+        self.metrics = metrics
+        self.host = host
+        self.port = port
+        self._live = live
+        self._ready = ready
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        with self._lock:
+            if self._closed or self._server is not None:
+                raise RuntimeError("HealthServer.start() called twice or after close()")
+            server = _Server((self.host, self.port), _Handler)
+            server.metrics = self.metrics
+            server.live = self._live
+            server.ready = self._ready
+            self.port = int(server.server_address[1])
+            self._server = server
+            self._thread = threading.Thread(
+                target=server.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                name=f"disagg-health:{self.port}",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and release the port; idempotent, also before :meth:`start`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            server, thread = self._server, self._thread
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def __enter__(self) -> HealthServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- clients ---------------------------------------------------------------------------------
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def scrape(text: str) -> dict[str, float]:
+    """Parse an exposition text into ``{key: value}``.
+
+    The key is the sample name plus its labels other than pipeline/role/replica, sorted by
+    name, in Prometheus form: ``disagg_pool_occupancy``,
+    ``disagg_requests_total{outcome="done"}``, ``disagg_edge_seconds_bucket{edge="a",le="0.001"}``.
+    If the text holds several series with the same key
+    (several roles in one text), the last one wins. Malformed text raises ``ValueError``.
+    """
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            extra = sorted((k, v) for k, v in sample.labels.items() if k not in CONST_LABELS)
+            key = sample.name
+            if extra:
+                key += "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in extra) + "}"
+            out[key] = float(sample.value)
+    return out
+
+
+def fetch(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """GET ``url`` and return ``(status, body)``, for 4xx/5xx answers as well.
+
+    Raises ``OSError`` (``URLError``, ``TimeoutError``, ``ConnectionError``) when no HTTP answer
+    comes back.
+    """
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as err:
+        with err:
+            return int(err.code), err.read().decode("utf-8", "replace")

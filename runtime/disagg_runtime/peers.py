@@ -1,0 +1,115 @@
+"""Outgoing connections of a role: downstream roles (by DNS or explicit addresses) and
+clients' reply endpoints.
+
+Replicas come and go: a downstream role's addresses are re-resolved (a headless Service
+name returns one A record per ready pod) at most every `RESOLVE_EVERY` seconds, so scaling
+never restarts peers. A request is pinned to one replica of each downstream role by a
+hash of its id, so every message of a request (stream chunks, tensor references, aborts)
+meets at the same replica, in order.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from disagg_runtime.contract import Peer
+from disagg_runtime.relay import Relay, RelayError, connect
+
+log = logging.getLogger(__name__)
+RESOLVE_EVERY = 5.0
+Resolver = Callable[[str, int], list[str]]
+
+
+def resolve_dns(host: str, port: int) -> list[str]:
+    """Every address of `host`, as ZMQ tcp endpoints (sorted, so all roles agree)."""
+    try:
+        ipaddress.ip_address(host)
+        return [f"tcp://{host}:{port}"]
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addrs = sorted({str(info[4][0]) for info in infos})
+    return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addrs]
+
+
+def pick(endpoints: list[str], rid: str) -> str:
+    """The replica a request is pinned to."""
+    return endpoints[zlib.crc32(rid.encode()) % len(endpoints)]
+
+
+class RelayCache:
+    """One relay per (kind, endpoint), opened on first use, shared by all workers."""
+
+    def __init__(self, *, timeout: float, context: Any = None) -> None:
+        self._timeout = timeout
+        self._context = context
+        self._relays: dict[tuple[str, str], Relay] = {}
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, endpoint: str) -> Relay:
+        key = (kind, endpoint)
+        with self._lock:
+            relay = self._relays.get(key)
+        if relay is not None:
+            return relay
+        relay = connect(kind, endpoint, timeout=self._timeout, context=self._context)
+        with self._lock:
+            existing = self._relays.setdefault(key, relay)
+        if existing is not relay:
+            relay.close()
+        return existing
+
+    def drop(self, kind: str, endpoint: str) -> None:
+        """Forget a relay that failed, so the next send reconnects."""
+        with self._lock:
+            relay = self._relays.pop((kind, endpoint), None)
+        if relay is not None:
+            relay.close()
+
+    def close(self) -> None:
+        with self._lock:
+            relays, self._relays = list(self._relays.values()), {}
+        for relay in relays:
+            relay.close()
+
+
+class PeerSet:
+    """The replicas of one downstream role and the relay kind used to reach them."""
+
+    def __init__(self, peer: Peer, kind: str, *, resolver: Resolver = resolve_dns) -> None:
+        self.peer = peer
+        self.kind = kind
+        self._resolver = resolver
+        self._endpoints: list[str] = []
+        self._resolved_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def endpoints(self, *, refresh: bool = False) -> list[str]:
+        with self._lock:
+            if refresh or time.monotonic() - self._resolved_at > RESOLVE_EVERY:
+                found: list[str] = []
+                for address in self.peer.addresses:
+                    host, _, port = address.rpartition(":")
+                    try:
+                        found.extend(self._resolver(host.strip("[]"), int(port)))
+                    except OSError as exc:
+                        log.debug("cannot resolve %s for %s: %s", address, self.peer.role, exc)
+                if found or not self._endpoints:
+                    self._endpoints = sorted(set(found))
+                self._resolved_at = time.monotonic()
+            return list(self._endpoints)
+
+    def endpoint_for(self, rid: str) -> str:
+        endpoints = self.endpoints()
+        if not endpoints:
+            endpoints = self.endpoints(refresh=True)
+        if not endpoints:
+            raise RelayError(f"no replica of role {self.peer.role!r} is reachable")
+        return pick(endpoints, rid)

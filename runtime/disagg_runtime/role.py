@@ -1,0 +1,453 @@
+"""One role process (`disagg role`): receive -> handler -> send on, with bounded concurrency.
+
+    upstream roles ──relay──> Ingress (receive pool) ──dispatcher──> per-request work queues
+                                                                         │  N workers
+    client reply <── exit role output ──  handler(payload) ──> downstream roles / ref targets
+
+- Messages of one request are handled one at a time, in arrival order (stream chunks stay
+  ordered); different requests run concurrently on `concurrency` workers. What waits for a
+  worker keeps its pool slot: that is the occupancy the autoscaler reads.
+- Fan-in roles and consumers of tensor references join a request's inputs first; a join
+  that is not complete by the request's deadline fails the request and frees its slots.
+- A handler that raises fails only its request: the client gets the role, replica and
+  exception, and downstream roles get an `abort` so their joins let go at once.
+- SIGTERM: readiness drops, in-flight work drains for the grace period, then every slot,
+  socket and the shared-memory pool is released.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import inspect
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg_runtime import envelope as env
+from disagg_runtime.contract import RoleConfig
+from disagg_runtime.envelope import Meta
+from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
+from disagg_runtime.peers import PeerSet, RelayCache, Resolver, resolve_dns
+from disagg_runtime.pool import Pool, shm_name
+from disagg_runtime.relay import Ingress, Message, RelayError
+
+log = logging.getLogger(__name__)
+Handler = Callable[[Any], Any]
+ABORT_MEMORY_S = 120.0
+
+
+class HandlerError(ValueError):
+    """The handler string does not name a callable."""
+
+
+def load_handler(spec: str) -> Handler:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HandlerError(f"handler {spec!r}: cannot import {module_name!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise HandlerError(f"handler {spec!r}: {module_name} has no callable {attr!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
+    """`auto` is shm where peers share /dev/shm (same pod, or `disagg up`), else tcp.
+    cuda-ipc is not available yet: it falls back to shm, with the reason logged."""
+    if requested == "cuda-ipc":
+        log.warning("edge %s->%s: cuda-ipc is not available; using shm", config.role, role)
+        return "shm"
+    if requested != "auto":
+        return requested
+    return "shm" if config.node_local or role in config.same_gpu_peers else "tcp"
+
+
+@dataclass
+class _Join:
+    """Inputs of one request gathered before the handler runs (fan-in, tensor refs)."""
+
+    meta: Meta
+    inputs: dict[str, Any] = field(default_factory=dict)
+    refs: dict[str, Any] = field(default_factory=dict)
+    messages: list[Message] = field(default_factory=list)
+
+
+class Role:
+    """A running role. `start()` binds and serves; `stop()` drains and releases."""
+
+    def __init__(
+        self,
+        config: RoleConfig,
+        *,
+        handler: Handler | None = None,
+        resolver: Resolver = resolve_dns,
+        grace_s: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.name = config.role
+        self.me = config.me
+        self.handler = handler or load_handler(config.handler)
+        self.grace_s = grace_s
+        device = "shm" if config.pool.device == "cpu" else config.pool.device
+        self.pool = Pool.create(
+            config.pool.size,
+            device=device,
+            min_block=config.pool.min_block,
+            name=shm_name(config.pipeline, f"{config.role}-{config.replica}"),
+        )
+        try:
+            self.ingress = Ingress(
+                f"tcp://{config.bind_host}:{config.ingress_port}",
+                self.pool,
+                lease_s=config.request_timeout,
+            )
+        except BaseException:
+            self.pool.close()
+            raise
+        self.relays = RelayCache(timeout=config.request_timeout)
+        self.peers = {
+            p.role: PeerSet(p, relay_kind(config, p.role, p.relay), resolver=resolver)
+            for p in config.downstream
+        }
+        self.metrics = RoleMetrics(
+            pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
+        )
+        self.health = HealthServer(
+            self.metrics,
+            host=config.bind_host,
+            port=config.metrics_port,
+            live=self._live,
+            ready=lambda: self._started and not self._draining.is_set(),
+        )
+        self._cond = threading.Condition()
+        self._work: dict[str, collections.deque[tuple[Meta, Any, Message]]] = {}
+        self._runnable: collections.deque[str] = collections.deque()
+        self._active: set[str] = set()
+        self._joins: dict[str, _Join] = {}
+        self._seq: dict[str, int] = collections.defaultdict(int)
+        self._aborted: dict[str, float] = {}
+        self._typical = config.pool.min_block
+        self._started = False
+        self._stopping = threading.Event()
+        self._draining = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.health.start()
+        for name, target in [("dispatch", self._dispatch)] + [
+            (f"worker-{i}", self._worker) for i in range(self.config.concurrency)
+        ]:
+            thread = threading.Thread(target=target, name=f"disagg-{self.name}-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self._started = True
+        log.info("role %s/%d serving on %s", self.name, self.config.replica, self.ingress.endpoint)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not (self._work or self._active or self._joins)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain (stop being ready, finish what is here) up to `grace_s`, then release all."""
+        self._draining.set()
+        deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
+        while time.monotonic() < deadline and not self.idle():
+            time.sleep(0.05)
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        with self._cond:
+            leftovers = [m for q in self._work.values() for _, _, m in q]
+            leftovers += [m for j in self._joins.values() for m in j.messages]
+            self._work.clear()
+            self._joins.clear()
+        for msg in leftovers:
+            msg.release()
+        self.relays.close()
+        self.health.close()
+        self.ingress.close()
+        self.pool.close()
+
+    def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, then drain and exit (what a pod runs)."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        while not stop.wait(0.5):
+            pass
+        log.info("role %s/%d draining", self.name, self.config.replica)
+        self.stop()
+
+    def _live(self) -> bool:
+        return all(t.is_alive() for t in self._threads) or self._stopping.is_set()
+
+    def _sample(self) -> RoleSample:
+        stats = self.pool.stats()
+        with self._cond:
+            queued = sum(len(q) for q in self._work.values())
+            inflight = len(self._active)
+        return RoleSample(
+            pool_used_bytes=stats.used,
+            pool_total_bytes=stats.total,
+            pool_free_slots=self.pool.allocator.free_slots(self._typical),
+            inflight=inflight,
+            queue_depth=queued + self.ingress.stats().queued,
+        )
+
+    # ---- receiving ---------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while not self._stopping.is_set():
+            self._expire_joins()
+            try:
+                msg = self.ingress.recv(timeout=0.1)
+            except TimeoutError:
+                continue
+            self._accept(msg)
+
+    def _accept(self, msg: Message) -> None:
+        try:
+            meta, payload = env.unwrap(msg.payload)
+        except env.EnvelopeError as exc:
+            log.warning("role %s dropped a malformed message: %s", self.name, exc)
+            msg.release()
+            return
+        if msg.slot is not None:
+            self._typical = max(self.config.pool.min_block, msg.nbytes)
+        self.metrics.edge_received(f"{meta.source}->{self.name}", msg.nbytes)
+        if meta.kind == "abort":
+            msg.release()
+            self._abort(meta)
+            return
+        if meta.rid in self._aborted:
+            msg.release()
+            return
+        with self._cond:
+            queue = self._work.setdefault(meta.rid, collections.deque())
+            queue.append((meta, payload, msg))
+            if meta.rid not in self._active and meta.rid not in self._runnable:
+                self._runnable.append(meta.rid)
+                self._cond.notify()
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while not self._runnable and not self._stopping.is_set():
+                    self._cond.wait(0.5)
+                if self._stopping.is_set():
+                    return
+                rid = self._runnable.popleft()
+                self._active.add(rid)
+                meta, payload, msg = self._work[rid].popleft()
+            try:
+                self._handle(meta, payload, msg)
+            except Exception:  # a bug here must not kill the worker
+                log.exception("role %s: unexpected error on request %s", self.name, rid)
+                msg.release()
+            finally:
+                with self._cond:
+                    self._active.discard(rid)
+                    if self._work.get(rid):
+                        self._runnable.append(rid)
+                        self._cond.notify()
+                    else:
+                        self._work.pop(rid, None)
+
+    # ---- handling ----------------------------------------------------------------------------
+    def _handle(self, meta: Meta, payload: Any, msg: Message) -> None:
+        if meta.rid in self._aborted:
+            msg.release()
+            return
+        if meta.expired:
+            msg.release()
+            self._fail(meta, "timeout", f"request timed out before role {self.name} handled it")
+            return
+        if meta.kind == "end":
+            msg.release()
+            self._emit(meta, "end", None)
+            return
+        joins = len(self.me.upstream) > 1 or bool(self.me.refs_in)
+        if meta.kind == "chunk":
+            if joins:
+                msg.release()
+                self._fail(meta, "other", f"role {self.name} joins inputs and cannot take a stream")
+                return
+            self._run(meta, payload, [msg], streaming_input=True)
+            return
+        if meta.kind in ("data", "ref") and joins:
+            self._join(meta, payload, msg)
+            return
+        if meta.kind == "data":
+            self._run(meta, payload, [msg])
+            return
+        msg.release()
+        log.warning("role %s: unexpected %s message for %s", self.name, meta.kind, meta.rid)
+
+    def _join(self, meta: Meta, payload: Any, msg: Message) -> None:
+        with self._cond:
+            join = self._joins.setdefault(meta.rid, _Join(meta=meta))
+            join.messages.append(msg)
+            if meta.kind == "ref":
+                join.refs[meta.path] = payload
+            else:
+                join.inputs[meta.source] = payload
+                join.meta = meta
+            complete = set(join.inputs) >= set(self.me.upstream) and set(join.refs) >= {
+                r.path for r in self.me.refs_in
+            }
+            if complete:
+                del self._joins[meta.rid]
+        if not complete:
+            return
+        data: Any = join.inputs if len(self.me.upstream) > 1 else join.inputs[self.me.upstream[0]]
+        for path, value in join.refs.items():
+            data = env.insert(data, path, value)
+        self._run(join.meta.with_(kind="data"), data, join.messages)
+
+    def _run(
+        self, meta: Meta, data: Any, messages: list[Message], *, streaming_input: bool = False
+    ) -> None:
+        started = time.monotonic()
+        try:
+            result = self.handler(data)
+            if inspect.isgenerator(result):
+                for chunk in result:
+                    self._emit(meta, "chunk", chunk)
+                self._emit(meta, "end", None)
+            else:
+                self._emit(meta, "chunk" if streaming_input else "data", result)
+        except RelayError as exc:
+            self._fail(meta, "transport", f"role {self.name} could not send on: {exc}")
+        except Exception as exc:
+            self._fail(meta, "handler", f"{type(exc).__name__}: {exc}", exc_type=type(exc).__name__)
+        else:
+            self.metrics.handler_seconds(time.monotonic() - started)
+            self.metrics.request_done(time.monotonic() - started)
+        finally:
+            for msg in messages:
+                msg.release()
+
+    def _emit(self, meta: Meta, kind: str, payload: Any) -> None:
+        """Send an output on: to the client from an exit role, else to every downstream role
+        (tensor references split off first and sent straight to their consumer)."""
+        if meta.rid in self._aborted:
+            return
+        if meta.expired:
+            raise RelayError(f"request deadline passed at role {self.name}")
+        if kind == "chunk":
+            out = meta.with_(kind="chunk", source=self.name, seq=self._seq[meta.rid])
+            self._seq[meta.rid] += 1
+        elif kind == "end":
+            out = meta.with_(kind="end", source=self.name, count=self._seq.pop(meta.rid, 0))
+        else:
+            out = meta.with_(kind="data", source=self.name)
+        if self.me.exit:
+            self._send_reply(out, payload)
+            return
+        if kind == "data":
+            for ref in self.me.refs_out:
+                payload, value = env.extract(payload, ref.path)
+                self._send_to(ref.target, out.with_(kind="ref", path=ref.path), value)
+        for target in self.me.downstream:
+            self._send_to(target, out, payload)
+
+    def _send_to(self, target: str, meta: Meta, payload: Any) -> None:
+        peers = self.peers[target]
+        endpoint = peers.endpoint_for(meta.rid)
+        relay = self.relays.get(peers.kind, endpoint)
+        started = time.monotonic()
+        try:
+            nbytes = relay.send(
+                env.wrap(meta, payload), request_id=meta.rid, timeout=self._remaining(meta)
+            )
+        except RelayError:
+            self.relays.drop(peers.kind, endpoint)
+            raise
+        self.metrics.edge_sent(f"{self.name}->{target}", nbytes, time.monotonic() - started)
+
+    def _send_reply(self, meta: Meta, payload: Any) -> None:
+        relay = self.relays.get(meta.reply.relay, meta.reply.endpoint)
+        relay.send(env.wrap(meta, payload), request_id=meta.rid, timeout=self._remaining(meta))
+
+    @staticmethod
+    def _remaining(meta: Meta) -> float:
+        return max(0.05, meta.deadline - time.time())
+
+    # ---- failure -----------------------------------------------------------------------------
+    def _fail(self, meta: Meta, reason: str, message: str, *, exc_type: str = "") -> None:
+        """Tell the client, tell downstream roles to let go, count it."""
+        log.warning("role %s: request %s failed: %s", self.name, meta.rid, message)
+        self.metrics.request_failed(reason)
+        error = {
+            "role": self.name,
+            "replica": str(self.config.replica),
+            "reason": reason,
+            "type": exc_type,
+            "message": message,
+        }
+        try:
+            self._send_reply(meta.with_(kind="error", source=self.name, error=error), None)
+        except (RelayError, OSError) as exc:
+            log.warning("role %s: could not report failure of %s: %s", self.name, meta.rid, exc)
+        self._abort(meta.with_(kind="abort", source=self.name))
+
+    def _abort(self, meta: Meta) -> None:
+        """Drop everything of the request here and pass the abort on (once per request)."""
+        with self._cond:
+            if meta.rid in self._aborted:
+                return
+            self._aborted[meta.rid] = time.monotonic() + ABORT_MEMORY_S
+            queued = [m for _, _, m in self._work.pop(meta.rid, ())]
+            join = self._joins.pop(meta.rid, None)
+            if meta.rid in self._runnable:
+                self._runnable.remove(meta.rid)
+            self._seq.pop(meta.rid, None)
+        for msg in queued + (join.messages if join else []):
+            msg.release()
+        targets = set(self.me.downstream) | {r.target for r in self.me.refs_out}
+        for target in sorted(targets):
+            try:
+                self._send_to(target, meta.with_(kind="abort", source=self.name), None)
+            except (RelayError, OSError) as exc:
+                log.debug("abort of %s not passed to %s: %s", meta.rid, target, exc)
+
+    def _expire_joins(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            expired = [j for j in self._joins.values() if j.meta.expired]
+            for rid, until in list(self._aborted.items()):
+                if until < now:
+                    del self._aborted[rid]
+        for join in expired:
+            missing = sorted(set(self.me.upstream) - set(join.inputs))
+            missing += [f"ref {r.path}" for r in self.me.refs_in if r.path not in join.refs]
+            self._fail(
+                join.meta,
+                "timeout",
+                f"request timed out at role {self.name} waiting for {', '.join(missing)}",
+            )
+
+
+def main() -> int:
+    """`disagg role`: read the contract from the environment and serve."""
+    from disagg_runtime.contract import ContractError, from_environ
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = from_environ()
+        role = Role(config)
+    except (ContractError, HandlerError) as exc:
+        log.error("cannot start role: %s", exc)
+        return 2
+    role.run()
+    return 0
+

@@ -1,0 +1,168 @@
+"""DisaggregatedPipeline documents: load, validate, and hand out the frozen model.
+
+This is the one entry point for everyone who reads a pipeline: `disagg validate`, the local
+launcher, the role process and the operator (which receives the same document from the API
+server). It is pure and torch-free so that the operator and `disagg validate` start fast.
+Validation reports every problem at once, each with a field path (`spec.edges[2].to`):
+
+- `spec_fields`: typed readers that collect problems (`Problem`, `SpecError`);
+- `spec_parse`: document -> model, one object at a time (types, formats, per-object rules);
+- `spec_checks`: rules across objects (unique names, the role graph, colocation groups);
+- `spec_model`: the dataclasses and graph queries (`Pipeline.downstream`, `pool_for`, ...).
+
+A role's `replicas` may lie outside its autoscaling [minReplicas, maxReplicas]: it is the
+starting point and the autoscaler clamps it. See `spec_model` for the name-length constants.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Sequence
+from typing import Any, TextIO
+
+import yaml
+
+from disagg_runtime import spec_checks, spec_parse
+from disagg_runtime.spec_fields import ROOT, Problem, SpecError
+from disagg_runtime.spec_model import (
+    API_VERSION,
+    KIND,
+    MAX_DERIVED_NAME_LENGTH,
+    MAX_PIPELINE_NAME_LENGTH,
+    Autoscaling,
+    ColocationGroup,
+    Edge,
+    EnvVar,
+    Pipeline,
+    PoolDevice,
+    PoolOverride,
+    PoolSettings,
+    Port,
+    Relay,
+    Resources,
+    Role,
+    TensorRef,
+    Transport,
+    parse_payload_path,
+)
+
+__all__ = [
+    "API_VERSION",
+    "KIND",
+    "MAX_DERIVED_NAME_LENGTH",
+    "MAX_FILE_BYTES",
+    "MAX_PIPELINE_NAME_LENGTH",
+    "Autoscaling",
+    "ColocationGroup",
+    "Edge",
+    "EnvVar",
+    "Pipeline",
+    "PoolDevice",
+    "PoolOverride",
+    "PoolSettings",
+    "Port",
+    "Problem",
+    "Relay",
+    "Resources",
+    "Role",
+    "SpecError",
+    "TensorRef",
+    "Transport",
+    "load_pipeline_file",
+    "load_pipeline_text",
+    "parse_payload_path",
+    "parse_pipeline",
+    "validate_cli",
+]
+
+MAX_FILE_BYTES = 4 * 2**20  # far above any real pipeline; Kubernetes objects stop at ~1.5 MiB
+
+
+def parse_pipeline(doc: object) -> Pipeline:
+    """The validated pipeline of a parsed document (a dict as from YAML or the API server).
+
+    Raises SpecError listing every problem found. `status` and server-set metadata are ignored.
+    """
+    pipeline, out = spec_parse.parse_document(doc)
+    spec_checks.check(pipeline, out)
+    if out.problems:
+        raise SpecError(out.problems)
+    return pipeline
+
+
+def load_pipeline_text(text: str, source: str = "<text>") -> Pipeline:
+    """Parse and validate YAML text holding exactly one pipeline document."""
+    try:
+        docs = [doc for doc in yaml.load_all(text, Loader=_StrictLoader) if doc is not None]
+    except yaml.YAMLError as error:
+        raise SpecError([Problem("", _yaml_reason(error))], source=source) from None
+    if len(docs) != 1:
+        reason = "the file is empty" if not docs else f"the file holds {len(docs)} YAML documents"
+        raise SpecError([Problem("", f"{reason}; expected exactly one {KIND}")], source=source)
+    try:
+        return parse_pipeline(docs[0])
+    except SpecError as error:
+        raise SpecError(error.problems, source=source) from None
+
+
+def load_pipeline_file(path: str | os.PathLike[str]) -> Pipeline:
+    """Read, parse and validate a pipeline file; every failure, unreadable files included, is
+    a SpecError, so callers print one kind of error."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise SpecError([Problem("", f"larger than {MAX_FILE_BYTES} bytes")], source=source)
+        text = data.decode("utf-8")
+    except OSError as error:
+        reason = f"cannot read the file: {error.strerror or error}"
+        raise SpecError([Problem("", reason)], source=source) from None
+    except UnicodeDecodeError as error:
+        raise SpecError([Problem("", f"not UTF-8 text: {error}")], source=source) from None
+    return load_pipeline_text(text, source)
+
+
+def validate_cli(files: Sequence[str], *, out: TextIO) -> int:
+    """`disagg validate`: `FILE: ok` per valid file, `FILE: <path>: <reason>` per problem.
+
+    Returns the exit status: 0 when every file is valid, else 1.
+    """
+    status = 0
+    for name in files:
+        try:
+            load_pipeline_file(name)
+        except SpecError as error:
+            status = 1
+            for problem in error.problems:
+                print(f"{name}: {problem.path or ROOT}: {problem.reason}", file=out)
+        else:
+            print(f"{name}: ok", file=out)
+    return status
+
+
+def _yaml_reason(error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    if mark is None:
+        return f"YAML syntax error: {problem}"
+    return f"YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key repeated in one mapping (PyYAML keeps the last one
+    silently, so a second `replicas:` would quietly win). Merge keys (`<<`) may still be
+    overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: set[tuple[str, str]] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = (key_node.tag, key_node.value)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key_node.value!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)

@@ -1,0 +1,344 @@
+"""Cross-object checks: names that must be unique or fit, the role graph, colocation groups.
+
+These rules relate several parts of a document (an edge and the roles it names, a tensor
+reference and what lies downstream of its edge, the roles that share one pod), so they run on
+the parsed model after every object has been read. Anything already reported at a path (see
+`Collector.flawed`) is skipped, so one mistake yields one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from disagg_runtime import quantity
+from disagg_runtime import spec_model as m
+from disagg_runtime.spec_fields import Collector
+
+
+@dataclass(frozen=True)
+class _Link:
+    """A usable edge: both roles known, not a self-loop, not a duplicate."""
+
+    index: int
+    source: str
+    target: str
+
+
+def check(pipeline: m.Pipeline, out: Collector) -> None:
+    """Record every cross-object problem of `pipeline` in `out`."""
+    roles = _role_index(pipeline, out)
+    _check_derived_names(pipeline, out)
+    _check_image(pipeline, out)
+    _check_pools(pipeline, out)
+    links = _links(pipeline, roles, out)
+    acyclic = _check_cycles(roles, links, out)
+    _check_entry(roles, links, out)
+    if acyclic:
+        _check_tensor_refs(pipeline, roles, links, out)
+    members = _check_colocation(pipeline, roles, out)
+    _check_groups_share_pods(pipeline, roles, out)
+    _check_cuda_ipc(pipeline, links, members, out)
+
+
+def _role_index(pipeline: m.Pipeline, out: Collector) -> dict[str, int]:
+    """Role name -> index of its first declaration; later duplicates are reported."""
+    index: dict[str, int] = {}
+    for i, role in enumerate(pipeline.roles):
+        if not role.name:
+            continue
+        if role.name in index:
+            first = index[role.name]
+            out.add(
+                f"spec.roles[{i}].name", f"duplicate role {role.name!r} (also spec.roles[{first}])"
+            )
+        else:
+            index[role.name] = i
+    return index
+
+
+def _check_derived_names(pipeline: m.Pipeline, out: Collector) -> None:
+    if not pipeline.name or out.flawed("metadata.name"):
+        return
+    parts = [(f"spec.roles[{i}].name", role.name) for i, role in enumerate(pipeline.roles)]
+    parts += [
+        (f"spec.colocation[{g}].name", group.name)
+        for g, group in enumerate(pipeline.colocation)
+        if group.name and group.name not in group.roles  # a default name is a role's name
+    ]
+    for path, part in parts:
+        derived = pipeline.derived_name(part)
+        if part and not out.flawed(path) and len(derived) > m.MAX_DERIVED_NAME_LENGTH:
+            out.add(
+                path,
+                f"the derived name {derived!r} has {len(derived)} characters; at most "
+                f"{m.MAX_DERIVED_NAME_LENGTH} fit (pipeline name + '-' + this name), so that "
+                "StatefulSet pod labels stay within 63",
+            )
+
+
+def _check_image(pipeline: m.Pipeline, out: Collector) -> None:
+    if pipeline.image is not None or out.flawed("spec.image"):
+        return
+    lacking = [  # dict.fromkeys: each name once, duplicates are reported elsewhere
+        role.name
+        for i, role in enumerate(pipeline.roles)
+        if role.name and role.image is None and not out.flawed(f"spec.roles[{i}].image")
+    ]
+    if lacking:
+        out.add(
+            "spec.image",
+            f"required unless every role sets image (missing for {_names(dict.fromkeys(lacking))})",
+        )
+
+
+def _check_pools(pipeline: m.Pipeline, out: Collector) -> None:
+    default = pipeline.transport
+    if not out.flawed("spec.transport"):
+        _pool_fits(default.pool_size, default.min_block, "spec.transport.poolSize", out)
+    for i, role in enumerate(pipeline.roles):
+        own = role.transport
+        path = f"spec.roles[{i}].transport"
+        if (own.pool_size is None and own.min_block is None) or out.flawed(path):
+            continue
+        overrides = {"poolSize": own.pool_size, "minBlock": own.min_block}
+        if any(v is None and out.flawed(f"spec.transport.{k}") for k, v in overrides.items()):
+            continue
+        size = default.pool_size if own.pool_size is None else own.pool_size
+        block = default.min_block if own.min_block is None else own.min_block
+        key = "minBlock" if own.pool_size is None else "poolSize"
+        _pool_fits(size, block, f"{path}.{key}", out)
+
+
+def _pool_fits(size: int, block: int, path: str, out: Collector) -> None:
+    if size < block:
+        out.add(
+            path,
+            f"the pool ({quantity.format_bytes(size)}) is smaller than its minimum block "
+            f"({quantity.format_bytes(block)})",
+        )
+
+
+def _links(pipeline: m.Pipeline, roles: dict[str, int], out: Collector) -> list[_Link]:
+    links: list[_Link] = []
+    seen: dict[tuple[str, str], int] = {}
+    for j, edge in enumerate(pipeline.edges):
+        source_known = _known(out, roles, edge.source, f"spec.edges[{j}].from")
+        if not (_known(out, roles, edge.target, f"spec.edges[{j}].to") and source_known):
+            continue
+        if edge.source == edge.target:
+            out.add(f"spec.edges[{j}]", f"an edge from {edge.source!r} to itself (a self-loop)")
+        elif (edge.source, edge.target) in seen:
+            first = seen[edge.source, edge.target]
+            out.add(
+                f"spec.edges[{j}]",
+                f"duplicate edge {edge.source} -> {edge.target} (also spec.edges[{first}])",
+            )
+        else:
+            seen[edge.source, edge.target] = j
+            links.append(_Link(j, edge.source, edge.target))
+    return links
+
+
+def _known(out: Collector, roles: dict[str, int], name: str, path: str) -> bool:
+    """Whether `name` is a declared role; reports it at `path` when it is not."""
+    if not name:
+        return False
+    if name not in roles:
+        close = difflib.get_close_matches(name, sorted(roles), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        out.add(path, f"unknown role {name!r}{hint}")
+        return False
+    return True
+
+
+def _downstream(links: Sequence[_Link]) -> dict[str, list[_Link]]:
+    result: dict[str, list[_Link]] = {}
+    for link in links:
+        result.setdefault(link.source, []).append(link)
+    return result
+
+
+def _reachable(start: str, adjacency: dict[str, list[_Link]]) -> set[str]:
+    seen: set[str] = set()
+    frontier = [link.target for link in adjacency.get(start, [])]
+    while frontier:
+        current = frontier.pop()
+        if current not in seen:
+            seen.add(current)
+            frontier.extend(link.target for link in adjacency.get(current, []))
+    return seen
+
+
+def _check_cycles(roles: dict[str, int], links: Sequence[_Link], out: Collector) -> bool:
+    """Report one cycle per strongly connected part of the graph; True when there is none."""
+    adjacency = _downstream(links)
+    reach = {name: _reachable(name, adjacency) for name in roles}
+    covered: set[str] = set()
+    for name in roles:
+        if name in covered or name not in reach[name]:
+            continue
+        covered |= {other for other in reach[name] if name in reach[other]}
+        cycle = _shortest_cycle(name, adjacency)
+        path = " -> ".join([name, *(link.target for link in cycle)])
+        out.add(f"spec.edges[{cycle[-1].index}]", f"closes a cycle: {path}")
+    return not covered
+
+
+def _shortest_cycle(start: str, adjacency: dict[str, list[_Link]]) -> list[_Link]:
+    """The links of a shortest cycle through `start` (which must lie on one)."""
+    came_by: dict[str, _Link] = {}
+    queue = deque([start])
+    while queue:
+        current = queue.popleft()
+        for link in adjacency.get(current, []):
+            if link.target == start:
+                cycle = [link]
+                while cycle[0].source != start:
+                    cycle.insert(0, came_by[cycle[0].source])
+                return cycle
+            if link.target not in came_by:
+                came_by[link.target] = link
+                queue.append(link.target)
+    raise AssertionError(f"{start!r} lies on no cycle")
+
+
+def _check_entry(roles: dict[str, int], links: Sequence[_Link], out: Collector) -> None:
+    targets = {link.target for link in links}
+    if roles and all(name in targets for name in roles):
+        out.add(
+            "spec.edges", "no entry role: every role has an incoming edge, so none takes requests"
+        )
+
+
+def _check_tensor_refs(
+    pipeline: m.Pipeline, roles: dict[str, int], links: Sequence[_Link], out: Collector
+) -> None:
+    adjacency = _downstream(links)
+    for link in links:
+        later = _reachable(link.target, adjacency)
+        for k, ref in enumerate(pipeline.edges[link.index].tensor_refs):
+            path = f"spec.edges[{link.index}].tensorRefs[{k}].to"
+            if out.flawed(path) or not _known(out, roles, ref.to, path):
+                continue
+            if ref.to == link.target:
+                out.add(path, f"{ref.to!r} is this edge's target: send the tensor in the payload")
+            elif ref.to not in later:
+                out.add(
+                    path,
+                    f"role {ref.to!r} is not downstream of {link.target!r}; a tensor reference "
+                    "skips ahead to a role after the edge's target",
+                )
+
+
+def _check_colocation(
+    pipeline: m.Pipeline, roles: dict[str, int], out: Collector
+) -> dict[str, int]:
+    """Role name -> index of its group; reports unknown, repeated and shared members."""
+    members: dict[str, int] = {}
+    names: dict[str, int] = {}
+    for g, group in enumerate(pipeline.colocation):
+        path = f"spec.colocation[{g}]"
+        for k, name in enumerate(group.roles):
+            where = f"{path}.roles[{k}]"
+            if not _known(out, roles, name, where):
+                continue
+            if name not in members:
+                members[name] = g
+            elif members[name] == g:
+                out.add(where, "listed twice in this group")
+            else:
+                other = members[name]
+                out.add(
+                    where,
+                    f"already in colocation group {pipeline.colocation[other].name!r} "
+                    f"(spec.colocation[{other}]); a role belongs to at most one pod",
+                )
+        _check_group_name(pipeline, g, names, roles, out)
+    return members
+
+
+def _check_group_name(
+    pipeline: m.Pipeline, g: int, names: dict[str, int], roles: dict[str, int], out: Collector
+) -> None:
+    group = pipeline.colocation[g]
+    path = f"spec.colocation[{g}].name"
+    if not group.name or group.name in group.roles or out.flawed(path):
+        return  # a group named after one of its roles cannot clash: roles are in one group
+    if group.name in names:
+        out.add(
+            path, f"duplicate group name {group.name!r} (also spec.colocation[{names[group.name]}])"
+        )
+        return
+    names[group.name] = g
+    if group.name in roles and group.name not in group.roles:
+        out.add(
+            path,
+            f"{group.name!r} is the name of a role outside this group; their derived "
+            "object names would collide",
+        )
+
+
+def _check_groups_share_pods(pipeline: m.Pipeline, roles: dict[str, int], out: Collector) -> None:
+    """Roles in one group run as containers of one pod: one replica count, one autoscaling
+    policy, one network namespace (ports must not clash)."""
+    for g, group in enumerate(pipeline.colocation):
+        known = list(dict.fromkeys(name for name in group.roles if name in roles))
+        members = [pipeline.roles[roles[name]] for name in known]
+        if len(members) < 2:
+            continue
+        if len({role.replicas for role in members}) > 1:
+            counts = ", ".join(f"{role.name}={role.replicas}" for role in members)
+            out.add(
+                f"spec.colocation[{g}].roles",
+                f"roles in a group share pods, so replicas must match: {counts}",
+            )
+        if any(role.autoscaling != members[0].autoscaling for role in members):
+            out.add(
+                f"spec.colocation[{g}].roles",
+                "roles in a group share pods, so autoscaling must match",
+            )
+        _check_shared_ports(members, roles, group.name, out)
+
+
+def _check_shared_ports(
+    members: Iterable[m.Role], roles: dict[str, int], group: str, out: Collector
+) -> None:
+    owners: dict[object, str] = {}
+    for role in members:
+        for k, port in enumerate(role.ports):
+            base = f"spec.roles[{roles[role.name]}].ports[{k}]"
+            keys = (("name", port.name), ("containerPort", (port.container_port, port.protocol)))
+            for key, value in keys:
+                if value in ("", (0, port.protocol)) or out.flawed(f"{base}.{key}"):
+                    continue
+                if owners.get(value, role.name) != role.name:
+                    out.add(
+                        f"{base}.{key}",
+                        f"also used by role {owners[value]!r}, which shares the pod "
+                        f"(colocation group {group!r})",
+                    )
+                owners.setdefault(value, role.name)
+
+
+def _check_cuda_ipc(
+    pipeline: m.Pipeline, links: Sequence[_Link], members: dict[str, int], out: Collector
+) -> None:
+    for link in links:
+        edge = pipeline.edges[link.index]
+        if pipeline.relay_for(edge) != "cuda-ipc":
+            continue
+        group = members.get(link.source)
+        if group is None or members.get(link.target) != group:
+            origin = "" if edge.relay else " (the default from spec.transport.relay)"
+            out.add(
+                f"spec.edges[{link.index}]" + (".relay" if edge.relay else ""),
+                f"relay cuda-ipc{origin} needs {link.source!r} and {link.target!r} in one "
+                "colocation group (the same GPU)",
+            )
+
+
+def _names(names: Iterable[str]) -> str:
+    return ", ".join(repr(name) for name in names)

@@ -1,0 +1,329 @@
+"""The DisaggregatedPipeline model: frozen dataclasses plus the graph queries everyone needs.
+
+The operator (planner, status, autoscaler), the contract, the local launcher and the role
+process all read the same parsed pipeline, so the questions they ask of it (who is downstream,
+which pool settings apply to a role, which group shares a pod) are answered here once instead
+of being re-derived from raw dictionaries in each place. Instances come from
+`disagg_runtime.spec.parse_pipeline`, which guarantees the invariants the queries rely on
+(unique role names, edges between known roles, no cycles); this module only holds data.
+
+YAML keys are camelCase (Kubernetes convention); attributes are their snake_case forms, except
+that an edge's `from`/`to` are `source`/`target` (`from` is a Python keyword).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+API_VERSION = "disagg.dev/v1alpha1"
+KIND = "DisaggregatedPipeline"
+
+Relay = Literal["auto", "shm", "tcp", "cuda-ipc"]
+PoolDevice = Literal["cpu", "cpu-pinned", "cuda"]
+PortProtocol = Literal["TCP", "UDP", "SCTP"]
+RELAYS: tuple[Relay, ...] = get_args(Relay)
+POOL_DEVICES: tuple[PoolDevice, ...] = get_args(PoolDevice)
+PORT_PROTOCOLS: tuple[PortProtocol, ...] = get_args(PortProtocol)
+
+# Names. The operator derives `<pipeline>-<role>` (workload, headless Service) and
+# `<pipeline>-<group>` (the workload of a colocation group). A StatefulSet labels each pod with
+# `controller-revision-hash: <statefulset>-<hash of up to 10 characters>`, and label values are
+# at most 63 characters, so a derived workload name may have at most 63 - 11 = 52 characters.
+# The pipeline name is capped lower so that every role keeps room for a readable name.
+MAX_LABEL_LENGTH = 63
+MAX_DERIVED_NAME_LENGTH = 52
+MAX_PIPELINE_NAME_LENGTH = 40
+
+# Defaults applied when a field is omitted.
+DEFAULT_RELAY: Relay = "auto"
+DEFAULT_POOL_SIZE = 256 * 2**20
+DEFAULT_MIN_BLOCK = 2**20
+DEFAULT_POOL_DEVICE: PoolDevice = "cpu"
+DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0
+DEFAULT_REPLICAS = 1
+DEFAULT_CONCURRENCY = 4
+DEFAULT_TARGET_POOL_OCCUPANCY = 0.7
+DEFAULT_SCALE_UP_STABILIZATION_SECONDS = 0  # the HorizontalPodAutoscaler defaults
+DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS = 300
+DEFAULT_TOLERANCE = 0.1
+
+_PATH_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_PATH_INDEX = re.compile(r"\[(0|[1-9][0-9]*)\]")
+PathStep = str | int
+
+
+def parse_payload_path(path: str) -> tuple[PathStep, ...]:
+    """Split a payload path such as `latents`, `a.b[0]` or `[1].kv` into keys and indexes.
+
+    Raises ValueError when the path is malformed. Keys are identifier-like (letters, digits,
+    `_`, `-`, not starting with a digit); indexes are non-negative integers in brackets.
+    """
+    steps: list[PathStep] = []
+    position = 0
+    while position < len(path):
+        index = _PATH_INDEX.match(path, position)
+        if index is not None:
+            steps.append(int(index[1]))
+            position = index.end()
+            continue
+        if steps:
+            if path[position] != ".":
+                raise ValueError(f"expected '.' or '[' at offset {position} of {path!r}")
+            position += 1
+        key = _PATH_KEY.match(path, position)
+        if key is None:
+            raise ValueError(f"expected a key at offset {position} of {path!r}")
+        steps.append(key[0])
+        position = key.end()
+    if not steps:
+        raise ValueError("a payload path must not be empty")
+    return tuple(steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolSettings:
+    """The staging pool a role receives into: size and minimum block in bytes, and device."""
+
+    size: int = DEFAULT_POOL_SIZE
+    min_block: int = DEFAULT_MIN_BLOCK
+    device: PoolDevice = DEFAULT_POOL_DEVICE
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolOverride:
+    """A role's `transport`: pool settings that replace the pipeline's; None keeps them."""
+
+    pool_size: int | None = None
+    min_block: int | None = None
+    pool_device: PoolDevice | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transport:
+    """`spec.transport`: the default relay per edge, the default pool, the request timeout."""
+
+    relay: Relay = DEFAULT_RELAY
+    pool_size: int = DEFAULT_POOL_SIZE
+    min_block: int = DEFAULT_MIN_BLOCK
+    pool_device: PoolDevice = DEFAULT_POOL_DEVICE
+    request_timeout_seconds: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
+
+    @property
+    def pool(self) -> PoolSettings:
+        return PoolSettings(size=self.pool_size, min_block=self.min_block, device=self.pool_device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvVar:
+    """One container environment variable, as in Kubernetes (`value` or `valueFrom`)."""
+
+    name: str
+    value: str = ""
+    value_from: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Port:
+    """An extra container port a role exposes (the runtime's own ports come from the contract)."""
+
+    name: str
+    container_port: int
+    protocol: PortProtocol = "TCP"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resources:
+    """Container resource requests and limits, quantities kept as written (e.g. `"16Gi"`)."""
+
+    requests: Mapping[str, str] = field(default_factory=dict)
+    limits: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Autoscaling:
+    """Occupancy-driven scaling: the autoscaler keeps the role's mean pool occupancy near
+    `target_pool_occupancy`, ignores deviations within `tolerance` (relative), and clamps to
+    [`min_replicas`, `max_replicas`]. A role's `replicas` outside that range is allowed: it is
+    the starting point, and the autoscaler clamps it."""
+
+    min_replicas: int = 1
+    max_replicas: int
+    target_pool_occupancy: float = DEFAULT_TARGET_POOL_OCCUPANCY
+    scale_up_stabilization_seconds: int = DEFAULT_SCALE_UP_STABILIZATION_SECONDS
+    scale_down_stabilization_seconds: int = DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS
+    tolerance: float = DEFAULT_TOLERANCE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Role:
+    """One stage: `replicas` processes running `handler` (`module.path:function`)."""
+
+    name: str
+    handler: str
+    replicas: int = DEFAULT_REPLICAS
+    image: str | None = None
+    command: tuple[str, ...] | None = None
+    args: tuple[str, ...] | None = None
+    env: tuple[EnvVar, ...] = ()
+    resources: Resources = field(default_factory=Resources)
+    ports: tuple[Port, ...] = ()
+    transport: PoolOverride = field(default_factory=PoolOverride)
+    concurrency: int = DEFAULT_CONCURRENCY
+    autoscaling: Autoscaling | None = None
+    pod_template: dict[str, Any] | None = None  # free-form; the operator merges it
+
+    @property
+    def handler_module(self) -> str:
+        return self.handler.partition(":")[0]
+
+    @property
+    def handler_attr(self) -> str:
+        return self.handler.partition(":")[2]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRef:
+    """A tensor at `path` in the payload that goes straight to the later role `to`."""
+
+    path: str
+    to: str
+
+    @property
+    def steps(self) -> tuple[PathStep, ...]:
+        return parse_payload_path(self.path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Edge:
+    """`source` hands its result to `target`; `relay` None means the pipeline default."""
+
+    source: str
+    target: str
+    relay: Relay | None = None
+    tensor_refs: tuple[TensorRef, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColocationGroup:
+    """Roles that share one GPU and one pod; `name` defaults to the first role's name."""
+
+    name: str
+    roles: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """A validated DisaggregatedPipeline. Queries take and return role names; an unknown name
+    raises KeyError."""
+
+    name: str
+    namespace: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    image: str | None = None
+    transport: Transport = field(default_factory=Transport)
+    roles: tuple[Role, ...] = ()
+    edges: tuple[Edge, ...] = ()
+    colocation: tuple[ColocationGroup, ...] = ()
+
+    @property
+    def role_names(self) -> tuple[str, ...]:
+        return tuple(role.name for role in self.roles)
+
+    def role(self, name: str) -> Role:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        raise KeyError(f"pipeline {self.name!r} has no role {name!r}")
+
+    def derived_name(self, part: str) -> str:
+        """The object name the operator derives for a role or colocation group."""
+        return f"{self.name}-{part}"
+
+    def edges_from(self, name: str) -> tuple[Edge, ...]:
+        self.role(name)
+        return tuple(edge for edge in self.edges if edge.source == name)
+
+    def edges_to(self, name: str) -> tuple[Edge, ...]:
+        self.role(name)
+        return tuple(edge for edge in self.edges if edge.target == name)
+
+    def downstream(self, name: str) -> tuple[str, ...]:
+        """Roles `name` sends to directly, in edge order."""
+        return tuple(edge.target for edge in self.edges_from(name))
+
+    def upstream(self, name: str) -> tuple[str, ...]:
+        """Roles that send to `name` directly, in edge order."""
+        return tuple(edge.source for edge in self.edges_to(name))
+
+    def reachable_from(self, name: str) -> frozenset[str]:
+        """Roles reachable from `name` over one or more edges."""
+        seen: set[str] = set()
+        frontier = list(self.downstream(name))
+        while frontier:
+            current = frontier.pop()
+            if current not in seen:
+                seen.add(current)
+                frontier.extend(self.downstream(current))
+        return frozenset(seen)
+
+    @property
+    def entry_roles(self) -> tuple[str, ...]:
+        """Roles without incoming edges: where clients submit requests."""
+        targets = {edge.target for edge in self.edges}
+        return tuple(name for name in self.role_names if name not in targets)
+
+    @property
+    def exit_roles(self) -> tuple[str, ...]:
+        """Roles without outgoing edges: where results come back from."""
+        sources = {edge.source for edge in self.edges}
+        return tuple(name for name in self.role_names if name not in sources)
+
+    @property
+    def topological_order(self) -> tuple[str, ...]:
+        """Every role after all of its upstreams; ties keep declaration order."""
+        indegree = {name: len(self.upstream(name)) for name in self.role_names}
+        order: list[str] = []
+        ready = [name for name in self.role_names if indegree[name] == 0]
+        while ready:
+            current = ready.pop(0)
+            order.append(current)
+            for target in self.downstream(current):
+                indegree[target] -= 1
+                if indegree[target] == 0:
+                    ready.append(target)
+        if len(order) != len(self.roles):
+            raise ValueError(f"pipeline {self.name!r} has a cycle")
+        return tuple(order)
+
+    def colocation_group_of(self, name: str) -> ColocationGroup | None:
+        self.role(name)
+        return next((group for group in self.colocation if name in group.roles), None)
+
+    def pool_for(self, name: str) -> PoolSettings:
+        """The effective pool of a role: its own `transport` fields, else the pipeline's."""
+        override = self.role(name).transport
+        default = self.transport
+        return PoolSettings(
+            size=default.pool_size if override.pool_size is None else override.pool_size,
+            min_block=default.min_block if override.min_block is None else override.min_block,
+            device=default.pool_device if override.pool_device is None else override.pool_device,
+        )
+
+    def relay_for(self, edge: Edge) -> Relay:
+        """The relay an edge uses as written (`auto` is resolved at run time)."""
+        return self.transport.relay if edge.relay is None else edge.relay
+
+    def image_for(self, name: str) -> str | None:
+        role = self.role(name)
+        return self.image if role.image is None else role.image
+
+    def tensor_refs_to(self, name: str) -> tuple[tuple[Edge, TensorRef], ...]:
+        """The tensor references that `name` consumes, with the edge each is declared on."""
+        self.role(name)
+        return tuple(
+            (edge, ref) for edge in self.edges for ref in edge.tensor_refs if ref.to == name
+        )

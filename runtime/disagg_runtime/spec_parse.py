@@ -1,0 +1,443 @@
+"""Document -> model, field by field: shapes, types, formats and per-object rules.
+
+Each reader below takes one object of the document, records what is wrong with it at
+its path and still returns a model object (with defaults or placeholders where a field was
+unusable), so that cross-object checks (`spec_checks`) can run on the rest and the user sees
+every problem at once. A role or edge whose name fields are unusable gets the name "", which
+later checks skip: its own problem has already been reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import keyword
+import re
+from typing import TypeVar
+
+from disagg_runtime import quantity
+from disagg_runtime import spec_fields as f
+from disagg_runtime import spec_model as m
+from disagg_runtime.spec_fields import Collector, child
+
+TOP_KEYS = ("apiVersion", "kind", "metadata", "spec", "status")
+METADATA_KEYS = (
+    "name", "namespace", "labels", "annotations", "uid", "resourceVersion", "generation",
+    "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "finalizers",
+    "managedFields", "ownerReferences", "generateName", "selfLink",
+)  # fmt: skip
+SPEC_KEYS = ("image", "transport", "roles", "edges", "colocation")
+TRANSPORT_KEYS = ("relay", "poolSize", "minBlock", "poolDevice", "requestTimeoutSeconds")
+POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
+ROLE_KEYS = (
+    "name", "replicas", "handler", "image", "command", "args", "env", "resources", "ports",
+    "transport", "concurrency", "autoscaling", "podTemplate",
+)  # fmt: skip
+PORT_KEYS = ("name", "containerPort", "protocol")
+AUTOSCALING_KEYS = (
+    "minReplicas", "maxReplicas", "targetPoolOccupancy", "scaleUpStabilizationSeconds",
+    "scaleDownStabilizationSeconds", "tolerance",
+)  # fmt: skip
+
+DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS_1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+RESERVED_ENV_PREFIX = "DISAGG_"  # the contract the operator injects
+PORT_NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")  # IANA_SVC_NAME, also <= 15 chars
+MAX_PORT_NAME_LENGTH = 15
+_DNS_1035_RULE = (
+    "use at most 63 lowercase letters, digits and '-', starting with a letter and ending with "
+    "a letter or digit (a DNS-1035 label)"
+)
+_DNS_1123_RULE = (
+    "use at most 63 lowercase letters, digits and '-', starting and ending with a letter or "
+    "digit (a DNS-1123 label)"
+)
+T = TypeVar("T")
+
+
+def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
+    """The pipeline a document describes and the problems found reading it."""
+    out = Collector()
+    required = ("apiVersion", "kind", "metadata", "spec")
+    top = f.fields(out, doc, "", known=TOP_KEYS, required=required)
+    if top is None:
+        return m.Pipeline(name=""), out
+    _expect(out, top, "apiVersion", m.API_VERSION)
+    _expect(out, top, "kind", m.KIND)
+    meta = _section(out, top, "metadata", known=METADATA_KEYS, required=("name",))
+    name = _pipeline_name(out, meta)
+    namespace = _dns_label(out, meta, "namespace", "metadata", DNS_1123_LABEL)
+    labels = f.string_map(out, meta, "labels", "metadata")
+    annotations = f.string_map(out, meta, "annotations", "metadata")
+    spec = _section(out, top, "spec", known=SPEC_KEYS, required=("roles",))
+    image = _image(out, spec, "spec")
+    transport = _transport(out, spec.get("transport", {}), "spec.transport")
+    roles = tuple(_role(out, raw, path) for path, raw in f.items(out, spec, "roles", "spec"))
+    if isinstance(spec.get("roles"), list) and not roles:
+        out.add("spec.roles", "a pipeline needs at least one role")
+    edges = tuple(_edge(out, raw, path) for path, raw in f.items(out, spec, "edges", "spec"))
+    groups = [_group(out, raw, path) for path, raw in f.items(out, spec, "colocation", "spec")]
+    pipeline = m.Pipeline(
+        name=name,
+        namespace=namespace,
+        labels=labels,
+        annotations=annotations,
+        image=image,
+        transport=transport,
+        roles=roles,
+        edges=edges,
+        colocation=tuple(groups),
+    )
+    return pipeline, out
+
+
+def _section(
+    out: Collector,
+    top: dict[str, object],
+    key: str,
+    *,
+    known: tuple[str, ...],
+    required: tuple[str, ...],
+) -> dict[str, object]:
+    """A top-level mapping; {} when it is missing (already reported) or not a mapping."""
+    if key not in top:
+        return {}
+    return f.fields(out, top[key], key, known=known, required=required) or {}
+
+
+def _expect(out: Collector, top: dict[str, object], key: str, wanted: str) -> None:
+    value = f.text(out, top, key, "")
+    if value is not None and value != wanted:
+        out.add(key, f"must be {wanted!r}, got {value!r}")
+
+
+def _pipeline_name(out: Collector, meta: dict[str, object]) -> str:
+    name = _dns_label(out, meta, "name", "metadata", DNS_1035_LABEL) or ""
+    if len(name) > m.MAX_PIPELINE_NAME_LENGTH and not out.flawed("metadata.name"):
+        out.add(
+            "metadata.name",
+            f"{name!r} has {len(name)} characters; a pipeline name may have at most "
+            f"{m.MAX_PIPELINE_NAME_LENGTH} (role and group names are appended to it)",
+        )
+    return name
+
+
+def _dns_label(
+    out: Collector, raw: dict[str, object], key: str, path: str, pattern: re.Pattern[str]
+) -> str | None:
+    """A name that must be a DNS label; returned even when malformed, so that references to
+    it still resolve and are not reported a second time."""
+    name = f.text(out, raw, key, path)
+    if name is None:
+        return None
+    if not pattern.fullmatch(name) or len(name) > m.MAX_LABEL_LENGTH:
+        rule = _DNS_1035_RULE if pattern is DNS_1035_LABEL else _DNS_1123_RULE
+        out.add(child(path, key), f"{name!r} is not a valid name: {rule}")
+    return name
+
+
+def _image(out: Collector, raw: dict[str, object], path: str) -> str | None:
+    image = f.text(out, raw, "image", path)
+    if image is not None and any(ch.isspace() for ch in image):
+        out.add(child(path, "image"), f"an image reference has no whitespace, got {image!r}")
+    return image
+
+
+def _transport(out: Collector, raw: object, path: str) -> m.Transport:
+    t = f.fields(out, raw, path, known=TRANSPORT_KEYS) or {}
+    timeout = f.number(out, t, "requestTimeoutSeconds", path)
+    if timeout is not None and timeout <= 0:
+        out.add(child(path, "requestTimeoutSeconds"), f"must be positive, got {timeout}")
+    default = m.Transport()
+    return m.Transport(
+        relay=f.choice(out, t, "relay", path, m.RELAYS) or default.relay,
+        pool_size=_or(f.size(out, t, "poolSize", path), default.pool_size),
+        min_block=_or(_min_block(out, t, path), default.min_block),
+        pool_device=f.choice(out, t, "poolDevice", path, m.POOL_DEVICES) or default.pool_device,
+        request_timeout_seconds=_or(timeout, default.request_timeout_seconds),
+    )
+
+
+def _pool_override(out: Collector, raw: object, path: str) -> m.PoolOverride:
+    t = f.fields(out, raw, path, known=POOL_OVERRIDE_KEYS) or {}
+    return m.PoolOverride(
+        pool_size=f.size(out, t, "poolSize", path),
+        min_block=_min_block(out, t, path),
+        pool_device=f.choice(out, t, "poolDevice", path, m.POOL_DEVICES),
+    )
+
+
+def _min_block(out: Collector, t: dict[str, object], path: str) -> int | None:
+    block = f.size(out, t, "minBlock", path)
+    if block is not None and (block <= 0 or block & (block - 1)):
+        out.add(
+            child(path, "minBlock"), f"must be a power of two, got {quantity.format_bytes(block)}"
+        )
+        return None
+    return block
+
+
+def _role(out: Collector, raw: object, path: str) -> m.Role:
+    r = f.fields(out, raw, path, known=ROLE_KEYS, required=("name", "handler"))
+    if r is None:
+        return m.Role(name="", handler="")
+    autoscaling = None
+    if "autoscaling" in r:
+        autoscaling = _autoscaling(out, r["autoscaling"], child(path, "autoscaling"))
+    replicas = f.integer(out, r, "replicas", path, minimum=0)
+    default_replicas = m.DEFAULT_REPLICAS if autoscaling is None else autoscaling.min_replicas
+    return m.Role(
+        name=_dns_label(out, r, "name", path, DNS_1035_LABEL) or "",
+        handler=_handler(out, r, path),
+        replicas=_or(replicas, default_replicas),
+        image=_image(out, r, path),
+        command=f.texts(out, r, "command", path),
+        args=f.texts(out, r, "args", path),
+        env=_env(out, r, path),
+        resources=_resources(out, r, path),
+        ports=_ports(out, r, path),
+        transport=_pool_override(out, r.get("transport", {}), child(path, "transport")),
+        concurrency=_or(f.integer(out, r, "concurrency", path, minimum=1), m.DEFAULT_CONCURRENCY),
+        autoscaling=autoscaling,
+        pod_template=copy.deepcopy(f.free_mapping(out, r, "podTemplate", path)),
+    )
+
+
+def _handler(out: Collector, r: dict[str, object], path: str) -> str:
+    handler = f.text(out, r, "handler", path)
+    if handler is None:
+        return ""
+    module, colon, attr = handler.partition(":")
+    if not (colon and _dotted(module) and _dotted(attr) and "." not in attr):
+        out.add(
+            child(path, "handler"),
+            "expected 'package.module:function' (a dotted module path, ':', one function "
+            f"name; all Python identifiers), got {handler!r}",
+        )
+    return handler
+
+
+def _dotted(name: str) -> bool:
+    parts = name.split(".")
+    return all(part.isidentifier() and not keyword.iskeyword(part) for part in parts)
+
+
+def _env(out: Collector, r: dict[str, object], path: str) -> tuple[m.EnvVar, ...]:
+    result: list[m.EnvVar] = []
+    seen: set[str] = set()
+    for item_path, raw in f.items(out, r, "env", path):
+        e = f.fields(out, raw, item_path, known=("name", "value", "valueFrom"), required=("name",))
+        if e is None:
+            continue
+        name = f.text(out, e, "name", item_path) or ""
+        _check_env_name(out, name, child(item_path, "name"), seen)
+        value = e.get("value", "")
+        if not isinstance(value, str):
+            out.add(
+                child(item_path, "value"), f"expected a string (quote it), got {f.kind_of(value)}"
+            )
+            value = ""
+        value_from = f.free_mapping(out, e, "valueFrom", item_path)
+        if "value" in e and value_from is not None:
+            out.add(item_path, "set either value or valueFrom, not both")
+        result.append(m.EnvVar(name=name, value=value, value_from=value_from))
+    return tuple(result)
+
+
+def _check_env_name(out: Collector, name: str, path: str, seen: set[str]) -> None:
+    if not name:
+        return  # missing or not a string: reported already
+    if not ENV_NAME.fullmatch(name):
+        out.add(path, f"{name!r} is not a valid variable name (letters, digits, '_')")
+    elif name.startswith(RESERVED_ENV_PREFIX):
+        out.add(path, f"{name!r}: the {RESERVED_ENV_PREFIX} prefix is reserved for the contract")
+    elif name in seen:
+        out.add(path, f"duplicate variable {name!r}")
+    seen.add(name)
+
+
+def _resources(out: Collector, r: dict[str, object], path: str) -> m.Resources:
+    path = child(path, "resources")
+    res = f.fields(out, r.get("resources", {}), path, known=("requests", "limits")) or {}
+    requests = _quantities(out, res, "requests", path)
+    limits = _quantities(out, res, "limits", path)
+    for name in requests.keys() & limits.keys():
+        if quantity.parse_quantity(requests[name]) > quantity.parse_quantity(limits[name]):
+            out.add(
+                child(child(path, "requests"), name),
+                f"request {requests[name]} exceeds the limit {limits[name]}",
+            )
+    return m.Resources(requests=requests, limits=limits)
+
+
+def _quantities(out: Collector, res: dict[str, object], key: str, path: str) -> dict[str, str]:
+    """A resource-name -> quantity mapping; only the valid entries, as strings."""
+    if key not in res:
+        return {}
+    raw = res[key]
+    if not isinstance(raw, dict):
+        out.add(child(path, key), f"expected a mapping, got {f.kind_of(raw)}")
+        return {}
+    result: dict[str, str] = {}
+    for name, value in raw.items():
+        reason = _resource_problem(name, value)
+        if reason is not None:
+            out.add(child(child(path, key), str(name)), reason)
+        elif isinstance(name, str):
+            result[name] = value if isinstance(value, str) else repr(value)
+    return result
+
+
+def _resource_problem(name: object, value: object) -> str | None:
+    if not isinstance(name, str) or not name:
+        return f"resource names are non-empty strings, got {name!r}"
+    try:
+        amount = quantity.parse_quantity(value)
+    except quantity.QuantityError as error:
+        return error.reason
+    return f"must not be negative, got {value!r}" if amount < 0 else None
+
+
+def _ports(out: Collector, r: dict[str, object], path: str) -> tuple[m.Port, ...]:
+    result: list[m.Port] = []
+    names: dict[object, str] = {}
+    numbers: dict[object, str] = {}
+    for item_path, raw in f.items(out, r, "ports", path):
+        p = f.fields(out, raw, item_path, known=PORT_KEYS, required=("name", "containerPort"))
+        if p is None:
+            continue
+        port = m.Port(
+            name=_port_name(out, p, item_path),
+            container_port=_port_number(out, p, item_path),
+            protocol=f.choice(out, p, "protocol", item_path, m.PORT_PROTOCOLS) or "TCP",
+        )
+        if port.name:
+            _once(out, names, port.name, child(item_path, "name"), f"port name {port.name!r}")
+        if port.container_port:
+            number_key = (port.container_port, port.protocol)
+            what = f"port {port.container_port}/{port.protocol}"
+            _once(out, numbers, number_key, child(item_path, "containerPort"), what)
+        result.append(port)
+    return tuple(result)
+
+
+def _once(out: Collector, seen: dict[object, str], key: object, path: str, what: str) -> None:
+    """Record `key` as used at `path`; report it if it was used before."""
+    if key in seen:
+        out.add(path, f"duplicate {what} (also at {seen[key]})")
+    else:
+        seen[key] = path
+
+
+def _port_name(out: Collector, p: dict[str, object], path: str) -> str:
+    name = f.text(out, p, "name", path)
+    if name is None:
+        return ""
+    valid = PORT_NAME.fullmatch(name) and "--" not in name and any(c.isalpha() for c in name)
+    if not valid or len(name) > MAX_PORT_NAME_LENGTH:
+        out.add(
+            child(path, "name"),
+            f"{name!r} is not a valid port name: at most {MAX_PORT_NAME_LENGTH} lowercase "
+            "letters, digits and single '-', with at least one letter",
+        )
+    return name
+
+
+def _port_number(out: Collector, p: dict[str, object], path: str) -> int:
+    number = f.integer(out, p, "containerPort", path)
+    if number is not None and not 1 <= number <= 65535:
+        out.add(child(path, "containerPort"), f"must be in 1..65535, got {number}")
+        return 0
+    return number or 0
+
+
+def _autoscaling(out: Collector, raw: object, path: str) -> m.Autoscaling | None:
+    a = f.fields(out, raw, path, known=AUTOSCALING_KEYS, required=("maxReplicas",))
+    if a is None:
+        return None
+    low = f.integer(out, a, "minReplicas", path, minimum=1)
+    high = f.integer(out, a, "maxReplicas", path, minimum=1)
+    if low is not None and high is not None and low > high:
+        out.add(child(path, "minReplicas"), f"minReplicas {low} is greater than maxReplicas {high}")
+    target = f.number(out, a, "targetPoolOccupancy", path)
+    if target is not None and not 0 < target <= 1:
+        out.add(child(path, "targetPoolOccupancy"), f"must be in (0, 1], got {target}")
+    tolerance = f.number(out, a, "tolerance", path)
+    if tolerance is not None and not 0 <= tolerance < 1:
+        out.add(child(path, "tolerance"), f"must be in [0, 1), got {tolerance}")
+    up = f.integer(out, a, "scaleUpStabilizationSeconds", path, minimum=0)
+    down = f.integer(out, a, "scaleDownStabilizationSeconds", path, minimum=0)
+    return m.Autoscaling(
+        min_replicas=_or(low, 1),
+        max_replicas=_or(high, max(1, low or 1)),
+        target_pool_occupancy=_or(target, m.DEFAULT_TARGET_POOL_OCCUPANCY),
+        scale_up_stabilization_seconds=_or(up, m.DEFAULT_SCALE_UP_STABILIZATION_SECONDS),
+        scale_down_stabilization_seconds=_or(down, m.DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS),
+        tolerance=_or(tolerance, m.DEFAULT_TOLERANCE),
+    )
+
+
+def _edge(out: Collector, raw: object, path: str) -> m.Edge:
+    e = f.fields(
+        out, raw, path, known=("from", "to", "relay", "tensorRefs"), required=("from", "to")
+    )
+    if e is None:
+        return m.Edge(source="", target="")
+    return m.Edge(
+        source=f.text(out, e, "from", path) or "",
+        target=f.text(out, e, "to", path) or "",
+        relay=f.choice(out, e, "relay", path, m.RELAYS),
+        tensor_refs=_tensor_refs(out, e, path),
+    )
+
+
+def _tensor_refs(out: Collector, e: dict[str, object], path: str) -> tuple[m.TensorRef, ...]:
+    refs: list[m.TensorRef] = []
+    seen: list[tuple[tuple[m.PathStep, ...], str]] = []
+    for item_path, raw in f.items(out, e, "tensorRefs", path):
+        t = f.fields(out, raw, item_path, known=("path", "to"), required=("path", "to"))
+        if t is None:
+            continue
+        ref = m.TensorRef(
+            path=f.text(out, t, "path", item_path) or "", to=f.text(out, t, "to", item_path) or ""
+        )
+        if ref.path:
+            steps = _payload_path(out, ref.path, child(item_path, "path"), seen)
+            if steps is not None:
+                seen.append((steps, child(item_path, "path")))
+        refs.append(ref)
+    return tuple(refs)
+
+
+def _payload_path(
+    out: Collector, path: str, where: str, seen: list[tuple[tuple[m.PathStep, ...], str]]
+) -> tuple[m.PathStep, ...] | None:
+    try:
+        steps = m.parse_payload_path(path)
+    except ValueError as error:
+        out.add(where, f"malformed payload path: {error} (e.g. 'latents' or 'a.b[0]')")
+        return None
+    for other, other_where in seen:
+        shorter = min(len(steps), len(other))
+        if steps[:shorter] == other[:shorter]:
+            out.add(where, f"{path!r} overlaps the tensor reference at {other_where}")
+            return None
+    return steps
+
+
+def _group(out: Collector, raw: object, path: str) -> m.ColocationGroup:
+    g = f.fields(out, raw, path, known=("name", "roles"), required=("roles",))
+    if g is None:
+        return m.ColocationGroup(name="", roles=())
+    roles = f.texts(out, g, "roles", path) or ()
+    listed = g.get("roles")
+    if isinstance(listed, list) and len(listed) < 2:
+        out.add(
+            child(path, "roles"), f"a colocation group needs at least 2 roles, got {len(roles)}"
+        )
+    name = _dns_label(out, g, "name", path, DNS_1035_LABEL)
+    return m.ColocationGroup(name=name or (roles[0] if roles else ""), roles=roles)
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
