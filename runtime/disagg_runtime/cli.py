@@ -17,6 +17,18 @@ def _build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="validate DisaggregatedPipeline files")
     validate.add_argument("files", nargs="+", help="pipeline YAML files")
 
+    sub.add_parser("role", help="run one role process from the DISAGG_* environment")
+
+    up = sub.add_parser("up", help="run a pipeline locally as processes and drive requests")
+    up.add_argument("file", help="pipeline YAML")
+    up.add_argument("--requests", type=int, default=50, help="requests to send (default 50)")
+    up.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    up.add_argument("--duration", type=float, default=None, help="send for this many seconds")
+    up.add_argument("--timeout", type=float, default=None, help="per-request timeout (s)")
+    up.add_argument("--ready-timeout", type=float, default=60.0, help="start-up limit (s)")
+    up.add_argument("--grace", type=float, default=10.0, help="drain time at stop (s)")
+    up.add_argument("--json", action="store_true", help="print the summary as JSON")
+
     bench = sub.add_parser("bench", help="measure transports")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     transport = bench_sub.add_parser("transport", help="relays vs memcpy and naive baselines")
@@ -39,6 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime import spec
 
         return spec.validate_cli(args.files, out=sys.stdout)
+    if args.command == "role":
+        from disagg_runtime import role
+
+        return role.main()
+    if args.command == "up":
+        from disagg_runtime import up
+
+        return up.run_cli(args)
     if args.command == "bench" and args.bench_command == "transport":
         from disagg_runtime.bench import transport
 

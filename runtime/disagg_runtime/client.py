@@ -108,8 +108,7 @@ class Client:
     def submit_async(self, payload: Any, *, timeout: float | None = None) -> Future[Any]:
         """Start a request; the future holds the exit role's payload (a dict by exit role when
         there are several; the list of chunks when the pipeline streams)."""
-        rid, pending = self._start(payload, timeout)
-        return pending.future
+        return self._start(payload, timeout)[1].future
 
     def submit(self, payload: Any, *, timeout: float | None = None) -> Any:
         future = self.submit_async(payload, timeout=timeout)

@@ -450,4 +450,3 @@ def main() -> int:
         return 2
     role.run()
     return 0
-

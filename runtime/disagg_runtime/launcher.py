@@ -1,0 +1,256 @@
+"""`disagg up`: a DisaggregatedPipeline as local processes, with the contract pods get.
+
+Every replica of every role is its own `disagg role` process on 127.0.0.1, given the same
+`DISAGG_*` environment and topology file the operator renders (peers are explicit
+addresses instead of Service names; `DISAGG_NODE_LOCAL=1`, so auto relays use shared
+memory). The launcher watches its children: a role that dies fails the requests in
+flight at once, and whatever way the run ends (done, Ctrl-C, a crash) every child is
+stopped and no shared-memory segment of theirs is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from disagg_runtime.client import Client
+from disagg_runtime.contract import Peer, RoleConfig, Topology, render_env, write_topology
+from disagg_runtime.metrics import fetch, scrape
+from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
+from disagg_runtime.spec_model import Pipeline
+
+HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+
+
+def free_ports() -> Iterator[int]:
+    """Ports the kernel says are free now (bound and released: good enough locally)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            yield s.getsockname()[1]
+
+
+def plan_local(
+    pipeline: Pipeline,
+    ports: Iterator[int],
+    topology_file: str,
+    replicas: dict[str, int] | None = None,
+) -> list[RoleConfig]:
+    """One RoleConfig per replica: ports assigned, peers as explicit loopback addresses."""
+    topology = Topology.from_pipeline(pipeline, namespace="")
+    counts = {r.name: (replicas or {}).get(r.name, r.replicas) for r in pipeline.roles}
+    assigned = {
+        name: [(next(ports), next(ports)) for _ in range(max(1, n))] for name, n in counts.items()
+    }
+    configs = []
+    for role in pipeline.roles:
+        me = topology.roles[role.name]
+        targets = list(me.downstream) + [
+            r.target for r in me.refs_out if r.target not in me.downstream
+        ]
+        downstream = tuple(Peer(t, tuple(f"{HOST}:{p}" for p, _ in assigned[t])) for t in targets)
+        group = pipeline.colocation_group_of(role.name)
+        same_gpu = frozenset(group.roles) - {role.name} if group else frozenset()
+        for index, (ingress, metrics) in enumerate(assigned[role.name]):
+            configs.append(
+                RoleConfig(
+                    pipeline=pipeline.name,
+                    namespace="",
+                    role=role.name,
+                    replica=index,
+                    handler=role.handler,
+                    pool=pipeline.pool_for(role.name),
+                    topology=topology,
+                    downstream=downstream,
+                    same_gpu_peers=same_gpu,
+                    node_local=True,
+                    bind_host=HOST,
+                    ingress_port=ingress,
+                    metrics_port=metrics,
+                    concurrency=role.concurrency,
+                    request_timeout=pipeline.transport.request_timeout_seconds,
+                    topology_file=topology_file,
+                )
+            )
+    return configs
+
+
+def _die_with_parent() -> None:
+    """preexec: SIGTERM the child if the launcher itself is killed (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class RoleProcess:
+    config: RoleConfig
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    stopping: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.config.role}/{self.config.replica}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+        return ""
+
+
+@dataclass
+class LocalPipeline:
+    """Start, watch and stop the role processes of one pipeline."""
+
+    pipeline: Pipeline
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="disagg-up-"))
+    grace_s: float = 10.0
+    on_death: Callable[[RoleProcess, int], None] | None = None
+    processes: list[RoleProcess] = field(default_factory=list)
+    deaths: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.topology_file = os.path.join(self.workdir, "topology.json")
+
+    def start(self) -> None:
+        configs = plan_local(self.pipeline, free_ports(), self.topology_file)
+        write_topology(configs[0].topology, self.topology_file)
+        for config in configs:
+            self.processes.append(self._spawn(config))
+        self._monitor = threading.Thread(target=self._watch, name="disagg-up-watch", daemon=True)
+        self._monitor.start()
+
+    def _spawn(self, config: RoleConfig) -> RoleProcess:
+        role = self.pipeline.role(config.role)
+        env = dict(os.environ)
+        env.update({e.name: e.value for e in role.env if e.value_from is None})
+        env.update(render_env(config))
+        env["PYTHONUNBUFFERED"] = "1"
+        log_path = os.path.join(self.workdir, f"{config.role}-{config.replica}.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "disagg_runtime.cli", "role"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the launcher, which drains them
+                preexec_fn=_die_with_parent,
+            )
+        return RoleProcess(config, proc, log_path)
+
+    def wait_ready(self, timeout: float = 60.0) -> float:
+        """Seconds until every replica answers /readyz; raises if one dies or time runs out."""
+        started = time.monotonic()
+        waiting = list(self.processes)
+        while waiting:
+            for rp in list(waiting):
+                if rp.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"role {rp.label} exited with code {rp.proc.returncode} while starting:\n"
+                        + rp.log_tail()
+                    )
+                with contextlib.suppress(OSError):
+                    status, _ = fetch(f"http://{HOST}:{rp.config.metrics_port}/readyz", 0.5)
+                    if status == 200:
+                        waiting.remove(rp)
+            if time.monotonic() - started > timeout:
+                names = ", ".join(rp.label for rp in waiting)
+                raise TimeoutError(f"roles not ready after {timeout:.0f} s: {names}")
+            if waiting:
+                time.sleep(0.05)
+        return time.monotonic() - started
+
+    def client(self, timeout: float | None = None) -> Client:
+        configs = [rp.config for rp in self.processes]
+        topology = configs[0].topology
+        entries = [
+            Peer(name, tuple(f"{HOST}:{c.ingress_port}" for c in configs if c.role == name))
+            for name in topology.entry_roles
+        ]
+        return Client(
+            entries,
+            topology.exit_roles,
+            pipeline=self.pipeline.name,
+            entry_relay="shm",
+            reply_relay="shm",
+            timeout=timeout or self.pipeline.transport.request_timeout_seconds,
+        )
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """Scrape every live replica: {"role/replica": samples}."""
+        out = {}
+        for rp in self.processes:
+            with contextlib.suppress(OSError, ValueError):
+                status, body = fetch(f"http://{HOST}:{rp.config.metrics_port}/metrics", 2.0)
+                if status == 200:
+                    out[rp.label] = scrape(body)
+        return out
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            for rp in self.processes:
+                code = rp.proc.poll()
+                if code is not None and not rp.stopping:
+                    rp.stopping = True  # report once
+                    self.deaths.append(f"{rp.label} (pid {rp.proc.pid}) exited with code {code}")
+                    if self.on_death is not None:
+                        self.on_death(rp, code)
+
+    def stop(self) -> None:
+        """SIGTERM every child (they drain), SIGKILL after the grace period, clean /dev/shm."""
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=2)
+        for rp in self.processes:
+            rp.stopping = True
+            if rp.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    rp.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for rp in self.processes:
+            try:
+                rp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rp.proc.kill()
+                rp.proc.wait(timeout=5)
+        for rp in self.processes:
+            remove_segments_of(rp.proc.pid)
+
+    def __enter__(self) -> LocalPipeline:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def remove_segments_of(pid: int) -> list[str]:
+    """Unlink shared-memory pools a dead process left (names end in -<pid>-<n>)."""
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}*-{pid}-*")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+    return removed
+
+
+def dump_json(obj: Any, out: IO[str]) -> None:
+    json.dump(obj, out, indent=2, sort_keys=True)
+    out.write("\n")

@@ -1,0 +1,260 @@
+"""`disagg up FILE`: start the pipeline locally, drive synthetic requests, summarize, stop.
+
+Requests come from the entry role's handler module: `sample_input(handler_name, i)` if it
+defines one (the demo handlers do), else a small default payload. At most `concurrency`
+requests are in flight. The summary is the same with or without `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from disagg_runtime.client import Client
+from disagg_runtime.launcher import LocalPipeline, RoleProcess, dump_json
+from disagg_runtime.spec import SpecError, load_pipeline_file
+from disagg_runtime.spec_model import Pipeline
+
+
+def input_factory(pipeline: Pipeline) -> Callable[[int], Any]:
+    """Synthetic request i for the pipeline's (first) entry role."""
+    entry = pipeline.role(pipeline.entry_roles[0])
+    module = importlib.import_module(entry.handler_module)
+    sample = getattr(module, "sample_input", None)
+    if callable(sample):
+        return lambda i: sample(entry.handler_attr, i)
+    return lambda i: {"x": torch.full((1024,), float(i)), "i": i}
+
+
+def payload_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(payload_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_bytes(v) for v in value)
+    return 0
+
+
+@dataclass
+class Tally:
+    """Outcomes of the driven requests (callbacks run on the client's thread)."""
+
+    latencies: list[float] = field(default_factory=list)
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    submitted: int = 0
+    input_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def done(self) -> int:
+        return len(self.latencies) + self.failed
+
+    def record(self, started: float, future: Future[Any]) -> None:
+        with self.lock:
+            exc = future.exception()
+            if exc is None:
+                self.latencies.append(time.monotonic() - started)
+            else:
+                self.failed += 1
+                if len(self.errors) < 5:
+                    self.errors.append(str(exc))
+
+
+def _recorder(tally: Tally, slots: threading.Semaphore, t0: float) -> Callable[[Future[Any]], None]:
+    def done(future: Future[Any]) -> None:
+        tally.record(t0, future)
+        slots.release()
+
+    return done
+
+
+def drive(
+    client: Client,
+    make: Callable[[int], Any],
+    *,
+    requests: int,
+    concurrency: int,
+    duration: float | None,
+    stop: threading.Event,
+    progress: Callable[[Tally, float], None],
+) -> tuple[Tally, float]:
+    tally = Tally()
+    slots = threading.Semaphore(concurrency)
+    started = time.monotonic()
+    i = 0
+    while not stop.is_set():
+        if duration is not None and time.monotonic() - started >= duration:
+            break
+        if duration is None and i >= requests:
+            break
+        if not slots.acquire(timeout=0.1):
+            progress(tally, time.monotonic() - started)
+            continue
+        payload = make(i)
+        tally.input_bytes += payload_bytes(payload)
+        t0 = time.monotonic()
+        future = client.submit_async(payload)
+        tally.submitted += 1
+        future.add_done_callback(_recorder(tally, slots, t0))
+        i += 1
+        progress(tally, time.monotonic() - started)
+    while tally.done < tally.submitted:
+        time.sleep(0.05)
+        progress(tally, time.monotonic() - started)
+    return tally, time.monotonic() - started
+
+
+def _bar(total: int | None) -> Callable[[Tally, float], None]:
+    last = [0.0]
+
+    def show(tally: Tally, elapsed: float) -> None:
+        now = time.monotonic()
+        if not sys.stderr.isatty() or now - last[0] < 0.1:
+            return
+        last[0] = now
+        width = 30
+        frac = tally.done / total if total else min(1.0, elapsed / 1e9)
+        filled = int(width * frac)
+        rate = tally.done / elapsed if elapsed else 0.0
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {tally.done}/{total or '?'} "
+            f"ok={len(tally.latencies)} failed={tally.failed} {rate:.1f} req/s"
+        )
+        sys.stderr.flush()
+
+    return show
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summarize(local: LocalPipeline, tally: Tally, elapsed: float, ready_s: float) -> dict[str, Any]:
+    samples = local.metrics()
+    roles: dict[str, dict[str, Any]] = {}
+    moved = tally.input_bytes
+    for rp in local.processes:
+        stats = roles.setdefault(
+            rp.config.role,
+            {"replicas": 0, "completed": 0, "failed": 0, "_sum": 0.0, "_count": 0.0},
+        )
+        stats["replicas"] += 1
+        s = samples.get(rp.label, {})
+        stats["completed"] += int(s.get('disagg_requests_total{outcome="done"}', 0))
+        stats["failed"] += int(s.get('disagg_requests_total{outcome="failed"}', 0))
+        stats["_sum"] += s.get("disagg_request_seconds_sum", 0.0)
+        stats["_count"] += s.get("disagg_request_seconds_count", 0.0)
+        moved += int(
+            sum(
+                v
+                for k, v in s.items()
+                if k.startswith("disagg_edge_bytes_total") and 'direction="out"' in k
+            )
+        )
+    for stats in roles.values():
+        total, count = stats.pop("_sum"), stats.pop("_count")
+        stats["mean_ms"] = round(1000 * total / count, 3) if count else 0.0
+    lat = tally.latencies
+    return {
+        "pipeline": local.pipeline.name,
+        "requests": tally.submitted,
+        "completed": len(lat),
+        "failed": tally.failed,
+        "p50_ms": round(1000 * statistics.median(lat), 3) if lat else 0.0,
+        "p99_ms": round(1000 * _percentile(lat, 0.99), 3),
+        "throughput_rps": round(len(lat) / elapsed, 3) if elapsed else 0.0,
+        "bytes_moved": moved,
+        "elapsed_s": round(elapsed, 3),
+        "ready_s": round(ready_s, 3),
+        "roles": roles,
+        "died": list(local.deaths),
+        "errors": list(tally.errors),
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    lines = [
+        f"pipeline {summary['pipeline']}: {summary['completed']}/{summary['requests']} completed, "
+        f"{summary['failed']} failed in {summary['elapsed_s']:.1f} s "
+        f"({summary['throughput_rps']:.1f} req/s; ready in {summary['ready_s']:.1f} s)",
+        f"latency p50 {summary['p50_ms']:.1f} ms, p99 {summary['p99_ms']:.1f} ms; "
+        f"{summary['bytes_moved'] / 2**20:.1f} MiB moved",
+        f"{'role':<20}{'replicas':>9}{'completed':>11}{'failed':>8}{'mean ms':>10}",
+    ]
+    for name, r in summary["roles"].items():
+        lines.append(
+            f"{name:<20}{r['replicas']:>9}{r['completed']:>11}{r['failed']:>8}{r['mean_ms']:>10.1f}"
+        )
+    lines += [f"died: {d}" for d in summary["died"]]
+    lines += [f"error: {e}" for e in summary["errors"]]
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        pipeline = load_pipeline_file(args.file)
+    except SpecError as exc:
+        for p in exc.problems:
+            print(f"{args.file}: {p.path}: {p.reason}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    local = LocalPipeline(pipeline, grace_s=args.grace)
+    client: Client | None = None
+    summary: dict[str, Any] | None = None
+    interrupted = False
+
+    def died(rp: RoleProcess, code: int) -> None:
+        stop.set()  # submit nothing more; fail what is in flight with the reason
+        if client is not None:
+            client.fail_all(f"role {rp.label} died (exit code {code})", role=rp.config.role)
+
+    local.on_death = died
+    try:
+        local.start()
+        ready_s = local.wait_ready(timeout=args.ready_timeout)
+        client = local.client(timeout=args.timeout)
+        make = input_factory(pipeline)
+        tally, elapsed = drive(
+            client,
+            make,
+            requests=args.requests,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            stop=stop,
+            progress=_bar(None if args.duration else args.requests),
+        )
+        if sys.stderr.isatty():
+            sys.stderr.write("\n")
+        summary = summarize(local, tally, elapsed, ready_s)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: stopping every role", file=sys.stderr)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"disagg up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if client is not None:
+            client.close()
+        local.stop()
+    if interrupted or summary is None:
+        return 130
+    if args.json:
+        dump_json(summary, sys.stdout)
+    else:
+        print(render(summary))
+    return 0 if summary["failed"] == 0 and not summary["died"] else 1
