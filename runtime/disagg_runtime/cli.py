@@ -42,6 +42,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="comma list of methods to run",
     )
     transport.add_argument("--json", action="store_true", help="print a JSON list")
+    chain = bench_sub.add_parser("pipeline", help="per-hop runtime overhead vs the bare relay")
+    chain.add_argument("--size", default="64MiB", help="payload size (default 64MiB)")
+    chain.add_argument("--hops", type=int, default=2, help="full-size hops (default 2)")
+    chain.add_argument("--repeats", type=int, default=9, help="repetitions (default 9)")
+    chain.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -63,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime.bench import transport
 
         return transport.run_cli(args)
+    if args.command == "bench" and args.bench_command == "pipeline":
+        from disagg_runtime.bench import pipeline
+
+        return pipeline.run_cli(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces choices
 
 

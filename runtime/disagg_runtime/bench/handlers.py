@@ -1,0 +1,14 @@
+"""Handlers for `disagg bench pipeline`: no compute, so what is measured is the runtime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def identity(payload: Any) -> Any:
+    return payload
+
+
+def summarize(payload: dict[str, Any]) -> dict[str, Any]:
+    """End of the chain: answer small, so the reply hop costs what the bare relay's does."""
+    return {"nbytes": int(payload["x"].numel() * payload["x"].element_size())}
