@@ -31,7 +31,8 @@ test: lint typecheck pytest
 bench: venv
 	$(BIN)/disagg bench transport
 
-demo: bench
+demo: venv
+	$(BIN)/disagg up examples/text-to-video.yaml --requests 200
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -30,12 +30,10 @@ Resolver = Callable[[str, int], list[str]]
 def resolve_dns(host: str, port: int) -> list[str]:
     """Every address of `host`, as ZMQ tcp endpoints (sorted, so all roles agree)."""
     try:
-        ipaddress.ip_address(host)
-        return [f"tcp://{host}:{port}"]
+        addrs = [str(ipaddress.ip_address(host))]
     except ValueError:
-        pass
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    addrs = sorted({str(info[4][0]) for info in infos})
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addrs = sorted({str(info[4][0]) for info in infos})
     return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addrs]
 
 

@@ -1,0 +1,132 @@
+"""The env/topology contract: what the operator and `disagg up` render is what roles parse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from disagg_runtime import contract
+from disagg_runtime.contract import ContractError, Peer, RoleConfig, Topology
+from disagg_runtime.launcher import plan_local
+from disagg_runtime.spec import load_pipeline_file
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+@pytest.fixture
+def t2v():
+    return load_pipeline_file(EXAMPLES / "text-to-video.yaml")
+
+
+def test_topology_from_pipeline_marks_entries_exits_and_refs(t2v):
+    topo = Topology.from_pipeline(t2v)
+    assert topo.entry_roles == ("encoder",)
+    assert topo.exit_roles == ("decoder",)
+    assert topo.roles["decoder"].upstream == ("denoiser",)
+    [ref] = topo.roles["encoder"].refs_out
+    assert (ref.source, ref.path, ref.target) == ("encoder", "text_embedding", "decoder")
+    assert topo.roles["decoder"].refs_in == (ref,)
+    assert topo.roles["denoiser"].refs_in == ()
+
+
+def test_topology_json_round_trip(t2v):
+    topo = Topology.from_pipeline(t2v, namespace="ml")
+    again = Topology.from_json(json.loads(json.dumps(topo.to_json())))
+    assert again == topo
+    assert again.namespace == "ml"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [None, [], {"version": 2}, {"version": 1, "pipeline": "p", "namespace": "", "roles": [{}]}],
+)
+def test_malformed_topology_is_a_contract_error(bad):
+    with pytest.raises(ContractError, match="topology"):
+        Topology.from_json(bad)
+
+
+def test_render_then_parse_is_identity_for_every_local_replica(t2v, tmp_path):
+    path = str(tmp_path / "topology.json")
+    configs = plan_local(t2v, iter(range(20000, 20100)), path)
+    contract.write_topology(configs[0].topology, path)
+    assert [c.role for c in configs] == ["encoder", "denoiser", "denoiser", "decoder"]
+    for config in configs:
+        parsed = contract.parse_env(contract.render_env(config))
+        assert parsed == config
+
+
+def test_encoder_is_told_about_the_ref_target_too(t2v, tmp_path):
+    configs = plan_local(t2v, iter(range(20000, 20100)), str(tmp_path / "t.json"))
+    encoder = configs[0]
+    assert {p.role for p in encoder.downstream} == {"denoiser", "decoder"}
+    assert len(encoder.peer("denoiser").addresses) == 2  # both replicas
+
+
+def _env(tmp_path: Path, t2v, **overrides: str) -> dict[str, str]:
+    path = str(tmp_path / "topology.json")
+    contract.write_topology(Topology.from_pipeline(t2v), path)
+    env = {
+        "DISAGG_PIPELINE": "text-to-video",
+        "DISAGG_ROLE": "denoiser",
+        "DISAGG_HANDLER": "m:f",
+        "DISAGG_DOWNSTREAM": "decoder=text-to-video-decoder.ml.svc.cluster.local:7400",
+        "DISAGG_TOPOLOGY_FILE": path,
+    }
+    env.update(overrides)
+    return {k: v for k, v in env.items() if v != "<unset>"}
+
+
+def test_defaults_and_replica_from_pod_name(tmp_path, t2v):
+    env = _env(tmp_path, t2v, DISAGG_POD_NAME="text-to-video-denoiser-3")
+    config = contract.parse_env(env)
+    assert config.replica == 3
+    assert config.ingress_port == contract.DEFAULT_INGRESS_PORT
+    assert config.metrics_port == contract.DEFAULT_METRICS_PORT
+    assert config.pool.size == 256 * 2**20
+    assert config.peer("decoder").addresses == ("text-to-video-decoder.ml.svc.cluster.local:7400",)
+    assert config.peer("decoder").relay == "auto"
+
+
+def test_quantities_and_relays_parse(tmp_path, t2v):
+    env = _env(
+        tmp_path,
+        t2v,
+        DISAGG_POOL_SIZE="512Mi",
+        DISAGG_POOL_MIN_BLOCK="2Mi",
+        DISAGG_DOWNSTREAM="decoder=10.0.0.1:7400|10.0.0.2:7400@tcp",
+        DISAGG_SAME_GPU_PEERS="decoder",
+    )
+    config = contract.parse_env(env)
+    assert (config.pool.size, config.pool.min_block) == (512 * 2**20, 2 * 2**20)
+    assert config.peer("decoder") == Peer("decoder", ("10.0.0.1:7400", "10.0.0.2:7400"), "tcp")
+    assert config.same_gpu_peers == frozenset({"decoder"})
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"DISAGG_ROLE": "<unset>"}, "DISAGG_ROLE is required"),
+        ({"DISAGG_ROLE": "nope"}, "not a role"),
+        ({"DISAGG_HANDLER": "<unset>"}, "DISAGG_HANDLER is required"),
+        ({"DISAGG_INGRESS_PORT": "x"}, "not an integer"),
+        ({"DISAGG_POOL_DEVICE": "tpu"}, "POOL_DEVICE"),
+        ({"DISAGG_POOL_SIZE": "lots"}, "bad pool"),
+        ({"DISAGG_DOWNSTREAM": ""}, "lacks addresses for \\['decoder'\\]"),
+        ({"DISAGG_DOWNSTREAM": "decoder"}, "not role=host:port"),
+        ({"DISAGG_DOWNSTREAM": "decoder=host"}, "not host:port"),
+        ({"DISAGG_DOWNSTREAM": "decoder=h:1@carrier-pigeon"}, "unknown relay"),
+        ({"DISAGG_TOPOLOGY_FILE": "/nonexistent/t.json"}, "cannot read topology"),
+    ],
+)
+def test_bad_environment_names_the_variable(tmp_path, t2v, override, message):
+    with pytest.raises(ContractError, match=message):
+        contract.parse_env(_env(tmp_path, t2v, **override))
+
+
+def test_role_config_is_frozen(tmp_path, t2v):
+    config = contract.parse_env(_env(tmp_path, t2v))
+    assert isinstance(config, RoleConfig)
+    with pytest.raises(AttributeError):
+        config.role = "x"  # type: ignore[misc]

@@ -1,0 +1,90 @@
+"""Envelopes are checked on arrival; tensor-reference paths come out and go back in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg_runtime import envelope as env
+from disagg_runtime.envelope import EnvelopeError, Meta, Reply
+
+
+def meta(**changes):
+    base = Meta("r1", "data", "encoder", 1e12, Reply("tcp://127.0.0.1:1", "tcp"))
+    return base.with_(**changes)
+
+
+@pytest.mark.parametrize(
+    "m",
+    [
+        meta(),
+        meta(kind="chunk", seq=3),
+        meta(kind="end", count=4),
+        meta(kind="ref", path="a.b[0]"),
+        meta(kind="error", error={"role": "x", "message": "boom"}),
+        meta(kind="abort"),
+    ],
+)
+def test_wrap_unwrap_round_trip(m):
+    got, payload = env.unwrap(env.wrap(m, {"x": 1}))
+    assert got == m
+    assert payload == {"x": 1}
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        ([], "expected"),
+        ({"m": {}}, "expected"),
+        ({"m": [], "p": None}, "expected"),
+        ({"m": {**env.wrap(meta())["m"], "kind": "steal"}, "p": None}, "unknown 'steal'"),
+        ({"m": {**env.wrap(meta())["m"], "rid": 5}, "p": None}, "rid"),
+        ({"m": {**env.wrap(meta())["m"], "deadline": "soon"}, "p": None}, "deadline"),
+        (
+            {"m": {**env.wrap(meta())["m"], "reply": {"endpoint": "x", "relay": "ftp"}}, "p": 0},
+            "relay",
+        ),
+        ({"m": {**env.wrap(meta())["m"], "error": {"a": 1}}, "p": None}, "error"),
+    ],
+)
+def test_malformed_envelopes_raise(obj, message):
+    with pytest.raises(EnvelopeError, match=message):
+        env.unwrap(obj)
+
+
+def test_expired():
+    assert meta(deadline=0.0).expired
+    assert not meta().expired
+
+
+def test_extract_and_insert_are_inverse_and_do_not_mutate():
+    emb = torch.ones(3)
+    payload = {"a": {"b": [emb, 2]}, "keep": 1}
+    rest, value = env.extract(payload, "a.b[0]")
+    assert value is emb
+    assert rest == {"a": {"b": [None, 2]}, "keep": 1}
+    assert payload["a"]["b"][0] is emb  # the original is untouched
+    back = env.insert(rest, "a.b[0]", value)
+    assert back["a"]["b"][0] is emb and back["keep"] == 1
+
+
+def test_extract_top_level_key_removes_it():
+    rest, value = env.extract({"latents": 1, "text_embedding": 2}, "text_embedding")
+    assert rest == {"latents": 1} and value == 2
+    assert env.insert(rest, "text_embedding", value) == {"latents": 1, "text_embedding": 2}
+
+
+def test_insert_creates_missing_dicts_and_keeps_tuples():
+    assert env.insert({}, "a.b", 1) == {"a": {"b": 1}}
+    assert env.insert((0, {"k": 1}), "[1].k", 5) == (0, {"k": 5})
+
+
+@pytest.mark.parametrize("path", ["missing", "a.zz", "a.b[5]"])
+def test_extract_missing_path_raises_key_error(path):
+    with pytest.raises(KeyError, match="not in the payload"):
+        env.extract({"a": {"b": [1]}}, path)
+
+
+def test_insert_through_a_non_container_raises():
+    with pytest.raises(KeyError, match="cannot put"):
+        env.insert({"a": 3}, "a.b", 1)
