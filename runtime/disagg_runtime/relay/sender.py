@@ -61,6 +61,7 @@ class Sender:
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IPV6, 1)  # dual-stack: IPv6-only clusters too
         self._sock.setsockopt(zmq.SNDHWM, HWM)
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         self._sock.connect(endpoint)
