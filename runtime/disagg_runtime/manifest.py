@@ -79,7 +79,7 @@ class Manifest:
         """Parse and bounds-check a manifest against the slot it claims to describe."""
         if not isinstance(obj, dict):
             raise CodecError("manifest: expected an object")
-        if obj.get("v") != MANIFEST_VERSION:
+        if type(obj.get("v")) is not int or obj.get("v") != MANIFEST_VERSION:
             raise CodecError(f"manifest: unsupported version {obj.get('v')!r}")
         entries = obj.get("tensors")
         nbytes = obj.get("nbytes")

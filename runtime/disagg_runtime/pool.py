@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from disagg_runtime.allocator import BuddyAllocator
+from disagg_runtime.allocator import AllocatorError, BuddyAllocator
 from disagg_runtime.codec import tensor_from_buffer, unflatten
 from disagg_runtime.manifest import Manifest
 
@@ -160,6 +160,10 @@ class Pool:
     ) -> Pool:
         if size < min_block:
             raise PoolError(f"pool size {size} B is smaller than the minimum block {min_block} B")
+        try:
+            BuddyAllocator(size, min_block)  # check the geometry before touching memory
+        except AllocatorError as exc:
+            raise PoolError(f"bad pool geometry: {exc}") from None
         return cls(create_backing(device, size, name=name), min_block=min_block)
 
     @property

@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,8 @@ from disagg_runtime.relay.errors import RelayTimeout
 log = logging.getLogger(__name__)
 _SCRATCH = bytearray(1 << 20)
 HWM = 16
+MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
+MAX_WAIT_S = 3600.0
 
 
 @dataclass(eq=False)
@@ -76,21 +78,25 @@ class _Landing:
     grant: _Reservation
     xid: int
     manifest: Manifest
-    targets: list[tuple[int, int]]
+    targets: Iterator[tuple[int, int]]
+    remaining: int
     deadline: float
-    next: int = 0
+    done: int = 0
     error: str | None = None
 
 
-def chunk_targets(slot: int, manifest: Manifest, chunk: int) -> list[tuple[int, int]]:
-    """(pool offset, length) of every chunk, in the order the sender sends them."""
-    if chunk <= 0:
-        raise proto.ProtocolError("chunk size must be positive")
-    targets = []
+def chunk_count(manifest: Manifest, chunk: int) -> int:
+    if chunk < MIN_CHUNK:
+        raise proto.ProtocolError(f"chunk size {chunk} is below the minimum {MIN_CHUNK}")
+    return sum(-(-meta.nbytes // chunk) for meta in manifest.tensors)
+
+
+def chunk_targets(slot: int, manifest: Manifest, chunk: int) -> Iterator[tuple[int, int]]:
+    """(pool offset, length) of every chunk, in the order the sender sends them (lazily:
+    a large slot in small chunks must not build a huge list on the I/O thread)."""
     for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
         for start in range(0, meta.nbytes, chunk):
-            targets.append((slot + offset + start, min(chunk, meta.nbytes - start)))
-    return targets
+            yield slot + offset + start, min(chunk, meta.nbytes - start)
 
 
 @dataclass(frozen=True)
@@ -244,14 +250,14 @@ class Ingress:
         ident = self._sock.recv()
         if not self._sock.getsockopt(zmq.RCVMORE):
             return  # an identity-only message: nothing to do
-        landing = self._landing.get(ident)
-        if landing is not None:
-            self._on_chunk(ident, landing)
-            return
-        header = self._sock.recv()
         msg: dict[str, Any] = {}
         try:
-            msg = proto.unpack(header, proto.OPS_TO_INGRESS)
+            landing = self._landing.get(ident)
+            if landing is not None:
+                msg = {"op": "commit", "xid": landing.xid}
+                self._on_chunk(ident, landing)
+                return
+            msg = proto.unpack(self._sock.recv(), proto.OPS_TO_INGRESS)
             handler = getattr(self, f"_on_{msg['op']}")
             handler(ident, msg)
         except (proto.ProtocolError, codec.CodecError) as exc:
@@ -282,10 +288,10 @@ class Ingress:
 
     def _on_inline(self, ident: bytes, msg: dict[str, Any]) -> None:
         rid = proto.field(msg, "rid", str)
-        frames = [self._sock.recv()]
+        frames = []
         while self._sock.getsockopt(zmq.RCVMORE):
             frames.append(self._sock.recv())
-        payload = codec.decode(frames)
+        payload = codec.decode(frames)  # no frames at all is a CodecError
         self._deliver(
             Message(rid, payload, sum(len(f) for f in frames[1:]), None, time.monotonic())
         )
@@ -301,10 +307,19 @@ class Ingress:
             )
             self._reply(ident, "deny", xid=xid, reason=reason)
             return
+        if (ident, xid) in self._granted or any(
+            (r.ident, r.xid) == (ident, xid) for r in self._pending
+        ):
+            self._rejected += 1
+            self._reply(ident, "deny", xid=xid, reason=f"reservation xid {xid} is already in use")
+            return
         if rid in self._aborted:
             self._reply(ident, "deny", xid=xid, reason=f"request {rid} was aborted")
             return
-        deadline = time.monotonic() + self.lease_s
+        wait = msg.get("wait_s", self.lease_s)
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or wait < 0:
+            raise proto.ProtocolError("reserve: wait_s must be a non-negative number")
+        deadline = time.monotonic() + min(float(wait), MAX_WAIT_S)
         self._pending.append(_Reservation(ident, xid, rid, nbytes, deadline))
 
     def _grant_pending(self) -> None:
@@ -356,12 +371,13 @@ class Ingress:
             manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
             if self._sock.getsockopt(zmq.RCVMORE):
                 raise proto.ProtocolError("commit carries unexpected frames")
-            chunk = msg.get("chunk")
-            if chunk is not None:  # tcp: the data follows as one message per chunk
-                targets = chunk_targets(slot, manifest, proto.nonneg_int(msg, "chunk"))
-                if targets:
+            if msg.get("chunk") is not None:  # tcp: the data follows, one message per chunk
+                chunk = proto.nonneg_int(msg, "chunk")
+                count = chunk_count(manifest, chunk)
+                if count:
+                    targets = chunk_targets(slot, manifest, chunk)
                     deadline = time.monotonic() + self.lease_s
-                    self._landing[ident] = _Landing(grant, xid, manifest, targets, deadline)
+                    self._landing[ident] = _Landing(grant, xid, manifest, targets, count, deadline)
                     return
         except BaseException:
             self.pool.free(slot)
@@ -370,27 +386,25 @@ class Ingress:
 
     def _on_chunk(self, ident: bytes, landing: _Landing) -> None:
         """Land the next chunk of `ident`'s transfer straight into its slot."""
-        offset, length = landing.targets[landing.next]
-        landing.next += 1
+        offset, length = next(landing.targets)
+        landing.done += 1
         if landing.error is None:
             got = self._sock.recv_into(self.pool.backing.buffer(offset, length))
             if got != length:
-                landing.error = f"chunk {landing.next - 1}: {got} B, expected {length} B"
+                landing.error = f"chunk {landing.done - 1}: {got} B, expected {length} B"
             elif self._sock.getsockopt(zmq.RCVMORE):
-                landing.error = f"chunk {landing.next - 1}: unexpected extra frames"
+                landing.error = f"chunk {landing.done - 1}: unexpected extra frames"
         else:
             self._sock.recv_into(_SCRATCH)
         self._drain()
-        if landing.next < len(landing.targets):
+        if landing.done < landing.remaining:
             return
         del self._landing[ident]
         slot = landing.grant.offset
         assert slot is not None  # landings are made from live grants
         if landing.error is not None:
             self.pool.free(slot)
-            self._rejected += 1
-            self._reply(ident, "nack", xid=landing.xid, reason=landing.error)
-            return
+            raise proto.ProtocolError(landing.error)  # counted and nacked by _handle_one
         self._finish(ident, landing.xid, landing.grant.rid, slot, landing.manifest)
 
     def _finish(self, ident: bytes, xid: int, rid: str, slot: int, manifest: Manifest) -> None:
@@ -423,15 +437,25 @@ class Ingress:
                 del self._landing[ident]
                 if landing.grant.offset is not None:
                     self.pool.free(landing.grant.offset)
-                log.warning("transfer for request %s stalled; slot freed", landing.grant.rid)
+                self._rejected += 1
+                reason = f"transfer for request {landing.grant.rid} stalled; slot freed"
+                log.warning("%s", reason)
+                self._reply(ident, "nack", xid=landing.xid, reason=reason)
         for key, grant in list(self._granted.items()):
             if grant.deadline <= now:
                 del self._granted[key]
                 if grant.offset is not None:
                     self.pool.free(grant.offset)
                 log.warning("grant for request %s expired uncommitted; slot freed", grant.rid)
-        if any(r.deadline <= now for r in self._pending):
-            self._pending = collections.deque(r for r in self._pending if r.deadline > now)
+        for r in [r for r in self._pending if r.deadline <= now]:
+            self._pending.remove(r)
+            self._reply(
+                r.ident,
+                "deny",
+                xid=r.xid,
+                reason="no room in the receive pool in time",
+                timeout=True,
+            )
         with self._lock:
             for rid, until in list(self._aborted.items()):
                 if until <= now:

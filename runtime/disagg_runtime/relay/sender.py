@@ -135,27 +135,28 @@ class Sender:
                 f"{self.endpoint} (largest block {self.max_allocation} B)"
             )
         xid = next(self._xids)
-        started = time.monotonic()
-        self._sock.send(proto.pack("reserve", rid=rid, xid=xid, nbytes=manifest.nbytes))
+        wait = max(0.0, deadline - time.monotonic())
+        self._sock.send(
+            proto.pack("reserve", rid=rid, xid=xid, nbytes=manifest.nbytes, wait_s=wait)
+        )
+        no_room = RelayTimeout(
+            f"receiver at {self.endpoint} had no room for {manifest.nbytes} B "
+            f"within the timeout; request {rid} not sent"
+        )
         try:
             grant = self._await(xid, {"grant", "deny"}, deadline, "reservation")
         except RelayTimeout:
             self._sock.send(proto.pack("cancel", xid=xid))
-            raise RelayTimeout(
-                f"receiver at {self.endpoint} had no room for {manifest.nbytes} B "
-                f"within the timeout; request {rid} not sent"
-            ) from None
+            raise no_room from None
+        granted = time.monotonic()
+        if grant["op"] == "deny" and grant.get("timeout") is True:
+            raise no_room
         if grant["op"] == "deny":
             raise RelayError(
                 f"receiver at {self.endpoint} refused request {rid}: {grant.get('reason')}"
             )
         offset = proto.nonneg_int(grant, "offset")
-        # The receiver counts the lease from when it granted, which is after `started`:
-        # writing only within half the lease from `started` stays inside it.
-        if time.monotonic() - started > self.lease_s / 2:
-            self._sock.send(proto.pack("cancel", xid=xid))
-            raise RelayTimeout(f"grant from {self.endpoint} arrived too late to use safely")
-        self._transfer(rid, xid, offset, manifest, tensors)
+        self._transfer(rid, xid, offset, manifest, tensors, granted + self.lease_s / 2)
         reply = self._await(xid, {"ack", "nack"}, deadline, "acknowledgement")
         if reply["op"] == "nack":
             raise RelayError(
@@ -163,9 +164,23 @@ class Sender:
             )
 
     def _transfer(
-        self, rid: str, xid: int, offset: int, manifest: Manifest, tensors: list[torch.Tensor]
+        self,
+        rid: str,
+        xid: int,
+        offset: int,
+        manifest: Manifest,
+        tensors: list[torch.Tensor],
+        write_by: float,
     ) -> None:
+        """Move the tensors into the granted slot and commit. The receiver frees a grant
+        `lease_s` after granting; finishing writes within half of it from receipt of the
+        grant leaves the other half for the grant's own transit."""
         raise NotImplementedError
+
+    def _check_lease(self, xid: int, write_by: float) -> None:
+        if time.monotonic() > write_by:
+            self._sock.send(proto.pack("cancel", xid=xid))
+            raise RelayTimeout(f"lease on the slot at {self.endpoint} ran out before commit")
 
     def _await(self, xid: int | None, ops: set[str], deadline: float, what: str) -> dict[str, Any]:
         """Wait for the reply to operation `xid`; replies to abandoned operations are dropped
@@ -199,9 +214,16 @@ class ShmSender(Sender):
         self._backing = attach_backing(name)
 
     def _transfer(
-        self, rid: str, xid: int, offset: int, manifest: Manifest, tensors: list[torch.Tensor]
+        self,
+        rid: str,
+        xid: int,
+        offset: int,
+        manifest: Manifest,
+        tensors: list[torch.Tensor],
+        write_by: float,
     ) -> None:
         assert self._backing is not None  # set by the handshake
+        self._check_lease(xid, write_by)
         write_tensors(self._backing, offset, manifest, tensors)
         self._sock.send(
             proto.pack("commit", rid=rid, xid=xid, offset=offset, manifest=manifest.to_json())
@@ -222,8 +244,15 @@ class TcpSender(Sender):
         super().__init__(endpoint, **kwargs)
 
     def _transfer(
-        self, rid: str, xid: int, offset: int, manifest: Manifest, tensors: list[torch.Tensor]
+        self,
+        rid: str,
+        xid: int,
+        offset: int,
+        manifest: Manifest,
+        tensors: list[torch.Tensor],
+        write_by: float,
     ) -> None:
+        self._check_lease(xid, write_by)
         header = proto.pack(
             "commit",
             rid=rid,
