@@ -131,6 +131,7 @@ class Role:
         self._active: set[str] = set()
         self._joins: dict[str, _Join] = {}
         self._seq: dict[str, int] = collections.defaultdict(int)
+        self._stream_started: dict[str, float] = {}
         self._aborted: dict[str, float] = {}
         self._typical = config.pool.min_block
         self._started = False
@@ -271,9 +272,16 @@ class Role:
             msg.release()
             self._fail(meta, "timeout", f"request timed out before role {self.name} handled it")
             return
-        if meta.kind == "end":
+        if meta.kind == "end":  # the upstream stream is complete, and so is ours
             msg.release()
-            self._emit(meta, "end", None)
+            try:
+                self._emit(meta, "end", None)
+            except RelayError as exc:
+                self._fail(meta, "transport", f"role {self.name} could not send on: {exc}")
+                return
+            self.metrics.request_done(
+                max(0.0, time.time() - (meta.deadline - self.config.request_timeout))
+            )
             return
         joins = len(self.me.upstream) > 1 or bool(self.me.refs_in)
         if meta.kind == "chunk":
@@ -316,13 +324,19 @@ class Role:
     def _run(
         self, meta: Meta, data: Any, messages: list[Message], *, streaming_input: bool = False
     ) -> None:
+        """Call the handler and send its output on. A generator streams: each item is a
+        chunk, then `end` — unless the input is itself a chunk of a stream, whose own `end`
+        closes ours. A request counts as done here when its last output has left."""
         started = time.monotonic()
+        if streaming_input:
+            self._stream_started.setdefault(meta.rid, started)
         try:
             result = self.handler(data)
             if inspect.isgenerator(result):
                 for chunk in result:
                     self._emit(meta, "chunk", chunk)
-                self._emit(meta, "end", None)
+                if not streaming_input:
+                    self._emit(meta, "end", None)
             else:
                 self._emit(meta, "chunk" if streaming_input else "data", result)
         except RelayError as exc:
@@ -331,7 +345,8 @@ class Role:
             self._fail(meta, "handler", f"{type(exc).__name__}: {exc}", exc_type=type(exc).__name__)
         else:
             self.metrics.handler_seconds(time.monotonic() - started)
-            self.metrics.request_done(time.monotonic() - started)
+            if not streaming_input:
+                self.metrics.request_done(time.monotonic() - started)
         finally:
             for msg in messages:
                 msg.release()
@@ -411,6 +426,7 @@ class Role:
             if meta.rid in self._runnable:
                 self._runnable.remove(meta.rid)
             self._seq.pop(meta.rid, None)
+            self._stream_started.pop(meta.rid, None)
         for msg in queued + (join.messages if join else []):
             msg.release()
         targets = set(self.me.downstream) | {r.target for r in self.me.refs_out}
