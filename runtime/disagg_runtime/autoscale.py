@@ -1,0 +1,206 @@
+"""Replica decisions from transfer-pool occupancy: pure, shared by the operator and `disagg up`.
+
+A stage that cannot keep up holds its receive slots longer, so its pool fills; an idle
+stage's pool drains. Per role and decision (HPA-like, with the rules written out):
+
+    observed  = mean pool occupancy over ready replicas with a fresh sample
+    ratio     = observed / target
+    raw       = current                       if |ratio - 1| <= tolerance
+              = ceil(current * ratio)         otherwise
+    up:   replicas not ready or without a fresh sample count as occupancy 0 (they will
+          take load soon), which damps the step; raw <= current + max_step_up
+    down: blocked while any replica lacks a fresh sample or has requests queued;
+          raw >= current - max_step_down
+    stabilized = min(raws in the last up window)    when raw > current
+               = max(raws in the last down window)  when raw < current
+    desired    = clamp(stabilized, minReplicas, maxReplicas)
+
+So a spike scales up within one decision (up window 0 by default), scale-down waits for
+its whole window of lower recommendations, and load that oscillates inside the window
+does not flap. Ratio locks then hold declared proportions between roles (e.g.
+denoiser:decoder = 4:1): when the leader's desired count moves, followers outside the
+lock's tolerance are set to the proportional count (clamped to their own bounds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+STALE_AFTER_S = 30.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    min_replicas: int
+    max_replicas: int
+    target_occupancy: float = 0.7
+    tolerance: float = 0.1
+    scale_up_window_s: float = 0.0
+    scale_down_window_s: float = 300.0
+    max_step_up: int | None = None  # default: max(4, current), as the HPA
+    max_step_down: int | None = None  # default: no limit beyond the window
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_replicas <= self.max_replicas:
+            raise ValueError(f"need 0 < minReplicas <= maxReplicas, got {self}")
+        if not 0 < self.target_occupancy <= 1:
+            raise ValueError(f"targetPoolOccupancy must be in (0, 1], got {self.target_occupancy}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One replica's reading: occupancy 0..1 (None if the scrape failed)."""
+
+    replica: str
+    occupancy: float | None
+    queue_depth: int = 0
+    ready: bool = True
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class RatioLock:
+    """`follower` replicas per `leader` replica = follower_share / leader_share."""
+
+    leader: str
+    follower: str
+    leader_share: int
+    follower_share: int
+    tolerance: float = 0.0
+
+    def follower_for(self, leader_replicas: int) -> int:
+        return max(1, math.ceil(leader_replicas * self.follower_share / self.leader_share))
+
+
+@dataclass(frozen=True)
+class Decision:
+    role: str
+    current: int
+    desired: int
+    reason: str
+    at: float
+
+    @property
+    def changed(self) -> bool:
+        return self.desired != self.current
+
+
+@dataclass
+class _History:
+    raws: deque[tuple[float, int]] = field(default_factory=deque)
+
+
+class Autoscaler:
+    """Keeps the recommendation history the stabilization windows need."""
+
+    def __init__(
+        self,
+        policies: Mapping[str, Policy],
+        locks: Sequence[RatioLock] = (),
+        *,
+        stale_after_s: float = STALE_AFTER_S,
+    ) -> None:
+        self.policies = dict(policies)
+        self.locks = list(locks)
+        self.stale_after_s = stale_after_s
+        self._history: dict[str, _History] = {role: _History() for role in self.policies}
+
+    def decide(
+        self, now: float, current: Mapping[str, int], samples: Mapping[str, Sequence[Sample]]
+    ) -> dict[str, Decision]:
+        decisions = {
+            role: self._decide_role(role, policy, now, current[role], samples.get(role, ()))
+            for role, policy in self.policies.items()
+            if role in current
+        }
+        for lock in self.locks:
+            self._apply_lock(lock, decisions, current, now)
+        return decisions
+
+    def _decide_role(
+        self, role: str, policy: Policy, now: float, current: int, samples: Sequence[Sample]
+    ) -> Decision:
+        raw, reason = recommend(policy, current, samples, now, self.stale_after_s)
+        history = self._history[role].raws
+        history.append((now, raw))
+        horizon = now - max(policy.scale_up_window_s, policy.scale_down_window_s)
+        while history and history[0][0] < horizon:
+            history.popleft()
+        if raw > current:
+            window = [r for t, r in history if t >= now - policy.scale_up_window_s]
+            stabilized = max(current, min(window))
+            if stabilized < raw:
+                reason += f"; held to {stabilized} by the {policy.scale_up_window_s:g}s up window"
+        elif raw < current:
+            window = [r for t, r in history if t >= now - policy.scale_down_window_s]
+            stabilized = min(current, max(window))
+            if stabilized > raw:
+                reason += f"; waiting for the {policy.scale_down_window_s:g}s scale-down window"
+        else:
+            stabilized = current
+        desired = min(policy.max_replicas, max(policy.min_replicas, stabilized))
+        if desired != stabilized:
+            reason += f"; clamped to [{policy.min_replicas}, {policy.max_replicas}]"
+        return Decision(role, current, desired, reason, now)
+
+    def _apply_lock(
+        self,
+        lock: RatioLock,
+        decisions: dict[str, Decision],
+        current: Mapping[str, int],
+        now: float,
+    ) -> None:
+        leader = decisions.get(lock.leader)
+        follower_now = current.get(lock.follower)
+        if leader is None or follower_now is None:
+            return
+        want = lock.follower_for(leader.desired)
+        policy = self.policies.get(lock.follower)
+        if policy is not None:
+            want = min(policy.max_replicas, max(policy.min_replicas, want))
+        own = decisions.get(lock.follower)
+        proposed = own.desired if own is not None else follower_now
+        if abs(proposed - want) <= lock.tolerance * want:
+            return
+        reason = (
+            f"ratio lock {lock.leader}:{lock.follower} = "
+            f"{lock.leader_share}:{lock.follower_share} with {lock.leader} at {leader.desired}"
+        )
+        decisions[lock.follower] = Decision(lock.follower, follower_now, want, reason, now)
+
+
+def recommend(
+    policy: Policy, current: int, samples: Sequence[Sample], now: float, stale_after_s: float
+) -> tuple[int, str]:
+    """The unstabilized recommendation for one role, with the reason in words."""
+    fresh = [
+        s for s in samples if s.ready and s.occupancy is not None and now - s.at <= stale_after_s
+    ]
+    if not fresh:
+        return current, "no fresh pool samples: keeping the replica count"
+    observed = sum(s.occupancy or 0.0 for s in fresh) / len(fresh)
+    ratio = observed / policy.target_occupancy
+    described = f"pool occupancy {observed:.2f} vs target {policy.target_occupancy:.2f}"
+    if abs(ratio - 1) <= policy.tolerance:
+        return current, f"{described}: within tolerance"
+    if ratio > 1:
+        counted = max(current, len(samples))
+        damped = sum(s.occupancy or 0.0 for s in fresh) / counted
+        raw = math.ceil(current * damped / policy.target_occupancy)
+        step = policy.max_step_up if policy.max_step_up is not None else max(4, current)
+        raw = min(raw, current + step)
+        if raw <= current:
+            return current, f"{described}: replicas not yet ready absorb the load"
+        return raw, f"{described}: scale up"
+    missing = current - len(fresh)
+    if missing > 0:
+        return current, f"{described}: {missing} replica(s) without fresh samples block scale-down"
+    if any(s.queue_depth > 0 for s in fresh):
+        return current, f"{described}: requests still queued block scale-down"
+    raw = max(1, math.ceil(current * ratio))
+    if policy.max_step_down is not None:
+        raw = max(raw, current - policy.max_step_down)
+    return raw, f"{described}: scale down"
