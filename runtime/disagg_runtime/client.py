@@ -26,7 +26,7 @@ import torch
 from disagg_runtime import envelope as env
 from disagg_runtime.contract import Peer
 from disagg_runtime.envelope import Meta, Reply
-from disagg_runtime.peers import PeerSet, RelayCache, Resolver, resolve_dns
+from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name
 from disagg_runtime.relay import Ingress, RelayError
 
@@ -85,6 +85,7 @@ class Client:
         pool_size: int = 256 << 20,
         timeout: float = 30.0,
         resolver: Resolver = resolve_dns,
+        peers_file: str = "",
     ) -> None:
         self.exits = frozenset(exits)
         self.timeout = timeout
@@ -96,7 +97,10 @@ class Client:
         self.ingress = Ingress(f"tcp://{bind_host}:0", self.pool, lease_s=timeout)
         port = self.ingress.endpoint.rsplit(":", 1)[1]
         self.reply = Reply(f"tcp://{advertise_host or bind_host}:{port}", reply_relay)
-        self.entries = [PeerSet(p, entry_relay, resolver=resolver) for p in entries]
+        listed = PeersFile(peers_file) if peers_file else None
+        self.entries = [
+            PeerSet(p, entry_relay, resolver=resolver, peers_file=listed) for p in entries
+        ]
         self.relays = RelayCache(timeout=timeout)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()

@@ -26,6 +26,10 @@ Environment (all strings):
     DISAGG_SAME_GPU_PEERS      comma list of roles sharing this container's GPU (same pod)
     DISAGG_NODE_LOCAL          "1" when every peer shares this host's /dev/shm (disagg up)
     DISAGG_TOPOLOGY_FILE       path of the topology file (default /etc/disagg/topology.json)
+    DISAGG_PEERS_FILE          optional JSON {"role": ["host:port", ...]} overriding the
+                               addresses of DISAGG_DOWNSTREAM, re-read when it changes
+                               (`disagg up` scales replicas with it; pods use DNS instead)
+    DISAGG_METRICS_DUMP        optional path: the role writes its final metrics there on exit
 
 Topology file (JSON, mounted from a ConfigMap): the pipeline's graph as the runtime needs
 it: per role whether it is an entry or exit, its upstream roles (fan-in joins wait for
@@ -199,6 +203,8 @@ class RoleConfig:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
     pod_name: str = ""
     topology_file: str = DEFAULT_TOPOLOGY_FILE
+    peers_file: str = ""
+    metrics_dump: str = ""
 
     @property
     def me(self) -> RoleTopology:
@@ -232,6 +238,10 @@ def render_env(config: RoleConfig) -> dict[str, str]:
         "NODE_LOCAL": "1" if config.node_local else "0",
         "TOPOLOGY_FILE": config.topology_file,
     }
+    if config.peers_file:
+        env["PEERS_FILE"] = config.peers_file
+    if config.metrics_dump:
+        env["METRICS_DUMP"] = config.metrics_dump
     return {PREFIX + k: v for k, v in env.items()}
 
 
@@ -335,6 +345,8 @@ def parse_env(env: Mapping[str, str], topology: Topology | None = None) -> RoleC
         request_timeout=timeout,
         pod_name=env.get(PREFIX + "POD_NAME", ""),
         topology_file=topology_file,
+        peers_file=env.get(PREFIX + "PEERS_FILE", ""),
+        metrics_dump=env.get(PREFIX + "METRICS_DUMP", ""),
     )
 
 

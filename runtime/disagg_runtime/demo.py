@@ -15,7 +15,8 @@ text-to-video (``encoder -> denoiser -> decoder``; bf16, tens of MiB per hop)
     from ``DISAGG_DEMO_SCALE`` (H, W = 128, 160 at scale 1: 10 MiB).
     ``denoise``  gets the encoder's output *without* ``text_embedding`` (a tensor reference
     the runtime sends straight to the decoder) -> ``{"latents": bf16 (16, 16, H, W)}``:
-    ``steps`` Euler steps of a per-frame gated (softmax) channel-mixing model.
+    ``steps`` Euler steps of a per-frame gated (softmax) channel-mixing model. (Run without
+    the tensor reference, it gets ``text_embedding`` too and passes it on unchanged.)
     ``decode_video``  gets the denoiser's output plus ``text_embedding`` re-inserted ->
     ``{"frames": uint8 (16, 3, 2H, 2W), "fps": int}`` (12 MiB at scale 1): a 1x1
     projection conditioned on the text, then a 2x pixel shuffle.
@@ -51,7 +52,7 @@ Conventions
     handler and the key.
     ``"fail"``: a payload with ``"fail": <name>``, where name is a handler's name or the
     role name it has in the examples (``"denoise"`` or ``"denoiser"``), makes that handler
-    raise ``RuntimeError("demo failure requested")``. ``"sleep_ms"`` (number >= 0) makes
+    raise ``RuntimeError("demo failure requested")``. ``"sleep_ms"`` (0 to 600000) makes
     ``denoise`` sleep that long first (a slow stage). ``"request"`` (a JSON scalar, set by
     ``sample_input``) tags a request. All three are carried from every handler's input to
     its output (and into every streamed chunk), so later stages see them.
@@ -76,6 +77,7 @@ Payload = dict[str, Any]
 SCALE_ENV = "DISAGG_DEMO_SCALE"
 CARRIED_KEYS: tuple[str, ...] = ("fail", "sleep_ms", "request")
 FAILURE_MESSAGE = "demo failure requested"
+MAX_SLEEP_MS = 600_000
 ENTRY_HANDLERS: tuple[str, ...] = ("encode_text", "prefill", "ingest")
 # handler -> the role that runs it in examples/*.yaml (either name works for "fail")
 ROLE_NAMES: dict[str, str] = {
@@ -232,9 +234,12 @@ def _carried(handler: str, *payloads: Payload) -> Payload:
         isinstance(sleep_ms, bool)
         or not isinstance(sleep_ms, (int, float))
         or not math.isfinite(sleep_ms)
-        or sleep_ms < 0
+        or not 0 <= sleep_ms <= MAX_SLEEP_MS
     ):
-        raise ValueError(f"{handler}: payload['sleep_ms'] must be a number >= 0; got {sleep_ms!r}")
+        raise ValueError(
+            f"{handler}: payload['sleep_ms'] must be a number in [0, {MAX_SLEEP_MS}]; "
+            f"got {sleep_ms!r}"
+        )
     if fail in (handler, ROLE_NAMES[handler]):
         raise RuntimeError(FAILURE_MESSAGE)
     return out
@@ -334,6 +339,17 @@ def _attention_pool(x: torch.Tensor, name: str) -> torch.Tensor:
 
 # --- text-to-video -------------------------------------------------------------------------
 
+_LATENT_DIMS: dict[str, dict[int, int]] = {
+    "shape": {1: LATENT_CHANNELS},
+    "min_size": {0: 1, 2: 1, 3: 1},
+}
+_TEXT_DIMS: dict[str, Any] = {
+    "ndim": 2,
+    "kind": "float",
+    "shape": {1: TEXT_DIM},
+    "min_size": {0: 1},
+}
+
 
 def encode_text(payload: object) -> Payload:
     """Text encoder: token ids -> text embedding, initial latents (seeded noise) and a
@@ -378,12 +394,9 @@ def denoise(payload: object) -> Payload:
     name = "denoise"
     p = _as_dict(payload, name)
     out = _carried(name, p)
-    if "text_embedding" in p:
-        raise ValueError(
-            f"{name}: payload has 'text_embedding'; it goes to the decoder as a tensor "
-            "reference and must not reach the denoiser"
-        )
-    latents = _tensor(p, "latents", name, ndim=4, kind="float", shape={1: LATENT_CHANNELS})
+    latents = _tensor(p, "latents", name, ndim=4, kind="float", **_LATENT_DIMS)
+    if "text_embedding" in p:  # a pipeline without the tensor reference: pass it on as is
+        out["text_embedding"] = _tensor(p, "text_embedding", name, **_TEXT_DIMS)
     cond = _tensor(p, "cond", name, ndim=1, kind="float", shape={0: LATENT_CHANNELS})
     steps = _int(p, "steps", name, default=DEFAULT_STEPS, lo=1, hi=MAX_STEPS)
     sleep_ms = out.get("sleep_ms")
@@ -392,18 +405,20 @@ def denoise(payload: object) -> Payload:
 
     frames, channels, height, width = latents.shape
     dtype = latents.dtype
-    x = latents.reshape(frames, channels, height * width).clone()  # never write the input
-    # eps(x) = gate * (I + W / 2) x + cond: mostly "x is noise", so each step shrinks x
-    mix = torch.eye(channels) + 0.5 * _conv("video.mix", channels, channels)
+    x = latents.reshape(frames, channels, height * width)  # read only: each step is new
+    # eps(x) = gate * (I + W / 2) x + cond: mostly "x is noise", so each step shrinks x.
+    # One Euler step x - dt * eps(x) is a single batched matmul: (I - dt * gate * M) x - dt * c.
+    eye = torch.eye(channels)
+    mix = eye + 0.5 * _conv("video.mix", channels, channels)
     gate_w = _linear("video.gate", channels, channels) * 4.0
-    bias = cond.to(dtype).view(1, channels, 1).expand(frames, channels, 1)
+    cond_col = cond.float().view(1, channels, 1).expand(frames, channels, 1)
     sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
     for sigma, sigma_next in itertools.pairwise(sigmas):
+        dt = sigma - sigma_next
         pooled = x.mean(dim=2, dtype=torch.float32)  # (frames, channels)
         gate = torch.softmax(pooled @ gate_w, dim=1) * channels
-        weights = (gate.unsqueeze(2) * mix.unsqueeze(0)).to(dtype)
-        eps = torch.baddbmm(bias, weights, x)
-        x.add_(eps, alpha=-(sigma - sigma_next))
+        step = (eye - dt * gate.unsqueeze(2) * mix).to(dtype)
+        x = torch.baddbmm((-dt * cond_col).to(dtype), step, x)
     out["latents"] = x.view(frames, channels, height, width)
     return out
 
@@ -414,8 +429,8 @@ def decode_video(payload: object) -> Payload:
     name = "decode_video"
     p = _as_dict(payload, name)
     out = _carried(name, p)
-    latents = _tensor(p, "latents", name, ndim=4, kind="float", shape={1: LATENT_CHANNELS})
-    text = _tensor(p, "text_embedding", name, ndim=2, kind="float", shape={1: TEXT_DIM})
+    latents = _tensor(p, "latents", name, ndim=4, kind="float", **_LATENT_DIMS)
+    text = _tensor(p, "text_embedding", name, **_TEXT_DIMS)
 
     frames, channels, height, width = latents.shape
     dtype = latents.dtype
@@ -625,7 +640,7 @@ def fuse(payload: object) -> Payload:
     branches = [v for v in p.values() if isinstance(v, dict)]
     vision = [b for b in branches if "image_embedding" in b]
     audio = [b for b in branches if "audio_embedding" in b]
-    if len(vision) != 1 or len(audio) != 1 or len(branches) != len(p):
+    if len(p) != 2 or len(vision) != 1 or len(audio) != 1:
         raise ValueError(
             f"{name}: expected a dict of upstream outputs, one with 'image_embedding' and "
             f"one with 'audio_embedding' (e.g. {{'vision': ..., 'audio': ...}}); "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import glob
 import json
 import os
@@ -29,6 +30,7 @@ from typing import IO, Any
 from disagg_runtime.client import Client
 from disagg_runtime.contract import Peer, RoleConfig, Topology, render_env, write_topology
 from disagg_runtime.metrics import fetch, scrape
+from disagg_runtime.peers import FILE_RESOLVE_EVERY, write_peers_file
 from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
 from disagg_runtime.spec_model import Pipeline
 
@@ -37,11 +39,16 @@ _PR_SET_PDEATHSIG = 1
 
 
 def free_ports() -> Iterator[int]:
-    """Ports the kernel says are free now (bound and released: good enough locally)."""
+    """Ports the kernel says are free now (bound and released: good enough locally),
+    never the same one twice."""
+    seen: set[int] = set()
     while True:
         with socket.socket() as s:
             s.bind((HOST, 0))
-            yield s.getsockname()[1]
+            port = int(s.getsockname()[1])
+        if port not in seen:
+            seen.add(port)
+            yield port
 
 
 def plan_local(
@@ -49,6 +56,7 @@ def plan_local(
     ports: Iterator[int],
     topology_file: str,
     replicas: dict[str, int] | None = None,
+    peers_file: str = "",
 ) -> list[RoleConfig]:
     """One RoleConfig per replica: ports assigned, peers as explicit loopback addresses."""
     topology = Topology.from_pipeline(pipeline, namespace="")
@@ -84,6 +92,7 @@ def plan_local(
                     concurrency=role.concurrency,
                     request_timeout=pipeline.transport.request_timeout_seconds,
                     topology_file=topology_file,
+                    peers_file=peers_file,
                 )
             )
     return configs
@@ -100,6 +109,7 @@ class RoleProcess:
     config: RoleConfig
     proc: subprocess.Popen[bytes]
     log_path: str
+    ready: bool = True  # listed in the peers file
     stopping: bool = False
 
     @property
@@ -126,18 +136,77 @@ class LocalPipeline:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._ports = free_ports()
+        self._scale_lock = threading.Lock()
         self.topology_file = os.path.join(self.workdir, "topology.json")
+        self.peers_file = os.path.join(self.workdir, "peers.json")
 
     def start(self) -> None:
-        configs = plan_local(self.pipeline, free_ports(), self.topology_file)
+        configs = plan_local(
+            self.pipeline, self._ports, self.topology_file, peers_file=self.peers_file
+        )
         write_topology(configs[0].topology, self.topology_file)
         for config in configs:
             self.processes.append(self._spawn(config))
+        self._publish()
         self._monitor = threading.Thread(target=self._watch, name="disagg-up-watch", daemon=True)
         self._monitor.start()
 
-    def _spawn(self, config: RoleConfig) -> RoleProcess:
+    def live(self, role: str) -> list[RoleProcess]:
+        """Replicas of `role` that are serving (not being stopped)."""
+        return [rp for rp in self.processes if rp.config.role == role and not rp.stopping]
+
+    def _publish(self) -> None:
+        """Tell every role (and the client) which replicas to send to."""
+        roles: dict[str, list[str]] = {r.name: [] for r in self.pipeline.roles}
+        for rp in self.processes:
+            if not rp.stopping and rp.ready:
+                roles[rp.config.role].append(f"{HOST}:{rp.config.ingress_port}")
+        write_peers_file(self.peers_file, roles)
+
+    def scale(self, role: str, replicas: int, *, ready_timeout: float = 60.0) -> None:
+        """Start or stop replicas of `role` while requests flow. New replicas join the peers
+        file once ready; leaving ones are taken out of it first, then drained by SIGTERM."""
+        with self._scale_lock:
+            current = self.live(role)
+            if replicas > len(current):
+                template = current[0].config if current else self._template(role)
+                used = {rp.config.replica for rp in self.processes if rp.config.role == role}
+                index = max(used, default=-1) + 1
+                added = []
+                for i in range(index, index + replicas - len(current)):
+                    config = dataclasses.replace(
+                        template,
+                        replica=i,
+                        ingress_port=next(self._ports),
+                        metrics_port=next(self._ports),
+                    )
+                    added.append(self._spawn(config, ready=False))
+                self.processes.extend(added)
+                self._wait(added, ready_timeout)
+                for rp in added:
+                    rp.ready = True
+                self._publish()
+            elif replicas < len(current):
+                leaving = sorted(current, key=lambda rp: rp.config.replica)[replicas:]
+                for rp in leaving:
+                    rp.stopping = True
+                self._publish()
+                time.sleep(4 * FILE_RESOLVE_EVERY)  # senders re-read the file before we go
+                self._terminate(leaving)
+
+    def _template(self, role: str) -> RoleConfig:
+        for rp in self.processes:
+            if rp.config.role == role:
+                return rp.config
+        raise KeyError(f"no replica of role {role!r} was ever started")
+
+    def _spawn(self, config: RoleConfig, *, ready: bool = True) -> RoleProcess:
         role = self.pipeline.role(config.role)
+        config = dataclasses.replace(
+            config,
+            metrics_dump=os.path.join(self.workdir, f"{config.role}-{config.replica}.prom"),
+        )
         env = dict(os.environ)
         env.update({e.name: e.value for e in role.env if e.value_from is None})
         env.update(render_env(config))
@@ -153,12 +222,15 @@ class LocalPipeline:
                 start_new_session=True,  # Ctrl-C reaches the launcher, which drains them
                 preexec_fn=_die_with_parent,
             )
-        return RoleProcess(config, proc, log_path)
+        return RoleProcess(config, proc, log_path, ready=ready)
 
     def wait_ready(self, timeout: float = 60.0) -> float:
         """Seconds until every replica answers /readyz; raises if one dies or time runs out."""
+        return self._wait(list(self.processes), timeout)
+
+    def _wait(self, processes: list[RoleProcess], timeout: float) -> float:
         started = time.monotonic()
-        waiting = list(self.processes)
+        waiting = list(processes)
         while waiting:
             for rp in list(waiting):
                 if rp.proc.poll() is not None:
@@ -191,16 +263,22 @@ class LocalPipeline:
             entry_relay="shm",
             reply_relay="shm",
             timeout=timeout or self.pipeline.transport.request_timeout_seconds,
+            peers_file=self.peers_file,
         )
 
     def metrics(self) -> dict[str, dict[str, float]]:
-        """Scrape every live replica: {"role/replica": samples}."""
+        """Every replica's samples, {"role/replica": samples}: scraped from live ones, read
+        from the final dump of those that were scaled away."""
         out = {}
         for rp in self.processes:
             with contextlib.suppress(OSError, ValueError):
-                status, body = fetch(f"http://{HOST}:{rp.config.metrics_port}/metrics", 2.0)
-                if status == 200:
-                    out[rp.label] = scrape(body)
+                if rp.proc.poll() is None:
+                    status, body = fetch(f"http://{HOST}:{rp.config.metrics_port}/metrics", 2.0)
+                    if status == 200:
+                        out[rp.label] = scrape(body)
+                elif rp.config.metrics_dump:
+                    with open(rp.config.metrics_dump) as f:
+                        out[rp.label] = scrape(f.read())
         return out
 
     def _watch(self) -> None:
@@ -218,19 +296,21 @@ class LocalPipeline:
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=2)
-        for rp in self.processes:
+        self._terminate(self.processes)
+
+    def _terminate(self, processes: list[RoleProcess]) -> None:
+        for rp in processes:
             rp.stopping = True
             if rp.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     rp.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
-        for rp in self.processes:
+        for rp in processes:
             try:
                 rp.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 rp.proc.kill()
                 rp.proc.wait(timeout=5)
-        for rp in self.processes:
             remove_segments_of(rp.proc.pid)
 
     def __enter__(self) -> LocalPipeline:

@@ -32,7 +32,7 @@ from disagg_runtime import envelope as env
 from disagg_runtime.contract import RoleConfig
 from disagg_runtime.envelope import Meta
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
-from disagg_runtime.peers import PeerSet, RelayCache, Resolver, resolve_dns
+from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name
 from disagg_runtime.relay import Ingress, Message, RelayError
 
@@ -111,8 +111,11 @@ class Role:
             self.pool.close()
             raise
         self.relays = RelayCache(timeout=config.request_timeout)
+        peers_file = PeersFile(config.peers_file) if config.peers_file else None
         self.peers = {
-            p.role: PeerSet(p, relay_kind(config, p.role, p.relay), resolver=resolver)
+            p.role: PeerSet(
+                p, relay_kind(config, p.role, p.relay), resolver=resolver, peers_file=peers_file
+            )
             for p in config.downstream
         }
         self.metrics = RoleMetrics(
@@ -152,14 +155,24 @@ class Role:
         log.info("role %s/%d serving on %s", self.name, self.config.replica, self.ingress.endpoint)
 
     def idle(self) -> bool:
+        """Nothing held: no work, no joins, nothing queued or reserved at the ingress."""
         with self._cond:
-            return not (self._work or self._active or self._joins)
+            busy = bool(self._work or self._active or self._joins)
+        stats = self.ingress.stats()
+        return not busy and stats.queued == 0 and stats.pending_reservations == 0
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain (stop being ready, finish what is here) up to `grace_s`, then release all."""
         self._draining.set()
         deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
-        while time.monotonic() < deadline and not self.idle():
+        quiet_since: float | None = None
+        while time.monotonic() < deadline:  # idle for 0.2 s: nothing is still on its way
+            if not self.idle():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= 0.2:
+                break
             time.sleep(0.05)
         self._stopping.set()
         with self._cond:
@@ -177,6 +190,9 @@ class Role:
         self.health.close()
         self.ingress.close()
         self.pool.close()
+        if self.config.metrics_dump:
+            with open(self.config.metrics_dump, "wb") as f:
+                f.write(self.metrics.render())
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain and exit (what a pod runs)."""
