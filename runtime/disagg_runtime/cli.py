@@ -28,6 +28,12 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=60.0, help="start-up limit (s)")
     up.add_argument("--grace", type=float, default=10.0, help="drain time at stop (s)")
     up.add_argument("--json", action="store_true", help="print the summary as JSON")
+    up.add_argument(
+        "--autoscale", action="store_true", help="scale roles by pool occupancy while running"
+    )
+    up.add_argument(
+        "--autoscale-interval", type=float, default=1.0, help="seconds between decisions"
+    )
 
     bench = sub.add_parser("bench", help="measure transports")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -53,7 +53,8 @@ Conventions
     ``"fail"``: a payload with ``"fail": <name>``, where name is a handler's name or the
     role name it has in the examples (``"denoise"`` or ``"denoiser"``), makes that handler
     raise ``RuntimeError("demo failure requested")``. ``"sleep_ms"`` (0 to 600000) makes
-    ``denoise`` sleep that long first (a slow stage). ``"request"`` (a JSON scalar, set by
+    ``denoise`` sleep that long first (a slow stage); so does ``DEMO_DENOISE_MS`` in the
+    denoiser's environment (examples/slow-denoiser.yaml). ``"request"`` (a JSON scalar, set by
     ``sample_input``) tags a request. All three are carried from every handler's input to
     its output (and into every streamed chunk), so later stages see them.
 """
@@ -137,6 +138,22 @@ _PROMPTS = (
 
 
 # --- validation and conventions ------------------------------------------------------------
+
+
+DENOISE_MS_ENV = "DEMO_DENOISE_MS"
+
+
+def _env_ms(name: str) -> float:
+    """Extra milliseconds from the environment (a role's `env` in the pipeline): stands in
+    for accelerator time, so a stage can be slow without using this machine's CPUs."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of milliseconds") from None
+    if not math.isfinite(value) or not 0 <= value <= MAX_SLEEP_MS:
+        raise ValueError(f"{name} must be in [0, {MAX_SLEEP_MS}] ms, got {raw!r}")
+    return value
 
 
 def demo_scale() -> float:
@@ -399,9 +416,9 @@ def denoise(payload: object) -> Payload:
         out["text_embedding"] = _tensor(p, "text_embedding", name, **_TEXT_DIMS)
     cond = _tensor(p, "cond", name, ndim=1, kind="float", shape={0: LATENT_CHANNELS})
     steps = _int(p, "steps", name, default=DEFAULT_STEPS, lo=1, hi=MAX_STEPS)
-    sleep_ms = out.get("sleep_ms")
+    sleep_ms = float(out.get("sleep_ms") or 0.0) + _env_ms(DENOISE_MS_ENV)
     if sleep_ms:
-        time.sleep(float(sleep_ms) / 1000.0)
+        time.sleep(sleep_ms / 1000.0)
 
     frames, channels, height, width = latents.shape
     dtype = latents.dtype

@@ -22,6 +22,7 @@ import torch
 
 from disagg_runtime.client import Client
 from disagg_runtime.launcher import LocalPipeline, RoleProcess, dump_json
+from disagg_runtime.local_autoscale import LocalAutoscaler
 from disagg_runtime.spec import SpecError, load_pipeline_file
 from disagg_runtime.spec_model import Pipeline
 
@@ -200,6 +201,10 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(
             f"{name:<20}{r['replicas']:>9}{r['completed']:>11}{r['failed']:>8}{r['mean_ms']:>10.1f}"
         )
+    lines += [
+        f"scaled {e['role']} {e['from']} -> {e['to']} at {e['time_s']:.1f} s: {e['reason']}"
+        for e in summary.get("scale_events", [])
+    ]
     lines += [f"died: {d}" for d in summary["died"]]
     lines += [f"error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
@@ -224,10 +229,14 @@ def run_cli(args: argparse.Namespace) -> int:
             client.fail_all(f"role {rp.label} died (exit code {code})", role=rp.config.role)
 
     local.on_death = died
+    scaler: LocalAutoscaler | None = None
     try:
         local.start()
         ready_s = local.wait_ready(timeout=args.ready_timeout)
         client = local.client(timeout=args.timeout)
+        if args.autoscale:
+            scaler = LocalAutoscaler(local, interval_s=args.autoscale_interval)
+            scaler.start()
         make = input_factory(pipeline)
         tally, elapsed = drive(
             client,
@@ -240,7 +249,13 @@ def run_cli(args: argparse.Namespace) -> int:
         )
         if sys.stderr.isatty():
             sys.stderr.write("\n")
+        if scaler is not None:
+            scaler.stop()
         summary = summarize(local, tally, elapsed, ready_s)
+        if scaler is not None:
+            for role, report in scaler.report().items():
+                summary["roles"][role].update(report)
+            summary["scale_events"] = scaler.events
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: stopping every role", file=sys.stderr)
@@ -248,6 +263,8 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"disagg up: {exc}", file=sys.stderr)
         return 1
     finally:
+        if scaler is not None:
+            scaler.stop()
         if client is not None:
             client.close()
         local.stop()
