@@ -17,6 +17,10 @@ def _build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="validate DisaggregatedPipeline files")
     validate.add_argument("files", nargs="+", help="pipeline YAML files")
 
+    render = sub.add_parser("render", help="print the Kubernetes objects the operator creates")
+    render.add_argument("file", help="pipeline YAML")
+    render.add_argument("--namespace", help="target namespace (default: the file's, else default)")
+
     sub.add_parser("role", help="run one role process from the DISAGG_* environment")
 
     up = sub.add_parser("up", help="run a pipeline locally as processes and drive requests")
@@ -62,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime import spec
 
         return spec.validate_cli(args.files, out=sys.stdout)
+    if args.command == "render":
+        from disagg_operator import render
+
+        return render.render_cli(
+            args.file, namespace=args.namespace, out=sys.stdout, err=sys.stderr
+        )
     if args.command == "role":
         from disagg_runtime import role
 

@@ -389,6 +389,9 @@ def _byte_view(buf: Any, where: str) -> memoryview:
     return view
 
 
+_readonly_warning_seen = False
+
+
 def tensor_from_buffer(buf: Any, meta: TensorMeta, *, copy: bool = False) -> torch.Tensor:
     """A tensor of ``meta``'s dtype and shape that views ``buf`` (copies only if ``copy``).
 
@@ -403,10 +406,14 @@ def tensor_from_buffer(buf: Any, meta: TensorMeta, *, copy: bool = False) -> tor
         )
     if meta.nbytes == 0:
         return torch.empty(meta.shape, dtype=meta.dtype)
-    if view.readonly:
+    global _readonly_warning_seen
+    if view.readonly and not _readonly_warning_seen:
+        # torch warns about read-only buffers once per process (TORCH_WARN_ONCE): swallow
+        # that one warning, then skip the costly catch_warnings on the hot path
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable", category=UserWarning)
             raw = torch.frombuffer(view, dtype=torch.uint8)
+        _readonly_warning_seen = True
     else:
         raw = torch.frombuffer(view, dtype=torch.uint8)
     if meta.dtype == torch.bool and bool((raw > 1).any()):

@@ -130,7 +130,7 @@ class Ingress:
         self._sock.setsockopt(zmq.RCVHWM, HWM)  # bounds chunks buffered ahead of recv_into
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._queue: queue.Queue[Message] = queue.Queue()
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: fast hand-off
         self._lock = threading.Lock()
         self._pending: collections.deque[_Reservation] = collections.deque()
         self._granted: dict[tuple[bytes, int], _Reservation] = {}
