@@ -181,7 +181,7 @@ class Client:
         endpoint = peers.endpoint_for(meta.rid)
         relay = self.relays.get(peers.kind, endpoint)
         try:
-            relay.send(env.wrap(meta, payload), request_id=meta.rid, timeout=self.timeout)
+            relay.send(payload, request_id=meta.rid, timeout=self.timeout, meta=meta.to_json())
         except RelayError:
             self.relays.drop(peers.kind, endpoint)
             raise
@@ -216,8 +216,8 @@ class Client:
             except TimeoutError:
                 continue
             try:
-                meta, payload = env.unwrap(msg.payload)
-                payload = detach(payload)
+                meta = env.parse(msg.meta)
+                payload = detach(msg.payload)
             except env.EnvelopeError:
                 continue
             finally:

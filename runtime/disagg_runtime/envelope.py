@@ -1,8 +1,10 @@
-"""What travels between roles: a request's metadata wrapped around its payload.
+"""What travels between roles beside each payload: the request's metadata.
 
-    {"m": {"rid": "...", "kind": "data", "from": "encoder", "deadline": 1.7e9,
-           "reply": {"endpoint": "tcp://10.0.0.5:41234", "relay": "tcp"}, ...},
-     "p": <the handler's payload>}
+    {"rid": "...", "kind": "data", "from": "encoder", "deadline": 1.7e9,
+     "reply": {"endpoint": "tcp://10.0.0.5:41234", "relay": "tcp"}, ...}
+
+It rides in the relay's JSON control header (`Relay.send(meta=...)`, `Message.meta`), not
+in the payload's codec tree, so routing costs no tensor-tree walk.
 
 kinds: `data` (one whole payload), `chunk` (one of a stream, `seq` numbered per emitting
 role), `end` (stream finished; `count` chunks were sent), `ref` (a tensor reference parked
@@ -74,47 +76,42 @@ class Meta:
         return out
 
 
-def wrap(meta: Meta, payload: Any = None) -> dict[str, Any]:
-    return {"m": meta.to_json(), "p": payload}
-
-
-def _get(obj: Mapping[str, Any], key: str, kind: type, where: str = "envelope.m") -> Any:
+def _get(obj: Mapping[str, Any], key: str, kind: type, where: str = "meta") -> Any:
     value = obj.get(key)
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise EnvelopeError(f"{where}.{key}: expected {kind.__name__}, got {value!r:.60}")
     return value
 
 
-def unwrap(obj: Any) -> tuple[Meta, Any]:
-    """Split a received tree into checked metadata and the payload."""
-    if not isinstance(obj, dict) or set(obj) != {"m", "p"} or not isinstance(obj["m"], dict):
-        raise EnvelopeError("envelope: expected {'m': {...}, 'p': ...}")
-    m = obj["m"]
+def parse(m: object) -> Meta:
+    """Check metadata that arrived with a message (`Message.meta`)."""
+    if not isinstance(m, dict):
+        raise EnvelopeError("meta: expected an object")
     kind = _get(m, "kind", str)
     if kind not in KINDS:
-        raise EnvelopeError(f"envelope.m.kind: unknown {kind!r}")
+        raise EnvelopeError(f"meta.kind: unknown {kind!r}")
     reply = _get(m, "reply", dict)
-    relay = _get(reply, "relay", str, "envelope.m.reply")
+    relay = _get(reply, "relay", str, "meta.reply")
     if relay not in REPLY_RELAYS:
-        raise EnvelopeError(f"envelope.m.reply.relay: unknown {relay!r}")
+        raise EnvelopeError(f"meta.reply.relay: unknown {relay!r}")
     deadline = m.get("deadline")
     if not isinstance(deadline, (int, float)) or isinstance(deadline, bool):
-        raise EnvelopeError("envelope.m.deadline: expected a number")
+        raise EnvelopeError("meta.deadline: expected a number")
     error = m.get("error", {})
     if not isinstance(error, dict) or not all(isinstance(v, str) for v in error.values()):
-        raise EnvelopeError("envelope.m.error: expected an object of strings")
+        raise EnvelopeError("meta.error: expected an object of strings")
     meta = Meta(
         rid=_get(m, "rid", str),
         kind=kind,
         source=_get(m, "from", str),
         deadline=float(deadline),
-        reply=Reply(_get(reply, "endpoint", str, "envelope.m.reply"), relay),
+        reply=Reply(_get(reply, "endpoint", str, "meta.reply"), relay),
         seq=m.get("seq", 0) if isinstance(m.get("seq", 0), int) else 0,
         count=m.get("count", 0) if isinstance(m.get("count", 0), int) else 0,
         path=m.get("path", "") if isinstance(m.get("path", ""), str) else "",
         error=error,
     )
-    return meta, obj["p"]
+    return meta
 
 
 def extract(payload: Any, path: str) -> tuple[Any, Any]:

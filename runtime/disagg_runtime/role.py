@@ -232,8 +232,9 @@ class Role:
             self._accept(msg)
 
     def _accept(self, msg: Message) -> None:
+        payload = msg.payload
         try:
-            meta, payload = env.unwrap(msg.payload)
+            meta = env.parse(msg.meta)
         except env.EnvelopeError as exc:
             log.warning("role %s dropped a malformed message: %s", self.name, exc)
             msg.release()
@@ -398,7 +399,7 @@ class Role:
         started = time.monotonic()
         try:
             nbytes = relay.send(
-                env.wrap(meta, payload), request_id=meta.rid, timeout=self._remaining(meta)
+                payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
             )
         except RelayError:
             self.relays.drop(peers.kind, endpoint)
@@ -407,7 +408,7 @@ class Role:
 
     def _send_reply(self, meta: Meta, payload: Any) -> None:
         relay = self.relays.get(meta.reply.relay, meta.reply.endpoint)
-        relay.send(env.wrap(meta, payload), request_id=meta.rid, timeout=self._remaining(meta))
+        relay.send(payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json())
 
     @staticmethod
     def _remaining(meta: Meta) -> float:

@@ -7,6 +7,7 @@ another backend (GPU issue).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
@@ -37,7 +38,14 @@ class Relay(Protocol):
     @property
     def endpoint(self) -> str: ...
 
-    def send(self, payload: Any, *, request_id: str, timeout: float | None = None) -> int: ...
+    def send(
+        self,
+        payload: Any,
+        *,
+        request_id: str,
+        timeout: float | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> int: ...
 
     def abort(self, request_id: str) -> None: ...
 

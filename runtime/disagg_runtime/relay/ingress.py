@@ -47,6 +47,7 @@ class Message:
     nbytes: int
     slot: int | None
     received_at: float
+    meta: dict[str, Any] | None = None  # the sender's routing metadata, unread by relays
     _release: Callable[[Message], None] | None = field(default=None, repr=False)
     released: bool = False
 
@@ -78,6 +79,7 @@ class _Landing:
     grant: _Reservation
     xid: int
     manifest: Manifest
+    meta: dict[str, Any] | None
     targets: Iterator[tuple[int, int]]
     remaining: int
     deadline: float
@@ -97,6 +99,13 @@ def chunk_targets(slot: int, manifest: Manifest, chunk: int) -> Iterator[tuple[i
     for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
         for start in range(0, meta.nbytes, chunk):
             yield slot + offset + start, min(chunk, meta.nbytes - start)
+
+
+def _meta(msg: dict[str, Any]) -> dict[str, Any] | None:
+    meta = msg.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise proto.ProtocolError("relay message: 'meta' must be an object")
+    return meta
 
 
 @dataclass(frozen=True)
@@ -292,9 +301,8 @@ class Ingress:
         while self._sock.getsockopt(zmq.RCVMORE):
             frames.append(self._sock.recv())
         payload = codec.decode(frames)  # no frames at all is a CodecError
-        self._deliver(
-            Message(rid, payload, sum(len(f) for f in frames[1:]), None, time.monotonic())
-        )
+        nbytes = sum(len(f) for f in frames[1:])
+        self._deliver(Message(rid, payload, nbytes, None, time.monotonic(), _meta(msg)))
 
     def _on_reserve(self, ident: bytes, msg: dict[str, Any]) -> None:
         xid = proto.nonneg_int(msg, "xid")
@@ -369,6 +377,7 @@ class Ingress:
                 raise proto.ProtocolError(f"commit offset differs from the grant ({slot})")
             size = self.pool.allocator.size_of(slot)
             manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
+            meta = _meta(msg)
             if self._sock.getsockopt(zmq.RCVMORE):
                 raise proto.ProtocolError("commit carries unexpected frames")
             if msg.get("chunk") is not None:  # tcp: the data follows, one message per chunk
@@ -377,12 +386,14 @@ class Ingress:
                 if count:
                     targets = chunk_targets(slot, manifest, chunk)
                     deadline = time.monotonic() + self.lease_s
-                    self._landing[ident] = _Landing(grant, xid, manifest, targets, count, deadline)
+                    self._landing[ident] = _Landing(
+                        grant, xid, manifest, meta, targets, count, deadline
+                    )
                     return
         except BaseException:
             self.pool.free(slot)
             raise
-        self._finish(ident, xid, grant.rid, slot, manifest)
+        self._finish(ident, xid, grant.rid, slot, manifest, meta)
 
     def _on_chunk(self, ident: bytes, landing: _Landing) -> None:
         """Land the next chunk of `ident`'s transfer straight into its slot."""
@@ -405,15 +416,23 @@ class Ingress:
         if landing.error is not None:
             self.pool.free(slot)
             raise proto.ProtocolError(landing.error)  # counted and nacked by _handle_one
-        self._finish(ident, landing.xid, landing.grant.rid, slot, landing.manifest)
+        self._finish(ident, landing.xid, landing.grant.rid, slot, landing.manifest, landing.meta)
 
-    def _finish(self, ident: bytes, xid: int, rid: str, slot: int, manifest: Manifest) -> None:
+    def _finish(
+        self,
+        ident: bytes,
+        xid: int,
+        rid: str,
+        slot: int,
+        manifest: Manifest,
+        meta: dict[str, Any] | None,
+    ) -> None:
         try:
             payload = read_payload(self.pool.backing, slot, manifest)
         except BaseException:
             self.pool.free(slot)
             raise
-        if self._deliver(Message(rid, payload, manifest.nbytes, slot, time.monotonic())):
+        if self._deliver(Message(rid, payload, manifest.nbytes, slot, time.monotonic(), meta)):
             self._reply(ident, "ack", xid=xid)
         else:
             self._reply(ident, "nack", xid=xid, reason=f"request {rid} was aborted")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -84,10 +85,18 @@ class Sender:
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
         """Backend hook: e.g. attach the receiver's shared pool."""
 
-    def send(self, payload: Any, *, request_id: str, timeout: float | None = None) -> int:
+    def send(
+        self,
+        payload: Any,
+        *,
+        request_id: str,
+        timeout: float | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> int:
         """Deliver `payload` to the receiver; returns once it holds it (large) or has it queued
         (inline), with the number of tensor bytes moved. Raises RelayTimeout when the
-        receiver's pool stays full for `timeout` s."""
+        receiver's pool stays full for `timeout` s. `meta` (JSON) travels in the control
+        header beside the payload, for the receiver's routing; the relay does not read it."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         frames = codec.encode(payload)
         nbytes = sum(memoryview(f).nbytes for f in frames[1:])
@@ -95,10 +104,11 @@ class Sender:
             self._check_open()
             try:
                 if nbytes <= self.inline_max:
-                    self._sock.send_multipart([proto.pack("inline", rid=request_id), *frames])
+                    header = proto.pack("inline", rid=request_id, meta=meta)
+                    self._sock.send_multipart([header, *frames])
                     return nbytes
                 manifest, tensors = Manifest.plan(payload)
-                self._send_staged(request_id, manifest, tensors, deadline)
+                self._send_staged(request_id, manifest, tensors, deadline, meta)
                 return nbytes
             except zmq.Again:
                 raise RelayTimeout(
@@ -127,7 +137,12 @@ class Sender:
             raise RelayError(f"{self.kind} relay to {self.endpoint} is closed")
 
     def _send_staged(
-        self, rid: str, manifest: Manifest, tensors: list[torch.Tensor], deadline: float
+        self,
+        rid: str,
+        manifest: Manifest,
+        tensors: list[torch.Tensor],
+        deadline: float,
+        meta: Mapping[str, Any] | None,
     ) -> None:
         if manifest.nbytes > self.max_allocation:
             raise RelayError(
@@ -156,23 +171,36 @@ class Sender:
                 f"receiver at {self.endpoint} refused request {rid}: {grant.get('reason')}"
             )
         offset = proto.nonneg_int(grant, "offset")
-        self._transfer(rid, xid, offset, manifest, tensors, granted + self.lease_s / 2)
+        commit = proto.pack(
+            "commit",
+            rid=rid,
+            xid=xid,
+            offset=offset,
+            manifest=manifest.to_json(),
+            meta=meta,
+            **self._commit_fields(),
+        )
+        self._transfer(commit, xid, offset, manifest, tensors, granted + self.lease_s / 2)
         reply = self._await(xid, {"ack", "nack"}, deadline, "acknowledgement")
         if reply["op"] == "nack":
             raise RelayError(
                 f"receiver at {self.endpoint} rejected request {rid}: {reply.get('reason')}"
             )
 
+    def _commit_fields(self) -> dict[str, Any]:
+        """Backend hook: extra fields of the commit header."""
+        return {}
+
     def _transfer(
         self,
-        rid: str,
+        commit: bytes,
         xid: int,
         offset: int,
         manifest: Manifest,
         tensors: list[torch.Tensor],
         write_by: float,
     ) -> None:
-        """Move the tensors into the granted slot and commit. The receiver frees a grant
+        """Move the tensors into the granted slot and send `commit`. The receiver frees a grant
         `lease_s` after granting; finishing writes within half of it from receipt of the
         grant leaves the other half for the grant's own transit."""
         raise NotImplementedError
@@ -215,7 +243,7 @@ class ShmSender(Sender):
 
     def _transfer(
         self,
-        rid: str,
+        commit: bytes,
         xid: int,
         offset: int,
         manifest: Manifest,
@@ -225,9 +253,7 @@ class ShmSender(Sender):
         assert self._backing is not None  # set by the handshake
         self._check_lease(xid, write_by)
         write_tensors(self._backing, offset, manifest, tensors)
-        self._sock.send(
-            proto.pack("commit", rid=rid, xid=xid, offset=offset, manifest=manifest.to_json())
-        )
+        self._sock.send(commit)
 
     def _on_close(self) -> None:
         if self._backing is not None:
@@ -243,9 +269,12 @@ class TcpSender(Sender):
         self.chunk_bytes = chunk_bytes
         super().__init__(endpoint, **kwargs)
 
+    def _commit_fields(self) -> dict[str, Any]:
+        return {"chunk": self.chunk_bytes}
+
     def _transfer(
         self,
-        rid: str,
+        commit: bytes,
         xid: int,
         offset: int,
         manifest: Manifest,
@@ -253,20 +282,12 @@ class TcpSender(Sender):
         write_by: float,
     ) -> None:
         self._check_lease(xid, write_by)
-        header = proto.pack(
-            "commit",
-            rid=rid,
-            xid=xid,
-            offset=offset,
-            manifest=manifest.to_json(),
-            chunk=self.chunk_bytes,
-        )
         chunks: list[memoryview] = []
         for tensor in tensors:
             raw = codec.tensor_bytes(tensor)
             chunks.extend(
                 raw[i : i + self.chunk_bytes] for i in range(0, len(raw), self.chunk_bytes)
             )
-        self._sock.send(header)
+        self._sock.send(commit)
         for chunk in chunks:  # one message each: libzmq buffers a multipart message whole
             self._sock.send(chunk, copy=len(chunk) < ZERO_COPY_MIN)

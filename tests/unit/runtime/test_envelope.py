@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -25,31 +27,28 @@ def meta(**changes):
         meta(kind="abort"),
     ],
 )
-def test_wrap_unwrap_round_trip(m):
-    got, payload = env.unwrap(env.wrap(m, {"x": 1}))
-    assert got == m
-    assert payload == {"x": 1}
+def test_to_json_parse_round_trip(m):
+    assert env.parse(json.loads(json.dumps(m.to_json()))) == m
 
 
 @pytest.mark.parametrize(
     ("obj", "message"),
     [
-        ([], "expected"),
-        ({"m": {}}, "expected"),
-        ({"m": [], "p": None}, "expected"),
-        ({"m": {**env.wrap(meta())["m"], "kind": "steal"}, "p": None}, "unknown 'steal'"),
-        ({"m": {**env.wrap(meta())["m"], "rid": 5}, "p": None}, "rid"),
-        ({"m": {**env.wrap(meta())["m"], "deadline": "soon"}, "p": None}, "deadline"),
-        (
-            {"m": {**env.wrap(meta())["m"], "reply": {"endpoint": "x", "relay": "ftp"}}, "p": 0},
-            "relay",
-        ),
-        ({"m": {**env.wrap(meta())["m"], "error": {"a": 1}}, "p": None}, "error"),
+        ([], "expected an object"),
+        (None, "expected an object"),
+        ({}, "kind"),
+        ({**meta().to_json(), "kind": "steal"}, "unknown 'steal'"),
+        ({**meta().to_json(), "rid": 5}, "rid"),
+        ({**meta().to_json(), "deadline": "soon"}, "deadline"),
+        ({**meta().to_json(), "deadline": True}, "deadline"),
+        ({**meta().to_json(), "reply": {"endpoint": "x", "relay": "ftp"}}, "relay"),
+        ({**meta().to_json(), "reply": "tcp://x"}, "reply"),
+        ({**meta().to_json(), "error": {"a": 1}}, "error"),
     ],
 )
 def test_malformed_envelopes_raise(obj, message):
     with pytest.raises(EnvelopeError, match=message):
-        env.unwrap(obj)
+        env.parse(obj)
 
 
 def test_expired():
