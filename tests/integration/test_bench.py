@@ -1,0 +1,69 @@
+"""`disagg bench`: the commands run end to end and report what they promise (not speed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from disagg_runtime.bench.transport import METHODS, format_size, parse_size
+
+DISAGG = [sys.executable, "-m", "disagg_runtime.cli"]
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*DISAGG, *args], capture_output=True, text=True, timeout=timeout, env=os.environ.copy()
+    )
+
+
+def test_transport_json_has_every_method_and_size():
+    proc = run("bench", "transport", "--sizes", "4KiB,2MiB", "--repeats", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert {(r["method"], r["size_bytes"]) for r in rows} == {
+        (m, s) for m in METHODS for s in (4096, 2 << 20)
+    }
+    for row in rows:
+        assert row["gbps"] > 0
+        assert row["ratio_to_memcpy"] > 0
+        if row["method"] == "memcpy":
+            assert row["ratio_to_memcpy"] == pytest.approx(1.0)
+        small = row["size_bytes"] <= 64 * 1024
+        assert (row["p50_us"] is not None) == (small and row["method"] != "memcpy")
+        if row["method"] in ("shm", "tcp"):
+            assert row["pool_bytes"] >= row["size_bytes"]
+            assert row["receiver_rss_delta_bytes"] is not None
+
+
+def test_transport_table_and_bad_arguments():
+    proc = run("bench", "transport", "--sizes", "1MiB", "--repeats", "2", "--methods", "shm")
+    assert proc.returncode == 0, proc.stderr
+    assert "memcpy" in proc.stdout and "shm" in proc.stdout  # the limit always comes along
+    bad = run("bench", "transport", "--sizes", "lots")
+    assert bad.returncode == 2 and "bad size 'lots'" in bad.stderr
+    bad = run("bench", "transport", "--methods", "carrier_pigeon")
+    assert bad.returncode == 2 and "unknown method" in bad.stderr
+
+
+def test_pipeline_bench_reports_per_hop_overhead():
+    proc = run("bench", "pipeline", "--size", "1MiB", "--repeats", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["size_bytes"] == 1 << 20 and result["hops"] == 2
+    assert result["per_hop_ms"] > 0 and result["bare_relay_ms"] > 0
+    assert result["per_hop_over_bare"] == pytest.approx(
+        result["per_hop_ms"] / result["bare_relay_ms"], rel=0.01
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("4KiB", 4096), ("64MiB", 64 << 20), ("64Mi", 64 << 20), ("1GiB", 1 << 30), ("10", 10)],
+)
+def test_sizes_parse_and_format(text, size):
+    assert parse_size(text) == size
+    assert parse_size(format_size(size)) == size
