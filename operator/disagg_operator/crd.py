@@ -1,0 +1,758 @@
+"""The DisaggregatedPipeline CustomResourceDefinition, built from the spec module's names,
+enums and defaults. The checked-in YAML is generated from here (a test keeps them equal):
+
+    python -m disagg_operator.crd > crds/disagg.dev_disaggregatedpipelines.yaml
+
+What the schema checks: types, enums, formats (names, quantities, payload paths), ranges,
+uniqueness (list-map keys: role names, env names, port names, edge from/to pairs; set:
+a group's roles) and, through CEL rules, what relates fields: autoscaling min <= max, edges
+and tensor references and groups naming declared roles, no self-loop, an entry role, a role
+in at most one group, derived names within 52 characters, cuda-ipc only inside a group.
+What only the operator's validator (`disagg_runtime.spec`) checks, reported in the status:
+cycles, tensor references that do not lead downstream or overlap, pool size vs minimum block,
+requests vs limits, equal replicas/autoscaling/ports inside a group, handler keywords.
+
+Defaults are the spec module's; where the parser's default depends on other fields (a role's
+`replicas` follows `autoscaling.minReplicas`, a group's `name` its first role) there is none,
+so that the stored object means the same as the one written. List sizes and string lengths
+are bounded (`MAX_*`) so that the API server can bound the cost of the CEL rules.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Final
+
+import yaml
+
+from disagg_operator import names
+from disagg_runtime import quantity
+from disagg_runtime import spec_model as m
+
+Schema = dict[str, Any]
+
+MAX_ROLES: Final = 64
+MAX_EDGES: Final = 256
+MAX_TENSOR_REFS: Final = 16
+MAX_GROUPS: Final = 16
+MAX_GROUP_ROLES: Final = 8
+MAX_ENV: Final = 128
+MAX_PORTS: Final = 32
+MAX_ARGS: Final = 256
+MAX_IMAGE_LENGTH: Final = 1024
+MAX_HANDLER_LENGTH: Final = 512
+MAX_PATH_LENGTH: Final = 256
+MAX_ENV_NAME_LENGTH: Final = 256
+MAX_CONDITIONS: Final = 8
+MAX_SCALE_DECISIONS: Final = 50
+
+DNS_1035_LABEL: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# The parser accepts any Python identifiers; the CRD only their ASCII forms.
+_IDENT = "[A-Za-z_][A-Za-z0-9_]*"
+HANDLER_PATTERN: Final = f"^{_IDENT}(\\.{_IDENT})*:{_IDENT}$"
+ENV_NAME_PATTERN: Final = "^[A-Za-z_][A-Za-z0-9_]*$"
+PORT_NAME_PATTERN: Final = "^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"
+_KEY, _INDEX = "[A-Za-z_][A-Za-z0-9_-]*", "\\[(0|[1-9][0-9]*)\\]"
+PAYLOAD_PATH_PATTERN: Final = f"^({_KEY}|{_INDEX})(\\.{_KEY}|{_INDEX})*$"
+# resource.Quantity as Kubernetes publishes it; SIZE_PATTERN without a sign (sizes are >= 0).
+_NUMBER = "(([0-9]+(\\.[0-9]*)?)|(\\.[0-9]+))"
+_SUFFIX = f"(([KMGTPE]i)|[numkMGTPE]|([eE](\\+|-)?{_NUMBER}))"
+QUANTITY_PATTERN: Final = f"^(\\+|-)?{_NUMBER}{_SUFFIX}?$"
+SIZE_PATTERN: Final = f"^\\+?{_NUMBER}{_SUFFIX}?$"
+NO_WHITESPACE: Final = "^\\S+$"
+
+
+def _string(description: str, **extra: Any) -> Schema:
+    return {"type": "string", "description": description, **extra}
+
+
+def _integer(description: str, **extra: Any) -> Schema:
+    return {"type": "integer", "description": description, **extra}
+
+
+def _number(description: str, **extra: Any) -> Schema:
+    return {"type": "number", "description": description, **extra}
+
+
+def _boolean(description: str) -> Schema:
+    return {"type": "boolean", "description": description}
+
+
+def _object(
+    description: str, properties: dict[str, Schema], *, required: tuple[str, ...] = (), **extra: Any
+) -> Schema:
+    schema: Schema = {"type": "object", "description": description}
+    if required:
+        schema["required"] = list(required)
+    schema["properties"] = properties
+    schema.update(extra)
+    return schema
+
+
+def _array(description: str, items: Schema, **extra: Any) -> Schema:
+    return {"type": "array", "description": description, "items": items, **extra}
+
+
+def _free_object(description: str) -> Schema:
+    return {
+        "type": "object",
+        "description": description,
+        "x-kubernetes-preserve-unknown-fields": True,
+    }
+
+
+def _quantity(description: str, *, pattern: str = QUANTITY_PATTERN, **extra: Any) -> Schema:
+    return {
+        "description": description,
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "pattern": pattern,
+        "x-kubernetes-int-or-string": True,
+        **extra,
+    }
+
+
+def _rule(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    result = {"rule": rule, "message": message}
+    if field_path is not None:
+        result["fieldPath"] = field_path
+    return result
+
+
+def _pool_fields(*, defaults: bool) -> dict[str, Schema]:
+    """poolSize, minBlock, poolDevice: with the pipeline's defaults, or without (a role's
+    override, where an absent field means "the pipeline's")."""
+    role = "" if defaults else " Unset: the pipeline's spec.transport value."
+
+    def default(value: object) -> dict[str, object]:
+        return {"default": value} if defaults else {}
+
+    return {
+        "poolSize": _quantity(
+            "Bytes of the receive pool each replica stages incoming payloads in, as a "
+            "quantity (e.g. 256Mi); allocated and touched once at start." + role,
+            pattern=SIZE_PATTERN,
+            **default(quantity.format_bytes(m.DEFAULT_POOL_SIZE)),
+        ),
+        "minBlock": _quantity(
+            "Smallest block of the pool's buddy allocator, a power of two (e.g. 1Mi)." + role,
+            pattern=SIZE_PATTERN,
+            **default(quantity.format_bytes(m.DEFAULT_MIN_BLOCK)),
+        ),
+        "poolDevice": _string(
+            "Where the pool lives: cpu (shared memory in /dev/shm), cpu-pinned (page-locked "
+            "host memory) or cuda (device memory)." + role,
+            enum=list(m.POOL_DEVICES),
+            **default(m.DEFAULT_POOL_DEVICE),
+        ),
+    }
+
+
+def transport_schema() -> Schema:
+    fields = _pool_fields(defaults=True)
+    return _object(
+        "Transport defaults of the pipeline: the relay of each edge and every role's pool.",
+        {
+            "relay": _string(
+                "Default relay of an edge: auto (shared memory within a pod, TCP otherwise), "
+                "shm, tcp or cuda-ipc (roles on one GPU, i.e. one colocation group).",
+                enum=list(m.RELAYS),
+                default=m.DEFAULT_RELAY,
+            ),
+            **fields,
+            "requestTimeoutSeconds": _number(
+                "Seconds a request may live from entry to result before it is failed.",
+                minimum=0,
+                exclusiveMinimum=True,
+                default=m.DEFAULT_REQUEST_TIMEOUT_SECONDS,
+            ),
+        },
+        default={},
+    )
+
+
+def env_schema() -> Schema:
+    item = _object(
+        "An environment variable, as in a Kubernetes container.",
+        {
+            "name": _string(
+                "Variable name (letters, digits, '_'); the DISAGG_ prefix is reserved.",
+                pattern=ENV_NAME_PATTERN,
+                maxLength=MAX_ENV_NAME_LENGTH,
+            ),
+            "value": _string("The value (quote numbers in YAML)."),
+            "valueFrom": _free_object(
+                "A source for the value, as a Kubernetes EnvVarSource (secretKeyRef, "
+                "configMapKeyRef, fieldRef, resourceFieldRef)."
+            ),
+        },
+        required=("name",),
+        **{
+            "x-kubernetes-validations": [
+                _rule(
+                    "!self.name.startsWith('DISAGG_')",
+                    "the DISAGG_ prefix is reserved for the contract",
+                    ".name",
+                ),
+                _rule(
+                    "!(has(self.value) && has(self.valueFrom))",
+                    "set either value or valueFrom, not both",
+                ),
+            ]
+        },
+    )
+    return _array(
+        "Extra environment variables of the role's container, after the contract's.",
+        item,
+        maxItems=MAX_ENV,
+        **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+
+def ports_schema() -> Schema:
+    item = _object(
+        "A port the role's container exposes, also published on the role's Service.",
+        {
+            "name": _string(
+                "Port name: at most 15 lowercase letters, digits and single '-', with at least "
+                "one letter (an IANA service name); ingress and metrics are the runtime's.",
+                pattern=PORT_NAME_PATTERN,
+                maxLength=15,
+            ),
+            "containerPort": _integer(
+                "Port number in the container.", minimum=1, maximum=65535, format="int32"
+            ),
+            "protocol": _string(
+                "Protocol of the port.", enum=list(m.PORT_PROTOCOLS), default="TCP"
+            ),
+        },
+        required=("name", "containerPort"),
+        **{
+            "x-kubernetes-validations": [
+                _rule("self.name.matches('[a-z]')", "a port name needs a letter", ".name"),
+                _rule("!self.name.contains('--')", "a port name has no '--'", ".name"),
+            ]
+        },
+    )
+    protocol = "(has({0}.protocol) ? {0}.protocol : 'TCP')"
+    same = f"q.containerPort == p.containerPort && {protocol.format('q')} == {protocol.format('p')}"
+    return _array(
+        "Extra ports of the role's container (the runtime's ingress and metrics ports are "
+        "added by the operator).",
+        item,
+        maxItems=MAX_PORTS,
+        **{
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            "x-kubernetes-validations": [
+                _rule(
+                    f"self.all(p, self.exists_one(q, {same}))",
+                    "each containerPort/protocol pair may appear once",
+                )
+            ],
+        },
+    )
+
+
+def resources_schema() -> Schema:
+    def quantities(what: str) -> Schema:
+        return {
+            "type": "object",
+            "description": f"{what} per resource name (cpu, memory, nvidia.com/gpu, ...), "
+            "as Kubernetes quantities.",
+            "additionalProperties": _quantity(
+                "A quantity (e.g. 500m, 2Gi, 1).", pattern=SIZE_PATTERN
+            ),
+        }
+
+    return _object(
+        "Compute resources of the role's container, as in Kubernetes. Memory should cover the "
+        "pool when poolDevice is cpu (it lives in the pod's /dev/shm).",
+        {"requests": quantities("Requests"), "limits": quantities("Limits")},
+    )
+
+
+def autoscaling_schema() -> Schema:
+    return _object(
+        "Occupancy-driven scaling: the operator keeps the mean receive-pool occupancy of the "
+        "role's replicas near targetPoolOccupancy, within [minReplicas, maxReplicas].",
+        {
+            "minReplicas": _integer("Fewest replicas.", minimum=1, format="int32", default=1),
+            "maxReplicas": _integer("Most replicas.", minimum=1, format="int32"),
+            "targetPoolOccupancy": _number(
+                "Wanted mean fraction of the receive pool in use, in (0, 1].",
+                minimum=0,
+                exclusiveMinimum=True,
+                maximum=1,
+                default=m.DEFAULT_TARGET_POOL_OCCUPANCY,
+            ),
+            "scaleUpStabilizationSeconds": _integer(
+                "Seconds of recommendations considered before scaling up (the lowest wins).",
+                minimum=0,
+                format="int32",
+                default=m.DEFAULT_SCALE_UP_STABILIZATION_SECONDS,
+            ),
+            "scaleDownStabilizationSeconds": _integer(
+                "Seconds of recommendations considered before scaling down (the highest wins).",
+                minimum=0,
+                format="int32",
+                default=m.DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS,
+            ),
+            "tolerance": _number(
+                "Relative deviation from the target that causes no scaling, in [0, 1).",
+                minimum=0,
+                maximum=1,
+                exclusiveMaximum=True,
+                default=m.DEFAULT_TOLERANCE,
+            ),
+        },
+        required=("maxReplicas",),
+        **{
+            "x-kubernetes-validations": [
+                _rule(
+                    _given("self.minReplicas", "self.minReplicas <= self.maxReplicas"),
+                    "minReplicas must not be greater than maxReplicas",
+                    ".minReplicas",
+                )
+            ]
+        },
+    )
+
+
+def role_schema() -> Schema:
+    strings = {"type": "string", "description": "One element."}
+    return _object(
+        "A stage of the pipeline: replicas of a container running the handler.",
+        {
+            "name": _string(
+                "Role name, unique in the pipeline: a DNS-1035 label. Objects are named "
+                "<pipeline>-<role>, at most 52 characters.",
+                pattern=DNS_1035_LABEL,
+                maxLength=m.MAX_LABEL_LENGTH,
+            ),
+            "replicas": _integer(
+                "Replicas to run (to start with, when autoscaling). Unset: "
+                "autoscaling.minReplicas, else 1.",
+                minimum=0,
+                format="int32",
+            ),
+            "handler": _string(
+                "The Python function each request is handed to: 'package.module:function'.",
+                pattern=HANDLER_PATTERN,
+                maxLength=MAX_HANDLER_LENGTH,
+            ),
+            "image": _string(
+                "Container image of the role. Unset: spec.image.",
+                pattern=NO_WHITESPACE,
+                maxLength=MAX_IMAGE_LENGTH,
+            ),
+            "command": _array(
+                "Container command. Unset: [disagg, role].", strings, maxItems=MAX_ARGS
+            ),
+            "args": _array("Container arguments.", strings, maxItems=MAX_ARGS),
+            "env": env_schema(),
+            "resources": resources_schema(),
+            "ports": ports_schema(),
+            "transport": _object(
+                "The role's own receive pool, overriding spec.transport field by field.",
+                _pool_fields(defaults=False),
+            ),
+            "concurrency": _integer(
+                "Requests one replica handles at once.",
+                minimum=1,
+                format="int32",
+                default=m.DEFAULT_CONCURRENCY,
+            ),
+            "autoscaling": autoscaling_schema(),
+            "podTemplate": _free_object(
+                "A Kubernetes PodTemplateSpec (metadata, spec) merged last into the role's "
+                "pod template: maps merge, containers/volumes/env merge by name, other lists "
+                "are replaced, null removes a field. Labels and DISAGG_* variables stay."
+            ),
+        },
+        required=("name", "handler"),
+    )
+
+
+def edge_schema() -> Schema:
+    ref = _object(
+        "A tensor of the payload sent straight to a later role instead of through the target.",
+        {
+            "path": _string(
+                "Where the tensor is in the payload: keys and [indexes], e.g. latents, a.b[0].",
+                pattern=PAYLOAD_PATH_PATTERN,
+                maxLength=MAX_PATH_LENGTH,
+            ),
+            "to": _string(
+                "The role that reads it; it must be downstream of the edge's target.",
+                pattern=DNS_1035_LABEL,
+                maxLength=m.MAX_LABEL_LENGTH,
+            ),
+        },
+        required=("path", "to"),
+    )
+    return _object(
+        "The source role hands each result to the target role.",
+        {
+            "from": _string("Source role.", pattern=DNS_1035_LABEL, maxLength=m.MAX_LABEL_LENGTH),
+            "to": _string("Target role.", pattern=DNS_1035_LABEL, maxLength=m.MAX_LABEL_LENGTH),
+            "relay": _string(
+                "Relay of this edge. Unset: spec.transport.relay.", enum=list(m.RELAYS)
+            ),
+            "tensorRefs": _array(
+                "Tensors that skip the target and go to a later role.",
+                ref,
+                maxItems=MAX_TENSOR_REFS,
+            ),
+        },
+        required=("from", "to"),
+        **{
+            "x-kubernetes-validations": [
+                _rule("self.from != self.to", "an edge from a role to itself (a self-loop)"),
+                _rule(
+                    _given("self.tensorRefs", "self.tensorRefs.all(t, t.to != self.to)"),
+                    "a tensor reference to the edge's own target: send it in the payload",
+                    ".tensorRefs",
+                ),
+            ]
+        },
+    )
+
+
+def group_schema() -> Schema:
+    return _object(
+        "Roles that share one GPU: they run as containers of one pod (same replicas).",
+        {
+            "name": _string(
+                "Group name: a DNS-1035 label; the workload is <pipeline>-<name>. Unset: the "
+                "first role's name.",
+                pattern=DNS_1035_LABEL,
+                maxLength=m.MAX_LABEL_LENGTH,
+            ),
+            "roles": _array(
+                "The roles of the group, at least two.",
+                _string("A role name.", pattern=DNS_1035_LABEL, maxLength=m.MAX_LABEL_LENGTH),
+                minItems=2,
+                maxItems=MAX_GROUP_ROLES,
+                **{"x-kubernetes-list-type": "set"},
+            ),
+        },
+        required=("roles",),
+    )
+
+
+def _given(field: str, rule: str) -> str:
+    """`rule` where `field` is set, else true. A conditional rather than `!has(f) || rule`:
+    the same in CEL, and cel-python (used by the tests) mis-evaluates the `||` form when the
+    right side nests a macro over the optional field."""
+    return f"has({field}) ? ({rule}) : true"
+
+
+def _spec_rules() -> list[dict[str, str]]:
+    known = "self.roles.exists(r, r.name == {})"
+    relay = (
+        "(has(e.relay) ? e.relay : (has(self.transport) && has(self.transport.relay) ? "
+        "self.transport.relay : 'auto'))"
+    )
+    same_group = (
+        "has(self.colocation) ? "
+        "self.colocation.exists(g, e.from in g.roles && e.to in g.roles) : false"
+    )
+    refs_known = _given("e.tensorRefs", f"e.tensorRefs.all(t, {known.format('t.to')})")
+    named = "g.name in g.roles || !self.roles.exists(r, r.name == g.name)"
+    unique = "self.colocation.exists_one(h, has(h.name) && h.name == g.name)"
+    return [
+        _rule(
+            "has(self.image) || self.roles.all(r, has(r.image))",
+            "spec.image is required unless every role sets image",
+            ".image",
+        ),
+        _rule(
+            _given(
+                "self.edges",
+                f"self.edges.all(e, {known.format('e.from')} && {known.format('e.to')})",
+            ),
+            "every edge's from and to must name a role of spec.roles",
+            ".edges",
+        ),
+        _rule(
+            _given("self.edges", "self.roles.exists(r, !self.edges.exists(e, e.to == r.name))"),
+            "no entry role: every role has an incoming edge, so none takes requests",
+            ".edges",
+        ),
+        _rule(
+            _given("self.edges", f"self.edges.all(e, {refs_known})"),
+            "every tensor reference's to must name a role of spec.roles",
+            ".edges",
+        ),
+        _rule(
+            _given("self.edges", f"self.edges.all(e, {relay} != 'cuda-ipc' || ({same_group}))"),
+            "relay cuda-ipc needs both roles of the edge in one colocation group (one GPU)",
+            ".edges",
+        ),
+        _rule(
+            _given(
+                "self.colocation", f"self.colocation.all(g, g.roles.all(n, {known.format('n')}))"
+            ),
+            "every colocation role must name a role of spec.roles",
+            ".colocation",
+        ),
+        _rule(
+            _given(
+                "self.colocation",
+                "self.colocation.all(g, g.roles.all(n, "
+                "self.colocation.exists_one(h, n in h.roles)))",
+            ),
+            "a role belongs to at most one colocation group (one pod)",
+            ".colocation",
+        ),
+        _rule(
+            _given("self.colocation", f"self.colocation.all(g, {_given('g.name', unique)})"),
+            "colocation group names must be unique",
+            ".colocation",
+        ),
+        _rule(
+            _given("self.colocation", f"self.colocation.all(g, {_given('g.name', named)})"),
+            "a colocation group may not take the name of a role outside it (the derived "
+            "object names would collide)",
+            ".colocation",
+        ),
+    ]
+
+
+def spec_schema() -> Schema:
+    return _object(
+        "The pipeline: roles (stages), the edges between them, and which roles share a GPU.",
+        {
+            "image": _string(
+                "Default container image of every role (a role's image overrides it).",
+                pattern=NO_WHITESPACE,
+                maxLength=MAX_IMAGE_LENGTH,
+            ),
+            "transport": transport_schema(),
+            "roles": _array(
+                "The roles, each a StatefulSet (or part of its colocation group's).",
+                role_schema(),
+                minItems=1,
+                maxItems=MAX_ROLES,
+                **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+            ),
+            "edges": _array(
+                "Where results flow; the graph must be acyclic with at least one entry role.",
+                edge_schema(),
+                maxItems=MAX_EDGES,
+                **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["from", "to"]},
+            ),
+            "colocation": _array(
+                "Groups of roles that share one GPU and one pod.",
+                group_schema(),
+                maxItems=MAX_GROUPS,
+            ),
+        },
+        required=("roles",),
+        **{"x-kubernetes-validations": _spec_rules()},
+    )
+
+
+def _root_rules() -> list[dict[str, str]]:
+    room = m.MAX_DERIVED_NAME_LENGTH - 1  # the '-' between pipeline and role
+    name = "self.metadata.name"
+    fits = f"size({name}) + size(g.name) <= {room}"
+    return [
+        _rule(
+            f"self.spec.roles.all(r, size({name}) + size(r.name) <= {room})",
+            f"<pipeline>-<role> must fit in {m.MAX_DERIVED_NAME_LENGTH} characters (StatefulSet "
+            "pod labels are limited to 63)",
+            ".spec.roles",
+        ),
+        _rule(
+            _given(
+                "self.spec.colocation",
+                f"self.spec.colocation.all(g, {_given('g.name', fits)})",
+            ),
+            f"<pipeline>-<group> must fit in {m.MAX_DERIVED_NAME_LENGTH} characters",
+            ".spec.colocation",
+        ),
+    ]
+
+
+def status_schema() -> Schema:
+    count = {"minimum": 0, "format": "int32"}
+    role = _object(
+        "Replica counts of one role, from its StatefulSet.",
+        {
+            "name": _string("Role name."),
+            "workload": _string("The StatefulSet that runs the role."),
+            "desired": _integer("Replicas wanted (the StatefulSet's spec.replicas).", **count),
+            "current": _integer("Replicas that exist.", **count),
+            "ready": _integer("Replicas that pass their readiness probe.", **count),
+            "updated": _integer("Replicas at the latest pod template.", **count),
+        },
+        required=("name",),
+    )
+    condition = _object(
+        "A condition in the Kubernetes convention (metav1.Condition).",
+        {
+            "type": _string("Condition type: Ready, Progressing or Degraded.", maxLength=316),
+            "status": _string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "observedGeneration": _integer(
+                "The metadata.generation the condition was computed for.", minimum=0
+            ),
+            "lastTransitionTime": _string("When the status last changed.", format="date-time"),
+            "reason": _string(
+                "Why, in CamelCase: " + ", ".join(names.REASONS) + ".", maxLength=1024
+            ),
+            "message": _string("Details for humans.", maxLength=32768),
+        },
+        required=("type", "status", "lastTransitionTime", "reason", "message"),
+    )
+    decision = _object(
+        "One scaling decision of the autoscaler.",
+        {
+            "time": _string("When it was made.", format="date-time"),
+            "role": _string("The role (or colocation group) scaled."),
+            "fromReplicas": _integer("Replicas before.", **count),
+            "toReplicas": _integer("Replicas after.", **count),
+            "occupancy": _number("Mean pool occupancy that led to it, in [0, 1]."),
+            "reason": _string("Why, for humans."),
+        },
+        required=("time", "role", "fromReplicas", "toReplicas"),
+    )
+    return _object(
+        "Observed state, written by the operator.",
+        {
+            "observedGeneration": _integer(
+                "The metadata.generation this status describes.", minimum=0
+            ),
+            "phase": _string("Summary: " + ", ".join(names.PHASES) + ".", enum=list(names.PHASES)),
+            "readyRoles": _string(
+                "Roles whose replicas are all ready, of all roles (e.g. 3/3); - when invalid."
+            ),
+            "roles": _array(
+                "Per role replica counts.",
+                role,
+                **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+            ),
+            "problems": _array(
+                "Why the spec is invalid ('<field path>: <reason>'); empty when valid.",
+                {"type": "string", "description": "One problem."},
+            ),
+            "conditions": _array(
+                "Ready, Progressing and Degraded.",
+                condition,
+                maxItems=MAX_CONDITIONS,
+                **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+            ),
+            "scaleDecisions": _array(
+                "Recent scaling decisions, newest last.",
+                decision,
+                maxItems=MAX_SCALE_DECISIONS,
+            ),
+        },
+    )
+
+
+def open_api_schema() -> Schema:
+    """The openAPIV3Schema of the v1alpha1 version."""
+    return _object(
+        "A disaggregated inference pipeline: roles that pass tensors along edges, each role "
+        "run by the operator as a StatefulSet with a headless Service.",
+        {
+            "apiVersion": _string("API version of this object: " + m.API_VERSION + "."),
+            "kind": _string("Kind of this object: " + m.KIND + "."),
+            "metadata": _object(
+                "Standard object metadata; the schema may only restrict the name.",
+                {
+                    "name": _string(
+                        "Pipeline name: a DNS-1035 label of at most "
+                        f"{m.MAX_PIPELINE_NAME_LENGTH} characters (role and group names are "
+                        "appended to it).",
+                        pattern=DNS_1035_LABEL,
+                        maxLength=m.MAX_PIPELINE_NAME_LENGTH,
+                    )
+                },
+            ),
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        required=("spec",),
+        **{"x-kubernetes-validations": _root_rules()},
+    )
+
+
+def printer_columns() -> list[Schema]:
+    return [
+        {
+            "name": "Ready",
+            "type": "string",
+            "description": "Roles with all replicas ready, of all roles.",
+            "jsonPath": ".status.readyRoles",
+        },
+        {
+            "name": "Phase",
+            "type": "string",
+            "description": "Pending, Progressing, Ready, Degraded or Invalid.",
+            "jsonPath": ".status.phase",
+        },
+        {
+            "name": "Reason",
+            "type": "string",
+            "description": "Reason of the Ready condition.",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+            "priority": 1,
+        },
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def crd() -> Schema:
+    """The CustomResourceDefinition object."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": names.CRD_NAME,
+            "labels": {names.LABEL_NAME: names.APP_NAME, names.LABEL_COMPONENT: "crd"},
+        },
+        "spec": {
+            "group": names.GROUP,
+            "names": {
+                "kind": names.PIPELINE_KIND,
+                "listKind": names.PIPELINE_KIND + "List",
+                "plural": names.PLURAL,
+                "singular": names.SINGULAR,
+                "shortNames": list(names.SHORT_NAMES),
+                "categories": list(names.CATEGORIES),
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": names.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": open_api_schema()},
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": printer_columns(),
+                }
+            ],
+        },
+    }
+
+
+HEADER: Final = (
+    "# Generated by `python -m disagg_operator.crd` from operator/disagg_operator/crd.py;\n"
+    "# do not edit (tests/unit/operator/test_crd.py keeps the two equal).\n"
+)
+
+
+def render() -> str:
+    """The CRD file's text."""
+    return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=100, allow_unicode=True)
+
+
+def main() -> int:
+    sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

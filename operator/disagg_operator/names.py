@@ -1,0 +1,65 @@
+"""Names shared by the CRD, the planner and the status builder: API coordinates, labels,
+annotations, phases, condition types and reasons. One place, so that they cannot drift."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from disagg_runtime.spec_model import API_VERSION, KIND
+
+GROUP: Final = "disagg.dev"
+VERSION: Final = "v1alpha1"
+PLURAL: Final = "disaggregatedpipelines"
+SINGULAR: Final = "disaggregatedpipeline"
+SHORT_NAMES: Final = ("dpipe",)
+CATEGORIES: Final = ("disagg",)
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+PIPELINE_API_VERSION: Final = API_VERSION
+PIPELINE_KIND: Final = KIND
+
+# Labels on every child object.
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_PIPELINE: Final = f"{GROUP}/pipeline"
+LABEL_ROLE: Final = f"{GROUP}/role"
+LABEL_GROUP: Final = f"{GROUP}/group"
+APP_NAME: Final = "disagg"
+MANAGER: Final = "disagg-operator"
+
+# Annotations. On the pipeline: how a colocation group gets its GPU (see planner).
+ANNOTATION_GPU_MODE: Final = f"{GROUP}/gpu-mode"
+ANNOTATION_GPU_DEVICE_CLASS: Final = f"{GROUP}/gpu-device-class"
+# On pod templates: a hash of what the pods read from outside their template.
+ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
+
+# Status.
+PHASE_PENDING: Final = "Pending"
+PHASE_PROGRESSING: Final = "Progressing"
+PHASE_READY: Final = "Ready"
+PHASE_DEGRADED: Final = "Degraded"
+PHASE_INVALID: Final = "Invalid"
+PHASES: Final = (PHASE_PENDING, PHASE_PROGRESSING, PHASE_READY, PHASE_DEGRADED, PHASE_INVALID)
+
+CONDITION_READY: Final = "Ready"
+CONDITION_PROGRESSING: Final = "Progressing"
+CONDITION_DEGRADED: Final = "Degraded"
+CONDITION_TYPES: Final = (CONDITION_READY, CONDITION_PROGRESSING, CONDITION_DEGRADED)
+
+REASON_ALL_ROLES_READY: Final = "AllRolesReady"
+REASON_ROLES_NOT_READY: Final = "RolesNotReady"
+REASON_ROLLOUT_IN_PROGRESS: Final = "RolloutInProgress"
+REASON_ROLLOUT_COMPLETE: Final = "RolloutComplete"
+REASON_CHILD_MISSING: Final = "ChildMissing"
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+REASON_PROGRESS_DEADLINE: Final = "ProgressDeadlineExceeded"
+REASONS: Final = (
+    REASON_ALL_ROLES_READY,
+    REASON_ROLES_NOT_READY,
+    REASON_ROLLOUT_IN_PROGRESS,
+    REASON_ROLLOUT_COMPLETE,
+    REASON_CHILD_MISSING,
+    REASON_INVALID_SPEC,
+    REASON_PROGRESS_DEADLINE,
+)

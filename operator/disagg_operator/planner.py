@@ -1,0 +1,526 @@
+"""Planner: a validated pipeline -> the Kubernetes objects that run it. Pure and deterministic.
+
+`plan(pipeline, namespace=NS, owner=OWNER)` returns the desired objects as plain dicts, ready
+for server-side apply; the same input always yields equal output (key order included), so
+re-applying a plan changes nothing. `disagg render` prints exactly this list.
+
+Naming (P = metadata.name, at most 40 characters; R = a role; G = a colocation group;
+`P-R` and `P-G` are at most 52 characters, which the spec checks):
+
+    ConfigMap              P-topology    data `topology.json` = contract.Topology of P
+    ResourceClaimTemplate  P-G-gpu       one per colocation group, GPU mode `dra` only
+    Service (headless)     P-R           one per role, grouped or not
+    StatefulSet            P-U           one per workload unit U: a role outside every
+                                         group (U = R), or a colocation group (U = G)
+
+Placement:
+- A role outside every group runs as StatefulSet P-R; each pod has one container named R.
+- A colocation group runs as StatefulSet P-G; each pod has one container per member role, in
+  the group's order, named after the role. The containers share the network namespace
+  (peers at 127.0.0.1), /dev/shm (one memory emptyDir), the process namespace
+  (`shareProcessNamespace: true`, for CUDA IPC) and one GPU (see GPU modes).
+- Replicas of U: `options.replicas[U]` when given (the autoscaler's decision), else the
+  role's `replicas` (members of a group have equal replicas; the spec checks it).
+- The StatefulSet's governing Service (`serviceName`, per-pod DNS) is P-<first role of U>.
+- The Service P-R selects the pods of R's unit: {disagg.dev/pipeline: P, disagg.dev/role: U}.
+  It is headless (`clusterIP: None`): DNS answers with the ready pods' IPs, so a peer
+  connects straight to the container port and sees replicas come and go without restarts.
+
+Ports: the container at index k of a pod (k = 0 for a lone role) listens for relays on
+ingress_k and serves /metrics /healthz /readyz on metrics_k, where ingress_0 < ingress_1 < ...
+are the lowest ports >= 7400 and metrics_k the lowest >= 9400 that no user port of the pod
+uses. Service P-R exposes `ingress` and `metrics` (port = targetPort = R's container ports)
+and R's own ports. User ports may not be named `ingress` or `metrics`.
+
+Environment: every container gets `contract.render_env(role_config(...))`, minus
+DISAGG_REPLICA (the runtime takes the ordinal ending DISAGG_POD_NAME, set from the downward
+API `metadata.name`: pod P-U-3 is replica 3), then the role's own env (the spec forbids
+DISAGG_* names, and a podTemplate cannot override them). DISAGG_DOWNSTREAM names, for each
+target T of R (edge targets, then tensor-reference targets):
+
+    T in R's pod:   127.0.0.1:ingress(T)
+    otherwise:      P-T.NS.svc.<cluster domain>:ingress(T)
+    relay:          the edge's relay (else spec.transport.relay); `auto` for a target that
+                    R reaches only through tensor references
+
+DISAGG_SAME_GPU_PEERS lists the other roles of R's group. The topology file is the ConfigMap,
+mounted read-only at /etc/disagg.
+
+Pod template:
+- image: the role's image, else spec.image; command: the role's, else ["disagg", "role"];
+  args, resources, ports as in the spec;
+- probes on metrics_k: readiness GET /readyz, liveness GET /healthz, and a startup probe on
+  /healthz that allows ten minutes for loading models;
+- hardened: non-root uid/gid 65532, read-only root filesystem, no privilege escalation, all
+  capabilities dropped, seccomp RuntimeDefault, no service-account token, no service links;
+- volumes: the topology ConfigMap at /etc/disagg, /dev/shm = memory emptyDir with
+  sizeLimit = sum(pool size of every role in the pod) + 64Mi, /tmp = emptyDir (writable
+  scratch under a read-only root);
+- annotation disagg.dev/spec-hash = sha256(topology.json)[:16]: the one input the pods read
+  from outside their own template, so a graph change rolls the pods while a change to one
+  role's image or replicas touches that role's StatefulSet only;
+- last, the role's `podTemplate` (a PodTemplateSpec) is deep-merged in (see `merge`; for a
+  group, each member's in the group's order); labels, the spec-hash and DISAGG_* variables
+  are put back afterwards, so a podTemplate cannot break the selector or the contract.
+
+GPU modes (pipeline annotation disagg.dev/gpu-mode, else `options.gpu_mode`), for
+colocation groups only; lone roles ask for GPUs in their own `resources`:
+- `dra` (default): ResourceClaimTemplate P-G-gpu (resource.k8s.io/v1, exactly one device of
+  class gpu.nvidia.com, or annotation disagg.dev/gpu-device-class), claimed once per pod as
+  `gpu` and listed in every container's `resources.claims`: all containers see the GPU;
+- `device-plugin`: `nvidia.com/gpu: 1` in the first container's limits (unless the role sets
+  it). Device plugins give a device to one container only: the other containers of the pod
+  do not see the GPU, so CUDA IPC is not available to them; shared memory still is;
+- `none`: no GPU (clusters without GPUs, kind; shared memory between the containers).
+
+Why StatefulSets: stable ordinals give each pod its replica index (DISAGG_REPLICA from the
+pod name) for metrics and shared-memory names, and stable per-pod DNS names under the
+governing Service; `podManagementPolicy: Parallel` starts and stops pods at once, so
+scaling is as fast as with a Deployment. No volume claims are used.
+
+Labels on every object: app.kubernetes.io/{name: disagg, instance: P, component: U,
+managed-by: disagg-operator}, disagg.dev/pipeline: P, disagg.dev/role: U (on a Service: its
+role), plus disagg.dev/group: G on everything of a group; the ConfigMap has component
+`topology` and no role. With an `owner`, every object carries one ownerReference to it
+(controller, blockOwnerDeletion), so deleting the pipeline deletes its children.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from disagg_operator import names, pods
+from disagg_runtime import contract
+from disagg_runtime.spec_fields import Problem, SpecError, child
+from disagg_runtime.spec_model import ColocationGroup, Pipeline, Role
+
+GpuMode = Literal["dra", "device-plugin", "none"]
+GPU_MODES: Final[tuple[GpuMode, ...]] = ("dra", "device-plugin", "none")
+DRA_API_VERSIONS: Final = ("resource.k8s.io/v1", "resource.k8s.io/v1beta2")
+DEFAULT_GPU_DEVICE_CLASS: Final = "gpu.nvidia.com"
+RESERVED_PORT_NAMES: Final = ("ingress", "metrics")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Owner:
+    """The object that owns the children (the pipeline): one ownerReference on each."""
+
+    api_version: str = names.PIPELINE_API_VERSION
+    kind: str = names.PIPELINE_KIND
+    name: str
+    uid: str
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> Owner:
+        """The owner for a pipeline object as the API server returns it."""
+        meta = body["metadata"]
+        return cls(
+            api_version=body["apiVersion"], kind=body["kind"], name=meta["name"], uid=meta["uid"]
+        )
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": self.api_version,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Operator-wide settings. `replicas` overrides a unit's replicas by unit name (a role
+    outside every group, or a group): the autoscaler's decisions, so applying a plan does not
+    undo them."""
+
+    cluster_domain: str = "cluster.local"
+    gpu_mode: GpuMode = "dra"
+    dra_api_version: str = DRA_API_VERSIONS[0]
+    replicas: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One StatefulSet: a role alone, or the roles of a colocation group sharing its pods."""
+
+    unit: str  # the role's or the group's name
+    name: str  # the StatefulSet's name, P-unit
+    roles: tuple[Role, ...]  # container order
+    group: ColocationGroup | None
+    replicas: int
+
+    def labels(self, pipeline: Pipeline, role: str | None = None) -> dict[str, str]:
+        """Labels of this unit's objects; `role` for a Service of one grouped role."""
+        result = common_labels(pipeline.name, self.unit)
+        result[names.LABEL_ROLE] = role or self.unit
+        if self.group is not None:
+            result[names.LABEL_GROUP] = self.group.name
+        return result
+
+    def selector(self, pipeline: Pipeline) -> dict[str, str]:
+        return {names.LABEL_PIPELINE: pipeline.name, names.LABEL_ROLE: self.unit}
+
+
+@dataclass(frozen=True)
+class RolePorts:
+    ingress: int
+    metrics: int
+
+
+def common_labels(pipeline: str, component: str) -> dict[str, str]:
+    return {
+        names.LABEL_NAME: names.APP_NAME,
+        names.LABEL_INSTANCE: pipeline,
+        names.LABEL_COMPONENT: component,
+        names.LABEL_MANAGED_BY: names.MANAGER,
+        names.LABEL_PIPELINE: pipeline,
+    }
+
+
+def child_selector(pipeline: str) -> dict[str, str]:
+    """Labels that select every child of pipeline `pipeline` (for listing and pruning)."""
+    return {names.LABEL_PIPELINE: pipeline, names.LABEL_MANAGED_BY: names.MANAGER}
+
+
+def workloads(pipeline: Pipeline, options: PlanOptions | None = None) -> tuple[Workload, ...]:
+    """The units in declaration order (a group where its first member is declared)."""
+    options = options or PlanOptions()
+    result: list[Workload] = []
+    seen: set[str] = set()
+    for role in pipeline.roles:
+        group = pipeline.colocation_group_of(role.name)
+        unit = role.name if group is None else group.name
+        if unit in seen:
+            continue
+        seen.add(unit)
+        members = (role,) if group is None else tuple(pipeline.role(n) for n in group.roles)
+        replicas = options.replicas.get(unit, members[0].replicas)
+        result.append(
+            Workload(
+                unit=unit,
+                name=pipeline.derived_name(unit),
+                roles=members,
+                group=group,
+                replicas=replicas,
+            )
+        )
+    return tuple(result)
+
+
+def workload_of(pipeline: Pipeline, role: str, options: PlanOptions | None = None) -> Workload:
+    return next(w for w in workloads(pipeline, options) if role in (r.name for r in w.roles))
+
+
+def role_ports(workload: Workload) -> dict[str, RolePorts]:
+    """Runtime ports of each container of the unit's pods (see the module docstring)."""
+    taken = {port.container_port for role in workload.roles for port in role.ports}
+    count = len(workload.roles)
+    ingress = _free_ports(contract.DEFAULT_INGRESS_PORT, taken, count)
+    metrics = _free_ports(contract.DEFAULT_METRICS_PORT, taken | set(ingress), count)
+    return {
+        role.name: RolePorts(ingress=i, metrics=m)
+        for role, i, m in zip(workload.roles, ingress, metrics, strict=True)
+    }
+
+
+def _free_ports(start: int, taken: set[int], count: int) -> list[int]:
+    result: list[int] = []
+    port = start
+    while len(result) < count:
+        if port not in taken:
+            result.append(port)
+        port += 1
+    return result
+
+
+def topology(pipeline: Pipeline, namespace: str) -> contract.Topology:
+    return contract.Topology.from_pipeline(pipeline, namespace=namespace)
+
+
+def topology_text(pipeline: Pipeline, namespace: str) -> str:
+    """The ConfigMap's topology.json, byte for byte."""
+    return json.dumps(topology(pipeline, namespace).to_json(), indent=2, sort_keys=True) + "\n"
+
+
+def spec_hash(pipeline: Pipeline, namespace: str) -> str:
+    return hashlib.sha256(topology_text(pipeline, namespace).encode()).hexdigest()[:16]
+
+
+def gpu_mode(pipeline: Pipeline, options: PlanOptions | None = None) -> GpuMode:
+    """The pipeline's GPU mode; call `check` first (an unknown value raises ValueError)."""
+    value = pipeline.annotations.get(names.ANNOTATION_GPU_MODE, (options or PlanOptions()).gpu_mode)
+    for mode in GPU_MODES:
+        if value == mode:
+            return mode
+    raise ValueError(f"unknown GPU mode {value!r}")
+
+
+def gpu_device_class(pipeline: Pipeline) -> str:
+    return pipeline.annotations.get(names.ANNOTATION_GPU_DEVICE_CLASS, DEFAULT_GPU_DEVICE_CLASS)
+
+
+def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Problem]:
+    """Problems the planner finds beyond the spec's own rules (operator-only settings)."""
+    options = options or PlanOptions()
+    problems: list[Problem] = []
+    annotations = "metadata.annotations"
+    mode = pipeline.annotations.get(names.ANNOTATION_GPU_MODE, options.gpu_mode)
+    if mode not in GPU_MODES:
+        problems.append(
+            Problem(
+                child(annotations, names.ANNOTATION_GPU_MODE),
+                f"must be one of {', '.join(GPU_MODES)}; got {mode!r}",
+            )
+        )
+    device_class = gpu_device_class(pipeline)
+    if not _DNS_SUBDOMAIN.fullmatch(device_class) or len(device_class) > 253:
+        problems.append(
+            Problem(
+                child(annotations, names.ANNOTATION_GPU_DEVICE_CLASS),
+                f"{device_class!r} is not a device class name (a DNS subdomain)",
+            )
+        )
+    if options.dra_api_version not in DRA_API_VERSIONS:
+        raise ValueError(f"dra_api_version must be one of {DRA_API_VERSIONS}")
+    for i, role in enumerate(pipeline.roles):
+        for k, port in enumerate(role.ports):
+            if port.name in RESERVED_PORT_NAMES:
+                problems.append(
+                    Problem(
+                        f"spec.roles[{i}].ports[{k}].name",
+                        f"{port.name!r} is reserved for the runtime's own port",
+                    )
+                )
+    return problems
+
+
+def role_config(
+    pipeline: Pipeline,
+    role: str,
+    *,
+    namespace: str,
+    options: PlanOptions | None = None,
+) -> contract.RoleConfig:
+    """The contract of one container of `role` (replica 0, no pod name: those come from the
+    pod). `render_env` of it, minus DISAGG_REPLICA, is the container's DISAGG_* env."""
+    options = options or PlanOptions()
+    units = workloads(pipeline, options)
+    ports = {name: p for w in units for name, p in role_ports(w).items()}
+    home = next(w for w in units if role in (r.name for r in w.roles))
+    me = pipeline.role(role)
+    topo = topology(pipeline, namespace)
+    mine = topo.roles[role]
+    targets = dict.fromkeys([*mine.downstream, *(ref.target for ref in mine.refs_out)])
+    relays = {edge.target: pipeline.relay_for(edge) for edge in pipeline.edges_from(role)}
+    peers = tuple(
+        contract.Peer(
+            target,
+            (_address(pipeline, target, ports[target], home, namespace, options),),
+            relays.get(target, "auto"),
+        )
+        for target in targets
+    )
+    group = home.group
+    return contract.RoleConfig(
+        pipeline=pipeline.name,
+        namespace=namespace,
+        role=role,
+        replica=0,
+        handler=me.handler,
+        pool=pipeline.pool_for(role),
+        topology=topo,
+        downstream=peers,
+        same_gpu_peers=frozenset(group.roles) - {role} if group else frozenset(),
+        ingress_port=ports[role].ingress,
+        metrics_port=ports[role].metrics,
+        concurrency=me.concurrency,
+        request_timeout=pipeline.transport.request_timeout_seconds,
+        topology_file=contract.DEFAULT_TOPOLOGY_FILE,
+    )
+
+
+def _address(
+    pipeline: Pipeline,
+    target: str,
+    ports: RolePorts,
+    home: Workload,
+    namespace: str,
+    options: PlanOptions,
+) -> str:
+    if any(r.name == target for r in home.roles):
+        return f"127.0.0.1:{ports.ingress}"
+    host = f"{pipeline.derived_name(target)}.{namespace}.svc.{options.cluster_domain}"
+    return f"{host}:{ports.ingress}"
+
+
+def plan(
+    pipeline: Pipeline,
+    *,
+    namespace: str,
+    owner: Owner | None = None,
+    options: PlanOptions | None = None,
+) -> list[dict[str, Any]]:
+    """The desired objects, in apply order: the ConfigMap, ResourceClaimTemplates, Services,
+    StatefulSets (each kind in declaration order). Raises SpecError for `check` problems."""
+    options = options or PlanOptions()
+    problems = check(pipeline, options)
+    if problems:
+        raise SpecError(problems)
+    units = workloads(pipeline, options)
+    mode = gpu_mode(pipeline, options)
+    objects: list[dict[str, Any]] = [_config_map(pipeline, namespace)]
+    if mode == "dra":
+        objects += [
+            _claim_template(pipeline, unit, unit.group, namespace, options)
+            for unit in units
+            if unit.group is not None
+        ]
+    for unit in units:
+        objects += [_service(pipeline, unit, role, namespace) for role in unit.roles]
+    objects += [_stateful_set(pipeline, unit, namespace, options, mode) for unit in units]
+    if owner is not None:
+        for obj in objects:
+            obj["metadata"]["ownerReferences"] = [owner.reference()]
+    return objects
+
+
+def topology_config_map_name(pipeline: Pipeline) -> str:
+    return pipeline.derived_name("topology")
+
+
+def claim_template_name(pipeline: Pipeline, group: str) -> str:
+    return f"{pipeline.derived_name(group)}-gpu"
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels}
+
+
+def _config_map(pipeline: Pipeline, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(
+            topology_config_map_name(pipeline),
+            namespace,
+            common_labels(pipeline.name, "topology"),
+        ),
+        "data": {pods.TOPOLOGY_KEY: topology_text(pipeline, namespace)},
+    }
+
+
+def _claim_template(
+    pipeline: Pipeline,
+    unit: Workload,
+    group: ColocationGroup,
+    namespace: str,
+    options: PlanOptions,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": options.dra_api_version,
+        "kind": "ResourceClaimTemplate",
+        "metadata": _meta(
+            claim_template_name(pipeline, group.name), namespace, unit.labels(pipeline)
+        ),
+        "spec": {
+            "metadata": {"labels": unit.labels(pipeline)},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": pods.GPU_CLAIM,
+                            "exactly": {
+                                "deviceClassName": gpu_device_class(pipeline),
+                                "allocationMode": "ExactCount",
+                                "count": 1,
+                            },
+                        }
+                    ]
+                }
+            },
+        },
+    }
+
+
+def _service(pipeline: Pipeline, unit: Workload, role: Role, namespace: str) -> dict[str, Any]:
+    ports = role_ports(unit)[role.name]
+    service_ports = [
+        {"name": "ingress", "port": ports.ingress, "targetPort": ports.ingress, "protocol": "TCP"},
+        {"name": "metrics", "port": ports.metrics, "targetPort": ports.metrics, "protocol": "TCP"},
+    ]
+    service_ports += [
+        {
+            "name": port.name,
+            "port": port.container_port,
+            "targetPort": port.container_port,
+            "protocol": port.protocol,
+        }
+        for port in role.ports
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(
+            pipeline.derived_name(role.name), namespace, unit.labels(pipeline, role.name)
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": unit.selector(pipeline),
+            "ports": service_ports,
+        },
+    }
+
+
+def _stateful_set(
+    pipeline: Pipeline, unit: Workload, namespace: str, options: PlanOptions, mode: GpuMode
+) -> dict[str, Any]:
+    configs = {
+        role.name: role_config(pipeline, role.name, namespace=namespace, options=options)
+        for role in unit.roles
+    }
+    template = pods.pod_template(
+        pipeline,
+        unit.roles,
+        configs,
+        labels=unit.labels(pipeline),
+        spec_hash=spec_hash(pipeline, namespace),
+        config_map=topology_config_map_name(pipeline),
+        shared=unit.group is not None,
+        gpu=mode if unit.group is not None else "none",
+        claim_template=(
+            claim_template_name(pipeline, unit.group.name) if unit.group is not None else None
+        ),
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(unit.name, namespace, unit.labels(pipeline)),
+        "spec": {
+            "serviceName": pipeline.derived_name(unit.roles[0].name),
+            "replicas": unit.replicas,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": unit.selector(pipeline)},
+            "template": template,
+        },
+    }
+
+
+def child_kinds(options: PlanOptions | None = None) -> tuple[tuple[str, str], ...]:
+    """(apiVersion, kind) of every kind `plan` may return, for listing and pruning children."""
+    dra = (options or PlanOptions()).dra_api_version
+    return (
+        ("v1", "ConfigMap"),
+        (dra, "ResourceClaimTemplate"),
+        ("v1", "Service"),
+        ("apps/v1", "StatefulSet"),
+    )

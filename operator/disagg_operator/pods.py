@@ -1,0 +1,218 @@
+"""Pod templates of the planner's StatefulSets: containers, contract env, probes, volumes,
+hardening and the GPU of a colocation group. The rules are in `planner`'s docstring."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from disagg_operator import merge, names
+from disagg_runtime import contract, quantity
+from disagg_runtime.spec_model import EnvVar, Pipeline, Role
+
+TOPOLOGY_KEY: Final = os.path.basename(contract.DEFAULT_TOPOLOGY_FILE)  # topology.json
+TOPOLOGY_DIR: Final = os.path.dirname(contract.DEFAULT_TOPOLOGY_FILE)  # /etc/disagg
+DEFAULT_COMMAND: Final = ("disagg", "role")
+GPU_CLAIM: Final = "gpu"
+DEVICE_PLUGIN_RESOURCE: Final = "nvidia.com/gpu"
+SHM_MARGIN: Final = 64 * 2**20
+NONROOT_ID: Final = 65532
+STARTUP_SECONDS: Final = 600  # model loading may be slow; liveness starts after it
+_DROPPED_ENV: Final = (contract.PREFIX + "REPLICA",)  # the ordinal of DISAGG_POD_NAME instead
+
+
+def pod_template(
+    pipeline: Pipeline,
+    roles: Sequence[Role],
+    configs: Mapping[str, contract.RoleConfig],
+    *,
+    labels: Mapping[str, str],
+    spec_hash: str,
+    config_map: str,
+    shared: bool,
+    gpu: str,
+    claim_template: str | None,
+) -> dict[str, Any]:
+    """The PodTemplateSpec of one unit: a container per role of `roles` (in order).
+
+    `shared` marks a colocation group (shared process namespace); `gpu` is the GPU mode
+    (`dra` needs `claim_template`), "none" for a lone role.
+    """
+    containers = [
+        _container(pipeline, role, configs[role.name], claim=gpu == "dra") for role in roles
+    ]
+    if gpu == "device-plugin":
+        limits = containers[0].setdefault("resources", {}).setdefault("limits", {})
+        limits.setdefault(DEVICE_PLUGIN_RESOURCE, "1")
+    spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "containers": containers,
+        "volumes": _volumes(pipeline, roles, config_map),
+    }
+    if shared:
+        spec["shareProcessNamespace"] = True
+    if gpu == "dra" and claim_template is not None:
+        spec["resourceClaims"] = [{"name": GPU_CLAIM, "resourceClaimTemplateName": claim_template}]
+    annotations = {names.ANNOTATION_SPEC_HASH: spec_hash}
+    if len(roles) > 1:
+        annotations["kubectl.kubernetes.io/default-container"] = roles[0].name
+    template: dict[str, Any] = {
+        "metadata": {"labels": dict(labels), "annotations": annotations},
+        "spec": spec,
+    }
+    for role in roles:
+        if role.pod_template:
+            template = merge.deep_merge(template, role.pod_template)
+    ours = {role.name: contract_env(configs[role.name]) for role in roles}
+    return _reassert(template, labels, spec_hash, ours)
+
+
+def contract_env(config: contract.RoleConfig) -> list[dict[str, Any]]:
+    """The contract part of a container's env: DISAGG_* as rendered, DISAGG_POD_NAME from
+    the downward API."""
+    env: list[dict[str, Any]] = [
+        {"name": key, "value": value}
+        for key, value in contract.render_env(config).items()
+        if key not in _DROPPED_ENV
+    ]
+    env.append(
+        {
+            "name": contract.PREFIX + "POD_NAME",
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}},
+        }
+    )
+    return env
+
+
+def _container(
+    pipeline: Pipeline, role: Role, config: contract.RoleConfig, *, claim: bool
+) -> dict[str, Any]:
+    image = pipeline.image_for(role.name)
+    container: dict[str, Any] = {
+        "name": role.name,
+        "image": image,
+        "command": list(role.command if role.command is not None else DEFAULT_COMMAND),
+    }
+    if role.args is not None:
+        container["args"] = list(role.args)
+    container["env"] = contract_env(config) + [_user_env(var) for var in role.env]
+    container["ports"] = [
+        {"name": "ingress", "containerPort": config.ingress_port, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": config.metrics_port, "protocol": "TCP"},
+    ] + [
+        {"name": p.name, "containerPort": p.container_port, "protocol": p.protocol}
+        for p in role.ports
+    ]
+    resources: dict[str, Any] = {}
+    if role.resources.requests:
+        resources["requests"] = dict(role.resources.requests)
+    if role.resources.limits:
+        resources["limits"] = dict(role.resources.limits)
+    if claim:
+        resources["claims"] = [{"name": GPU_CLAIM}]
+    if resources:
+        container["resources"] = resources
+    container.update(_probes(config.metrics_port))
+    container["securityContext"] = _container_security()
+    container["volumeMounts"] = [
+        {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    return container
+
+
+def _user_env(var: EnvVar) -> dict[str, Any]:
+    if var.value_from is not None:
+        return {"name": var.name, "valueFrom": copy.deepcopy(dict(var.value_from))}
+    return {"name": var.name, "value": var.value}
+
+
+def _probes(port: int) -> dict[str, Any]:
+    def get(path: str) -> dict[str, Any]:
+        return {"path": path, "port": port}
+
+    return {
+        "startupProbe": {
+            "httpGet": get("/healthz"),
+            "periodSeconds": 5,
+            "failureThreshold": STARTUP_SECONDS // 5,
+        },
+        "readinessProbe": {
+            "httpGet": get("/readyz"),
+            "periodSeconds": 5,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": get("/healthz"),
+            "periodSeconds": 10,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+        },
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_ID,
+        "runAsGroup": NONROOT_ID,
+        "fsGroup": NONROOT_ID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_ID,
+        "runAsGroup": NONROOT_ID,
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def shm_size(pipeline: Pipeline, roles: Sequence[Role]) -> int:
+    """Bytes of the pod's /dev/shm: every role's pool plus a margin."""
+    return sum(pipeline.pool_for(role.name).size for role in roles) + SHM_MARGIN
+
+
+def _volumes(pipeline: Pipeline, roles: Sequence[Role], config_map: str) -> list[dict[str, Any]]:
+    shm = quantity.format_bytes(shm_size(pipeline, roles))
+    return [
+        {"name": "topology", "configMap": {"name": config_map}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+
+
+def _reassert(
+    template: dict[str, Any],
+    labels: Mapping[str, str],
+    spec_hash: str,
+    planned_env: Mapping[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Put back what a podTemplate must not change: labels (the selector), the spec hash,
+    and the DISAGG_* variables of each role container (first, as planned)."""
+    meta = template.setdefault("metadata", {})
+    meta["labels"] = {**(meta.get("labels") or {}), **labels}
+    meta["annotations"] = {**(meta.get("annotations") or {}), names.ANNOTATION_SPEC_HASH: spec_hash}
+    for container in template.get("spec", {}).get("containers", []):
+        ours = planned_env.get(container.get("name"))
+        if ours is None:
+            continue
+        theirs = [
+            var
+            for var in container.get("env") or []
+            if not str(var.get("name", "")).startswith(contract.PREFIX)
+        ]
+        container["env"] = [*ours, *theirs]
+    return template

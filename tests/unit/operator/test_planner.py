@@ -1,0 +1,496 @@
+"""The planner: names, placement, the env contract round trip, pod templates, GPU modes,
+podTemplate merging, labels, owners and idempotence."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+from disagg_operator import merge, names, planner
+from disagg_runtime import contract, spec
+from disagg_runtime.spec_model import Pipeline
+
+NS = "ml"
+Obj = dict[str, Any]
+
+
+def _pipeline(doc: Obj) -> Pipeline:
+    return spec.parse_pipeline(doc)
+
+
+def _by_kind(objects: list[Obj]) -> dict[str, dict[str, Obj]]:
+    result: dict[str, dict[str, Obj]] = {}
+    for obj in objects:
+        result.setdefault(obj["kind"], {})[obj["metadata"]["name"]] = obj
+    return result
+
+
+def _containers(sts: Obj) -> dict[str, Obj]:
+    return {c["name"]: c for c in sts["spec"]["template"]["spec"]["containers"]}
+
+
+def _env(container: Obj) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container["env"] if "value" in e}
+
+
+@pytest.fixture
+def examples(example_files: list[pathlib.Path], load_yaml: Any) -> dict[str, Pipeline]:
+    return {path.stem: _pipeline(load_yaml(path)) for path in example_files}
+
+
+def test_names_kinds_and_order(examples: dict[str, Pipeline]) -> None:
+    objects = planner.plan(examples["fan-out"], namespace=NS)
+    assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
+        ("ConfigMap", "fan-out-topology"),
+        ("ResourceClaimTemplate", "fan-out-encoders-gpu"),
+        ("Service", "fan-out-ingest"),
+        ("Service", "fan-out-vision"),
+        ("Service", "fan-out-audio"),
+        ("Service", "fan-out-fuse"),
+        ("StatefulSet", "fan-out-ingest"),
+        ("StatefulSet", "fan-out-encoders"),
+        ("StatefulSet", "fan-out-fuse"),
+    ]
+    assert all(o["metadata"]["namespace"] == NS for o in objects)
+    kinds = {(api, kind) for api, kind in planner.child_kinds()}
+    assert {(o["apiVersion"], o["kind"]) for o in objects} <= kinds
+
+
+def test_one_statefulset_and_service_per_role(examples: dict[str, Pipeline]) -> None:
+    pipeline = examples["text-to-video"]
+    found = _by_kind(planner.plan(pipeline, namespace=NS))
+    roles = ["encoder", "denoiser", "decoder"]
+    assert sorted(found["StatefulSet"]) == sorted(f"text-to-video-{r}" for r in roles)
+    assert sorted(found["Service"]) == sorted(f"text-to-video-{r}" for r in roles)
+    assert "ResourceClaimTemplate" not in found
+    for role in roles:
+        sts = found["StatefulSet"][f"text-to-video-{role}"]
+        assert sts["spec"]["replicas"] == pipeline.role(role).replicas
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["serviceName"] == f"text-to-video-{role}"
+        selector = {names.LABEL_PIPELINE: "text-to-video", names.LABEL_ROLE: role}
+        assert sts["spec"]["selector"]["matchLabels"] == selector
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        service = found["Service"][f"text-to-video-{role}"]
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["selector"] == selector
+        assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [
+            ("ingress", 7400),
+            ("metrics", 9400),
+        ]
+
+
+def test_topology_config_map(examples: dict[str, Pipeline]) -> None:
+    pipeline = examples["text-to-video"]
+    config_map = _by_kind(planner.plan(pipeline, namespace=NS))["ConfigMap"]
+    data = config_map["text-to-video-topology"]["data"]["topology.json"]
+    topology = contract.Topology.from_json(json.loads(data))
+    assert topology == contract.Topology.from_pipeline(pipeline, namespace=NS)
+
+
+def _configs_from_pods(pipeline: Pipeline, options: planner.PlanOptions | None = None) -> None:
+    """Every container's env parses back (contract.parse_env, topology from the ConfigMap)
+    into the planner's RoleConfig, with the replica taken from the pod name."""
+    found = _by_kind(planner.plan(pipeline, namespace=NS, options=options))
+    (config_map,) = found["ConfigMap"].values()
+    topology = contract.Topology.from_json(json.loads(config_map["data"]["topology.json"]))
+    seen = set()
+    for sts_name, sts in found["StatefulSet"].items():
+        for name, container in _containers(sts).items():
+            env = _env(container)
+            assert "DISAGG_REPLICA" not in env
+            (pod_name,) = [e for e in container["env"] if e["name"] == "DISAGG_POD_NAME"]
+            assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+            env["DISAGG_POD_NAME"] = f"{sts_name}-3"
+            parsed = contract.parse_env(env, topology)
+            expected = planner.role_config(pipeline, name, namespace=NS, options=options)
+            assert parsed == _with(expected, replica=3, pod_name=f"{sts_name}-3")
+            seen.add(name)
+    assert seen == set(pipeline.role_names)
+
+
+def _with(config: contract.RoleConfig, **changes: Any) -> contract.RoleConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+def test_env_round_trips_through_the_contract(examples: dict[str, Pipeline], full_doc: Obj) -> None:
+    for pipeline in [*examples.values(), _pipeline(full_doc)]:
+        _configs_from_pods(pipeline)
+
+
+def test_downstream_addresses_lone_roles(examples: dict[str, Pipeline]) -> None:
+    found = _by_kind(planner.plan(examples["text-to-video"], namespace=NS))
+    encoder = _env(_containers(found["StatefulSet"]["text-to-video-encoder"])["encoder"])
+    assert encoder["DISAGG_DOWNSTREAM"] == (
+        "denoiser=text-to-video-denoiser.ml.svc.cluster.local:7400,"
+        "decoder=text-to-video-decoder.ml.svc.cluster.local:7400"
+    )
+    assert encoder["DISAGG_SAME_GPU_PEERS"] == ""
+    assert encoder["DISAGG_NAMESPACE"] == NS
+    assert encoder["DISAGG_POOL_SIZE"] == str(256 * 2**20)
+    denoiser = _env(_containers(found["StatefulSet"]["text-to-video-denoiser"])["denoiser"])
+    assert denoiser["DISAGG_POOL_SIZE"] == str(512 * 2**20)
+    assert denoiser["DISAGG_CONCURRENCY"] == "2"
+    assert denoiser["DISAGG_REQUEST_TIMEOUT"] == "60"
+    decoder = _env(_containers(found["StatefulSet"]["text-to-video-decoder"])["decoder"])
+    assert decoder["DISAGG_DOWNSTREAM"] == ""
+
+
+def test_colocated_roles_share_a_pod(examples: dict[str, Pipeline]) -> None:
+    found = _by_kind(planner.plan(examples["fan-out"], namespace=NS))
+    sts = found["StatefulSet"]["fan-out-encoders"]
+    pod = sts["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["vision", "audio"]
+    assert pod["shareProcessNamespace"] is True
+    assert pod["resourceClaims"] == [
+        {"name": "gpu", "resourceClaimTemplateName": "fan-out-encoders-gpu"}
+    ]
+    for container in pod["containers"]:
+        assert container["resources"]["claims"] == [{"name": "gpu"}]
+    vision, audio = (_env(c) for c in pod["containers"])
+    assert (vision["DISAGG_INGRESS_PORT"], vision["DISAGG_METRICS_PORT"]) == ("7400", "9400")
+    assert (audio["DISAGG_INGRESS_PORT"], audio["DISAGG_METRICS_PORT"]) == ("7401", "9401")
+    assert vision["DISAGG_SAME_GPU_PEERS"] == "audio"
+    assert audio["DISAGG_SAME_GPU_PEERS"] == "vision"
+    assert vision["DISAGG_DOWNSTREAM"] == "fuse=fan-out-fuse.ml.svc.cluster.local:7400"
+    ingest = _env(_containers(found["StatefulSet"]["fan-out-ingest"])["ingest"])
+    assert ingest["DISAGG_DOWNSTREAM"] == (
+        "vision=fan-out-vision.ml.svc.cluster.local:7400,"
+        "audio=fan-out-audio.ml.svc.cluster.local:7401"
+    )
+    group_labels = {names.LABEL_ROLE: "encoders", names.LABEL_GROUP: "encoders"}
+    assert group_labels.items() <= sts["metadata"]["labels"].items()
+    for role, port in (("vision", 7400), ("audio", 7401)):
+        service = found["Service"][f"fan-out-{role}"]
+        assert service["spec"]["selector"] == {
+            names.LABEL_PIPELINE: "fan-out",
+            names.LABEL_ROLE: "encoders",
+        }
+        assert service["metadata"]["labels"][names.LABEL_ROLE] == role
+        assert service["metadata"]["labels"][names.LABEL_GROUP] == "encoders"
+        assert service["spec"]["ports"][0] == {
+            "name": "ingress",
+            "port": port,
+            "targetPort": port,
+            "protocol": "TCP",
+        }
+    claim = found["ResourceClaimTemplate"]["fan-out-encoders-gpu"]
+    assert claim["apiVersion"] == "resource.k8s.io/v1"
+    (request,) = claim["spec"]["spec"]["devices"]["requests"]
+    assert request == {
+        "name": "gpu",
+        "exactly": {
+            "deviceClassName": "gpu.nvidia.com",
+            "allocationMode": "ExactCount",
+            "count": 1,
+        },
+    }
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["kubectl.kubernetes.io/default-container"] == "vision"
+
+
+def test_peers_in_the_same_pod_use_loopback(full_doc: Obj) -> None:
+    pipeline = _pipeline(full_doc)
+    found = _by_kind(planner.plan(pipeline, namespace=NS))
+    group = _containers(found["StatefulSet"]["full-diffusion"])
+    denoiser, decoder = _env(group["denoiser"]), _env(group["decoder"])
+    assert denoiser["DISAGG_DOWNSTREAM"] == "decoder=127.0.0.1:7401@cuda-ipc"
+    assert decoder["DISAGG_INGRESS_PORT"] == "7401"
+    encoder = _env(_containers(found["StatefulSet"]["full-encoder"])["encoder"])
+    # The user's port 7400 pushes the runtime's ingress to 7401.
+    assert encoder["DISAGG_INGRESS_PORT"] == "7401"
+    assert encoder["DISAGG_DOWNSTREAM"] == (
+        "denoiser=full-denoiser.ml.svc.cluster.local:7400@tcp,"
+        "decoder=full-decoder.ml.svc.cluster.local:7401"
+    )
+    assert encoder["DISAGG_POOL_DEVICE"] == "cpu-pinned"
+    ports = [(p["name"], p["port"]) for p in found["Service"]["full-encoder"]["spec"]["ports"]]
+    assert ports == [("ingress", 7401), ("metrics", 9400), ("debug", 7400), ("probe", 5678)]
+
+
+def test_pod_template_is_hardened(examples: dict[str, Pipeline]) -> None:
+    found = _by_kind(planner.plan(examples["llm-prefill-decode"], namespace=NS))
+    sts = found["StatefulSet"]["llm-prefill-decode-decode"]
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    assert "shareProcessNamespace" not in pod
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/disagg/runtime:0.1.0"
+    assert container["command"] == ["disagg", "role"]
+    assert container["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
+    security = container["securityContext"]
+    assert security["runAsUser"] == 65532 and security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 9400}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 9400}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/etc/disagg"]["readOnly"] is True
+    assert {"/dev/shm", "/tmp"} <= mounts.keys()
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["topology"]["configMap"]["name"] == "llm-prefill-decode-topology"
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "320Mi"}
+    assert volumes["tmp"]["emptyDir"] == {}
+
+
+def test_shm_size_sums_the_pods_pools(full_doc: Obj) -> None:
+    found = _by_kind(planner.plan(_pipeline(full_doc), namespace=NS))
+    pod = found["StatefulSet"]["full-diffusion"]["spec"]["template"]["spec"]
+    shm = {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"]
+    assert shm == "704Mi"  # denoiser 512Mi (pipeline default) + decoder 128Mi + 64Mi
+
+
+def test_role_overrides_image_command_args_env(full_doc: Obj) -> None:
+    found = _by_kind(planner.plan(_pipeline(full_doc), namespace=NS))
+    encoder = _containers(found["StatefulSet"]["full-encoder"])["encoder"]
+    assert encoder["image"] == "registry.example/encoder:2"
+    assert encoder["command"] == ["python", "-m", "disagg_runtime.cli"]
+    assert encoder["args"] == ["role", "--verbose", ""]
+    names_in_order = [e["name"] for e in encoder["env"]]
+    assert names_in_order[-2:] == ["MODEL", "TOKEN"]
+    assert all(n.startswith("DISAGG_") for n in names_in_order[:-2])
+    token = encoder["env"][-1]
+    assert token == {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+    assert encoder["resources"]["limits"] == {"memory": "2Gi", "nvidia.com/gpu": "1"}
+    assert [p["containerPort"] for p in encoder["ports"]] == [7401, 9400, 7400, 5678]
+
+
+def test_pod_template_overrides_merge_last(full_doc: Obj) -> None:
+    full_doc["spec"]["roles"][0]["podTemplate"]["metadata"]["labels"] = {
+        names.LABEL_ROLE: "hijack",
+        "extra": "yes",
+    }
+    full_doc["spec"]["roles"][0]["podTemplate"]["spec"]["containers"] = [
+        {
+            "name": "encoder",
+            "env": [{"name": "DISAGG_ROLE", "value": "x"}, {"name": "MORE", "value": "1"}],
+            "securityContext": {"readOnlyRootFilesystem": None},
+        },
+        {"name": "sidecar", "image": "busybox"},
+    ]
+    found = _by_kind(planner.plan(_pipeline(full_doc), namespace=NS))
+    template = found["StatefulSet"]["full-encoder"]["spec"]["template"]
+    assert template["spec"]["nodeSelector"] == {"gpu": "true"}
+    assert template["metadata"]["annotations"]["example.com/owner"] == "video"
+    assert template["metadata"]["labels"][names.LABEL_ROLE] == "encoder"  # ours win
+    assert template["metadata"]["labels"]["extra"] == "yes"
+    containers = _containers(found["StatefulSet"]["full-encoder"])
+    assert list(containers) == ["encoder", "sidecar"]
+    env = _env(containers["encoder"])
+    assert env["DISAGG_ROLE"] == "encoder" and env["MORE"] == "1" and env["MODEL"] == "t5"
+    assert "readOnlyRootFilesystem" not in containers["encoder"]["securityContext"]
+    group = _containers(found["StatefulSet"]["full-diffusion"])
+    assert [e["name"] for e in group["denoiser"]["env"]][-1] == "EXTRA"
+
+
+def test_merge_rules() -> None:
+    base = {
+        "a": {"b": 1, "c": [1, 2]},
+        "containers": [{"name": "x", "image": "i", "env": [{"name": "A", "value": "1"}]}],
+        "volumes": [{"name": "v", "emptyDir": {}}],
+        "drop": 1,
+    }
+    overlay = {
+        "a": {"c": [3]},
+        "containers": [{"name": "x", "env": [{"name": "B", "value": "2"}]}],
+        "volumes": [{"name": "w", "emptyDir": {}}],
+        "drop": None,
+    }
+    frozen = copy.deepcopy(base)
+    result = merge.deep_merge(base, overlay)
+    assert base == frozen
+    assert result == {
+        "a": {"b": 1, "c": [3]},
+        "containers": [
+            {
+                "name": "x",
+                "image": "i",
+                "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}],
+            }
+        ],
+        "volumes": [{"name": "v", "emptyDir": {}}, {"name": "w", "emptyDir": {}}],
+    }
+    assert merge.deep_merge({"tolerations": [{"key": "a"}]}, {"tolerations": []}) == {
+        "tolerations": []
+    }
+
+
+@pytest.mark.parametrize("mode", ["dra", "device-plugin", "none"])
+def test_gpu_modes(examples: dict[str, Pipeline], mode: str, load_yaml: Any, repo: Any) -> None:
+    doc = load_yaml(repo / "examples" / "fan-out.yaml")
+    doc["metadata"]["annotations"] = {names.ANNOTATION_GPU_MODE: mode}
+    found = _by_kind(planner.plan(_pipeline(doc), namespace=NS))
+    pod = found["StatefulSet"]["fan-out-encoders"]["spec"]["template"]["spec"]
+    vision, audio = pod["containers"]
+    assert ("ResourceClaimTemplate" in found) == (mode == "dra")
+    assert ("resourceClaims" in pod) == (mode == "dra")
+    if mode == "device-plugin":
+        assert vision["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+        assert "resources" not in audio
+    if mode == "none":
+        assert "resources" not in vision and "resources" not in audio
+    lone = found["StatefulSet"]["fan-out-ingest"]["spec"]["template"]["spec"]
+    assert "resourceClaims" not in lone and "resources" not in lone["containers"][0]
+
+
+def test_gpu_device_class_and_default_mode(load_yaml: Any, repo: Any) -> None:
+    doc = load_yaml(repo / "examples" / "fan-out.yaml")
+    doc["metadata"]["annotations"] = {names.ANNOTATION_GPU_DEVICE_CLASS: "gpu.amd.com"}
+    pipeline = _pipeline(doc)
+    found = _by_kind(planner.plan(pipeline, namespace=NS))
+    claim = found["ResourceClaimTemplate"]["fan-out-encoders-gpu"]
+    request = claim["spec"]["spec"]["devices"]["requests"][0]
+    assert request["exactly"]["deviceClassName"] == "gpu.amd.com"
+    options = planner.PlanOptions(gpu_mode="none")
+    assert "ResourceClaimTemplate" not in _by_kind(
+        planner.plan(pipeline, namespace=NS, options=options)
+    )
+    beta = planner.PlanOptions(dra_api_version="resource.k8s.io/v1beta2")
+    found = _by_kind(planner.plan(pipeline, namespace=NS, options=beta))
+    assert found["ResourceClaimTemplate"]["fan-out-encoders-gpu"]["apiVersion"] == (
+        "resource.k8s.io/v1beta2"
+    )
+
+
+def test_operator_settings_are_checked(full_doc: Obj) -> None:
+    full_doc["metadata"]["annotations"] = {
+        names.ANNOTATION_GPU_MODE: "magic",
+        names.ANNOTATION_GPU_DEVICE_CLASS: "Not A Class",
+    }
+    full_doc["spec"]["roles"][0]["ports"][1]["name"] = "metrics"
+    with pytest.raises(spec.SpecError) as caught:
+        planner.plan(_pipeline(full_doc), namespace=NS)
+    assert [(p.path, p.reason.split(";")[0]) for p in caught.value.problems] == [
+        ('metadata.annotations["disagg.dev/gpu-mode"]', "must be one of dra, device-plugin, none"),
+        (
+            'metadata.annotations["disagg.dev/gpu-device-class"]',
+            "'Not A Class' is not a device class name (a DNS subdomain)",
+        ),
+        ("spec.roles[0].ports[1].name", "'metrics' is reserved for the runtime's own port"),
+    ]
+
+
+def test_labels_and_owner_references(full_doc: Obj) -> None:
+    owner = planner.Owner.of(
+        {
+            "apiVersion": "disagg.dev/v1alpha1",
+            "kind": "DisaggregatedPipeline",
+            "metadata": {"name": "full", "uid": "1234"},
+        }
+    )
+    objects = planner.plan(_pipeline(full_doc), namespace=NS, owner=owner)
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        assert labels[names.LABEL_NAME] == "disagg"
+        assert labels[names.LABEL_INSTANCE] == "full"
+        assert labels[names.LABEL_MANAGED_BY] == "disagg-operator"
+        assert labels[names.LABEL_PIPELINE] == "full"
+        assert planner.child_selector("full").items() <= labels.items()
+        if obj["kind"] != "ConfigMap":
+            assert names.LABEL_ROLE in labels
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "disagg.dev/v1alpha1",
+                "kind": "DisaggregatedPipeline",
+                "name": "full",
+                "uid": "1234",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    without = planner.plan(_pipeline(full_doc), namespace=NS)
+    assert all("ownerReferences" not in o["metadata"] for o in without)
+
+
+def test_plan_is_deterministic(
+    example_files: list[pathlib.Path], load_yaml: Any, full_doc: Obj
+) -> None:
+    """Two plans of the same document (parsed twice) are equal byte for byte."""
+    for doc in [*(load_yaml(path) for path in example_files), full_doc]:
+        first = planner.plan(_pipeline(copy.deepcopy(doc)), namespace=NS)
+        second = planner.plan(_pipeline(copy.deepcopy(doc)), namespace=NS)
+        assert json.dumps(first) == json.dumps(second)
+
+
+def _changed(before: list[Obj], after: list[Obj]) -> set[tuple[str, str]]:
+    old = {(o["kind"], o["metadata"]["name"]): o for o in before}
+    new = {(o["kind"], o["metadata"]["name"]): o for o in after}
+    assert old.keys() == new.keys()
+    return {key for key in old if old[key] != new[key]}
+
+
+def test_one_role_change_touches_only_its_statefulset(load_yaml: Any, repo: Any) -> None:
+    doc = load_yaml(repo / "examples" / "text-to-video.yaml")
+    before = planner.plan(_pipeline(doc), namespace=NS)
+    image = copy.deepcopy(doc)
+    image["spec"]["roles"][1]["image"] = "ghcr.io/disagg/runtime:0.2.0"
+    after = planner.plan(_pipeline(image), namespace=NS)
+    assert _changed(before, after) == {("StatefulSet", "text-to-video-denoiser")}
+    replicas = copy.deepcopy(doc)
+    replicas["spec"]["roles"][2]["replicas"] = 5
+    after = planner.plan(_pipeline(replicas), namespace=NS)
+    assert _changed(before, after) == {("StatefulSet", "text-to-video-decoder")}
+    assert _by_kind(after)["StatefulSet"]["text-to-video-decoder"]["spec"]["replicas"] == 5
+
+
+def test_graph_change_rolls_every_pod(load_yaml: Any, repo: Any) -> None:
+    doc = load_yaml(repo / "examples" / "text-to-video.yaml")
+    before = planner.plan(_pipeline(doc), namespace=NS)
+    del doc["spec"]["edges"][0]["tensorRefs"]
+    after = planner.plan(_pipeline(doc), namespace=NS)
+    changed = _changed(before, after)
+    assert ("ConfigMap", "text-to-video-topology") in changed
+    hashes = {
+        o["spec"]["template"]["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
+        for o in before + after
+        if o["kind"] == "StatefulSet"
+    }
+    assert len(hashes) == 2  # one per plan, shared by every StatefulSet
+
+
+def test_replica_overrides_from_the_autoscaler(examples: dict[str, Pipeline]) -> None:
+    options = planner.PlanOptions(replicas={"denoiser": 4, "encoders": 3})
+    found = _by_kind(planner.plan(examples["text-to-video"], namespace=NS, options=options))
+    assert found["StatefulSet"]["text-to-video-denoiser"]["spec"]["replicas"] == 4
+    assert found["StatefulSet"]["text-to-video-encoder"]["spec"]["replicas"] == 1
+    found = _by_kind(planner.plan(examples["fan-out"], namespace=NS, options=options))
+    assert found["StatefulSet"]["fan-out-encoders"]["spec"]["replicas"] == 3
+
+
+def test_plan_shares_no_objects(full_doc: Obj) -> None:
+    """Objects must not alias each other or the model (YAML anchors, accidental edits)."""
+    pipeline = _pipeline(full_doc)
+    objects = planner.plan(pipeline, namespace=NS)
+    seen: dict[int, Any] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, dict | list):
+            assert id(value) not in seen, value
+            seen[id(value)] = value
+            for item in value.values() if isinstance(value, dict) else value:
+                visit(item)
+
+    visit(objects)
+    objects[-1]["spec"]["template"]["spec"]["containers"][0]["env"].clear()
+    assert planner.plan(pipeline, namespace=NS) != objects
+
+
+def test_workloads(examples: dict[str, Pipeline]) -> None:
+    units = planner.workloads(examples["fan-out"])
+    assert [(u.unit, u.name, [r.name for r in u.roles]) for u in units] == [
+        ("ingest", "fan-out-ingest", ["ingest"]),
+        ("encoders", "fan-out-encoders", ["vision", "audio"]),
+        ("fuse", "fan-out-fuse", ["fuse"]),
+    ]
+    assert planner.workload_of(examples["fan-out"], "audio").unit == "encoders"
