@@ -440,6 +440,39 @@ def group_schema() -> Schema:
     )
 
 
+def ratio_lock_schema() -> Schema:
+    return _object(
+        "Hold two roles' replica counts in proportion: follower = ceil(leader * "
+        "followerShare / leaderShare); when the leader scales, the follower follows.",
+        {
+            "leader": _string(
+                "The role whose replica count leads.",
+                pattern=DNS_1035_LABEL,
+                maxLength=m.MAX_LABEL_LENGTH,
+            ),
+            "follower": _string(
+                "The role that follows; it follows at most one leader.",
+                pattern=DNS_1035_LABEL,
+                maxLength=m.MAX_LABEL_LENGTH,
+            ),
+            "leaderShare": _integer("Leader's side of the ratio (e.g. 4 in 4:1).", minimum=1),
+            "followerShare": _integer("Follower's side of the ratio (e.g. 1 in 4:1).", minimum=1),
+            "tolerance": _number(
+                "Relative drift from the ratio that is left alone, in [0, 1).",
+                minimum=0,
+                maximum=1,
+                exclusiveMaximum=True,
+            ),
+        },
+        required=("leader", "follower"),
+        **{
+            "x-kubernetes-validations": [
+                _rule("self.leader != self.follower", "a role cannot be locked to itself")
+            ]
+        },
+    )
+
+
 def _given(field: str, rule: str) -> str:
     """`rule` where `field` is set, else true. A conditional rather than `!has(f) || rule`:
     the same in CEL, and cel-python (used by the tests) mis-evaluates the `||` form when the
@@ -488,6 +521,15 @@ def _spec_rules() -> list[dict[str, str]]:
             _given("self.edges", f"self.edges.all(e, {relay} != 'cuda-ipc' || ({same_group}))"),
             "relay cuda-ipc needs both roles of the edge in one colocation group (one GPU)",
             ".edges",
+        ),
+        _rule(
+            _given(
+                "self.ratioLocks",
+                f"self.ratioLocks.all(l, {known.format('l.leader')} && "
+                f"{known.format('l.follower')})",
+            ),
+            "every ratio lock's leader and follower must name a role of spec.roles",
+            ".ratioLocks",
         ),
         _rule(
             _given(
@@ -546,6 +588,12 @@ def spec_schema() -> Schema:
                 "Groups of roles that share one GPU and one pod.",
                 group_schema(),
                 maxItems=MAX_GROUPS,
+            ),
+            "ratioLocks": _array(
+                "Replica ratios the autoscaler holds between roles (e.g. denoiser:decoder 4:1).",
+                ratio_lock_schema(),
+                maxItems=MAX_ROLES,
+                **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["follower"]},
             ),
         },
         required=("roles",),

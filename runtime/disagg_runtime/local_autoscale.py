@@ -42,7 +42,7 @@ def locks_of(pipeline: Pipeline) -> list[RatioLock]:
         RatioLock(
             lock.leader, lock.follower, lock.leader_share, lock.follower_share, lock.tolerance
         )
-        for lock in getattr(pipeline, "ratio_locks", ())
+        for lock in pipeline.ratio_locks
     ]
 
 

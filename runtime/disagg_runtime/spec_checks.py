@@ -41,6 +41,40 @@ def check(pipeline: m.Pipeline, out: Collector) -> None:
     members = _check_colocation(pipeline, roles, out)
     _check_groups_share_pods(pipeline, roles, out)
     _check_cuda_ipc(pipeline, links, members, out)
+    _check_ratio_locks(pipeline, roles, out)
+
+
+def _check_ratio_locks(pipeline: m.Pipeline, roles: dict[str, int], out: Collector) -> None:
+    """Known roles; a role follows at most one leader; no role ends up following itself."""
+    followed: dict[str, int] = {}
+    for i, lock in enumerate(pipeline.ratio_locks):
+        path = f"spec.ratioLocks[{i}]"
+        for key, name in (("leader", lock.leader), ("follower", lock.follower)):
+            if name and name not in roles:
+                out.add(f"{path}.{key}", f"unknown role {name!r}")
+        if lock.follower in followed:
+            out.add(
+                f"{path}.follower",
+                f"role {lock.follower!r} already follows a leader "
+                f"(spec.ratioLocks[{followed[lock.follower]}])",
+            )
+        followed.setdefault(lock.follower, i)
+        group = next((g for g in pipeline.colocation if lock.leader in g.roles), None)
+        share = (lock.leader_share, lock.follower_share)
+        if group is not None and lock.follower in group.roles and share != (1, 1):
+            out.add(
+                path,
+                f"{lock.leader!r} and {lock.follower!r} share the pods of colocation group "
+                f"{group.name!r}, so their replica counts are always equal",
+            )
+    leader_of = {lock.follower: lock.leader for lock in pipeline.ratio_locks}
+    for i, lock in enumerate(pipeline.ratio_locks):
+        seen, name = {lock.follower}, lock.leader
+        while name in leader_of and name not in seen:
+            seen.add(name)
+            name = leader_of[name]
+        if name in seen and name == lock.follower:
+            out.add(f"spec.ratioLocks[{i}]", f"ratio locks form a cycle through {name!r}")
 
 
 def _role_index(pipeline: m.Pipeline, out: Collector) -> dict[str, int]:

@@ -215,6 +215,18 @@ class ColocationGroup:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RatioLock:
+    """Hold `follower` replicas at `follower_share / leader_share` of `leader`'s: when the
+    leader scales, the follower follows (unless within `tolerance`, relative)."""
+
+    leader: str
+    follower: str
+    leader_share: int = 1
+    follower_share: int = 1
+    tolerance: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Pipeline:
     """A validated DisaggregatedPipeline. Queries take and return role names; an unknown name
     raises KeyError."""
@@ -228,6 +240,7 @@ class Pipeline:
     roles: tuple[Role, ...] = ()
     edges: tuple[Edge, ...] = ()
     colocation: tuple[ColocationGroup, ...] = ()
+    ratio_locks: tuple[RatioLock, ...] = ()
 
     @property
     def role_names(self) -> tuple[str, ...]:

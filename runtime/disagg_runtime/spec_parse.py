@@ -25,7 +25,8 @@ METADATA_KEYS = (
     "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "finalizers",
     "managedFields", "ownerReferences", "generateName", "selfLink",
 )  # fmt: skip
-SPEC_KEYS = ("image", "transport", "roles", "edges", "colocation")
+SPEC_KEYS = ("image", "transport", "roles", "edges", "colocation", "ratioLocks")
+RATIO_LOCK_KEYS = ("leader", "follower", "leaderShare", "followerShare", "tolerance")
 TRANSPORT_KEYS = ("relay", "poolSize", "minBlock", "poolDevice", "requestTimeoutSeconds")
 POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
 ROLE_KEYS = (
@@ -77,6 +78,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
         out.add("spec.roles", "a pipeline needs at least one role")
     edges = tuple(_edge(out, raw, path) for path, raw in f.items(out, spec, "edges", "spec"))
     groups = [_group(out, raw, path) for path, raw in f.items(out, spec, "colocation", "spec")]
+    locks = [_ratio_lock(out, raw, path) for path, raw in f.items(out, spec, "ratioLocks", "spec")]
     pipeline = m.Pipeline(
         name=name,
         namespace=namespace,
@@ -87,6 +89,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
         roles=roles,
         edges=edges,
         colocation=tuple(groups),
+        ratio_locks=tuple(lock for lock in locks if lock is not None),
     )
     return pipeline, out
 
@@ -437,6 +440,26 @@ def _group(out: Collector, raw: object, path: str) -> m.ColocationGroup:
         )
     name = _dns_label(out, g, "name", path, DNS_1035_LABEL)
     return m.ColocationGroup(name=name or (roles[0] if roles else ""), roles=roles)
+
+
+def _ratio_lock(out: Collector, raw: object, path: str) -> m.RatioLock | None:
+    r = f.fields(out, raw, path, known=RATIO_LOCK_KEYS, required=("leader", "follower"))
+    if r is None:
+        return None
+    leader = f.text(out, r, "leader", path)
+    follower = f.text(out, r, "follower", path)
+    if leader is not None and leader == follower:
+        out.add(child(path, "follower"), f"a role cannot be locked to itself ({leader!r})")
+    tolerance = f.number(out, r, "tolerance", path)
+    if tolerance is not None and not 0 <= tolerance < 1:
+        out.add(child(path, "tolerance"), f"must be in [0, 1), got {tolerance}")
+    return m.RatioLock(
+        leader=leader or "",
+        follower=follower or "",
+        leader_share=_or(f.integer(out, r, "leaderShare", path, minimum=1), 1),
+        follower_share=_or(f.integer(out, r, "followerShare", path, minimum=1), 1),
+        tolerance=_or(tolerance, 0.0),
+    )
 
 
 def _or(value: T | None, default: T) -> T:

@@ -993,3 +993,61 @@ def test_any_corruption_of_a_valid_document_is_a_spec_error(
 def test_arbitrary_documents_never_crash(doc: object) -> None:
     with pytest.raises(SpecError):
         parse_pipeline(doc)
+
+
+def test_ratio_locks_parse_with_defaults() -> None:
+    doc = chain()
+    doc["spec"]["ratioLocks"] = [
+        {"leader": "b", "follower": "c", "leaderShare": 4, "followerShare": 1, "tolerance": 0.5},
+        {"leader": "c", "follower": "d"},
+    ]
+    locks = parse_pipeline(doc).ratio_locks
+    assert [
+        (x.leader, x.follower, x.leader_share, x.follower_share, x.tolerance) for x in locks
+    ] == [
+        ("b", "c", 4, 1, 0.5),
+        ("c", "d", 1, 1, 0.0),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("locks", "path", "reason"),
+    [
+        ([{"leader": "b", "follower": "zz"}], "spec.ratioLocks[0].follower", "unknown role 'zz'"),
+        ([{"leader": "b", "follower": "b"}], "spec.ratioLocks[0].follower", "locked to itself"),
+        ([{"leader": "b"}], "spec.ratioLocks[0].follower", "required field missing"),
+        (
+            [{"leader": "b", "follower": "c", "leaderShare": 0}],
+            "spec.ratioLocks[0].leaderShare",
+            "at least 1",
+        ),
+        (
+            [{"leader": "b", "follower": "c", "tolerance": 1}],
+            "spec.ratioLocks[0].tolerance",
+            "[0, 1)",
+        ),
+        (
+            [{"leader": "b", "follower": "c"}, {"leader": "d", "follower": "c"}],
+            "spec.ratioLocks[1].follower",
+            "already follows a leader (spec.ratioLocks[0])",
+        ),
+        (
+            [{"leader": "b", "follower": "c"}, {"leader": "c", "follower": "b"}],
+            "spec.ratioLocks[0]",
+            "form a cycle",
+        ),
+    ],
+)
+def test_ratio_lock_rules(locks: list[Any], path: str, reason: str) -> None:
+    doc = chain()
+    doc["spec"]["ratioLocks"] = locks
+    assert_problem(doc, path, reason)
+
+
+def test_ratio_lock_inside_a_colocation_group_must_be_one_to_one() -> None:
+    doc = chain()
+    doc["spec"]["colocation"] = [{"roles": ["b", "c"]}]
+    doc["spec"]["ratioLocks"] = [{"leader": "b", "follower": "c", "leaderShare": 2}]
+    assert_problem(doc, "spec.ratioLocks[0]", "always equal")
+    doc["spec"]["ratioLocks"] = [{"leader": "b", "follower": "c"}]
+    parse_pipeline(doc)
