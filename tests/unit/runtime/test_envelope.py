@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def test_expired():
 
 def test_extract_and_insert_are_inverse_and_do_not_mutate():
     emb = torch.ones(3)
-    payload = {"a": {"b": [emb, 2]}, "keep": 1}
+    payload: dict[str, Any] = {"a": {"b": [emb, 2]}, "keep": 1}
     rest, value = env.extract(payload, "a.b[0]")
     assert value is emb
     assert rest == {"a": {"b": [None, 2]}, "keep": 1}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from disagg_runtime import peers
@@ -34,7 +36,7 @@ def test_peerset_re_resolves_after_the_interval(monkeypatch):
         return answers[min(len(calls), len(answers)) - 1]
 
     clock = [100.0]
-    monkeypatch.setattr(peers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     ps = peers.PeerSet(Peer("decoder", ("svc.ns:1",)), "tcp", resolver=resolver)
     assert ps.endpoints() == ["tcp://10.0.0.1:1"]
     assert ps.endpoints() == ["tcp://10.0.0.1:1"]  # cached
