@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+pytest_plugins = ["k8s.fixtures"]  # the Kubernetes API emulator (tests/k8s/)
+
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"
 

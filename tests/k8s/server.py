@@ -1,0 +1,316 @@
+"""Running the emulator on a loopback port: in the current event loop, or in its own thread.
+
+- ``async with EmulatorServer() as server:`` serves from the running loop (``server.url``).
+- ``EmulatorThread().start()`` serves from a thread with its own loop; usable from sync tests
+  and from async tests alike (clients talk to it over real sockets). Its helpers (``create``,
+  ``get``, ``patch``, ``patch_status``, ``delete``, ...) run the emulator's direct operations
+  inside the emulator's loop and wait for them; in an async test, call them through
+  ``await asyncio.to_thread(...)`` so that the test's own loop (e.g. a kopf operator) keeps going.
+
+Our own aiohttp server instead of ``kmock.Server``: the latter also patches aiohttp's resolver
+globally, which breaks when two emulators stop out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import aiohttp.web
+import kmock
+import yaml
+
+from .emulator import JSON, ApiCall, KubeEmulator
+
+T = TypeVar("T")
+
+
+class EmulatorServer:
+    """The emulator behind an aiohttp server on ``host`` and a free port, in this loop."""
+
+    def __init__(
+        self, emulator: KubeEmulator | None = None, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.emulator = emulator if emulator is not None else KubeEmulator()
+        self.host = host
+        self._port = port
+        self._runner: aiohttp.web.ServerRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def __aenter__(self) -> Self:
+        await self.emulator.__aenter__()
+        server = aiohttp.web.Server(self.emulator, handler_cancellation=True)
+        self._runner = aiohttp.web.ServerRunner(server, handle_signals=False, shutdown_timeout=2.0)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self._port))
+        self.port = sock.getsockname()[1]
+        await aiohttp.web.SockSite(self._runner, sock).start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.emulator.close_watches()
+        await asyncio.sleep(0)  # let the watch streams notice
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.emulator.__aexit__(exc_type, exc, tb)
+
+
+class EmulatorThread:
+    """An emulator served from a daemon thread with its own event loop (the ``k8s`` fixture)."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="k8s-emulator", daemon=True)
+        self._server: EmulatorServer | None = None
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 10.0) -> Self:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the Kubernetes emulator did not start")
+        if self._failure is not None:
+            raise RuntimeError("the Kubernetes emulator failed to start") from self._failure
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # reported by start()
+            self._failure = e
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with EmulatorServer(KubeEmulator(**self._options)) as server:
+            self._server = server
+            self._ready.set()
+            await self._stop.wait()
+
+    @property
+    def server(self) -> EmulatorServer:
+        if self._server is None:
+            raise RuntimeError("the emulator is not running")
+        return self._server
+
+    @property
+    def emulator(self) -> KubeEmulator:
+        return self.server.emulator
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def host(self) -> str:
+        return self.server.host
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    # ------------------------------------------------------------------ running in the loop
+
+    def call(self, fn: Callable[..., T], *args: Any, timeout: float = 10.0, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` in the emulator's loop and return its result."""
+        if self._loop is None:
+            raise RuntimeError("the emulator is not running")
+        if threading.current_thread() is self._thread:
+            return fn(*args, **kwargs)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                future.set_exception(e)
+
+        self._loop.call_soon_threadsafe(run)
+        return future.result(timeout)
+
+    # ------------------------------------------------------------------ what tests look at
+
+    @property
+    def calls(self) -> list[ApiCall]:
+        """Every request so far (a copy), in arrival order."""
+        return self.call(lambda: list(self.emulator.calls))
+
+    def rbac_calls(self) -> set[tuple[str | None, str | None, str]]:
+        """``{(apiGroup, resource[/subresource], verb)}`` of every resource request so far."""
+        return {c.rbac for c in self.calls if c.resource is not None}
+
+    def clear_calls(self) -> None:
+        self.call(self.emulator.calls.clear)
+
+    @property
+    def objects(self) -> kmock.ObjectsArray:
+        """kmock's ``ObjectsArray``: every object's versions, e.g. ``objects['v1/pods', ns, n]``."""
+        return self.emulator.objects
+
+    @property
+    def errors(self) -> list[Exception]:
+        """Unexpected exceptions inside the emulator (its bugs, not API errors)."""
+        return self.call(lambda: list(self.emulator.errors))
+
+    # ------------------------------------------------------------------ direct operations
+
+    def create(self, body: Mapping[str, Any], namespace: str | None = None) -> JSON:
+        return self.call(self.emulator.create_object, body, namespace)
+
+    def apply(self, body: Mapping[str, Any], namespace: str | None = None) -> JSON:
+        return self.call(self.emulator.apply_object, body, namespace)
+
+    def apply_file(self, path: str | Path, namespace: str | None = None) -> list[JSON]:
+        """Server-side apply every document of a YAML file (a CRD, an example, ...)."""
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+        return [self.apply(doc, namespace) for doc in docs]
+
+    def get(self, ref: str, name: str, namespace: str | None = None) -> JSON | None:
+        return self.call(self.emulator.get_object, ref, name, namespace)
+
+    def list(
+        self,
+        ref: str,
+        namespace: str | None = None,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ) -> list[JSON]:
+        return self.call(self.emulator.list_objects, ref, namespace, label_selector, field_selector)
+
+    def patch(
+        self,
+        ref: str,
+        name: str,
+        patch: Any,
+        namespace: str | None = None,
+        *,
+        subresource: str | None = None,
+        patch_type: str = "merge",
+    ) -> JSON:
+        return self.call(
+            self.emulator.patch_object,
+            ref,
+            name,
+            patch,
+            namespace,
+            subresource=subresource,
+            patch_type=patch_type,
+        )
+
+    def patch_status(
+        self, ref: str, name: str, status: Mapping[str, Any], namespace: str | None = None
+    ) -> JSON:
+        """Merge ``status`` into the object's status (as a workload controller would)."""
+        return self.patch(ref, name, {"status": dict(status)}, namespace, subresource="status")
+
+    def delete(
+        self, ref: str, name: str, namespace: str | None = None, propagation: str = "Background"
+    ) -> JSON:
+        return self.call(self.emulator.delete_object, ref, name, namespace, propagation)
+
+    def wait_for(
+        self,
+        predicate: Callable[[], T],
+        timeout: float = 10.0,
+        interval: float = 0.02,
+        message: str = "condition",
+    ) -> T:
+        """Poll ``predicate`` until it returns something truthy; that value is returned."""
+        return wait_for(predicate, timeout=timeout, interval=interval, message=message)
+
+    # ------------------------------------------------------------------ clients
+
+    def kubeconfig(self, namespace: str = "default") -> JSON:
+        """A kubeconfig (as a dict) pointing at this emulator."""
+        return kubeconfig_for(self.url, namespace)
+
+    def api_client(self) -> Any:
+        """A ``kubernetes.client.ApiClient`` for this emulator, built explicitly: the client
+        reads ``KUBECONFIG`` at import time, so the environment cannot redirect it later."""
+        return api_client_for(self.url)
+
+    def connection_info(self, namespace: str = "default") -> Any:
+        """A ``kopf.ConnectionInfo`` for this emulator (return it from an ``@kopf.on.login``)."""
+        import kopf
+
+        return kopf.ConnectionInfo(server=self.url, default_namespace=namespace)
+
+
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(interval)
+
+
+def kubeconfig_for(url: str, namespace: str = "default") -> JSON:
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+        "users": [{"name": "emulator", "user": {}}],
+        "contexts": [
+            {
+                "name": "emulator",
+                "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace},
+            }
+        ],
+        "current-context": "emulator",
+        "preferences": {},
+    }
+
+
+def api_client_for(url: str) -> Any:
+    import kubernetes.client
+
+    configuration = kubernetes.client.Configuration()
+    configuration.host = url
+    return kubernetes.client.ApiClient(configuration)
+
+
+def write_yaml_docs(path: Path, docs: Iterable[Mapping[str, Any]]) -> Path:
+    path.write_text(yaml.safe_dump_all([dict(d) for d in docs], sort_keys=False))
+    return path
