@@ -1,5 +1,5 @@
 """`disagg` command line: thin argument parsing over the library; subcommands import lazily
-so that `disagg validate` never loads torch."""
+so that `disagg validate` never loads torch and `disagg operator` never loads the runtime."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--autoscale-interval", type=float, default=1.0, help="seconds between decisions"
     )
 
+    _add_operator(sub)
+
     bench = sub.add_parser("bench", help="measure transports")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     transport = bench_sub.add_parser("transport", help="relays vs memcpy and naive baselines")
@@ -60,6 +62,36 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`disagg operator` (see disagg_operator.main); defined here so that parsing the command
+    line imports neither kopf nor the operator."""
+    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    scope = op.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace", action="append", metavar="NS", help="watch NS (repeatable; globs work)"
+    )
+    scope.add_argument(
+        "--all-namespaces", action="store_true", help="watch every namespace (the default)"
+    )
+    op.add_argument("--liveness-port", type=int, default=8080, help="/healthz port (0: off)")
+    op.add_argument("--metrics-port", type=int, default=9090, help="/metrics port (0: off)")
+    peering = op.add_mutually_exclusive_group()
+    peering.add_argument("--peering", metavar="NAME", help="kopf peering object for HA")
+    peering.add_argument("--standalone", action="store_true", help="no peering")
+    op.add_argument("--priority", type=int, default=0, help="peering priority (default 0)")
+    op.add_argument("--cluster-domain", default="cluster.local", help="for peer DNS names")
+    op.add_argument(
+        "--gpu-mode",
+        choices=("dra", "device-plugin", "none"),
+        default="dra",
+        help="GPU of colocation groups (pipelines may override by annotation)",
+    )
+    op.add_argument(
+        "--progress-deadline", type=float, default=600.0, help="seconds before Degraded"
+    )
+    op.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "validate":
@@ -72,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return render.render_cli(
             args.file, namespace=args.namespace, out=sys.stdout, err=sys.stderr
         )
+    if args.command == "operator":
+        from disagg_operator import main as operator_main
+
+        return operator_main.run_cli(args)
     if args.command == "role":
         from disagg_runtime import role
 

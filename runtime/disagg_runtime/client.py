@@ -240,7 +240,8 @@ class Client:
             error = dict(meta.error)
             where = f"role {error.get('role', meta.source)} (replica {error.get('replica', '?')})"
             message = f"request {meta.rid} failed at {where}: {error.get('message', '')}"
-            self._finish(meta.rid, exc=RequestFailed(message, role=meta.source, error=error))
+            kind = RequestTimeout if error.get("reason") == "timeout" else RequestFailed
+            self._finish(meta.rid, exc=kind(message, role=meta.source, error=error))
         elif meta.kind == "data":
             pending.results[meta.source] = payload
         elif meta.kind == "chunk":
@@ -265,6 +266,7 @@ class Client:
                 )
                 return
             pending.ended.add(meta.source)
+            pending.streamed.setdefault(meta.source, [])  # a stream of no chunks is []
         if set(pending.results) | pending.ended >= pending.exits:
             outputs: dict[str, Any] = {**pending.streamed, **pending.results}
             result = outputs if len(self.exits) > 1 else next(iter(outputs.values()), None)

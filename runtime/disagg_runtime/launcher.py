@@ -16,6 +16,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -292,11 +293,15 @@ class LocalPipeline:
                         self.on_death(rp, code)
 
     def stop(self) -> None:
-        """SIGTERM every child (they drain), SIGKILL after the grace period, clean /dev/shm."""
+        """SIGTERM every child (they drain), SIGKILL after the grace period, clean /dev/shm.
+        The work folder (topology, peers file, role logs) goes too, unless a role died:
+        then its log is worth keeping (`workdir` says where)."""
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=2)
         self._terminate(self.processes)
+        if not self.deaths:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _terminate(self, processes: list[RoleProcess]) -> None:
         for rp in processes:

@@ -224,12 +224,19 @@ class Role:
     # ---- receiving ---------------------------------------------------------------------------
     def _dispatch(self) -> None:
         while not self._stopping.is_set():
-            self._expire_joins()
             try:
+                self._expire_joins()
                 msg = self.ingress.recv(timeout=0.1)
             except TimeoutError:
                 continue
-            self._accept(msg)
+            except Exception:  # the receive loop must outlive any one request's failure
+                log.exception("role %s: error while expiring requests", self.name)
+                continue
+            try:
+                self._accept(msg)
+            except Exception:
+                log.exception("role %s: error accepting a message", self.name)
+                msg.release()
 
     def _accept(self, msg: Message) -> None:
         payload = msg.payload
@@ -428,7 +435,7 @@ class Role:
         }
         try:
             self._send_reply(meta.with_(kind="error", source=self.name, error=error), None)
-        except (RelayError, OSError) as exc:
+        except Exception as exc:  # the client may be gone; the abort below must still happen
             log.warning("role %s: could not report failure of %s: %s", self.name, meta.rid, exc)
         self._abort(meta.with_(kind="abort", source=self.name))
 

@@ -24,6 +24,7 @@ from disagg_runtime.client import Client
 from disagg_runtime.launcher import LocalPipeline, RoleProcess, dump_json
 from disagg_runtime.local_autoscale import LocalAutoscaler
 from disagg_runtime.spec import SpecError, load_pipeline_file
+from disagg_runtime.spec_fields import ROOT
 from disagg_runtime.spec_model import Pipeline
 
 
@@ -103,6 +104,9 @@ def drive(
         if not slots.acquire(timeout=0.1):
             progress(tally, time.monotonic() - started)
             continue
+        if stop.is_set():  # a role died while we waited for a slot: send nothing more
+            slots.release()
+            break
         payload = make(i)
         tally.input_bytes += payload_bytes(payload)
         t0 = time.monotonic()
@@ -184,6 +188,7 @@ def summarize(local: LocalPipeline, tally: Tally, elapsed: float, ready_s: float
         "ready_s": round(ready_s, 3),
         "roles": roles,
         "died": list(local.deaths),
+        "logs": local.workdir if local.deaths else None,
         "errors": list(tally.errors),
     }
 
@@ -206,6 +211,8 @@ def render(summary: dict[str, Any]) -> str:
         for e in summary.get("scale_events", [])
     ]
     lines += [f"died: {d}" for d in summary["died"]]
+    if summary.get("logs"):
+        lines.append(f"role logs kept in {summary['logs']}")
     lines += [f"error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
 
@@ -215,7 +222,7 @@ def run_cli(args: argparse.Namespace) -> int:
         pipeline = load_pipeline_file(args.file)
     except SpecError as exc:
         for p in exc.problems:
-            print(f"{args.file}: {p.path}: {p.reason}", file=sys.stderr)
+            print(f"{args.file}: {p.path or ROOT}: {p.reason}", file=sys.stderr)
         return 1
     stop = threading.Event()
     local = LocalPipeline(pipeline, grace_s=args.grace)

@@ -33,7 +33,7 @@ import zmq
 
 from disagg_runtime import codec
 from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing, attach_backing, write_tensors
+from disagg_runtime.pool import Backing, PoolError, attach_backing, write_tensors
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 
@@ -239,7 +239,10 @@ class ShmSender(Sender):
             raise RelayError(
                 f"receiver at {self.endpoint} has no shared-memory pool; use the tcp relay"
             )
-        self._backing = attach_backing(name)
+        try:
+            self._backing = attach_backing(name)
+        except PoolError as exc:
+            raise RelayError(f"cannot map the receive pool of {self.endpoint}: {exc}") from None
 
     def _transfer(
         self,
