@@ -87,6 +87,12 @@ def _add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="GPU of colocation groups (pipelines may override by annotation)",
     )
     op.add_argument(
+        "--dra-api-version",
+        choices=("resource.k8s.io/v1", "resource.k8s.io/v1beta2"),
+        default="resource.k8s.io/v1",
+        help="API of the ResourceClaimTemplates (gpu mode dra)",
+    )
+    op.add_argument(
         "--progress-deadline", type=float, default=600.0, help="seconds before Degraded"
     )
     op.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")

@@ -1,0 +1,158 @@
+"""kopf handlers: thin wrappers that hand every decision to `reconcile.Reconciler`.
+
+`register(registry, reconciler)` adds, for DisaggregatedPipelines (disagg.dev/v1alpha1):
+
+- `reconcile` on create, update and resume: the whole pipeline is reconciled (plan, apply,
+  prune, status). kopf runs update for any change of the spec, labels or annotations (the
+  GPU-mode annotations matter to the planner); status-only writes (ours) trigger nothing.
+  Which children actually changed comes from the apply results (resourceVersions), not from
+  kopf's diff: only those get Events. Children held by someone else make the handler fail
+  temporarily, so kopf retries after `CONFLICT_RETRY` seconds; API errors likewise.
+- `forget` on the pipeline's DELETED event: drops its in-memory state.
+- `workload_changed` on every event of a StatefulSet with our labels (also filtered server
+  side) whose controller is a pipeline: refreshes that pipeline's status; a deleted one is
+  re-created by a full reconcile.
+
+No finalizer, no delete handler: every child carries a controller ownerReference to the
+pipeline, so the garbage collector deletes them with it, and nothing else (no external
+resource, no cache other than in-memory state) needs cleanup. A finalizer would only add a
+way to block deletion while the operator is down. (A future kopf timer or daemon, e.g. the
+autoscaler of issue 5, makes kopf add its finalizer `FINALIZER`; see `configure`.)
+
+kopf's own bookkeeping lives in annotations with the prefix `operator.disagg.dev` (not in
+`status.kopf`: the CRD's structural status schema would prune it, and kopf would then
+re-run handlers forever). The prefix differs from `disagg.dev`, because kopf leaves every
+annotation under its own prefix out of the diff, and `disagg.dev/gpu-mode` must count.
+
+Resume after a restart: kopf lists the pipelines and runs `reconcile` for each; the planner
+is deterministic and every child has a fixed name, so applies only confirm what exists (no
+duplicates, no new resourceVersions), and the status, unchanged, is not written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import kopf
+
+from disagg_operator import apply, names, reconcile
+
+ANNOTATION_PREFIX: Final = f"operator.{names.GROUP}"
+FINALIZER: Final = f"{ANNOTATION_PREFIX}/finalizer"
+CONFLICT_RETRY: Final = 30.0  # seconds before a pipeline with a conflicting child is retried
+API_RETRY: Final = 5.0  # ... after a retryable API error
+API_RETRY_SLOW: Final = 30.0  # ... after another API error (e.g. 403: RBAC being fixed)
+STATEFULSET_SELECTOR: Final = f"{names.LABEL_MANAGED_BY}={names.MANAGER},{names.LABEL_PIPELINE}"
+PIPELINE: Final = (names.GROUP, names.VERSION, names.PLURAL)
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Operator settings the handlers rely on (see the module docstring)."""
+    progress = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.progress_storage = progress
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.reporting_component = names.MANAGER
+    settings.watching.label_selectors["apps", "statefulsets"] = STATEFULSET_SELECTOR
+
+
+def login(connection: kopf.ConnectionInfo | None, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """`connection` if given, else what kopf's stock logins find (the `kubernetes` client's
+    in-cluster or kubeconfig setup, else a service account, else a kubeconfig)."""
+    if connection is not None:
+        return connection
+    for method in (
+        kopf.login_via_client,
+        kopf.login_with_service_account,
+        kopf.login_with_kubeconfig,
+    ):
+        info = method(**kwargs)
+        if info is not None:
+            return info
+    return None
+
+
+def register(
+    registry: kopf.OperatorRegistry,
+    reconciler: reconcile.Reconciler,
+    *,
+    connection: kopf.ConnectionInfo | None = None,
+) -> kopf.OperatorRegistry:
+    """Add the operator's handlers to `registry` (returned)."""
+
+    @kopf.on.login(registry=registry)
+    def authenticate(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = login(connection, **kwargs)
+        if info is not None:
+            reconciler.api.use(info)  # the same credentials for our own requests
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        await reconciler.close()
+
+    @kopf.on.resume(*PIPELINE, registry=registry, id="reconcile")
+    @kopf.on.create(*PIPELINE, registry=registry, id="reconcile")
+    @kopf.on.update(*PIPELINE, registry=registry, id="reconcile")
+    async def reconcile_pipeline(
+        name: str,
+        namespace: str | None,
+        reason: str,
+        diff: kopf.Diff,
+        logger: kopf.Logger,
+        **_: Any,
+    ) -> None:
+        if namespace is None:  # the resource is namespaced: never
+            return
+        try:
+            outcome = await reconciler.reconcile(namespace, name)
+        except apply.ApiError as error:
+            delay = API_RETRY if error.retryable else API_RETRY_SLOW
+            raise kopf.TemporaryError(str(error), delay=delay) from error
+        if outcome is None:
+            return
+        changed = sorted({".".join(map(str, item.field)) for item in diff}) or "-"
+        logger.info("%s (changed: %s): phase %s", reason, changed, outcome.phase)
+        if outcome.conflicts:
+            message = "; ".join(str(c) for c in outcome.conflicts)
+            raise kopf.TemporaryError(message, delay=CONFLICT_RETRY)
+
+    @kopf.on.event(*PIPELINE, registry=registry)
+    def forget(type: str | None, name: str, namespace: str | None, **_: Any) -> None:
+        if type == "DELETED" and namespace is not None:
+            reconciler.forget(namespace, name)
+
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "statefulsets",
+        registry=registry,
+        labels={names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_PIPELINE: kopf.PRESENT},
+    )
+    async def workload_changed(
+        type: str | None, body: kopf.Body, namespace: str | None, **_: Any
+    ) -> None:
+        pipeline = owning_pipeline(body)
+        if pipeline is None or namespace is None:
+            return
+        if type == "DELETED":
+            await reconciler.child_deleted(namespace, pipeline)
+        else:
+            await reconciler.refresh(namespace, pipeline)
+
+    return registry
+
+
+def owning_pipeline(obj: Mapping[str, Any]) -> str | None:
+    """The name of the pipeline that controls `obj`, if one does."""
+    controller = apply.controller_of(obj)
+    if controller is None:
+        return None
+    group = str(controller.get("apiVersion", "")).split("/")[0]
+    if controller.get("kind") != names.PIPELINE_KIND or group != names.GROUP:
+        return None
+    name = controller.get("name")
+    return str(name) if name else None

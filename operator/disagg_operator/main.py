@@ -1,0 +1,145 @@
+"""`disagg operator`: run the reconciler (kopf) with its liveness endpoint and metrics.
+
+    disagg operator [--namespace NS ... | --all-namespaces] [--liveness-port 8080]
+                    [--metrics-port 9090] [--peering NAME | --standalone] [--priority N]
+                    [--cluster-domain D] [--gpu-mode M] [--dra-api-version V]
+                    [--progress-deadline S] [--log-level L]
+
+- Scope: the namespaces given (kopf globs like `team-*` work), else the whole cluster.
+- Liveness: kopf's probe endpoint at http://0.0.0.0:PORT/healthz (0 turns it off).
+- Metrics: Prometheus text at http://0.0.0.0:PORT/metrics (0 turns it off); see `metrics`.
+- High availability: run several replicas with `--peering NAME` (the KopfPeering or
+  ClusterKopfPeering object NAME must exist; peering is then mandatory); the one with the
+  highest `--priority` works, the others wait. `--standalone` turns peering off. With
+  neither, kopf uses the peering object `default` if it exists and runs alone otherwise.
+- Credentials: in-cluster service account or the kubeconfig (see `handlers.login`).
+
+The argument parser lives in `disagg_runtime.cli` (which must not import kopf for its other
+commands); `run_cli` takes its namespace. This process never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import kopf
+
+from disagg_operator import apply, handlers, planner, reconcile, status
+from disagg_operator.metrics import Metrics
+
+DEFAULT_LIVENESS_PORT: Final = 8080
+DEFAULT_METRICS_PORT: Final = 9090
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorConfig:
+    namespaces: tuple[str, ...] = ()  # empty: the whole cluster
+    liveness_port: int = DEFAULT_LIVENESS_PORT  # 0: no liveness endpoint
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics endpoint
+    peering: str | None = None
+    standalone: bool = False
+    priority: int = 0
+    options: planner.PlanOptions = field(default_factory=planner.PlanOptions)
+    progress_deadline: float = status.DEFAULT_PROGRESS_DEADLINE
+    connection: kopf.ConnectionInfo | None = None  # None: kopf's stock logins
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.namespaces
+
+    def kopf_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of `kopf.operator` (besides registry and settings)."""
+        liveness = f"http://0.0.0.0:{self.liveness_port}/healthz" if self.liveness_port else None
+        return {
+            "clusterwide": self.clusterwide,
+            "namespaces": self.namespaces,
+            "standalone": True if self.standalone else None,
+            "peering_name": self.peering,
+            "priority": self.priority,
+            "liveness_endpoint": liveness,
+        }
+
+
+@dataclass
+class Operator:
+    """Everything one operator run needs, built from a config (see `build`)."""
+
+    config: OperatorConfig
+    registry: kopf.OperatorRegistry
+    settings: kopf.OperatorSettings
+    reconciler: reconcile.Reconciler
+
+    async def run(self, **extra: Any) -> None:
+        """Run kopf in this event loop until cancelled (`extra`: e.g. stop_flag)."""
+        await kopf.operator(
+            registry=self.registry,
+            settings=self.settings,
+            **self.config.kopf_arguments(),
+            **extra,
+        )
+
+
+def build(
+    config: OperatorConfig,
+    *,
+    metrics: Metrics | None = None,
+    post_event: reconcile.PostEvent | None = None,
+) -> Operator:
+    """A registry with the handlers, configured settings and the reconciler behind them."""
+    reconciler = reconcile.Reconciler(
+        api=apply.Api(config.connection),
+        options=config.options,
+        metrics=metrics or Metrics(),
+        post_event=post_event or reconcile.kopf_event,
+        progress_deadline=config.progress_deadline,
+    )
+    registry = handlers.register(kopf.OperatorRegistry(), reconciler, connection=config.connection)
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings)
+    return Operator(config=config, registry=registry, settings=settings, reconciler=reconciler)
+
+
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    namespaces: Sequence[str] = () if args.all_namespaces else (args.namespace or ())
+    options = planner.PlanOptions(
+        cluster_domain=args.cluster_domain,
+        gpu_mode=args.gpu_mode,
+        dra_api_version=args.dra_api_version,
+    )
+    return OperatorConfig(
+        namespaces=tuple(namespaces),
+        liveness_port=args.liveness_port,
+        metrics_port=args.metrics_port,
+        peering=args.peering,
+        standalone=args.standalone,
+        priority=args.priority,
+        options=options,
+        progress_deadline=args.progress_deadline,
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`disagg operator`: runs until SIGINT/SIGTERM; returns the exit status."""
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = config_from_args(args)
+    operator = build(config)
+    stop_metrics: Callable[[], None] | None = None
+    if config.metrics_port:
+        stop_metrics = operator.reconciler.metrics.serve(config.metrics_port)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(operator.run())
+    finally:
+        if stop_metrics is not None:
+            stop_metrics()
+    return 0

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the operator, in a registry of their own (so that several operators
+in one test process do not collide), served by `serve(port)`:
+
+    disagg_operator_reconcile_duration_seconds{kind}   histogram; kind = spec | status
+    disagg_operator_reconcile_errors_total{kind,reason} counter; reason = the API error's
+                                                          reason, Conflict (a child held by
+                                                          another owner) or Exception
+    disagg_operator_pipelines_managed                   gauge; pipelines this operator tracks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+import prometheus_client
+
+PREFIX: Final = "disagg_operator_"
+BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, registry: prometheus_client.CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+        self.duration = prometheus_client.Histogram(
+            PREFIX + "reconcile_duration_seconds",
+            "Time to reconcile one pipeline: spec (plan, apply, prune, status) or status only.",
+            ["kind"],
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = prometheus_client.Counter(
+            PREFIX + "reconcile_errors",
+            "Reconciles that failed or left a conflict, by reason.",
+            ["kind", "reason"],
+            registry=self.registry,
+        )
+        self.pipelines = prometheus_client.Gauge(
+            PREFIX + "pipelines_managed",
+            "DisaggregatedPipelines this operator currently tracks.",
+            registry=self.registry,
+        )
+
+    def count_pipelines(self, count: Callable[[], float]) -> None:
+        self.pipelines.set_function(count)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample's value (tests, diagnostics)."""
+        return self.registry.get_sample_value(name, labels or {})
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> Callable[[], None]:
+        """Serve /metrics on `port` from a daemon thread; returns a function that stops it."""
+        server, thread = prometheus_client.start_http_server(
+            port, addr=address, registry=self.registry
+        )
+
+        def stop() -> None:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+
+        return stop

@@ -1,0 +1,422 @@
+"""Reconciling pipelines: planner + apply + status builder, serialized per pipeline.
+
+`Reconciler` is what the kopf handlers call; everything it decides comes from pure functions
+(`planner.plan`, `status.build_status`, and `with_conflicts`, `decision_events`,
+`recheck_delay` below), all I/O goes through `apply`, and Events through `post_event`
+(kopf's event poster by default).
+
+A reconcile (`reconcile`), for the pipeline as it is now (read fresh, so a retry or a late
+handler never acts on an old spec):
+
+1. parse and plan. An invalid spec (the validator's problems, or the planner's `check`)
+   creates no children and touches none that exist (an invalid edit of a running pipeline
+   keeps the last valid workloads running, as a Deployment does with a bad rollout);
+2. apply every planned child, prune the ones the plan dropped (see `apply`);
+3. build the status from the StatefulSets as stored, write it if it differs;
+4. post Events for what changed (see `decision_events`).
+
+A status refresh (`refresh`, on any event of an owned StatefulSet) does steps 1 (no plan) and
+3. A deleted StatefulSet triggers a full reconcile, so a child removed by hand comes back.
+Each pipeline has an `asyncio.Lock`: reconciles and refreshes of one pipeline never overlap
+(the operator is one process; kopf peering keeps other replicas passive), so a status
+computed from older reads never overwrites a newer one. Refreshes requested while one is
+waiting for the lock are merged into it.
+
+While Progressing is True, a refresh is scheduled for when the progress deadline passes, so
+that `Degraded/ProgressDeadlineExceeded` appears without any event.
+
+Per-pipeline state (`PipelineState`) also holds `replicas`: the autoscaler's decisions per
+workload unit, passed to the planner as `PlanOptions.replicas` so that a reconcile does not
+undo them. Nothing sets it yet (the autoscaler, issue 5, will).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+import kopf
+
+from disagg_operator import apply, names, planner, status
+from disagg_operator.metrics import Metrics
+from disagg_runtime import spec
+from disagg_runtime.spec_fields import SpecError
+from disagg_runtime.spec_model import Pipeline
+
+# Degraded reason when a planned child's name is taken by an object this pipeline does not
+# control. (Not in names.REASONS: that tuple feeds the generated CRD's descriptions.)
+REASON_CHILD_CONFLICT: Final = "ChildConflict"
+
+# Event reasons.
+EVENT_CREATED: Final = "Created"
+EVENT_UPDATED: Final = "Updated"
+EVENT_DELETED: Final = "Deleted"
+EVENT_CONFLICT: Final = "ChildConflict"
+EVENT_INVALID: Final = "InvalidSpec"
+EVENT_READY: Final = "PipelineReady"
+EVENT_DEGRADED: Final = "PipelineDegraded"
+EVENT_FAILED: Final = "ReconcileFailed"
+MAX_EVENT_MESSAGE: Final = 1024
+
+Key = tuple[str, str]  # namespace, name
+Event = tuple[str, str, str]  # type (Normal, Warning), reason, message
+PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
+Clock = Callable[[], datetime.datetime]
+
+
+def kopf_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """Post through kopf's event poster (needs kopf's context: call from a handler)."""
+    raw = cast(kopf.RawBody, dict(body))
+    kopf.event(kopf.Body(raw), type=type_, reason=reason, message=message)
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+@dataclass
+class PipelineState:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    replicas: dict[str, int] = field(default_factory=dict)  # autoscaler decisions (issue 5)
+    conflicts: tuple[apply.Conflict, ...] = ()
+    refresh_waiting: bool = False
+    recheck: asyncio.TimerHandle | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one reconcile or refresh did."""
+
+    phase: str
+    result: apply.ApplyResult | None = None  # None: no apply (invalid spec, refresh)
+    problems: tuple[str, ...] = ()
+    status_written: bool = False
+    events: tuple[Event, ...] = ()
+
+    @property
+    def conflicts(self) -> tuple[apply.Conflict, ...]:
+        return self.result.conflicts if self.result else ()
+
+
+@dataclass
+class Reconciler:
+    api: apply.Api
+    options: planner.PlanOptions = field(default_factory=planner.PlanOptions)
+    metrics: Metrics = field(default_factory=Metrics)
+    post_event: PostEvent = kopf_event
+    clock: Clock = utc_now
+    progress_deadline: float = status.DEFAULT_PROGRESS_DEADLINE
+    states: dict[Key, PipelineState] = field(default_factory=dict, init=False)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.metrics.count_pipelines(lambda: len(self.states))
+
+    # ------------------------------------------------------------------ entry points
+
+    async def reconcile(self, namespace: str, name: str) -> Outcome | None:
+        """Bring the children and the status in line with the spec; None if the pipeline is
+        gone or being deleted. Raises apply.ApiError on API failures (after an Event)."""
+        state = self.states.setdefault((namespace, name), PipelineState())
+        async with state.lock, self._measured("spec"):
+            body = await apply.get_pipeline(self.api, namespace, name)
+            if body is None:
+                self.forget(namespace, name)
+                return None
+            if body["metadata"].get("deletionTimestamp"):
+                return None
+            try:
+                return await self._reconcile(body, state)
+            except Exception as error:
+                message = f"reconcile failed: {type(error).__name__}: {error}"
+                self.post_event(body, "Warning", EVENT_FAILED, message[:MAX_EVENT_MESSAGE])
+                raise
+
+    async def refresh(self, namespace: str, name: str) -> Outcome | None:
+        """Recompute and write the status from the observed StatefulSets."""
+        state = self.states.setdefault((namespace, name), PipelineState())
+        if state.refresh_waiting:
+            return None  # the waiting refresh reads after this request: nothing is missed
+        state.refresh_waiting = True
+        try:
+            await state.lock.acquire()
+        finally:
+            state.refresh_waiting = False  # also when cancelled while waiting
+        try:
+            async with self._measured("status"):
+                body = await apply.get_pipeline(self.api, namespace, name)
+                if body is None:
+                    self.forget(namespace, name)
+                    return None
+                return await self._refresh(body, state)
+        finally:
+            state.lock.release()
+
+    async def child_deleted(self, namespace: str, name: str) -> Outcome | None:
+        """A StatefulSet of the pipeline was deleted: put it back (a full reconcile)."""
+        return await self.reconcile(namespace, name)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The pipeline is gone: drop its state (no finalizer needed: children are
+        garbage-collected through their ownerReferences)."""
+        state = self.states.pop((namespace, name), None)
+        if state is not None and state.recheck is not None:
+            state.recheck.cancel()
+
+    async def close(self) -> None:
+        for state in self.states.values():
+            if state.recheck is not None:
+                state.recheck.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.api.close()
+
+    # ------------------------------------------------------------------ steps
+
+    async def _reconcile(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
+        namespace = body["metadata"]["namespace"]
+        owner = planner.Owner.of(body)
+        options = self._options_for(state)
+        desired = plan_for(body, namespace=namespace, owner=owner, options=options)
+        if isinstance(desired, SpecError):
+            state.conflicts = ()
+            return await self._finish(body, state, desired, None)
+        pipeline, objects = desired
+        result = await apply.apply_children(
+            self.api,
+            objects,
+            owner=owner,
+            namespace=namespace,
+            kinds=planner.child_kinds(options),
+        )
+        known, state.conflicts = state.conflicts, result.conflicts
+        if result.conflicts:
+            self.metrics.errors.labels(kind="spec", reason="Conflict").inc()
+        return await self._finish(body, state, pipeline, result, known_conflicts=known)
+
+    async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
+        return await self._finish(body, state, validate(body, self._options_for(state)), None)
+
+    async def _finish(
+        self,
+        body: Mapping[str, Any],
+        state: PipelineState,
+        parsed: Pipeline | SpecError,
+        result: apply.ApplyResult | None,
+        *,
+        known_conflicts: Sequence[apply.Conflict] = (),
+    ) -> Outcome:
+        now = self.clock()
+        before = body.get("status") or {}
+        if result is not None:
+            statefulsets = result.statefulsets()
+        else:
+            owner = planner.Owner.of(body)
+            namespace = body["metadata"]["namespace"]
+            statefulsets = await apply.owned_statefulsets(self.api, owner, namespace)
+        after = status.build_status(
+            parsed,
+            statefulsets,
+            generation=body["metadata"].get("generation"),
+            now=now,
+            previous_conditions=before.get("conditions") or (),
+            progress_deadline=self.progress_deadline,
+            options=self._options_for(state),
+        )
+        if not isinstance(parsed, SpecError):
+            after = with_conflicts(after, state.conflicts, now=now, previous=before)
+        written = await apply.write_status(self.api, body, after)
+        events = decision_events(
+            result=result, before=before, after=after, known_conflicts=known_conflicts
+        )
+        for type_, reason, message in events:
+            self.post_event(body, type_, reason, message[:MAX_EVENT_MESSAGE])
+        self._schedule_recheck(body, state, after, now)
+        return Outcome(
+            phase=str(after.get("phase")),
+            result=result,
+            problems=tuple(after.get("problems") or ()),
+            status_written=written,
+            events=tuple(events),
+        )
+
+    def _options_for(self, state: PipelineState) -> planner.PlanOptions:
+        if not state.replicas:
+            return self.options
+        return dataclasses.replace(
+            self.options, replicas={**self.options.replicas, **state.replicas}
+        )
+
+    def _schedule_recheck(
+        self,
+        body: Mapping[str, Any],
+        state: PipelineState,
+        after: Mapping[str, Any],
+        now: datetime.datetime,
+    ) -> None:
+        if state.recheck is not None:
+            state.recheck.cancel()
+            state.recheck = None
+        delay = recheck_delay(after, now=now, deadline=self.progress_deadline)
+        if delay is None:
+            return
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        state.recheck = asyncio.get_running_loop().call_later(delay, self._spawn_refresh, key)
+
+    def _spawn_refresh(self, key: Key) -> None:
+        task = asyncio.create_task(self.refresh(*key), name=f"disagg-recheck-{key[0]}/{key[1]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _measured(self, kind: str) -> _Measured:
+        return _Measured(self.metrics, kind)
+
+
+class _Measured:
+    """Times a block into the duration histogram; counts exceptions into the errors."""
+
+    def __init__(self, metrics: Metrics, kind: str) -> None:
+        self.metrics = metrics
+        self.kind = kind
+        self.started = 0.0
+
+    async def __aenter__(self) -> None:
+        self.started = time.perf_counter()
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
+        self.metrics.duration.labels(kind=self.kind).observe(time.perf_counter() - self.started)
+        if kind is not None and not issubclass(kind, asyncio.CancelledError):
+            reason = error.reason if isinstance(error, apply.ApiError) else kind.__name__
+            self.metrics.errors.labels(kind=self.kind, reason=reason).inc()
+
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The pipeline document as plain dicts (kopf hands out read-only mappings)."""
+    return {key: value for key, value in body.items()}
+
+
+def validate(body: Mapping[str, Any], options: planner.PlanOptions) -> Pipeline | SpecError:
+    """The validated pipeline, or every problem of the spec and of the planner's `check`."""
+    try:
+        pipeline = spec.parse_pipeline(_plain(body))
+    except SpecError as error:
+        return error
+    problems = planner.check(pipeline, options)
+    return SpecError(problems) if problems else pipeline
+
+
+def plan_for(
+    body: Mapping[str, Any],
+    *,
+    namespace: str,
+    owner: planner.Owner,
+    options: planner.PlanOptions,
+) -> tuple[Pipeline, list[dict[str, Any]]] | SpecError:
+    """The validated pipeline and its planned children, or why there are none."""
+    try:
+        pipeline = spec.parse_pipeline(_plain(body))
+        return pipeline, planner.plan(pipeline, namespace=namespace, owner=owner, options=options)
+    except SpecError as error:
+        return error
+
+
+def with_conflicts(
+    built: Mapping[str, Any],
+    conflicts: Sequence[apply.Conflict],
+    *,
+    now: datetime.datetime,
+    previous: Mapping[str, Any],
+) -> dict[str, Any]:
+    """`built` (from status.build_status) with Degraded True/ChildConflict and phase Degraded
+    when planned children are held by someone else."""
+    result = dict(built)
+    if not conflicts:
+        return result
+    message = "; ".join(str(c) for c in conflicts)
+    before = next(
+        (c for c in previous.get("conditions") or () if c.get("type") == names.CONDITION_DEGRADED),
+        None,
+    )
+    stamp = status.format_time(now)
+    if before is not None and before.get("status") == "True" and before.get("lastTransitionTime"):
+        stamp = str(before["lastTransitionTime"])
+    conditions = []
+    for condition in result.get("conditions") or ():
+        if condition.get("type") == names.CONDITION_DEGRADED:
+            condition = {
+                **condition,
+                "status": "True",
+                "lastTransitionTime": stamp,
+                "reason": REASON_CHILD_CONFLICT,
+                "message": message,
+            }
+        conditions.append(condition)
+    result["conditions"] = conditions
+    result["phase"] = names.PHASE_DEGRADED
+    return result
+
+
+def decision_events(
+    *,
+    result: apply.ApplyResult | None,
+    before: Mapping[str, Any],
+    after: Mapping[str, Any],
+    known_conflicts: Sequence[apply.Conflict] = (),
+) -> list[Event]:
+    """The Events a reconcile posts on the pipeline: what it created, updated, deleted and
+    could not take over; an invalid spec (when its problems are new); entering Ready or
+    Degraded. Nothing when nothing changed, so a resume or a retry posts nothing new."""
+    events: list[Event] = []
+    if result is not None:
+        for refs, reason, verb in (
+            (result.created, EVENT_CREATED, "created"),
+            (result.updated, EVENT_UPDATED, "updated"),
+            (result.pruned, EVENT_DELETED, "deleted (no longer planned)"),
+        ):
+            if refs:
+                events.append(("Normal", reason, f"{verb} {', '.join(str(r) for r in refs)}"))
+        if result.conflicts and set(result.conflicts) != set(known_conflicts):
+            message = "; ".join(str(c) for c in result.conflicts)
+            events.append(("Warning", EVENT_CONFLICT, message))
+    phase, was = after.get("phase"), before.get("phase")
+    if phase == names.PHASE_INVALID:
+        if was != phase or before.get("problems") != after.get("problems"):
+            problems = after.get("problems") or []
+            events.append(("Warning", EVENT_INVALID, "invalid spec: " + "; ".join(problems)))
+    elif phase != was and phase == names.PHASE_READY:
+        events.append(("Normal", EVENT_READY, f"all roles ready ({after.get('readyRoles')})"))
+    elif phase != was and phase == names.PHASE_DEGRADED:
+        degraded = _condition(after, names.CONDITION_DEGRADED)
+        message = f"{degraded.get('reason')}: {degraded.get('message')}"
+        events.append(("Warning", EVENT_DEGRADED, message))
+    return events
+
+
+def _condition(built: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    return next((c for c in built.get("conditions") or () if c.get("type") == kind), {})
+
+
+def recheck_delay(
+    built: Mapping[str, Any], *, now: datetime.datetime, deadline: float
+) -> float | None:
+    """Seconds until the progress deadline of a Progressing pipeline passes (then its status
+    must be rebuilt even if nothing else happens); None when not progressing or already past
+    the deadline."""
+    progressing = _condition(built, names.CONDITION_PROGRESSING)
+    if progressing.get("status") != "True":
+        return None
+    since = status.parse_time(progressing.get("lastTransitionTime")) or now
+    remaining = deadline - (now - since).total_seconds()
+    if remaining < 0:
+        return None  # already past: the status says ProgressDeadlineExceeded
+    return remaining + 1.0  # lastTransitionTime has whole seconds

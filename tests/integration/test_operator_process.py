@@ -1,0 +1,105 @@
+"""`disagg operator` as its own process (the real entry point, credentials from KUBECONFIG):
+it reconciles, serves liveness and metrics, stops on SIGTERM, and never imports torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.integration import operator_support as s
+    from tests.k8s.server import EmulatorThread
+else:
+    import operator_support as s
+
+NAME = "text-to-video"
+FORBIDDEN = ("torch", "numpy", "zmq")
+ALLOWED_RUNTIME = {
+    "disagg_runtime",
+    "disagg_runtime.cli",
+    "disagg_runtime.contract",
+    "disagg_runtime.quantity",
+}
+LAUNCH = """
+import atexit, json, runpy, sys
+target = sys.argv.pop()
+def dump():
+    with open(target, "w") as f:
+        json.dump(sorted(sys.modules), f)
+atexit.register(dump)
+sys.argv = ["disagg", "operator", *sys.argv[1:]]
+runpy.run_module("disagg_runtime.cli", run_name="__main__")
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def fetch(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return str(response.read().decode())
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+def test_the_operator_process(k8s: EmulatorThread, kubeconfig: pathlib.Path, tmp_path, disagg_crd):
+    k8s.apply_file(disagg_crd)
+    liveness, metrics = free_port(), free_port()
+    modules = tmp_path / "modules.json"
+    log = (tmp_path / "operator.log").open("w")
+    argv = [
+        "--standalone",
+        "--all-namespaces",
+        f"--liveness-port={liveness}",
+        f"--metrics-port={metrics}",
+        "--log-level=warning",
+    ]
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    process = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, *argv, str(modules)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        k8s.wait_for(
+            lambda: fetch(f"http://127.0.0.1:{liveness}/healthz") or process.poll() is not None,
+            30,
+            0.1,
+            "liveness",
+        )
+        assert process.poll() is None, (tmp_path / "operator.log").read_text()
+        k8s.create(s.example(), s.NS)
+        k8s.wait_for(lambda: len(s.children(k8s, NAME)) == 7, s.WAIT, message="children")
+        k8s.wait_for(lambda: s.pipeline_status(k8s, NAME).get("phase"), s.WAIT, message="status")
+        text = fetch(f"http://127.0.0.1:{metrics}/metrics") or ""
+        assert "disagg_operator_pipelines_managed 1.0" in text
+        assert 'disagg_operator_reconcile_duration_seconds_count{kind="spec"}' in text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+        log.close()
+    output = (tmp_path / "operator.log").read_text()
+    assert "Traceback" not in output, output
+    loaded = json.loads(modules.read_text())
+    assert "kopf" in loaded and "disagg_operator.reconcile" in loaded, "it really ran"
+    assert [m for m in loaded if m.split(".")[0] in FORBIDDEN] == []
+    runtime = {m for m in loaded if m.startswith("disagg_runtime")}
+    outside = {m for m in runtime - ALLOWED_RUNTIME if not m.startswith("disagg_runtime.spec")}
+    assert outside == set()

@@ -1,0 +1,109 @@
+"""The API calls the operator makes, as RBAC rules (apiGroup, resource, verb), kept in
+operator_rbac_observed.json for the Helm chart's ClusterRole test to compare with.
+
+The scenario below exercises every path: create (with a colocation group, so a
+ResourceClaimTemplate), status refreshes, edits that prune (the group dissolved, a role
+removed), a re-created child, an invalid spec, a conflict, deletion, with cluster-wide
+kopf peering (`--peering`: clusterkopfpeerings; kopf patches its status, which the emulator
+keeps only through a status subresource, hence `clusterkopfpeerings/status` here while kopf's
+own CRD has none; a namespaced operator uses kopfpeerings in its namespaces instead, and
+namespaces list/watch when given globs).
+
+With DISAGG_RECORD_OPERATOR_RBAC=1 the file is rewritten from what was observed; otherwise
+the calls must be a subset of the file (so it stays honest: a new call fails here until the
+file, and the chart, learn it)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import yaml
+
+from disagg_operator import handlers
+
+if TYPE_CHECKING:
+    from tests.integration import operator_support as s
+    from tests.k8s.server import EmulatorThread
+else:
+    import operator_support as s
+
+pytestmark = pytest.mark.asyncio
+ESSENTIAL = {
+    ("disagg.dev", "disaggregatedpipelines", "list"),
+    ("disagg.dev", "disaggregatedpipelines", "watch"),
+    ("disagg.dev", "disaggregatedpipelines", "get"),
+    ("disagg.dev", "disaggregatedpipelines", "patch"),
+    ("disagg.dev", "disaggregatedpipelines/status", "patch"),
+    ("apps", "statefulsets", "watch"),
+    ("apps", "statefulsets", "patch"),
+    ("apps", "statefulsets", "delete"),
+    ("", "services", "patch"),
+    ("", "configmaps", "patch"),
+    ("resource.k8s.io", "resourceclaimtemplates", "patch"),
+    ("resource.k8s.io", "resourceclaimtemplates", "delete"),
+    ("", "events", "create"),
+    ("kopf.dev", "clusterkopfpeerings", "watch"),
+}
+
+
+async def test_the_operator_rbac_is_recorded(
+    k8s: EmulatorThread, disagg_crd: Any, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(handlers, "CONFLICT_RETRY", 0.3)
+    k8s.apply_file(disagg_crd)
+    k8s.apply(s.PEERING_CRD)
+    k8s.create(s.peering("disagg"))
+    fan_out = yaml.safe_load((s.REPO / "examples" / "fan-out.yaml").read_text())
+    name = fan_out["metadata"]["name"]
+    async with s.running_operator(k8s, peering="disagg"):
+        await s.call(k8s.create, fan_out, s.NS)
+        await s.until(k8s, lambda: s.pipeline_status(k8s, name).get("phase"), "a status")
+        kinds = {key.split("/")[0] for key in s.children(k8s, name)}
+        assert "ResourceClaimTemplate" in kinds
+        await s.call(s.mark_ready, k8s, name)
+        await s.until(k8s, lambda: s.pipeline_status(k8s, name).get("phase") == "Ready", "Ready")
+        ungroup = [{"op": "remove", "path": "/spec/colocation"}]
+        await s.call(k8s.patch, s.PIPELINES, name, ungroup, s.NS, patch_type="json")
+        await s.until(
+            k8s,
+            lambda: "ResourceClaimTemplate" not in {k.split("/")[0] for k in s.children(k8s, name)},
+            "the group's claim template pruned",
+        )
+        assert f"StatefulSet/{name}-vision" in s.children(k8s, name)
+
+        two = s.pipeline_doc("two", [{"name": "a"}, {"name": "b"}], [{"from": "a", "to": "b"}])
+        await s.call(k8s.create, two, s.NS)
+        await s.until(k8s, lambda: len(s.children(k8s, "two")) == 5, "two's children")
+        await s.call(k8s.delete, s.STS, "two-a", s.NS)
+        await s.until(k8s, lambda: k8s.get(s.STS, "two-a", s.NS), "two-a back")
+        shrink = [
+            {"op": "replace", "path": "/spec/roles", "value": two["spec"]["roles"][:1]},
+            {"op": "replace", "path": "/spec/edges", "value": []},
+        ]
+        await s.call(k8s.patch, s.PIPELINES, "two", shrink, s.NS, patch_type="json")
+        await s.until(k8s, lambda: len(s.children(k8s, "two")) == 3, "b pruned")
+
+        bad = s.pipeline_doc("bad", [{"name": "a"}], [{"from": "a", "to": "nowhere"}])
+        await s.call(k8s.create, bad, s.NS)
+        await s.until(k8s, lambda: s.pipeline_status(k8s, "bad").get("phase") == "Invalid", "bad")
+
+        taken = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "held-topology"}}
+        await s.call(k8s.create, taken, s.NS)
+        await s.call(k8s.create, s.pipeline_doc("held", [{"name": "a"}]), s.NS)
+        await s.until(
+            k8s, lambda: s.pipeline_status(k8s, "held").get("phase") == "Degraded", "conflict"
+        )
+        await s.call(k8s.delete, "v1/configmaps", "held-topology", s.NS)
+        await s.until(k8s, lambda: len(s.children(k8s, "held")) == 3, "conflict resolved")
+
+        for pipeline in (name, "two", "bad", "held"):
+            await s.call(k8s.delete, s.PIPELINES, pipeline, s.NS)
+        await s.until(k8s, lambda: not k8s.list(s.STS, s.NS), "everything deleted")
+    observed = s.observed_rbac(k8s)
+    assert observed >= ESSENTIAL, ESSENTIAL - observed
+    if os.environ.get(s.RBAC_RECORD_ENV):
+        s.write_rbac(observed)
+    recorded = s.recorded_rbac()
+    assert observed <= recorded, f"calls missing from {s.RBAC_FILE.name}: {observed - recorded}"
