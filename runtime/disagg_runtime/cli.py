@@ -50,8 +50,15 @@ def _build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--repeats", type=int, default=0, help="repetitions (0 = by size)")
     transport.add_argument(
         "--methods",
-        default="memcpy,shm,tcp,pickle_zmq,copy_clone_zmq",
-        help="comma list of methods to run",
+        default=None,
+        help="comma list of methods to run (default: all of the device's: "
+        "memcpy,shm,tcp,pickle_zmq,copy_clone_zmq; with --device cuda: d2d,cuda_ipc,shm,tcp)",
+    )
+    transport.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where payloads live: cpu, or cuda (GPU relays against a device-to-device copy)",
     )
     transport.add_argument("--json", action="store_true", help="print a JSON list")
     chain = bench_sub.add_parser("pipeline", help="per-hop runtime overhead vs the bare relay")
@@ -59,7 +66,33 @@ def _build_parser() -> argparse.ArgumentParser:
     chain.add_argument("--hops", type=int, default=2, help="full-size hops (default 2)")
     chain.add_argument("--repeats", type=int, default=9, help="repetitions (default 9)")
     chain.add_argument("--json", action="store_true", help="print JSON")
+    _add_bench_operator(bench_sub)
     return parser
+
+
+def _add_bench_operator(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`disagg bench operator` (see disagg_operator.bench)."""
+    op = bench_sub.add_parser(
+        "operator", help="operator latency, throughput and memory against an API server"
+    )
+    op.add_argument(
+        "--kubeconfig", metavar="PATH", help="cluster or API server (default: $KUBECONFIG)"
+    )
+    op.add_argument("--samples", type=int, default=20, help="one-pipeline samples (default 20)")
+    op.add_argument(
+        "--pipelines", type=int, default=100, help="pipelines created at once (default 100)"
+    )
+    op.add_argument("--namespace", help="an existing namespace (default: a new one, deleted)")
+    op.add_argument(
+        "--external-operator",
+        action="store_true",
+        help="start no operator: measure the one already watching the namespace",
+    )
+    op.add_argument("--file", help="pipeline YAML (default: the text-to-video example)")
+    op.add_argument("--timeout", type=float, default=120.0, help="seconds per wait (120)")
+    op.add_argument("--operator-log", metavar="PATH", help="keep the operator's log here")
+    op.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    op.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -130,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime.bench import pipeline
 
         return pipeline.run_cli(args)
+    if args.command == "bench" and args.bench_command == "operator":
+        from disagg_operator import bench as operator_bench
+
+        return operator_bench.run_cli(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces choices
 
 

@@ -7,11 +7,28 @@ out reusable slots. Backings:
     cpu         anonymous private memory; for tcp receives (recv_into a slot)
     shm         POSIX shared memory /dev/shm/disagg-<pipeline>-<role>-<pid>-<n>; other
                 processes on the node attach by name; the owner unlinks it on close
-    cpu-pinned  page-locked host memory (needs CUDA)
-    cuda        device memory (needs CUDA)
+    cpu-pinned  the same shared memory, page-locked and registered with CUDA
+                (cudaHostRegister), so GPU peers copy in and out of it at DMA speed and
+                the shm and tcp relays still land in it (needs CUDA)
+    cuda        device memory on the current GPU; other processes on the same GPU map it
+                through CUDA IPC (relay/cuda_ipc.py) (needs CUDA)
 
-A slot holds one payload's tensors laid out by `manifest.layout`; `write` copies tensors
-in, `read` returns views (or copies) that stay valid until the slot is freed.
+A slot holds one payload's tensors laid out by `manifest.layout`; `write_tensors` copies
+tensors in, `read_payload` returns views (or copies) that stay valid until the slot is
+freed.
+
+Device-aware copies. A copy with a GPU on either side runs on a dedicated copy stream
+(one per thread and device), never on the producer's stream:
+
+    producer stream   ──work──●(its current tail)───────────more work───>  (never waits)
+                               ╲ wait_stream
+    copy stream                 ●──copy slot<-tensor──●(Fence event)
+                                                       ╲ wait: host (Fence.wait) or,
+                                                          for CUDA IPC, the receiver
+
+`src.record_stream(copy)` keeps the caching allocator from reusing a source tensor's
+memory until the copy has read it, so the producer may drop its tensors at once.
+`write_tensors` returns a `Fence`; whoever hands the slot on waits on it first.
 """
 
 from __future__ import annotations
@@ -21,15 +38,17 @@ import itertools
 import mmap
 import os
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
+from disagg_runtime import codec
 from disagg_runtime.allocator import AllocatorError, BuddyAllocator
-from disagg_runtime.codec import tensor_from_buffer, unflatten
-from disagg_runtime.manifest import Manifest
+from disagg_runtime.codec import TensorMeta, tensor_from_buffer, unflatten
+from disagg_runtime.manifest import Manifest, layout
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"
@@ -37,11 +56,28 @@ MiB = 1 << 20
 Device = Literal["cpu", "shm", "cpu-pinned", "cuda"]
 DEVICES: tuple[Device, ...] = ("cpu", "shm", "cpu-pinned", "cuda")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _counter = itertools.count()
+_local = threading.local()
 
 
 class PoolError(RuntimeError):
     """A pool could not be created, attached or used as asked."""
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why CUDA cannot be used in this process, or None when it can."""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
+    return None
+
+
+def _require_cuda(what: str) -> None:
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        raise PoolError(f"{what} needs CUDA, and {reason}")
 
 
 def shm_name(pipeline: str, role: str) -> str:
@@ -52,6 +88,10 @@ def shm_name(pipeline: str, role: str) -> str:
 
 def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+
+
+def _cudart() -> Any:
+    return cast(Any, torch.cuda).cudart()
 
 
 class Backing:
@@ -72,7 +112,18 @@ class Backing:
         self.size = tensor.numel()
         self._mapping = mapping
         self._owner = owner
+        self._registered: int | None = None  # address passed to cudaHostRegister
         self.closed = False
+
+    @property
+    def has_buffer(self) -> bool:
+        """Host memory reachable as a buffer (recv_into, zero-copy decode)."""
+        return self._mapping is not None
+
+    @property
+    def pinned(self) -> bool:
+        """Page-locked: GPU copies in and out of it run asynchronously, at DMA speed."""
+        return self._registered is not None or (self.device == "cpu-pinned" and not self.closed)
 
     def buffer(self, offset: int, nbytes: int) -> memoryview:
         """Writable byte view of host memory (for recv_into); not for device memory."""
@@ -80,11 +131,34 @@ class Backing:
             raise PoolError(f"{self.device} pool memory has no host buffer")
         return memoryview(self._mapping)[offset : offset + nbytes]
 
+    def pin(self) -> None:
+        """Page-lock this mapping and register it with CUDA (idempotent); PoolError if not."""
+        if self._registered is not None or self.size == 0:
+            return
+        if self._mapping is None:
+            raise PoolError(f"{self.device} pool memory is not a host mapping; cannot pin it")
+        _require_cuda("pinning a pool")
+        ptr = self.tensor.data_ptr()
+        try:
+            cudart = _cudart()
+            err = cudart.cudaHostRegister(ptr, self.size, _HOST_REGISTER_PORTABLE)
+            if err != cudart.cudaError.success:
+                raise PoolError(f"cudaHostRegister failed: {cudart.cudaGetErrorString(err)}")
+        except (RuntimeError, AssertionError) as exc:
+            if isinstance(exc, PoolError):
+                raise
+            raise PoolError(f"cannot page-lock {self.size} B for CUDA: {exc}") from None
+        self._registered = ptr
+
     def close(self) -> None:
         """Unlink (owner) and unmap. Views still alive keep the pages until they die."""
         if self.closed:
             return
         self.closed = True
+        if self._registered is not None:
+            with contextlib.suppress(Exception):  # best effort: the pages go with the mapping
+                _cudart().cudaHostUnregister(self._registered)
+            self._registered = None
         if self.name is not None and self._owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
@@ -95,20 +169,7 @@ class Backing:
                 self._mapping.close()
 
 
-def create_backing(device: Device, size: int, *, name: str | None = None) -> Backing:
-    """Allocate `size` bytes once and fault every page in."""
-    if device in ("cpu-pinned", "cuda") and not torch.cuda.is_available():
-        raise PoolError(f"pool device {device!r} needs CUDA, and no CUDA device is available")
-    if device == "cpu-pinned":
-        return Backing(device, torch.empty(size, dtype=torch.uint8, pin_memory=True))
-    if device == "cuda":
-        return Backing(device, torch.empty(size, dtype=torch.uint8, device="cuda"))
-    if device == "cpu":
-        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
-        return Backing(device, torch.frombuffer(mapping, dtype=torch.uint8), mapping=mapping)
-    if device != "shm":
-        raise PoolError(f"unknown pool device {device!r}; expected one of {', '.join(DEVICES)}")
-    name = name or shm_name("anon", "pool")
+def _create_shm(device: Device, size: int, name: str) -> Backing:
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -120,6 +181,38 @@ def create_backing(device: Device, size: int, *, name: str | None = None) -> Bac
     finally:
         os.close(fd)
     return Backing(device, torch.frombuffer(mapping, dtype=torch.uint8), name=name, mapping=mapping)
+
+
+def create_backing(device: Device, size: int, *, name: str | None = None) -> Backing:
+    """Allocate `size` bytes once and fault every page in."""
+    if device in ("cpu-pinned", "cuda"):
+        _require_cuda(f"pool device {device!r}")
+    if device == "cuda":
+        index = torch.cuda.current_device()
+        try:
+            tensor = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", index))
+        except torch.OutOfMemoryError as exc:
+            raise PoolError(f"cannot allocate a {size} B pool on cuda:{index}: {exc}") from None
+        return Backing(device, tensor)
+    if device == "cpu":
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+        return Backing(device, torch.frombuffer(mapping, dtype=torch.uint8), mapping=mapping)
+    if device not in ("shm", "cpu-pinned"):
+        raise PoolError(f"unknown pool device {device!r}; expected one of {', '.join(DEVICES)}")
+    backing = _create_shm(device, size, name or shm_name("anon", "pool"))
+    if device == "cpu-pinned":
+        try:
+            backing.pin()
+        except BaseException:
+            backing.close()
+            raise
+    return backing
+
+
+def pinned_staging(size: int) -> Backing:
+    """Private page-locked host memory (not shared): a bounce buffer for GPU tensors."""
+    _require_cuda("a pinned staging buffer")
+    return Backing("cpu-pinned", torch.empty(size, dtype=torch.uint8, pin_memory=True))
 
 
 def attach_backing(name: str) -> Backing:
@@ -188,31 +281,236 @@ class Pool:
         self.backing.close()
 
 
+# ---- device-aware copies ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Copies queued on copy streams; empty when every copy was host to host (done)."""
+
+    events: tuple[torch.cuda.Event, ...] = ()
+
+    def done(self) -> bool:
+        return all(bool(cast(Any, e).query()) for e in self.events)
+
+    def wait(self) -> None:
+        """Block this thread (only) until the copies are done."""
+        for event in self.events:
+            event.synchronize()
+
+
+def new_event(*, interprocess: bool = False) -> torch.cuda.Event:
+    """A CUDA event without timing (an interprocess one can be opened by another process)."""
+    event = cast(Any, torch.cuda).Event(interprocess=interprocess)
+    return cast(torch.cuda.Event, event)
+
+
+def new_stream(device: torch.device) -> torch.cuda.Stream:
+    return cast(torch.cuda.Stream, cast(Any, torch.cuda).Stream(device=device))
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's dedicated copy stream on `device` (created once)."""
+    streams: dict[torch.device, torch.cuda.Stream] = _local.__dict__.setdefault("streams", {})
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = new_stream(device)
+    return stream
+
+
+def _copy_device(dst: torch.Tensor, src: torch.Tensor) -> torch.device:
+    return dst.device if dst.is_cuda else src.device
+
+
+def copy_async(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    stream: torch.cuda.Stream | None = None,
+    fresh_dst: bool = False,
+) -> Fence:
+    """`dst.copy_(src)` for each pair with a GPU on one side, on copy streams ordered after
+    the current streams of every device involved; never makes those streams wait. With
+    `fresh_dst`, the destinations were just allocated on the current stream and are kept
+    from reuse until the copy wrote them."""
+    groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for dst, src in pairs:
+        groups.setdefault(_copy_device(dst, src), []).append((dst, src))
+    events: list[torch.cuda.Event] = []
+    for device, group in groups.items():
+        s = stream if stream is not None and stream.device == device else copy_stream(device)
+        involved = {device} | {t.device for pair in group for t in pair if t.is_cuda}
+        for other in involved:
+            s.wait_stream(torch.cuda.current_stream(other))
+        with torch.cuda.stream(s):
+            for dst, src in group:
+                dst.copy_(src, non_blocking=True)
+                if src.is_cuda:
+                    src.record_stream(s)
+                if fresh_dst and dst.is_cuda:
+                    dst.record_stream(s)
+            event = new_event()
+            event.record(s)
+        events.append(event)
+    return Fence(tuple(events))
+
+
+def slot_views(backing: Backing, slot: int, manifest: Manifest) -> list[torch.Tensor]:
+    """Typed views of each tensor's place in the slot (on the backing's device)."""
+    views: list[torch.Tensor] = []
+    for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
+        start = slot + offset
+        raw = backing.tensor[start : start + meta.nbytes]
+        if meta.nbytes:
+            views.append(raw.view(meta.dtype).view(meta.shape))
+        else:
+            views.append(torch.empty(meta.shape, dtype=meta.dtype, device=raw.device))
+    return views
+
+
 def write_tensors(
-    backing: Backing, slot: int, manifest: Manifest, tensors: Sequence[torch.Tensor]
-) -> None:
-    """Copy each tensor into its place in the slot (one copy; no temporaries)."""
+    backing: Backing,
+    slot: int,
+    manifest: Manifest,
+    tensors: Sequence[torch.Tensor],
+    *,
+    stream: torch.cuda.Stream | None = None,
+) -> Fence:
+    """Copy each tensor into its place in the slot (one copy; no temporaries). Host to
+    host copies are done on return; copies from or into a GPU are queued on a copy stream
+    (`stream` for its device, else this thread's) and the returned Fence says when."""
+    queued: list[tuple[torch.Tensor, torch.Tensor]] = []
     for meta, offset, src in zip(manifest.tensors, manifest.offsets, tensors, strict=True):
         if meta.nbytes == 0:
             continue
         start = slot + offset
         dst = backing.tensor[start : start + meta.nbytes]
-        dst.copy_(src.reshape(-1).view(torch.uint8))
-
-
-def read_payload(backing: Backing, slot: int, manifest: Manifest, *, copy: bool = False) -> Any:
-    """Rebuild the payload; tensors view the slot unless `copy`."""
-    tensors: list[torch.Tensor] = []
-    for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
-        start = slot + offset
-        if backing.device in ("shm", "cpu"):
-            tensors.append(tensor_from_buffer(backing.buffer(start, meta.nbytes), meta, copy=copy))
+        if dst.is_cuda or src.is_cuda:
+            queued.append((dst.view(meta.dtype).view(meta.shape), src.detach()))
         else:
-            raw = backing.tensor[start : start + meta.nbytes]
-            view = (
-                raw.view(meta.dtype).reshape(meta.shape)
-                if meta.nbytes
-                else torch.empty(meta.shape, dtype=meta.dtype, device=raw.device)
-            )
-            tensors.append(view.clone() if copy else view)
-    return unflatten(manifest.tree, tensors)
+            dst.copy_(src.reshape(-1).view(torch.uint8))
+    return copy_async(queued, stream=stream) if queued else Fence()
+
+
+def to_device(payload: Any, device: torch.device | str) -> Any:
+    """`payload` with every tensor that is not on `device` copied there, on the dedicated
+    copy stream; returns once the copies are done (so a slot they came from may be freed).
+    Containers are rebuilt, tensors already on `device` are kept as they are."""
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def move(obj: Any, depth: int) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.device == target:
+                return obj
+            if not (obj.is_cuda or target.type == "cuda"):
+                return obj.to(target)
+            dst = torch.empty(obj.shape, dtype=obj.dtype, device=target)
+            pairs.append((dst, obj.detach()))
+            return dst
+        if depth > codec.MAX_DEPTH:
+            return obj
+        if isinstance(obj, dict):
+            return {k: move(v, depth + 1) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [move(v, depth + 1) for v in obj]
+            return tuple(items) if isinstance(obj, tuple) else items
+        return obj
+
+    moved = move(payload, 0)
+    if pairs:
+        copy_async(pairs, fresh_dst=True).wait()
+    return moved
+
+
+def read_payload(
+    backing: Backing,
+    slot: int,
+    manifest: Manifest,
+    *,
+    copy: bool = False,
+    device: torch.device | str | None = None,
+) -> Any:
+    """Rebuild the payload; tensors view the slot unless `copy` (then they are clones), or
+    unless `device` differs from the pool's (then they are copies there, see `to_device`)."""
+    if backing.has_buffer:
+        tensors: list[torch.Tensor] = []
+        for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
+            view = backing.buffer(slot + offset, meta.nbytes)
+            tensors.append(tensor_from_buffer(view, meta, copy=copy and device is None))
+    else:
+        tensors = slot_views(backing, slot, manifest)
+        if copy and device is None:
+            tensors = [t.clone() for t in tensors]
+    payload = unflatten(manifest.tree, tensors)
+    return payload if device is None else to_device(payload, device)
+
+
+# ---- planning ----------------------------------------------------------------------------------
+
+
+def _stand_in_cuda(obj: Any, depth: int, found: dict[int, torch.Tensor]) -> Any:
+    """`obj` with each strided CUDA tensor replaced by an empty CPU tensor of its dtype,
+    so that `codec.flatten` validates the tree without moving GPU memory to the host."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda and obj.layout == torch.strided:
+            stand_in = torch.empty(0, dtype=obj.dtype)
+            found[id(stand_in)] = obj
+            return stand_in
+        return obj
+    if depth > codec.MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
+        return obj  # flatten reports what is too deep or unsupported
+    values = obj.values() if isinstance(obj, dict) else obj
+    swapped = [_stand_in_cuda(v, depth + 1, found) for v in values]
+    if all(a is b for a, b in zip(swapped, values, strict=True)):
+        return obj
+    if isinstance(obj, dict):
+        return dict(zip(obj.keys(), swapped, strict=True))
+    return tuple(swapped) if isinstance(obj, tuple) else swapped
+
+
+def plan(payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
+    """Like `Manifest.plan`, but CUDA tensors stay on their GPU (returned as they are,
+    possibly strided): `write_tensors` copies them once, straight into the slot, instead
+    of through fresh host memory first. CPU tensors come back contiguous, as from flatten."""
+    found: dict[int, torch.Tensor] = {}
+    swapped = _stand_in_cuda(payload, 0, found)
+    if not found:
+        return Manifest.plan(payload)
+    tree, flat = codec.flatten(swapped)
+    tensors = [found.get(id(t), t) for t in flat]
+    metas = tuple(TensorMeta.of(t) for t in tensors)
+    offsets, total = layout(metas)
+    return Manifest(tree=tree, tensors=metas, offsets=offsets, nbytes=total), tensors
+
+
+def host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with `t`'s bytes (`t` itself when it already is one)."""
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return t
+    return t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+
+
+def payload_header(manifest: Manifest) -> bytes:
+    """The codec header (`codec.encode`'s frame 0) of a planned payload; CodecError when it
+    is over the limit, as from `codec.encode`."""
+    header = codec.encode_header(
+        {
+            "v": codec.FORMAT_VERSION,
+            "tree": manifest.tree,
+            "tensors": [meta.to_json() for meta in manifest.tensors],
+        }
+    )
+    if len(header) > codec.MAX_HEADER_BYTES:
+        raise codec.CodecError(
+            f"header would be {len(header)} bytes, over the limit of {codec.MAX_HEADER_BYTES}; "
+            "move large values into tensors"
+        )
+    return header
+
+
+def inline_frames(header: bytes, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """`codec.encode`'s frames of a planned payload; GPU tensors are copied to host memory
+    (small payloads only: this is the latency-bound path)."""
+    return [header, *(codec.tensor_bytes(host_tensor(t)) for t in tensors)]

@@ -33,7 +33,7 @@ from disagg_runtime.contract import RoleConfig
 from disagg_runtime.envelope import Meta
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
-from disagg_runtime.pool import Pool, shm_name
+from disagg_runtime.pool import Pool, PoolError, shm_name
 from disagg_runtime.relay import Ingress, Message, RelayError
 
 log = logging.getLogger(__name__)
@@ -58,14 +58,34 @@ def load_handler(spec: str) -> Handler:
 
 
 def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
-    """`auto` is shm where peers share /dev/shm (same pod, or `disagg up`), else tcp.
-    cuda-ipc is not available yet: it falls back to shm, with the reason logged."""
+    """`auto` is cuda-ipc to a same-GPU peer when this process can use CUDA IPC, else shm
+    where peers share /dev/shm (same pod, or `disagg up`), else tcp; an automatic cuda-ipc
+    that is not possible falls back to shm with the reason logged. An explicit cuda-ipc
+    without CUDA is a start-up error naming CUDA (ContractError). Whether the receiver's
+    pool is on the GPU is only known at connect: the cuda-ipc sender then falls back to
+    the receiver's shared memory by itself, again with the reason logged."""
+    from disagg_runtime.contract import ContractError
+    from disagg_runtime.relay.cuda_ipc import unavailable_reason
+
     if requested == "cuda-ipc":
-        log.warning("edge %s->%s: cuda-ipc is not available; using shm", config.role, role)
-        return "shm"
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ContractError(f"edge {config.role}->{role}: relay cuda-ipc needs CUDA: {reason}")
+        return "cuda-ipc"
     if requested != "auto":
         return requested
-    return "shm" if config.node_local or role in config.same_gpu_peers else "tcp"
+    if role in config.same_gpu_peers:
+        reason = unavailable_reason()
+        if reason is None:
+            return "cuda-ipc"
+        log.info(  # expected on machines without GPUs: not a warning
+            "edge %s->%s: same GPU, but CUDA IPC is not possible (%s); using shm",
+            config.role,
+            role,
+            reason,
+        )
+        return "shm"
+    return "shm" if config.node_local else "tcp"
 
 
 @dataclass
@@ -94,6 +114,14 @@ class Role:
         self.me = config.me
         self.handler = handler or load_handler(config.handler)
         self.grace_s = grace_s
+        # relay choices first: one that cannot work fails start-up before memory is taken
+        peers_file = PeersFile(config.peers_file) if config.peers_file else None
+        self.peers = {
+            p.role: PeerSet(
+                p, relay_kind(config, p.role, p.relay), resolver=resolver, peers_file=peers_file
+            )
+            for p in config.downstream
+        }
         device = "shm" if config.pool.device == "cpu" else config.pool.device
         self.pool = Pool.create(
             config.pool.size,
@@ -111,13 +139,6 @@ class Role:
             self.pool.close()
             raise
         self.relays = RelayCache(timeout=config.request_timeout)
-        peers_file = PeersFile(config.peers_file) if config.peers_file else None
-        self.peers = {
-            p.role: PeerSet(
-                p, relay_kind(config, p.role, p.relay), resolver=resolver, peers_file=peers_file
-            )
-            for p in config.downstream
-        }
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
@@ -485,7 +506,7 @@ def main() -> int:
     try:
         config = from_environ()
         role = Role(config)
-    except (ContractError, HandlerError) as exc:
+    except (ContractError, HandlerError, PoolError) as exc:
         log.error("cannot start role: %s", exc)
         return 2
     role.run()

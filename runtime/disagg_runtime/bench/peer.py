@@ -22,11 +22,14 @@ import zmq
 
 from disagg_runtime import codec
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
-from disagg_runtime.pool import Pool, shm_name
+from disagg_runtime.pool import Device, Pool, shm_name, to_device
 from disagg_runtime.relay import Ingress
 
+# --device cuda: where each relay's receiver lands payloads (all end on the GPU)
+GPU_POOLS: dict[str, Device] = {"cuda_ipc": "cuda", "shm": "cpu-pinned", "tcp": "cuda"}
 
-def serve(method: str, pool_size: int, control: Connection) -> None:
+
+def serve(method: str, pool_size: int, control: Connection, device: str = "cpu") -> None:
     """Receive until told to stop; report endpoint first and RSS figures last."""
     torch.set_num_threads(1)
     ctx = zmq.Context()
@@ -41,15 +44,16 @@ def serve(method: str, pool_size: int, control: Connection) -> None:
     pool: Pool | None = None
     sock: zmq.Socket[Any] | None = None
     try:
-        if method in ("shm", "tcp"):
-            if method == "shm":
-                pool = Pool.create(pool_size, device="shm", name=shm_name("bench", "receiver"))
-            else:
-                pool = Pool.create(pool_size, device="cpu")
-            endpoint = f"ipc://{tmp}/ingress.sock" if method == "shm" else "tcp://127.0.0.1:0"
+        if method in ("shm", "tcp", "cuda_ipc"):
+            pool_device: Device = "shm" if method == "shm" else "cpu"
+            if device == "cuda":
+                pool_device = GPU_POOLS[method]
+            name = shm_name("bench", "receiver") if pool_device in ("shm", "cpu-pinned") else None
+            pool = Pool.create(pool_size, device=pool_device, name=name)
+            endpoint = "tcp://127.0.0.1:0" if method == "tcp" else f"ipc://{tmp}/ingress.sock"
             ingress = Ingress(endpoint, pool, context=ctx)
             control.send(ingress.endpoint)
-            _relay_loop(ingress, reply, control)
+            _relay_loop(ingress, reply, control, to_gpu=device == "cuda")
         else:
             sock = ctx.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
@@ -75,7 +79,9 @@ def _one_way(payload: dict[str, Any]) -> bytes:
     return struct.pack("d", time.perf_counter() - payload["sent"])
 
 
-def _relay_loop(ingress: Ingress, reply: zmq.Socket[Any], control: Connection) -> None:
+def _relay_loop(
+    ingress: Ingress, reply: zmq.Socket[Any], control: Connection, *, to_gpu: bool = False
+) -> None:
     while True:
         if control.poll(0) and control.recv() == "stop":
             return
@@ -83,7 +89,10 @@ def _relay_loop(ingress: Ingress, reply: zmq.Socket[Any], control: Connection) -
             msg = ingress.recv(timeout=0.2)
         except TimeoutError:
             continue
-        reply.send(_one_way(msg.payload))
+        payload = msg.payload
+        if to_gpu:  # the receiving role works on the GPU: host-staged payloads go there
+            payload = to_device(payload, "cuda")
+        reply.send(_one_way(payload))
         msg.release()
 
 

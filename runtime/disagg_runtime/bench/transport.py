@@ -7,6 +7,12 @@ repeats. `gbps = size / round_trip` (conservative: it includes the reply); `p50_
 `recv`, both read from CLOCK_MONOTONIC, which all processes on a machine share.
 `memcpy` is one single-threaded torch `copy_` into a pre-faulted tensor: the limit every
 ratio is taken against. All processes use one torch thread, so it is like for like.
+
+`--device cuda`: the payload lives on the GPU and every receiver ends with it on the GPU.
+`d2d` (a device-to-device `copy_`, synchronized) is the limit; `cuda_ipc` copies into the
+receiver's CUDA pool; `shm` stages through the receiver's pinned shared pool (the receiver
+copies to the GPU); `tcp` stages through a pinned buffer and lands through the receiver's
+bounce buffer into its CUDA pool.
 """
 
 from __future__ import annotations
@@ -28,9 +34,13 @@ import zmq
 from disagg_runtime import codec
 from disagg_runtime.bench import peer
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
+from disagg_runtime.pool import cuda_unavailable_reason
 from disagg_runtime.relay import Relay, connect
 
 METHODS = ("memcpy", "shm", "tcp", "pickle_zmq", "copy_clone_zmq")
+GPU_METHODS = ("d2d", "cuda_ipc", "shm", "tcp")
+LIMIT = {"cpu": "memcpy", "cuda": "d2d"}
+RELAYS = {"shm": "shm", "tcp": "tcp", "cuda_ipc": "cuda-ipc"}
 LATENCY_MAX = 64 * 1024
 _UNITS = {
     "": 1,
@@ -85,6 +95,7 @@ class Result:
     sender_rss_delta_bytes: int | None = None
     receiver_rss_delta_bytes: int | None = None
     pool_bytes: int | None = None
+    device: str = "cpu"
 
 
 def pool_size_for(size: int) -> int:
@@ -104,19 +115,36 @@ def measure_memcpy(size: int, repeats: int) -> list[float]:
     return times[1:]
 
 
+def measure_d2d(size: int, repeats: int) -> list[float]:
+    """One device-to-device `copy_` on the current GPU, timed like the relays (wall clock,
+    synchronized before and after)."""
+    src = torch.ones(size, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
 def measure_remote(
-    method: str, size: int, repeats: int
+    method: str, size: int, repeats: int, device: str = "cpu"
 ) -> tuple[list[float], list[float], dict[str, int]]:
     """Start a receiver process for `method`, time `repeats` round trips, collect RSS."""
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe()
     pool_bytes = pool_size_for(size)
-    proc = spawn.Process(target=peer.serve, args=(method, pool_bytes, child_conn), daemon=True)
+    proc = spawn.Process(
+        target=peer.serve, args=(method, pool_bytes, child_conn, device), daemon=True
+    )
     ctx = zmq.Context()
     replies = ctx.socket(zmq.PULL)
     replies.setsockopt(zmq.LINGER, 0)
     replies.bind("tcp://127.0.0.1:0")
-    payload: dict[str, Any] = {"x": torch.ones(size, dtype=torch.uint8)}
+    payload: dict[str, Any] = {"x": torch.ones(size, dtype=torch.uint8, device=device)}
     proc.start()
     relay: Relay | None = None
     data: zmq.Socket[Any] | None = None
@@ -127,8 +155,8 @@ def measure_remote(
         endpoint = parent_conn.recv()
         baseline = rss_bytes()
         reset_peak()
-        if method in ("shm", "tcp"):
-            relay = connect(method, endpoint, context=ctx, timeout=60.0)
+        if method in RELAYS:
+            relay = connect(RELAYS[method], endpoint, context=ctx, timeout=60.0)
             send = _relay_send(relay)
         else:
             data = ctx.socket(zmq.PUSH)
@@ -161,7 +189,7 @@ def measure_remote(
     rss = {
         "sender_rss_delta_bytes": sender_delta,
         "receiver_rss_delta_bytes": report.get("rss_peak", 0) - report.get("rss_baseline", 0),
-        "pool_bytes": pool_bytes if method in ("shm", "tcp") else 0,
+        "pool_bytes": pool_bytes if method in RELAYS else 0,
     }
     return times[1:], one_way[1:], rss
 
@@ -183,7 +211,9 @@ def _baseline_send(method: str, sock: zmq.Socket[Any]) -> Any:
     return send
 
 
-def run(sizes: list[int], methods: list[str], repeats: int = 0) -> list[Result]:
+def run(
+    sizes: list[int], methods: list[str], repeats: int = 0, device: str = "cpu"
+) -> list[Result]:
     torch.set_num_threads(1)
     results: list[Result] = []
     for size in sizes:
@@ -194,11 +224,13 @@ def run(sizes: list[int], methods: list[str], repeats: int = 0) -> list[Result]:
             one_way: list[float] = []
             if method == "memcpy":
                 times = measure_memcpy(size, n)
+            elif method == "d2d":
+                times = measure_d2d(size, n)
             else:
-                times, one_way, rss = measure_remote(method, size, n)
+                times, one_way, rss = measure_remote(method, size, n, device)
             median = statistics.median(times)
-            result = Result(method, size, n, median, size / median / 1e9, **rss)
-            if method == "memcpy":
+            result = Result(method, size, n, median, size / median / 1e9, **rss, device=device)
+            if method == LIMIT[device]:
                 limit = result.gbps
             if limit:
                 result.ratio_to_memcpy = result.gbps / limit
@@ -233,24 +265,37 @@ def render_table(results: list[Result]) -> str:
         )
         lines.append(f"{r.method:<16}" + "".join(f"{c:>9}" for c in cells))
     lines.append("tx/rx MiB: peak RSS growth of sender/receiver during the run (pool included).")
+    if any(r.device == "cuda" for r in results):
+        lines.append(
+            "--device cuda: payloads on the GPU; 'x memcpy' is the ratio to d2d, a "
+            "device-to-device copy on this GPU in the same run."
+        )
     return "\n".join(lines)
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    device = getattr(args, "device", "cpu")
+    known = GPU_METHODS if device == "cuda" else METHODS
     try:
+        if device == "cuda":
+            reason = cuda_unavailable_reason()
+            if reason is not None:
+                raise ValueError(f"--device cuda needs CUDA, and {reason}")
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = sorted(set(methods) - set(METHODS))
+        methods = [m.strip() for m in (args.methods or ",".join(known)).split(",") if m.strip()]
+        unknown = sorted(set(methods) - set(known))
         if unknown:
             raise ValueError(
-                f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}"
+                f"unknown method(s) {', '.join(unknown)} for --device {device}; "
+                f"choose from {', '.join(known)}"
             )
     except ValueError as exc:
         print(f"disagg bench transport: {exc}", file=sys.stderr)
         return 2
-    if "memcpy" in methods:  # the limit first, so every later row has its ratio
-        methods = ["memcpy", *[m for m in methods if m != "memcpy"]]
-    results = run(sizes, methods, args.repeats)
+    limit = LIMIT[device]
+    if limit in methods:  # the limit first, so every later row has its ratio
+        methods = [limit, *[m for m in methods if m != limit]]
+    results = run(sizes, methods, args.repeats, device)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:

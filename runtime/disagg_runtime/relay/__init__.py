@@ -1,8 +1,9 @@
 """Relays move payloads between two role processes.
 
 `shm` (same node) writes tensors once into the receiver's shared pool; `tcp` (ZMQ, across
-nodes) streams them into the receiver's pool. Both end at an `Ingress`. CUDA IPC is
-another backend (GPU issue).
+nodes) streams them into the receiver's pool; `cuda-ipc` (roles on one GPU) copies them
+once, GPU to GPU, into the receiver's CUDA pool (relay/cuda_ipc.py). All end at an
+`Ingress`. Tensors on a GPU are copied once, on a dedicated stream, whatever the relay.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = [
     "TcpSender",
     "connect",
 ]
-KINDS = ("shm", "tcp")
+KINDS = ("shm", "tcp", "cuda-ipc")
 
 
 class Relay(Protocol):
@@ -58,4 +59,8 @@ def connect(kind: str, endpoint: str, **options: Any) -> Relay:
         return ShmSender(endpoint, **options)
     if kind == "tcp":
         return TcpSender(endpoint, **options)
+    if kind == "cuda-ipc":  # imported here: it is the only relay that needs CUDA
+        from disagg_runtime.relay.cuda_ipc import CudaIpcSender
+
+        return CudaIpcSender(endpoint, **options)
     raise RelayError(f"unknown relay {kind!r}; expected one of {', '.join(KINDS)}")

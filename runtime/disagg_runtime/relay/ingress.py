@@ -120,7 +120,18 @@ class IngressStats:
 
 
 class Ingress:
-    """Bind `endpoint` (tcp://0.0.0.0:7000, ipc:///run/disagg/x.sock) and land into `pool`."""
+    """Bind `endpoint` (tcp://0.0.0.0:7000, ipc:///run/disagg/x.sock) and land into `pool`.
+
+    Over a CUDA pool, `Ingress(...)` makes a `CudaIngress` (relay/cuda_ingress.py), which
+    exports the pool to cuda-ipc peers and lands tcp chunks through a pinned bounce buffer.
+    """
+
+    def __new__(cls, endpoint: str, pool: Pool, **kwargs: Any) -> Ingress:
+        if cls is Ingress and pool.backing.device == "cuda":
+            from disagg_runtime.relay.cuda_ingress import CudaIngress
+
+            return super().__new__(CudaIngress)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -293,7 +304,23 @@ class Ingress:
             pool_size=self.pool.allocator.capacity,
             max_allocation=self.pool.allocator.max_allocation,
             lease_s=self.lease_s,
+            **self._welcome_extra(ident, msg),
         )
+
+    def _welcome_extra(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        """Backend hook: relay-specific welcome fields (a CUDA pool exports itself)."""
+        if msg.get("relay") != "cuda-ipc":
+            return {}
+        device = self.pool.backing.device
+        return {"cuda_unavailable": f"the receive pool at {self.endpoint} is {device} memory"}
+
+    def _chunk_buffer(self, offset: int, length: int) -> memoryview:
+        """Backend hook: where the next tcp chunk for pool bytes [offset, +length) lands."""
+        return self.pool.backing.buffer(offset, length)
+
+    def _chunk_landed(self, offset: int, length: int) -> str | None:
+        """Backend hook: a chunk arrived in `_chunk_buffer`; an error message, or None."""
+        return None
 
     def _on_inline(self, ident: bytes, msg: dict[str, Any]) -> None:
         rid = proto.field(msg, "rid", str)
@@ -400,11 +427,13 @@ class Ingress:
         offset, length = next(landing.targets)
         landing.done += 1
         if landing.error is None:
-            got = self._sock.recv_into(self.pool.backing.buffer(offset, length))
+            got = self._sock.recv_into(self._chunk_buffer(offset, length))
             if got != length:
                 landing.error = f"chunk {landing.done - 1}: {got} B, expected {length} B"
             elif self._sock.getsockopt(zmq.RCVMORE):
                 landing.error = f"chunk {landing.done - 1}: unexpected extra frames"
+            else:
+                landing.error = self._chunk_landed(offset, length)
         else:
             self._sock.recv_into(_SCRATCH)
         self._drain()

@@ -18,6 +18,11 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
 
 `xid` numbers each operation of a sender so that a late grant for an operation that timed
 out is never mistaken for the current one (completions are per operation).
+
+cuda-ipc (relay/cuda_ipc.py) adds two fields: the welcome to a `hello {relay: "cuda-ipc"}`
+carries `cuda` (the CUDA pool's IPC export for this peer) or `cuda_unavailable` (why not),
+and its commits carry `event` (the sender's interprocess CUDA event; the receiver delivers
+only once it has completed).
 """
 
 from __future__ import annotations

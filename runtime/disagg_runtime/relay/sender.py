@@ -23,6 +23,7 @@ taken for the current one.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -33,10 +34,22 @@ import zmq
 
 from disagg_runtime import codec
 from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing, PoolError, attach_backing, write_tensors
+from disagg_runtime.pool import (
+    Backing,
+    PoolError,
+    attach_backing,
+    copy_async,
+    inline_frames,
+    payload_header,
+    pinned_staging,
+    plan,
+    slot_views,
+    write_tensors,
+)
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 
+log = logging.getLogger(__name__)
 INLINE_MAX = 64 * 1024
 CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN = 64 * 1024
@@ -98,22 +111,28 @@ class Sender:
         receiver's pool stays full for `timeout` s. `meta` (JSON) travels in the control
         header beside the payload, for the receiver's routing; the relay does not read it."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        frames = codec.encode(payload)
-        nbytes = sum(memoryview(f).nbytes for f in frames[1:])
+        manifest, tensors = plan(payload)  # GPU tensors stay on their GPU until copied once
+        codec_header = payload_header(manifest)
+        nbytes = sum(meta.nbytes for meta in manifest.tensors)
+        inline = self._inline(tensors, nbytes)
+        frames = inline_frames(codec_header, tensors) if inline else None
         with self._lock:
             self._check_open()
             try:
-                if nbytes <= self.inline_max:
+                if frames is not None:
                     header = proto.pack("inline", rid=request_id, meta=meta)
                     self._sock.send_multipart([header, *frames])
                     return nbytes
-                manifest, tensors = Manifest.plan(payload)
                 self._send_staged(request_id, manifest, tensors, deadline, meta)
                 return nbytes
             except zmq.Again:
                 raise RelayTimeout(
                     f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
                 ) from None
+
+    def _inline(self, tensors: list[torch.Tensor], nbytes: int) -> bool:
+        """Backend hook: whether a payload goes as one inline message (no pool slot)."""
+        return nbytes <= self.inline_max
 
     def abort(self, request_id: str) -> None:
         """Tell the receiver to free whatever `request_id` holds there."""
@@ -232,6 +251,7 @@ class ShmSender(Sender):
 
     kind = "shm"
     _backing: Backing | None = None
+    _pin_tried = False
 
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
         name = welcome.get("pool")
@@ -254,9 +274,23 @@ class ShmSender(Sender):
         write_by: float,
     ) -> None:
         assert self._backing is not None  # set by the handshake
+        if not self._pin_tried and any(t.is_cuda for t in tensors):
+            self._pin_for_gpu(self._backing)
         self._check_lease(xid, write_by)
-        write_tensors(self._backing, offset, manifest, tensors)
+        # copies from a GPU run on the copy stream; the receiver reads once it has the commit
+        write_tensors(self._backing, offset, manifest, tensors).wait()
         self._sock.send(commit)
+
+    def _pin_for_gpu(self, backing: Backing) -> None:
+        """Page-lock our mapping of the receiver's pool once, so that GPU tensors are copied
+        into it by DMA rather than through the driver's pageable bounce buffers."""
+        self._pin_tried = True
+        try:
+            backing.pin()
+        except PoolError as exc:
+            log.info(
+                "%s relay to %s copies from the GPU unpinned: %s", self.kind, self.endpoint, exc
+            )
 
     def _on_close(self) -> None:
         if self._backing is not None:
@@ -270,6 +304,7 @@ class TcpSender(Sender):
 
     def __init__(self, endpoint: str, *, chunk_bytes: int = CHUNK_BYTES, **kwargs: Any) -> None:
         self.chunk_bytes = chunk_bytes
+        self._staging: Backing | None = None
         super().__init__(endpoint, **kwargs)
 
     def _commit_fields(self) -> dict[str, Any]:
@@ -286,7 +321,7 @@ class TcpSender(Sender):
     ) -> None:
         self._check_lease(xid, write_by)
         chunks: list[memoryview] = []
-        for tensor in tensors:
+        for tensor in self._host_tensors(manifest, tensors):
             raw = codec.tensor_bytes(tensor)
             chunks.extend(
                 raw[i : i + self.chunk_bytes] for i in range(0, len(raw), self.chunk_bytes)
@@ -294,3 +329,26 @@ class TcpSender(Sender):
         self._sock.send(commit)
         for chunk in chunks:  # one message each: libzmq buffers a multipart message whole
             self._sock.send(chunk, copy=len(chunk) < ZERO_COPY_MIN)
+
+    def _host_tensors(self, manifest: Manifest, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """GPU tensors are copied once, on the copy stream, into a private pinned staging
+        buffer (grown to the largest payload, then reused) and sent from there. Reuse is
+        safe: the previous transfer was acknowledged, so the receiver has all its chunks."""
+        if not any(t.is_cuda for t in tensors):
+            return tensors
+        if self._staging is None or self._staging.size < manifest.nbytes:
+            if self._staging is not None:
+                self._staging.close()
+                self._staging = None
+            try:
+                self._staging = pinned_staging(manifest.nbytes)
+            except PoolError as exc:
+                raise RelayError(f"tcp relay to {self.endpoint}: {exc}") from None
+        views = slot_views(self._staging, 0, manifest)
+        copy_async([(v, t) for v, t in zip(views, tensors, strict=True) if t.is_cuda]).wait()
+        return [v if t.is_cuda else t for v, t in zip(views, tensors, strict=True)]
+
+    def _on_close(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
