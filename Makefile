@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench clean
+.PHONY: venv test lint typecheck pytest demo bench e2e clean
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ pytest: venv
 	$(BIN)/pytest
 
 test: lint typecheck pytest
+
+# against the cluster in $$KUBECONFIG (see tests/e2e/README.md); creates and deletes a namespace
+e2e: venv
+	$(BIN)/pytest -m e2e tests/e2e
 
 bench: venv
 	$(BIN)/disagg bench transport
