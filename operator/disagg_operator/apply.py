@@ -23,6 +23,8 @@ Children (`apply_children`):
 
 Status: a merge patch of the `status` subresource, skipped when nothing would change, with the
 pipeline's uid as precondition (a pipeline recreated under the same name is not written to).
+
+Pods (`pipeline_pods`): listed, never written, for the autoscaler (`scaling_loop`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ PLURALS: Final[Mapping[str, str]] = {
     "Service": "services",
     "StatefulSet": "statefulsets",
     "ResourceClaimTemplate": "resourceclaimtemplates",
+    "Pod": "pods",
     names.PIPELINE_KIND: names.PLURAL,
 }
 
@@ -370,6 +373,13 @@ async def owned_statefulsets(api: Api, owner: planner.Owner, namespace: str) -> 
         api, [("apps/v1", "StatefulSet")], namespace=namespace, pipeline=owner.name
     )
     return [obj for obj in children.values() if (controller_of(obj) or {}).get("uid") == owner.uid]
+
+
+async def pipeline_pods(api: Api, namespace: str, pipeline: str) -> list[JSON]:
+    """The pods of the pipeline's StatefulSets (label disagg.dev/pipeline), for the
+    autoscaler: their IPs, readiness and metrics ports."""
+    selector = f"{names.LABEL_PIPELINE}={pipeline},{names.LABEL_ROLE}"
+    return await api.list("v1", "Pod", namespace, selector)
 
 
 # ---------------------------------------------------------------------------- status

@@ -695,6 +695,15 @@ def status_schema() -> Schema:
                 decision,
                 maxItems=MAX_SCALE_DECISIONS,
             ),
+            "autoscaledReplicas": {
+                "type": "object",
+                "description": (
+                    "Replicas the autoscaler set, by workload (role or colocation group): an "
+                    "operator restart resumes from them instead of spec.roles[].replicas."
+                ),
+                "additionalProperties": _integer("Replicas.", **count),
+                "maxProperties": MAX_ROLES,
+            },
         },
     )
 

@@ -16,8 +16,9 @@
 No finalizer, no delete handler: every child carries a controller ownerReference to the
 pipeline, so the garbage collector deletes them with it, and nothing else (no external
 resource, no cache other than in-memory state) needs cleanup. A finalizer would only add a
-way to block deletion while the operator is down. (A future kopf timer or daemon, e.g. the
-autoscaler of issue 5, makes kopf add its finalizer `FINALIZER`; see `configure`.)
+way to block deletion while the operator is down. (A kopf timer or daemon would make kopf
+add its finalizer `FINALIZER`, see `configure`; that is why the autoscaler is one
+operator-wide task instead, `scaling_loop`: `reconcile` starts it, cleanup stops it.)
 
 kopf's own bookkeeping lives in annotations with the prefix `operator.disagg.dev` (not in
 `status.kopf`: the CRD's structural status schema would prune it, and kopf would then
@@ -36,7 +37,7 @@ from typing import Any, Final
 
 import kopf
 
-from disagg_operator import apply, names, reconcile
+from disagg_operator import apply, names, reconcile, scaling_loop
 
 ANNOTATION_PREFIX: Final = f"operator.{names.GROUP}"
 FINALIZER: Final = f"{ANNOTATION_PREFIX}/finalizer"
@@ -80,8 +81,10 @@ def register(
     reconciler: reconcile.Reconciler,
     *,
     connection: kopf.ConnectionInfo | None = None,
+    scaler: scaling_loop.ScalingLoop | None = None,
 ) -> kopf.OperatorRegistry:
-    """Add the operator's handlers to `registry` (returned)."""
+    """Add the operator's handlers to `registry` (returned); `scaler`: the autoscaling loop
+    to start with the first reconcile (None: no autoscaling)."""
 
     @kopf.on.login(registry=registry)
     def authenticate(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -92,6 +95,8 @@ def register(
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        if scaler is not None:
+            await scaler.stop()
         await reconciler.close()
 
     @kopf.on.resume(*PIPELINE, registry=registry, id="reconcile")
@@ -107,6 +112,8 @@ def register(
     ) -> None:
         if namespace is None:  # the resource is namespaced: never
             return
+        if scaler is not None:
+            scaler.ensure_started()  # here, so that it runs in kopf's context
         try:
             outcome = await reconciler.reconcile(namespace, name)
         except apply.ApiError as error:

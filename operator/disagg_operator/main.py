@@ -13,6 +13,8 @@
   highest `--priority` works, the others wait. `--standalone` turns peering off. With
   neither, kopf uses the peering object `default` if it exists and runs alone otherwise.
 - Credentials: in-cluster service account or the kubeconfig (see `handlers.login`).
+- Autoscaling: every `autoscale_interval` seconds (default 15; 0 turns it off), the roles
+  with `autoscaling` are scaled on their pool occupancy (see `scaling_loop`).
 
 The argument parser lives in `disagg_runtime.cli` (which must not import kopf for its other
 commands); `run_cli` takes its namespace. This process never imports torch.
@@ -30,7 +32,7 @@ from typing import Any, Final
 
 import kopf
 
-from disagg_operator import apply, handlers, planner, reconcile, status
+from disagg_operator import apply, handlers, planner, podmetrics, reconcile, scaling_loop, status
 from disagg_operator.metrics import Metrics
 
 DEFAULT_LIVENESS_PORT: Final = 8080
@@ -48,6 +50,8 @@ class OperatorConfig:
     priority: int = 0
     options: planner.PlanOptions = field(default_factory=planner.PlanOptions)
     progress_deadline: float = status.DEFAULT_PROGRESS_DEADLINE
+    autoscale_interval: float = scaling_loop.DEFAULT_INTERVAL  # seconds; <= 0: off
+    scrape_timeout: float = podmetrics.DEFAULT_TIMEOUT  # seconds per /metrics scrape
     connection: kopf.ConnectionInfo | None = None  # None: kopf's stock logins
 
     @property
@@ -75,15 +79,19 @@ class Operator:
     registry: kopf.OperatorRegistry
     settings: kopf.OperatorSettings
     reconciler: reconcile.Reconciler
+    scaler: scaling_loop.ScalingLoop
 
     async def run(self, **extra: Any) -> None:
         """Run kopf in this event loop until cancelled (`extra`: e.g. stop_flag)."""
-        await kopf.operator(
-            registry=self.registry,
-            settings=self.settings,
-            **self.config.kopf_arguments(),
-            **extra,
-        )
+        try:
+            await kopf.operator(
+                registry=self.registry,
+                settings=self.settings,
+                **self.config.kopf_arguments(),
+                **extra,
+            )
+        finally:
+            await self.scaler.stop()  # also when cancelled before kopf's cleanup ran
 
 
 def build(
@@ -100,10 +108,17 @@ def build(
         post_event=post_event or reconcile.kopf_event,
         progress_deadline=config.progress_deadline,
     )
-    registry = handlers.register(kopf.OperatorRegistry(), reconciler, connection=config.connection)
+    scaler = scaling_loop.ScalingLoop(
+        reconciler, interval=config.autoscale_interval, scrape_timeout=config.scrape_timeout
+    )
+    registry = handlers.register(
+        kopf.OperatorRegistry(), reconciler, connection=config.connection, scaler=scaler
+    )
     settings = kopf.OperatorSettings()
     handlers.configure(settings)
-    return Operator(config=config, registry=registry, settings=settings, reconciler=reconciler)
+    return Operator(
+        config=config, registry=registry, settings=settings, reconciler=reconciler, scaler=scaler
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
@@ -122,7 +137,14 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         priority=args.priority,
         options=options,
         progress_deadline=args.progress_deadline,
+        autoscale_interval=_autoscale_interval(args),
     )
+
+
+def _autoscale_interval(args: argparse.Namespace) -> float:
+    """`--autoscale-interval` where the CLI has it, else the default."""
+    value = getattr(args, "autoscale_interval", None)
+    return scaling_loop.DEFAULT_INTERVAL if value is None else float(value)
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -20,7 +20,10 @@ Placement:
   (peers at 127.0.0.1), /dev/shm (one memory emptyDir), the process namespace
   (`shareProcessNamespace: true`, for CUDA IPC) and one GPU (see GPU modes).
 - Replicas of U: `options.replicas[U]` when given (the autoscaler's decision), else the
-  role's `replicas` (members of a group have equal replicas; the spec checks it).
+  role's `replicas` (members of a group have equal replicas; the spec checks it). A unit
+  named in the pipeline annotation disagg.dev/external-scaling (comma-separated role or
+  group names; a role stands for its unit) gets no `spec.replicas` at all: an HPA or KEDA
+  owns the field through the scale subresource, and our apply never touches it.
 - The StatefulSet's governing Service (`serviceName`, per-pod DNS) is P-<first role of U>.
 - The Service P-R selects the pods of R's unit: {disagg.dev/pipeline: P, disagg.dev/role: U}.
   It is headless (`clusterIP: None`): DNS answers with the ready pods' IPs, so a peer
@@ -267,6 +270,22 @@ def gpu_device_class(pipeline: Pipeline) -> str:
     return pipeline.annotations.get(names.ANNOTATION_GPU_DEVICE_CLASS, DEFAULT_GPU_DEVICE_CLASS)
 
 
+def external_scaling_names(pipeline: Pipeline) -> list[str]:
+    """The names listed in the disagg.dev/external-scaling annotation, in order."""
+    value = pipeline.annotations.get(names.ANNOTATION_EXTERNAL_SCALING, "")
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def external_units(pipeline: Pipeline) -> frozenset[str]:
+    """Units whose replicas an external scaler owns (see the module docstring)."""
+    wanted = set(external_scaling_names(pipeline))
+    return frozenset(
+        unit.unit
+        for unit in workloads(pipeline)
+        if unit.unit in wanted or any(role.name in wanted for role in unit.roles)
+    )
+
+
 def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Problem]:
     """Problems the planner finds beyond the spec's own rules (operator-only settings)."""
     options = options or PlanOptions()
@@ -286,6 +305,15 @@ def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Proble
             Problem(
                 child(annotations, names.ANNOTATION_GPU_DEVICE_CLASS),
                 f"{device_class!r} is not a device class name (a DNS subdomain)",
+            )
+        )
+    known = {*pipeline.role_names, *(group.name for group in pipeline.colocation)}
+    unknown = [name for name in external_scaling_names(pipeline) if name not in known]
+    if unknown:
+        problems.append(
+            Problem(
+                child(annotations, names.ANNOTATION_EXTERNAL_SCALING),
+                f"names no role or colocation group: {', '.join(unknown)}",
             )
         )
     if options.dra_api_version not in DRA_API_VERSIONS:
@@ -500,18 +528,21 @@ def _stateful_set(
             claim_template_name(pipeline, unit.group.name) if unit.group is not None else None
         ),
     )
+    spec: dict[str, Any] = {
+        "serviceName": pipeline.derived_name(unit.roles[0].name),
+        "replicas": unit.replicas,
+        "podManagementPolicy": "Parallel",
+        "updateStrategy": {"type": "RollingUpdate"},
+        "selector": {"matchLabels": unit.selector(pipeline)},
+        "template": template,
+    }
+    if unit.unit in external_units(pipeline):
+        del spec["replicas"]  # the HPA's (or KEDA's) field
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _meta(unit.name, namespace, unit.labels(pipeline)),
-        "spec": {
-            "serviceName": pipeline.derived_name(unit.roles[0].name),
-            "replicas": unit.replicas,
-            "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
-            "selector": {"matchLabels": unit.selector(pipeline)},
-            "template": template,
-        },
+        "spec": spec,
     }
 
 

@@ -27,7 +27,10 @@ that `Degraded/ProgressDeadlineExceeded` appears without any event.
 
 Per-pipeline state (`PipelineState`) also holds `replicas`: the autoscaler's decisions per
 workload unit, passed to the planner as `PlanOptions.replicas` so that a reconcile does not
-undo them. Nothing sets it yet (the autoscaler, issue 5, will).
+undo them, and `scaling`: the autoscaler's history (see `scaling_loop`). Before each
+reconcile, `autoscaling.resumed_replicas` completes `replicas` from the status
+(`autoscaledReplicas`), so a restarted operator resumes from its last decisions instead of
+snapping back to spec.roles[].replicas, and drops units that are no longer autoscaled.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any, Final, cast
 
 import kopf
 
-from disagg_operator import apply, names, planner, status
+from disagg_operator import apply, autoscaling, names, planner, status
 from disagg_operator.metrics import Metrics
 from disagg_runtime import spec
 from disagg_runtime.spec_fields import SpecError
@@ -82,7 +85,8 @@ def utc_now() -> datetime.datetime:
 @dataclass
 class PipelineState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    replicas: dict[str, int] = field(default_factory=dict)  # autoscaler decisions (issue 5)
+    replicas: dict[str, int] = field(default_factory=dict)  # autoscaler decisions, by unit
+    scaling: autoscaling.ScalingState | None = None  # the autoscaler's windows
     conflicts: tuple[apply.Conflict, ...] = ()
     refresh_waiting: bool = False
     recheck: asyncio.TimerHandle | None = None
@@ -130,6 +134,7 @@ class Reconciler:
                 return None
             if body["metadata"].get("deletionTimestamp"):
                 return None
+            state.replicas = autoscaling.resumed_replicas(body, state.replicas)
             try:
                 return await self._reconcile(body, state)
             except Exception as error:

@@ -3,7 +3,7 @@
 Pure: the caller passes the clock (`now`) and the conditions it last wrote. The result holds
 every field this module owns (`observedGeneration`, `phase`, `readyRoles`, `roles`,
 `problems`, `conditions`), so a merge patch of it replaces stale values; `scaleDecisions`
-belongs to the autoscaler and is left out.
+and `autoscaledReplicas` belong to the autoscaler (`scaling_loop`) and are left out.
 
 Per role, from the StatefulSet of its unit (see `planner`): `desired` = spec.replicas,
 `current` = status.replicas, `ready` = status.readyReplicas, `updated` =

@@ -25,6 +25,7 @@ FORBIDDEN = ("torch", "numpy", "zmq")
 ALLOWED_RUNTIME = {
     "disagg_runtime",
     "disagg_runtime.cli",
+    "disagg_runtime.autoscale",
     "disagg_runtime.contract",
     "disagg_runtime.quantity",
 }

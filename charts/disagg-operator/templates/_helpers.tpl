@@ -1,0 +1,117 @@
+{{/* Names. */}}
+{{- define "disagg-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "disagg-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "disagg-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "disagg-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "disagg-operator.peeringName" -}}
+{{- default (include "disagg-operator.fullname" .) .Values.peering.name }}
+{{- end }}
+
+{{/* Labels. */}}
+{{- define "disagg-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "disagg-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "disagg-operator.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "disagg-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: disagg
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* The operator image: repository@digest, else repository:tag (default appVersion). */}}
+{{- define "disagg-operator.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Scope. "clusterWide": the operator watches every namespace (no watch.namespaces); kopf then
+uses a ClusterKopfPeering. "rbacClusterWide": the workload rules are bound cluster-wide, also
+when a watched namespace is a glob (a RoleBinding needs a namespace that exists).
+Both print "true" or nothing.
+*/}}
+{{- define "disagg-operator.clusterWide" -}}
+{{- if not .Values.watch.namespaces }}true{{ end }}
+{{- end }}
+
+{{- define "disagg-operator.hasGlobs" -}}
+{{- range .Values.watch.namespaces }}{{ if or (contains "*" .) (contains "?" .) }}true{{ end }}{{ end }}
+{{- end }}
+
+{{- define "disagg-operator.rbacClusterWide" -}}
+{{- if or (include "disagg-operator.clusterWide" .) (include "disagg-operator.hasGlobs" .) }}true{{ end }}
+{{- end }}
+
+{{/* The watched namespaces that are names, not globs (RoleBindings, KopfPeerings). */}}
+{{- define "disagg-operator.exactNamespaces" -}}
+{{- range .Values.watch.namespaces }}
+{{- if not (or (contains "*" .) (contains "?" .)) }}
+- {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* `disagg operator` arguments (see `disagg operator --help`). */}}
+{{- define "disagg-operator.args" -}}
+{{- if include "disagg-operator.clusterWide" . }}
+- --all-namespaces
+{{- else }}
+{{- range .Values.watch.namespaces }}
+- --namespace={{ . }}
+{{- end }}
+{{- end }}
+- --liveness-port={{ .Values.liveness.port }}
+- --metrics-port={{ ternary .Values.metrics.port 0 .Values.metrics.enabled }}
+{{- if .Values.peering.enabled }}
+- --peering={{ include "disagg-operator.peeringName" . }}
+{{- else }}
+- --standalone
+{{- end }}
+- --cluster-domain={{ .Values.operator.clusterDomain }}
+- --gpu-mode={{ .Values.operator.gpuMode }}
+- --dra-api-version={{ .Values.operator.draApiVersion }}
+- --progress-deadline={{ .Values.operator.progressDeadlineSeconds }}
+- --log-level={{ .Values.logLevel }}
+{{- end }}
+
+{{/* Checks the schema cannot express. */}}
+{{- define "disagg-operator.checks" -}}
+{{- if eq (int .Values.liveness.port) (int .Values.metrics.port) }}
+{{- fail (printf "liveness.port and metrics.port must differ (both are %v)" .Values.liveness.port) }}
+{{- end }}
+{{- end }}
+
+{{/* The subjects of every binding: the operator's ServiceAccount. */}}
+{{- define "disagg-operator.subjects" -}}
+- kind: ServiceAccount
+  name: {{ include "disagg-operator.serviceAccountName" . }}
+  namespace: {{ .Release.Namespace }}
+{{- end }}

@@ -1,0 +1,83 @@
+"""Reading the role containers' /metrics for the autoscaler.
+
+The series are the runtime's (see `disagg_runtime.metrics`, the contract table):
+`disagg_pool_occupancy` (0..1) and `disagg_queue_depth`. Plain HTTP GETs to pod IPs, all at
+once, each bounded by a short total timeout and a body size limit; any failure (refused,
+timed out, not 200, unparsable, no occupancy series) reads as None, never as an exception:
+the algorithm treats a missing sample conservatively.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterable
+from typing import Final
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from disagg_operator.autoscaling import Reading
+
+OCCUPANCY: Final = "disagg_pool_occupancy"
+QUEUE_DEPTH: Final = "disagg_queue_depth"
+DEFAULT_TIMEOUT: Final = 2.0  # seconds per scrape, connect included
+MAX_BODY: Final = 4 * 2**20  # a role's exposition is a few KiB
+CONNECTION_LIMIT: Final = 64
+
+
+def parse(text: str) -> Reading | None:
+    """The occupancy and queue depth in an exposition text; None without an occupancy."""
+    occupancy: float | None = None
+    queued = 0.0
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == OCCUPANCY:
+                    occupancy = float(sample.value)
+                elif sample.name == QUEUE_DEPTH:
+                    queued = float(sample.value)
+    except (ValueError, TypeError, IndexError):
+        return None
+    if occupancy is None or not math.isfinite(occupancy):
+        return None
+    queue_depth = int(queued) if math.isfinite(queued) and queued > 0 else 0
+    return Reading(min(1.0, max(0.0, occupancy)), queue_depth)
+
+
+class Scraper:
+    """Concurrent scrapes over one aiohttp session (made on first use, in the running loop)."""
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def read_all(self, urls: Iterable[str]) -> dict[str, Reading | None]:
+        unique = list(dict.fromkeys(urls))
+        if not unique:
+            return {}
+        results = await asyncio.gather(*(self.read(url) for url in unique))
+        return dict(zip(unique, results, strict=True))
+
+    async def read(self, url: str) -> Reading | None:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=CONNECTION_LIMIT),
+                timeout=self._timeout,
+                trust_env=False,  # pod IPs: never through a proxy
+            )
+        try:
+            async with self._session.get(url, allow_redirects=False) as response:
+                if response.status != 200:
+                    return None
+                body = await response.content.read(MAX_BODY + 1)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+        if len(body) > MAX_BODY:
+            return None
+        return parse(body.decode("utf-8", errors="replace"))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
