@@ -406,5 +406,10 @@ async def write_status(api: Api, pipeline: Mapping[str, Any], status: Mapping[st
         return False
     meta = pipeline["metadata"]
     ref = pipeline_ref(meta.get("namespace", ""), meta["name"])
-    await api.patch_status(ref, status, uid=meta["uid"])
+    try:
+        await api.patch_status(ref, status, uid=meta["uid"])
+    except ApiError as exc:
+        if exc.status == 404:  # deleted meanwhile: nothing left to report on
+            return False
+        raise
     return True

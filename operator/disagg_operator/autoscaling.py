@@ -23,7 +23,7 @@ Samples, one per pod of a unit (label disagg.dev/role = unit), as the algorithm 
   depth their sum; one failed scrape makes the pod's occupancy None (never a scale-down).
 
 A fresh autoscaler (new pipeline, changed policies, operator restart) does not scale down
-during its first down window (`to_apply`).
+during its first down window (held by `autoscale.Autoscaler`).
 
 Resume (`resumed_replicas`, before every reconcile): a managed unit's replicas are the
 in-memory decision, else `status.autoscaledReplicas[unit]`, else absent (the planner then uses
@@ -124,19 +124,16 @@ def scaling_plan(pipeline: Pipeline) -> ScalingPlan:
 
 @dataclass
 class ScalingState:
-    """A pipeline's autoscaler (its recommendation history), kept while its policies hold;
-    `since`: when it was made (monotonic seconds)."""
+    """A pipeline's autoscaler (its recommendation history), kept while its policies hold."""
 
     key: tuple[object, ...]
     autoscaler: Autoscaler
-    since: float
 
 
 def scaling_state(
     previous: ScalingState | None,
     plan: ScalingPlan,
     *,
-    now: float,
     stale_after_s: float = STALE_AFTER_S,
 ) -> ScalingState:
     """`previous` if the policies and locks are unchanged, else a fresh autoscaler."""
@@ -144,27 +141,13 @@ def scaling_state(
     if previous is not None and previous.key == key:
         return previous
     autoscaler = Autoscaler(plan.policies, plan.locks, stale_after_s=stale_after_s)
-    return ScalingState(key, autoscaler, now)
+    return ScalingState(key, autoscaler)
 
 
-def to_apply(
-    decisions: Iterable[Decision], state: ScalingState, plan: ScalingPlan, now: float
-) -> list[Decision]:
-    """The changed decisions, less scale-downs during the first down window of a fresh
-    autoscaler. Its window starts empty, so the first low sample alone would scale down, e.g.
-    a new pipeline before its first request, or every pipeline after an operator restart:
-    the operator waits as if the window had been full of the current count."""
-    longest = max((p.scale_down_window_s for p in plan.policies.values()), default=0.0)
-    result = []
-    for decision in decisions:
-        if not decision.changed:
-            continue
-        policy = plan.policies.get(decision.role)
-        window = policy.scale_down_window_s if policy is not None else longest
-        if decision.desired < decision.current and now - state.since < window:
-            continue
-        result.append(decision)
-    return result
+def to_apply(decisions: Iterable[Decision]) -> list[Decision]:
+    """The decisions that change a replica count. (A fresh autoscaler's first down window is
+    held by `autoscale.Autoscaler` itself, for the operator and `disagg up` alike.)"""
+    return [decision for decision in decisions if decision.changed]
 
 
 def resumed_replicas(body: Mapping[str, Any], decided: Mapping[str, int]) -> dict[str, int]:

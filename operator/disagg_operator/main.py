@@ -142,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
 
 
 def _autoscale_interval(args: argparse.Namespace) -> float:
-    """`--autoscale-interval` where the CLI has it, else the default."""
+    """`--autoscale-interval`; namespaces built by hand (tests) may lack it."""
     value = getattr(args, "autoscale_interval", None)
     return scaling_loop.DEFAULT_INTERVAL if value is None else float(value)
 

@@ -16,7 +16,7 @@ A step, for a pipeline with autoscaled units (`autoscaling` has the rules):
 3. the pipeline's `autoscale.Autoscaler`, kept in its `PipelineState` (so stabilization
    windows span steps and reconciles), decides from the units' current replicas: the
    operator's intent (the last decision, else the spec). A fresh one does not scale down
-   during its first down window (`autoscaling.to_apply`);
+   during its first down window;
 4. changed units: `PipelineState.replicas` is set and the pipeline reconciled, so the
    planner puts the count into the StatefulSet and the operator's forced server-side apply
    writes it (over anyone else's value of spec.replicas);
@@ -114,14 +114,12 @@ class ScalingLoop:
             state.scaling = None
             await self._write_status(body, [], {})  # forget counts of a past autoscaling
             return []
-        scaling = autoscaling.scaling_state(
-            state.scaling, plan, now=self.monotonic(), stale_after_s=self.stale_after
-        )
+        scaling = autoscaling.scaling_state(state.scaling, plan, stale_after_s=self.stale_after)
         state.scaling = scaling
         samples, now = await self._samples(namespace, name, plan)
         current = plan.current(state.replicas)
         decided = scaling.autoscaler.decide(now, current, samples)
-        changed = autoscaling.to_apply(decided.values(), scaling, plan, now)
+        changed = autoscaling.to_apply(decided.values())
         if not changed:
             return []
         previous = dict(state.replicas)

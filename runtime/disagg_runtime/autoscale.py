@@ -17,7 +17,10 @@ stage's pool drains. Per role and decision (HPA-like, with the rules written out
 
 So a spike scales up within one decision (up window 0 by default), scale-down waits for
 its whole window of lower recommendations, and load that oscillates inside the window
-does not flap. Ratio locks then hold declared proportions between roles (e.g.
+does not flap. A fresh autoscaler (a new pipeline, changed policies, a restarted operator)
+has seen no window yet: it holds scale-downs until one full down window has passed since
+its first decision for the role, as if the window had been full of the current count.
+Ratio locks then hold declared proportions between roles (e.g.
 denoiser:decoder = 4:1): when the leader's desired count moves, followers outside the
 lock's tolerance are set to the proportional count (clamped to their own bounds).
 """
@@ -107,6 +110,7 @@ class Autoscaler:
         self.locks = list(locks)
         self.stale_after_s = stale_after_s
         self._history: dict[str, _History] = {role: _History() for role in self.policies}
+        self._first_seen: dict[str, float] = {}
 
     def decide(
         self, now: float, current: Mapping[str, int], samples: Mapping[str, Sequence[Sample]]
@@ -124,6 +128,7 @@ class Autoscaler:
         self, role: str, policy: Policy, now: float, current: int, samples: Sequence[Sample]
     ) -> Decision:
         raw, reason = recommend(policy, current, samples, now, self.stale_after_s)
+        first_seen = self._first_seen.setdefault(role, now)
         history = self._history[role].raws
         history.append((now, raw))
         horizon = now - max(policy.scale_up_window_s, policy.scale_down_window_s)
@@ -137,6 +142,8 @@ class Autoscaler:
         elif raw < current:
             window = [r for t, r in history if t >= now - policy.scale_down_window_s]
             stabilized = min(current, max(window))
+            if now - first_seen < policy.scale_down_window_s:
+                stabilized = current  # no full window observed yet
             if stabilized > raw:
                 reason += f"; waiting for the {policy.scale_down_window_s:g}s scale-down window"
         else:

@@ -128,6 +128,12 @@ def _add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     op.add_argument(
         "--progress-deadline", type=float, default=600.0, help="seconds before Degraded"
     )
+    op.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=15.0,
+        help="seconds between autoscaling decisions (0 turns autoscaling off)",
+    )
     op.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
 
 

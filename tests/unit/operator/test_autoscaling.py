@@ -295,22 +295,19 @@ def test_records_events_and_status_patches() -> None:
     assert autoscaling.status_patch(None, [], {}) == {}
 
 
-def test_a_fresh_autoscaler_holds_scale_downs_for_one_window() -> None:
+def test_scaling_state_is_kept_while_policies_hold() -> None:
     plan = plan_of(doc())
-    state = autoscaling.scaling_state(None, plan, now=100.0)
-    assert autoscaling.scaling_state(state, plan, now=200.0) is state, "kept"
-    changed = autoscaling.scaling_state(state, plan_of(doc(**{"x": "y"})), now=200.0)
+    state = autoscaling.scaling_state(None, plan)
+    assert autoscaling.scaling_state(state, plan) is state, "kept"
+    changed = autoscaling.scaling_state(state, plan_of(doc(**{"x": "y"})))
     assert changed is state, "annotations are not policies"
     other = doc()
     other["spec"]["roles"][0]["autoscaling"]["maxReplicas"] = 5
-    assert autoscaling.scaling_state(state, plan_of(other), now=200.0) is not state
+    assert autoscaling.scaling_state(state, plan_of(other)) is not state
     down = Decision("a", 3, 1, "", 0.0)
     up = Decision("a", 1, 3, "", 0.0)
-    follower = Decision("b", 2, 1, "", 0.0)
     same = Decision("a", 2, 2, "", 0.0)
-    decisions = [down, up, follower, same]
-    assert autoscaling.to_apply(decisions, state, plan, 105.0) == [up]
-    assert autoscaling.to_apply(decisions, state, plan, 110.0) == [down, up, follower]
+    assert autoscaling.to_apply([down, up, same]) == [down, up]
 
 
 # ---------------------------------------------------------------------------- scraping
@@ -520,7 +517,7 @@ async def test_pipelines_without_policies_forget_old_counts(
     body = doc(**{names.ANNOTATION_EXTERNAL_SCALING: "a"})
     body["status"] = {"autoscaledReplicas": {"a": 4, "b": 2}}
     h = Harness(monkeypatch, body)
-    h.state.scaling = autoscaling.scaling_state(None, plan_of(doc()), now=0.0)
+    h.state.scaling = autoscaling.scaling_state(None, plan_of(doc()))
     assert await h.step(1000.0) == []
     assert h.api.patches == [{"autoscaledReplicas": {"a": None, "b": None}}]
     assert h.state.scaling is None

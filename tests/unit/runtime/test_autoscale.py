@@ -141,3 +141,15 @@ def test_policy_rejects_bad_bounds():
         Policy(3, 2)
     with pytest.raises(ValueError, match="targetPoolOccupancy"):
         Policy(1, 2, target_occupancy=1.5)
+
+
+def test_a_fresh_autoscaler_holds_scale_downs_for_one_window():
+    policy = Policy(1, 8, target_occupancy=0.5, scale_down_window_s=60)
+    scaler = Autoscaler({"d": policy})
+    idle = samples(0.0, 4, at=100.0)
+    assert scaler.decide(100.0, {"d": 4}, {"d": idle})["d"].desired == 4  # first look
+    assert scaler.decide(130.0, {"d": 4}, {"d": samples(0.0, 4, 130.0)})["d"].desired == 4
+    assert scaler.decide(161.0, {"d": 4}, {"d": samples(0.0, 4, 161.0)})["d"].desired == 1
+    # scale-up is never held
+    fresh = Autoscaler({"d": policy})
+    assert fresh.decide(0.0, {"d": 1}, {"d": samples(1.0, 1, 0.0)})["d"].desired == 2
