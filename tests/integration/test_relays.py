@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -33,6 +33,11 @@ from disagg_runtime.relay import (
     connect,
 )
 from disagg_runtime.relay import protocol as proto
+
+if TYPE_CHECKING:
+    from tests.payload_checks import assert_bit_exact, tensors_of
+else:
+    from payload_checks import assert_bit_exact, tensors_of
 
 KiB = 1 << 10
 KINDS = ["shm", "tcp"]
@@ -119,40 +124,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float = WAIT) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(0.005)
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_exact(got: Any, want: Any) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor)
-        assert (got.dtype, got.shape) == (want.dtype, want.shape)
-        assert torch.equal(raw_bytes(got), raw_bytes(want))
-    elif isinstance(want, dict):
-        assert isinstance(got, dict)
-        assert got.keys() == want.keys()
-        for key in want:
-            assert_bit_exact(got[key], want[key])
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want)
-        assert len(got) == len(want)
-        for g, w in zip(got, want, strict=True):
-            assert_bit_exact(g, w)
-    else:
-        assert type(got) is type(want)
-        assert got == want
-
-
-def tensors_of(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in tensors_of(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in tensors_of(v)]
-    return []
 
 
 def in_pool(t: torch.Tensor, pool: Pool) -> bool:

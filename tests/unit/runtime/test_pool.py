@@ -6,7 +6,7 @@ import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -23,6 +23,11 @@ from disagg_runtime.pool import (
     shm_name,
     write_tensors,
 )
+
+if TYPE_CHECKING:
+    from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
+else:
+    from payload_checks import assert_bit_exact, raw_bytes, tensors_of
 
 KiB = 1 << 10
 MakePool = Callable[..., Pool]
@@ -45,41 +50,6 @@ def make_pool() -> Iterator[MakePool]:
     yield make
     for pool in made:
         pool.close()
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_exact(got: Any, want: Any) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor)
-        assert got.dtype == want.dtype
-        assert got.shape == want.shape
-        assert torch.equal(raw_bytes(got), raw_bytes(want))
-    elif isinstance(want, dict):
-        assert isinstance(got, dict)
-        assert got.keys() == want.keys()
-        for key in want:
-            assert_bit_exact(got[key], want[key])
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want)
-        assert len(got) == len(want)
-        for g, w in zip(got, want, strict=True):
-            assert_bit_exact(g, w)
-    else:
-        assert type(got) is type(want)
-        assert got == want
-
-
-def tensors_of(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in tensors_of(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in tensors_of(v)]
-    return []
 
 
 def mixed_payload() -> dict[str, Any]:
