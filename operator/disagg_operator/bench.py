@@ -64,7 +64,7 @@ import aiohttp
 import kopf
 import yaml
 
-from disagg_operator import apply, crd, names, planner
+from disagg_operator import apply, crd, kubeconfig, names, planner
 from disagg_runtime import spec
 from disagg_runtime.spec_fields import SpecError
 
@@ -266,93 +266,12 @@ def format_table(result: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------- credentials
 
 
-def load_connection(kubeconfig: str) -> kopf.ConnectionInfo:
-    """The current context of `kubeconfig` (paths joined by os.pathsep; for each name the
-    first file that defines it wins, as kubectl does) as kopf's connection info."""
-    paths = [pathlib.Path(p).expanduser() for p in kubeconfig.split(os.pathsep) if p]
-    if not paths:
-        raise BenchError("no kubeconfig given")
-    current: str | None = None
-    sections: dict[str, dict[str, Json]] = {"contexts": {}, "clusters": {}, "users": {}}
-    for path in paths:
-        try:
-            doc = yaml.safe_load(path.read_text()) or {}
-        except (OSError, yaml.YAMLError) as error:
-            raise BenchError(f"cannot read kubeconfig {path}: {error}") from error
-        current = current or doc.get("current-context")
-        key = {"contexts": "context", "clusters": "cluster", "users": "user"}
-        for section, inner in key.items():
-            for item in doc.get(section) or []:
-                entry = dict(item.get(inner) or {})
-                entry["_dir"] = str(path.parent)
-                sections[section].setdefault(item["name"], entry)
-    if not current or current not in sections["contexts"]:
-        raise BenchError(f"kubeconfig {kubeconfig}: no current context")
-    context = sections["contexts"][current]
-    cluster = sections["clusters"].get(context.get("cluster", ""))
-    if cluster is None:
-        raise BenchError(f"kubeconfig {kubeconfig}: context {current} has no cluster")
-    user = sections["users"].get(context.get("user", ""), {})
-    token = user.get("token")
-    if not token and user.get("tokenFile"):
-        try:
-            token = _relative(user, user["tokenFile"]).read_text().strip()
-        except OSError as error:
-            raise BenchError(f"kubeconfig tokenFile: {error}") from error
-    cert_data, key_data = user.get("client-certificate-data"), user.get("client-key-data")
-    if user.get("exec"):
-        token, cert_data, key_data = _exec_credential(user["exec"], token, cert_data, key_data)
-    return kopf.ConnectionInfo(
-        server=str(cluster["server"]),
-        ca_path=_path_of(cluster, "certificate-authority"),
-        ca_data=cluster.get("certificate-authority-data"),
-        insecure=cluster.get("insecure-skip-tls-verify"),
-        certificate_path=_path_of(user, "client-certificate"),
-        certificate_data=cert_data,
-        private_key_path=_path_of(user, "client-key"),
-        private_key_data=key_data,
-        username=user.get("username"),
-        password=user.get("password"),
-        token=token,
-        default_namespace=context.get("namespace"),
-        proxy_url=cluster.get("proxy-url"),
-    )
-
-
-def _relative(section: Mapping[str, Any], value: str) -> pathlib.Path:
-    """Paths in a kubeconfig are relative to the file that holds them."""
-    return pathlib.Path(section["_dir"]) / pathlib.Path(value).expanduser()
-
-
-def _path_of(section: Mapping[str, Any], key: str) -> str | None:
-    value = section.get(key)
-    return None if not value else str(_relative(section, str(value)))
-
-
-def _exec_credential(
-    plugin: Mapping[str, Any], token: str | None, cert: str | None, key: str | None
-) -> tuple[str | None, str | None, str | None]:
-    """Run a client-go credential plugin (`users[].user.exec`): its ExecCredential status."""
-    info = {
-        "apiVersion": plugin.get("apiVersion", "client.authentication.k8s.io/v1"),
-        "kind": "ExecCredential",
-        "spec": {"interactive": False},
-    }
-    env = {**os.environ, "KUBERNETES_EXEC_INFO": json.dumps(info)}
-    env.update({str(e["name"]): str(e["value"]) for e in plugin.get("env") or []})
-    argv = [str(plugin["command"]), *map(str, plugin.get("args") or [])]
+def load_connection(path: str) -> kopf.ConnectionInfo:
+    """`kubeconfig.load_connection`, its errors as BenchError."""
     try:
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise BenchError(f"kubeconfig exec plugin {argv[0]}: {error}") from error
-    if done.returncode != 0:
-        raise BenchError(f"kubeconfig exec plugin {argv[0]} failed: {done.stderr.strip()}")
-    status = (json.loads(done.stdout or "{}") or {}).get("status") or {}
-    return (
-        status.get("token") or token,
-        status.get("clientCertificateData") or cert,
-        status.get("clientKeyData") or key,
-    )
+        return kubeconfig.load_connection(path)
+    except kubeconfig.KubeconfigError as error:
+        raise BenchError(str(error)) from error
 
 
 # ---------------------------------------------------------------------------- observing
@@ -940,8 +859,8 @@ def default_kubeconfig() -> str | None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from `disagg bench operator` arguments (BenchError when they are wrong)."""
-    kubeconfig = args.kubeconfig or default_kubeconfig()
-    if not kubeconfig:
+    config_path = args.kubeconfig or default_kubeconfig()
+    if not config_path:
         raise BenchError("no kubeconfig: pass --kubeconfig PATH or set KUBECONFIG")
     if args.samples < 0 or args.pipelines < 0 or args.timeout <= 0:
         raise BenchError("--samples and --pipelines must be >= 0, --timeout > 0")
@@ -959,7 +878,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     except SpecError as error:
         raise BenchError(f"invalid pipeline: {error}") from error
     return BenchConfig(
-        kubeconfig=kubeconfig,
+        kubeconfig=config_path,
         samples=args.samples,
         pipelines=args.pipelines,
         namespace=args.namespace,
