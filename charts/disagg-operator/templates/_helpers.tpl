@@ -99,6 +99,7 @@ Both print "true" or nothing.
 - --gpu-mode={{ .Values.operator.gpuMode }}
 - --dra-api-version={{ .Values.operator.draApiVersion }}
 - --progress-deadline={{ .Values.operator.progressDeadlineSeconds }}
+- --autoscale-interval={{ .Values.operator.autoscaleIntervalSeconds }}
 - --log-level={{ .Values.logLevel }}
 {{- end }}
 

@@ -33,6 +33,7 @@ FULL: Obj = {
         "gpuMode": "device-plugin",
         "draApiVersion": "resource.k8s.io/v1beta2",
         "progressDeadlineSeconds": 120,
+        "autoscaleIntervalSeconds": 5,
     },
     "liveness": {"port": 18080},
     "probes": {

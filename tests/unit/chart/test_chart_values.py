@@ -39,6 +39,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"operator": {"gpuMode": "mig"}}, "at '/operator/gpuMode': value must be one of"),
     ({"operator": {"draApiVersion": "v1"}}, "at '/operator/draApiVersion': value must be one of"),
     ({"operator": {"progressDeadlineSeconds": 0}}, "at '/operator/progressDeadlineSeconds'"),
+    ({"operator": {"autoscaleIntervalSeconds": -1}}, "at '/operator/autoscaleIntervalSeconds'"),
     ({"operator": {"clusterDomain": "Cluster Local"}}, "at '/operator/clusterDomain'"),
     ({"liveness": {"port": 80}}, "at '/liveness/port': minimum: got 80, want 1,024"),
     ({"metrics": {"port": 70000}}, "at '/metrics/port': maximum: got 70,000, want 65,535"),
