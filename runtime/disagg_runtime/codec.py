@@ -473,21 +473,24 @@ def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str,
     return obj
 
 
-def encode(payload: Any) -> list[memoryview | bytes]:
-    """``[header, *tensor buffers]``; the buffers view the tensors' memory (no copies)."""
-    tree, tensors = flatten(payload)
+def payload_header(tree: Any, metas: Sequence[TensorMeta]) -> bytes:
+    """Frame 0 of a flattened payload; CodecError when it is over MAX_HEADER_BYTES (the
+    sender fails rather than the receiver)."""
     header = encode_header(
-        {
-            "v": FORMAT_VERSION,
-            "tree": tree,
-            "tensors": [TensorMeta.of(t).to_json() for t in tensors],
-        }
+        {"v": FORMAT_VERSION, "tree": tree, "tensors": [meta.to_json() for meta in metas]}
     )
     if len(header) > MAX_HEADER_BYTES:
         raise CodecError(
             f"header would be {len(header)} bytes, over the limit of {MAX_HEADER_BYTES}; "
             "move large values into tensors"
         )
+    return header
+
+
+def encode(payload: Any) -> list[memoryview | bytes]:
+    """``[header, *tensor buffers]``; the buffers view the tensors' memory (no copies)."""
+    tree, tensors = flatten(payload)
+    header = payload_header(tree, [TensorMeta.of(t) for t in tensors])
     frames: list[memoryview | bytes] = [header]
     frames.extend(tensor_bytes(t) for t in tensors)
     return frames

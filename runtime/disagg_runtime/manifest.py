@@ -59,9 +59,14 @@ class Manifest:
     def plan(cls, payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
         """Flatten a payload and lay its tensors out; the tensors are contiguous CPU tensors."""
         tree, tensors = flatten(payload)
+        return cls.of(tree, tensors), tensors
+
+    @classmethod
+    def of(cls, tree: Any, tensors: Sequence[torch.Tensor]) -> Manifest:
+        """The layout of a flattened payload's tensors."""
         metas = tuple(TensorMeta.of(t) for t in tensors)
         offsets, total = layout(metas)
-        return cls(tree=tree, tensors=metas, offsets=offsets, nbytes=total), tensors
+        return cls(tree=tree, tensors=metas, offsets=offsets, nbytes=total)
 
     def to_json(self) -> dict[str, Any]:
         return {

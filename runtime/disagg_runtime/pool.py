@@ -47,8 +47,8 @@ import torch
 
 from disagg_runtime import codec
 from disagg_runtime.allocator import AllocatorError, BuddyAllocator
-from disagg_runtime.codec import TensorMeta, tensor_from_buffer, unflatten
-from disagg_runtime.manifest import Manifest, layout
+from disagg_runtime.codec import tensor_from_buffer, unflatten
+from disagg_runtime.manifest import Manifest
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"
@@ -480,9 +480,7 @@ def plan(payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
         return Manifest.plan(payload)
     tree, flat = codec.flatten(swapped)
     tensors = [found.get(id(t), t) for t in flat]
-    metas = tuple(TensorMeta.of(t) for t in tensors)
-    offsets, total = layout(metas)
-    return Manifest(tree=tree, tensors=metas, offsets=offsets, nbytes=total), tensors
+    return Manifest.of(tree, tensors), tensors
 
 
 def host_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -493,21 +491,8 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def payload_header(manifest: Manifest) -> bytes:
-    """The codec header (`codec.encode`'s frame 0) of a planned payload; CodecError when it
-    is over the limit, as from `codec.encode`."""
-    header = codec.encode_header(
-        {
-            "v": codec.FORMAT_VERSION,
-            "tree": manifest.tree,
-            "tensors": [meta.to_json() for meta in manifest.tensors],
-        }
-    )
-    if len(header) > codec.MAX_HEADER_BYTES:
-        raise codec.CodecError(
-            f"header would be {len(header)} bytes, over the limit of {codec.MAX_HEADER_BYTES}; "
-            "move large values into tensors"
-        )
-    return header
+    """The codec header (`codec.encode`'s frame 0) of a planned payload."""
+    return codec.payload_header(manifest.tree, manifest.tensors)
 
 
 def inline_frames(header: bytes, tensors: Sequence[torch.Tensor]) -> list[Any]:
