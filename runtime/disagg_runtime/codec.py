@@ -191,8 +191,9 @@ class _NodeError(Exception):
         return CodecError(f"{path}: {self.msg}")
 
 
-def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a detached, contiguous CPU tensor, copying only when it must."""
+def _wire_tensor(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
+    """``t`` as a detached, contiguous CPU tensor, copying only when it must (with
+    ``keep_device``, a GPU tensor is returned detached but otherwise as it is)."""
     if t.layout != torch.strided:
         raise _NodeError(f"unsupported tensor layout {t.layout}")
     if t.dtype not in _NAMES:
@@ -201,7 +202,9 @@ def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
         raise _NodeError("a meta tensor has no data to send")
     if t.requires_grad:
         t = t.detach()
-    if t.device.type != "cpu":
+    if not t.is_cpu:
+        if keep_device and t.is_cuda:
+            return t
         t = t.contiguous().cpu()  # compact on the device, then one device-to-host copy
     if t.is_conj():
         t = t.resolve_conj()
@@ -212,7 +215,9 @@ def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _flatten(obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor]) -> Any:
+def _flatten(
+    obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor], keep_device: bool
+) -> Any:
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -222,7 +227,7 @@ def _flatten(obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor]) 
             return float(obj)
         return {"f": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
     if isinstance(obj, torch.Tensor):
-        tensors.append(_wire_tensor(obj))
+        tensors.append(_wire_tensor(obj, keep_device))
         return {"t": len(tensors) - 1}
     if isinstance(obj, bytes):
         if len(obj) > MAX_INLINE_BYTES:
@@ -242,7 +247,7 @@ def _flatten(obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor]) 
                         f"dict key {_short(key)} is {type(key).__name__}; only str keys are allowed"
                     )
                 try:
-                    out[key] = _flatten(value, depth + 1, max_depth, tensors)
+                    out[key] = _flatten(value, depth + 1, max_depth, tensors, keep_device)
                 except _NodeError as exc:
                     exc.keys.append(key)
                     raise
@@ -250,7 +255,7 @@ def _flatten(obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor]) 
         items: list[Any] = []
         for i, value in enumerate(obj):
             try:
-                items.append(_flatten(value, depth + 1, max_depth, tensors))
+                items.append(_flatten(value, depth + 1, max_depth, tensors, keep_device))
             except _NodeError as exc:
                 exc.keys.append(i)
                 raise
@@ -258,15 +263,19 @@ def _flatten(obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor]) 
     raise _NodeError(f"unsupported type {type(obj).__name__}")
 
 
-def flatten(payload: Any, *, max_depth: int = MAX_DEPTH) -> tuple[Any, list[torch.Tensor]]:
+def flatten(
+    payload: Any, *, max_depth: int = MAX_DEPTH, keep_device: bool = False
+) -> tuple[Any, list[torch.Tensor]]:
     """Split ``payload`` into a JSON-able tree and the tensors it references, in order.
 
     Contiguous CPU tensors are returned as is (zero copy); others are made contiguous /
-    moved to the CPU once. ``max_depth`` bounds how many containers may nest.
+    moved to the CPU once, except that ``keep_device`` leaves GPU tensors where (and as
+    strided as) they are, for callers that copy them once straight to their destination.
+    ``max_depth`` bounds how many containers may nest.
     """
     tensors: list[torch.Tensor] = []
     try:
-        tree = _flatten(payload, 0, max_depth, tensors)
+        tree = _flatten(payload, 0, max_depth, tensors, keep_device)
     except _NodeError as exc:
         raise exc.codec_error() from None
     except RecursionError:
@@ -412,23 +421,14 @@ def tensor_from_buffer(buf: Any, meta: TensorMeta, *, copy: bool = False) -> tor
         # that one warning, then skip the costly catch_warnings on the hot path
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable", category=UserWarning)
-            raw = torch.frombuffer(view, dtype=torch.uint8)
+            flat = torch.frombuffer(view, dtype=meta.dtype)
         _readonly_warning_seen = True
     else:
-        raw = torch.frombuffer(view, dtype=torch.uint8)
-    if meta.dtype == torch.bool and bool((raw > 1).any()):
+        flat = torch.frombuffer(view, dtype=meta.dtype)
+    if meta.dtype == torch.bool and bool((flat.view(torch.uint8) > 1).any()):
         raise CodecError("bool tensor data holds bytes other than 0 and 1")
-    t = raw.view(meta.dtype).view(meta.shape)
+    t = flat.view(meta.shape)
     return t.clone() if copy else t
-
-
-def encode_header(obj: Mapping[str, Any]) -> bytes:
-    """Compact strict JSON (no NaN/Infinity), UTF-8 (in fact ASCII: non-ASCII is escaped)."""
-    try:
-        text = json.dumps(dict(obj), allow_nan=False, separators=(",", ":"), ensure_ascii=True)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise CodecError(f"header is not strict JSON: {exc}") from None
-    return text.encode("ascii")
 
 
 def _reject_constant(name: str) -> Any:
@@ -436,12 +436,28 @@ def _reject_constant(name: str) -> Any:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise CodecError(f"header JSON repeats the key {_short(key)}")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise CodecError(f"header JSON repeats the key {_short(key)}")
+            seen.add(key)
     return out
+
+
+# built once: json.dumps / json.loads with options build a new coder on every call
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=True)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+
+
+def encode_header(obj: Mapping[str, Any]) -> bytes:
+    """Compact strict JSON (no NaN/Infinity), UTF-8 (in fact ASCII: non-ASCII is escaped)."""
+    try:
+        text = _ENCODER.encode(obj if type(obj) is dict else dict(obj))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise CodecError(f"header is not strict JSON: {exc}") from None
+    return text.encode("ascii")
 
 
 def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
@@ -454,7 +470,7 @@ def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str,
     except UnicodeDecodeError as exc:
         raise CodecError(f"header frame is not UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
-        obj = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        obj = _DECODER.decode(text)
     except CodecError:
         raise
     except RecursionError:

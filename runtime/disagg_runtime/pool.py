@@ -34,6 +34,7 @@ memory until the copy has read it, so the producer may drop its tensors at once.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import mmap
 import os
@@ -424,6 +425,16 @@ def to_device(payload: Any, device: torch.device | str) -> Any:
     return moved
 
 
+def buffer_tensors(
+    buffer: memoryview, manifest: Manifest, *, copy: bool = False
+) -> list[torch.Tensor]:
+    """The tensors that `manifest` places in `buffer` (a slot's bytes), viewing it."""
+    return [
+        tensor_from_buffer(buffer[offset : offset + meta.nbytes], meta, copy=copy)
+        for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True)
+    ]
+
+
 def read_payload(
     backing: Backing,
     slot: int,
@@ -435,10 +446,9 @@ def read_payload(
     """Rebuild the payload; tensors view the slot unless `copy` (then they are clones), or
     unless `device` differs from the pool's (then they are copies there, see `to_device`)."""
     if backing.has_buffer:
-        tensors: list[torch.Tensor] = []
-        for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
-            view = backing.buffer(slot + offset, meta.nbytes)
-            tensors.append(tensor_from_buffer(view, meta, copy=copy and device is None))
+        tensors = buffer_tensors(
+            backing.buffer(slot, manifest.nbytes), manifest, copy=copy and device is None
+        )
     else:
         tensors = slot_views(backing, slot, manifest)
         if copy and device is None:
@@ -450,36 +460,11 @@ def read_payload(
 # ---- planning ----------------------------------------------------------------------------------
 
 
-def _stand_in_cuda(obj: Any, depth: int, found: dict[int, torch.Tensor]) -> Any:
-    """`obj` with each strided CUDA tensor replaced by an empty CPU tensor of its dtype,
-    so that `codec.flatten` validates the tree without moving GPU memory to the host."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_cuda and obj.layout == torch.strided:
-            stand_in = torch.empty(0, dtype=obj.dtype)
-            found[id(stand_in)] = obj
-            return stand_in
-        return obj
-    if depth > codec.MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
-        return obj  # flatten reports what is too deep or unsupported
-    values = obj.values() if isinstance(obj, dict) else obj
-    swapped = [_stand_in_cuda(v, depth + 1, found) for v in values]
-    if all(a is b for a, b in zip(swapped, values, strict=True)):
-        return obj
-    if isinstance(obj, dict):
-        return dict(zip(obj.keys(), swapped, strict=True))
-    return tuple(swapped) if isinstance(obj, tuple) else swapped
-
-
 def plan(payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
     """Like `Manifest.plan`, but CUDA tensors stay on their GPU (returned as they are,
     possibly strided): `write_tensors` copies them once, straight into the slot, instead
     of through fresh host memory first. CPU tensors come back contiguous, as from flatten."""
-    found: dict[int, torch.Tensor] = {}
-    swapped = _stand_in_cuda(payload, 0, found)
-    if not found:
-        return Manifest.plan(payload)
-    tree, flat = codec.flatten(swapped)
-    tensors = [found.get(id(t), t) for t in flat]
+    tree, tensors = codec.flatten(payload, keep_device=True)
     return Manifest.of(tree, tensors), tensors
 
 
@@ -490,12 +475,15 @@ def host_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach().resolve_conj().resolve_neg().contiguous().cpu()
 
 
-def payload_header(manifest: Manifest) -> bytes:
-    """The codec header (`codec.encode`'s frame 0) of a planned payload."""
-    return codec.payload_header(manifest.tree, manifest.tensors)
-
-
-def inline_frames(header: bytes, tensors: Sequence[torch.Tensor]) -> list[Any]:
-    """`codec.encode`'s frames of a planned payload; GPU tensors are copied to host memory
-    (small payloads only: this is the latency-bound path)."""
-    return [header, *(codec.tensor_bytes(host_tensor(t)) for t in tensors)]
+def slot_image(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> bytearray:
+    """A slot's bytes built in fresh host memory: what a small payload carries inline, in
+    place of a pool slot (GPU tensors are copied to the host first: small payloads only)."""
+    image = bytearray(manifest.nbytes)
+    if not image:
+        return image
+    base = ctypes.addressof(ctypes.c_char.from_buffer(image))
+    for meta, offset, t in zip(manifest.tensors, manifest.offsets, tensors, strict=True):
+        if meta.nbytes:
+            # one memcpy from a contiguous host tensor: cheaper than building torch views
+            ctypes.memmove(base + offset, host_tensor(t).data_ptr(), meta.nbytes)
+    return image

@@ -26,8 +26,10 @@ from typing import Any
 import zmq
 
 from disagg_runtime import codec
+from disagg_runtime.codec import unflatten
 from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Pool, read_payload
+from disagg_runtime.pool import Pool, buffer_tensors, read_payload
+from disagg_runtime.relay import lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayTimeout
 
@@ -36,6 +38,8 @@ _SCRATCH = bytearray(1 << 20)
 HWM = 16
 MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
 MAX_WAIT_S = 3600.0
+LANE_HELLO = frozenset({"lane"})
+INLINE_ONLY = frozenset({"inline"})
 
 
 @dataclass(eq=False)
@@ -70,6 +74,7 @@ class _Reservation:
     nbytes: int
     deadline: float
     offset: int | None = None
+    lane_sent: int = 0  # inline frames the sender had written to its lane before this
 
 
 @dataclass
@@ -106,6 +111,14 @@ def _meta(msg: dict[str, Any]) -> dict[str, Any] | None:
     if meta is not None and not isinstance(meta, dict):
         raise proto.ProtocolError("relay message: 'meta' must be an object")
     return meta
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One accepted lane connection; `ident` is its sender's ZMQ identity once it said so."""
+
+    reader: lane.LaneReader
+    ident: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,11 @@ class Ingress:
         self._sock.setsockopt(zmq.RCVHWM, HWM)  # bounds chunks buffered ahead of recv_into
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        listening = lane.listen(self.endpoint)
+        self._lane_listener = listening[0] if listening else None
+        self._lane_offer: dict[str, Any] = listening[1] if listening else {}
+        self._lanes: dict[int, _Lane] = {}  # by file descriptor
+        self._lane_counts: dict[bytes, int] = {}  # inline frames taken, by sender identity
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: fast hand-off
         self._lock = threading.Lock()
         self._pending: collections.deque[_Reservation] = collections.deque()
@@ -206,6 +224,14 @@ class Ingress:
         self._wake()
         self._thread.join(timeout=5)
         self._sock.close(linger=0)
+        for conn in self._lanes.values():
+            conn.reader.close()
+        if self._lane_listener is not None:
+            self._lane_listener.close()
+            path = self._lane_offer.get("lane_path")
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -247,16 +273,70 @@ class Ingress:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._lane_listener is not None:
+            poller.register(self._lane_listener, zmq.POLLIN)
         while not self._stop.is_set():
             events = dict(poller.poll(timeout=self._poll_ms()))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             while not self._commands.empty():
                 self._commands.get()()
+            # lanes first: an inline frame is taken before a later ZMQ message of its sender
+            for fd in [fd for fd in events if fd in self._lanes]:
+                self._read_lane(poller, fd)
+            if self._lane_listener is not None and self._lane_listener.fileno() in events:
+                self._accept_lane(poller)
             while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._handle_one()
             self._expire(time.monotonic())
             self._grant_pending()
+
+    def _accept_lane(self, poller: zmq.Poller) -> None:
+        assert self._lane_listener is not None
+        while (conn := lane.accept(self._lane_listener)) is not None:
+            self._lanes[conn.fileno()] = _Lane(lane.LaneReader(conn))
+            poller.register(conn.fileno(), zmq.POLLIN)
+            self._read_lane(poller, conn.fileno())  # its hello may be there already
+
+    def _read_lane(self, poller: zmq.Poller, fd: int) -> None:
+        conn = self._lanes[fd]
+        closed: lane.LaneError | None = None
+        try:
+            frames = conn.reader.read()
+        except lane.LaneError as exc:
+            frames, closed = [], exc
+        for frame in frames:
+            try:
+                self._on_lane_frame(conn, frame)
+            except (proto.ProtocolError, codec.CodecError) as exc:
+                self._rejected += 1
+                log.warning("ingress %s rejected a lane message: %s", self.endpoint, exc)
+                if conn.ident is None:  # no hello: not a lane of ours
+                    closed = lane.LaneError(str(exc))
+                    break
+        if closed is not None:
+            log.debug("ingress %s: %s", self.endpoint, closed)
+            poller.unregister(fd)
+            del self._lanes[fd]
+            if conn.ident is not None:
+                self._lane_counts.pop(conn.ident, None)
+            conn.reader.close()
+
+    def _on_lane_frame(self, conn: _Lane, frame: lane.Frame) -> None:
+        if conn.ident is None:
+            hello = proto.unpack(frame.header, LANE_HELLO)
+            ident = proto.field(hello, "id", str)
+            try:
+                conn.ident = bytes.fromhex(ident)
+            except ValueError:
+                raise proto.ProtocolError("lane hello: 'id' is not hex") from None
+            self._lane_counts[conn.ident] = 0
+            conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
+            return
+        self._lane_counts[conn.ident] += 1  # every frame counts: the sender counted it too
+        msg = proto.unpack(frame.header, INLINE_ONLY)
+        size = len(frame.data)
+        self._inline(msg, Manifest.from_json(msg.get("manifest"), slot_size=size), frame.data, size)
 
     def _poll_ms(self) -> int:
         deadlines = [r.deadline for r in self._pending]
@@ -304,6 +384,8 @@ class Ingress:
             pool_size=self.pool.allocator.capacity,
             max_allocation=self.pool.allocator.max_allocation,
             lease_s=self.lease_s,
+            **self._lane_offer,
+            lane_id=ident.hex(),
             **self._welcome_extra(ident, msg),
         )
 
@@ -323,13 +405,24 @@ class Ingress:
         return None
 
     def _on_inline(self, ident: bytes, msg: dict[str, Any]) -> None:
+        manifest = Manifest.from_json(msg.get("manifest"), slot_size=proto.MAX_INLINE_BYTES)
+        if not self._sock.getsockopt(zmq.RCVMORE):
+            raise proto.ProtocolError("inline message has no data frame")
+        data = bytearray(manifest.nbytes)  # bounded above; a longer frame is cut short
+        got = self._sock.recv_into(data) if data else len(self._sock.recv())
+        if self._sock.getsockopt(zmq.RCVMORE):
+            raise proto.ProtocolError("inline message carries unexpected frames")
+        self._inline(msg, manifest, memoryview(data), got)
+
+    def _inline(self, msg: dict[str, Any], manifest: Manifest, data: memoryview, got: int) -> None:
+        """Deliver an inline payload whose slot bytes are `data` (its tensors view them)."""
         rid = proto.field(msg, "rid", str)
-        frames = []
-        while self._sock.getsockopt(zmq.RCVMORE):
-            frames.append(self._sock.recv())
-        payload = codec.decode(frames)  # no frames at all is a CodecError
-        nbytes = sum(len(f) for f in frames[1:])
-        self._deliver(Message(rid, payload, nbytes, None, time.monotonic(), _meta(msg)))
+        if got != manifest.nbytes:
+            raise proto.ProtocolError(
+                f"inline data holds {got} B, its manifest says {manifest.nbytes} B"
+            )
+        payload = unflatten(manifest.tree, buffer_tensors(data, manifest))
+        self._deliver(Message(rid, payload, manifest.nbytes, None, time.monotonic(), _meta(msg)))
 
     def _on_reserve(self, ident: bytes, msg: dict[str, Any]) -> None:
         xid = proto.nonneg_int(msg, "xid")
@@ -355,11 +448,14 @@ class Ingress:
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or wait < 0:
             raise proto.ProtocolError("reserve: wait_s must be a non-negative number")
         deadline = time.monotonic() + min(float(wait), MAX_WAIT_S)
-        self._pending.append(_Reservation(ident, xid, rid, nbytes, deadline))
+        lane_sent = proto.nonneg_int(msg, "lane") if "lane" in msg else 0
+        self._pending.append(_Reservation(ident, xid, rid, nbytes, deadline, lane_sent=lane_sent))
 
     def _grant_pending(self) -> None:
         while self._pending:
             head = self._pending[0]
+            if self._lane_counts.get(head.ident, head.lane_sent) < head.lane_sent:
+                return  # inline frames sent before it are still on their way: keep order
             offset = self.pool.allocate(head.nbytes)
             if offset is None:
                 return  # arrival order: a large head is not overtaken by small ones

@@ -7,7 +7,7 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
     sender                               ingress (owns the receive pool)
     hello {relay}                  -->
                                    <--   welcome {pool, pool_size, max_allocation}
-    inline {rid, codec header} + frames  -->   small payloads, decoded on arrival
+    inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
     reserve {rid, xid, nbytes}     -->   queued until the pool has room
                                    <--   grant {xid, offset, lease_s} | deny {xid, reason}
     (shm: sender writes the slot in the shared pool)
@@ -33,6 +33,7 @@ from disagg_runtime.codec import CodecError, decode_header, encode_header
 
 PROTOCOL_VERSION = 1
 MAX_CONTROL_BYTES = 4 << 20
+MAX_INLINE_BYTES = 16 << 20  # the most slot bytes an inline message may carry
 OPS_TO_INGRESS = frozenset({"hello", "inline", "reserve", "commit", "cancel", "abort"})
 OPS_TO_SENDER = frozenset({"welcome", "grant", "deny", "ack", "nack"})
 
@@ -42,7 +43,15 @@ class ProtocolError(ValueError):
 
 
 def pack(op: str, **fields: Any) -> bytes:
-    return encode_header({"v": 1, "pv": PROTOCOL_VERSION, "op": op, **fields})
+    """A control header; CodecError when it is over MAX_CONTROL_BYTES (a payload tree too
+    large to describe: the sender fails rather than the receiver)."""
+    header = encode_header({"v": 1, "pv": PROTOCOL_VERSION, "op": op, **fields})
+    if len(header) > MAX_CONTROL_BYTES:
+        raise CodecError(
+            f"relay {op} header would be {len(header)} bytes, over the limit of "
+            f"{MAX_CONTROL_BYTES}; move large values into tensors"
+        )
+    return header
 
 
 def unpack(frame: Any, allowed: frozenset[str]) -> dict[str, Any]:

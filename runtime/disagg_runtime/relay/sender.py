@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -39,13 +40,13 @@ from disagg_runtime.pool import (
     PoolError,
     attach_backing,
     copy_async,
-    inline_frames,
-    payload_header,
     pinned_staging,
     plan,
+    slot_image,
     slot_views,
     write_tensors,
 )
+from disagg_runtime.relay import lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 
@@ -54,6 +55,7 @@ INLINE_MAX = 64 * 1024
 CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN = 64 * 1024
 HWM = 16
+LANE_CONNECT_S = 5.0
 
 
 class Sender:
@@ -71,6 +73,8 @@ class Sender:
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        if not 0 <= inline_max <= proto.MAX_INLINE_BYTES:
+            raise ValueError(f"inline_max must be within [0, {proto.MAX_INLINE_BYTES}] bytes")
         self.inline_max = inline_max
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -82,11 +86,14 @@ class Sender:
         self._lock = threading.Lock()
         self._xids = itertools.count(1)
         self.closed = False
+        self._lane: socket.socket | None = None
+        self._lane_sent = 0
         try:
             welcome = self._handshake()
             self.max_allocation: int = proto.nonneg_int(welcome, "max_allocation")
             self.lease_s = float(proto.field(welcome, "lease_s", (int, float)))
             self._on_welcome(welcome)
+            self._open_lane(welcome)
         except BaseException:
             self._sock.close(linger=0)
             raise
@@ -97,6 +104,27 @@ class Sender:
 
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
         """Backend hook: e.g. attach the receiver's shared pool."""
+
+    def _open_lane(self, welcome: dict[str, Any]) -> None:
+        """Take the inline lane the ingress offers (relay/lane.py); without one, or when it
+        cannot be reached, inline payloads go over ZMQ."""
+        ident = welcome.get("lane_id")
+        if not isinstance(ident, str) or self.inline_max == 0:
+            return
+        sock = None
+        try:
+            sock = lane.connect(self.endpoint, welcome, min(self.timeout, LANE_CONNECT_S))
+            if sock is None:
+                return
+            lane.send_frame(sock, proto.pack("lane", id=ident), b"")
+            if sock.recv(1) != lane.READY:
+                raise OSError("the ingress did not take the lane")
+        except OSError as exc:
+            log.info("%s relay to %s sends inline over ZMQ: %s", self.kind, self.endpoint, exc)
+            if sock is not None:
+                sock.close()
+            return
+        self._lane = sock
 
     def send(
         self,
@@ -112,23 +140,49 @@ class Sender:
         header beside the payload, for the receiver's routing; the relay does not read it."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         manifest, tensors = plan(payload)  # GPU tensors stay on their GPU until copied once
-        codec_header = payload_header(manifest)
         nbytes = sum(meta.nbytes for meta in manifest.tensors)
-        inline = self._inline(tensors, nbytes)
-        frames = inline_frames(codec_header, tensors) if inline else None
+        inline: tuple[bytes, bytearray] | None = None
+        if self._inline(tensors, nbytes):  # the slot's bytes travel with the message
+            header = proto.pack("inline", rid=request_id, meta=meta, manifest=manifest.to_json())
+            inline = (header, slot_image(manifest, tensors))
         with self._lock:
             self._check_open()
             try:
-                if frames is not None:
-                    header = proto.pack("inline", rid=request_id, meta=meta)
-                    self._sock.send_multipart([header, *frames])
-                    return nbytes
-                self._send_staged(request_id, manifest, tensors, deadline, meta)
+                if inline is not None and self._lane is not None:
+                    self._send_lane(request_id, *inline, deadline)
+                elif inline is not None:
+                    self._sock.send_multipart(list(inline))
+                else:
+                    self._send_staged(request_id, manifest, tensors, deadline, meta)
                 return nbytes
             except zmq.Again:
                 raise RelayTimeout(
                     f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
                 ) from None
+
+    def _send_lane(self, rid: str, header: bytes, data: bytearray, deadline: float) -> None:
+        """One frame on the lane. A failure cuts the stream mid-frame, which the ingress
+        drops whole; the lane is closed and later payloads go over ZMQ (not this one: it
+        could overtake frames still queued on the lane)."""
+        assert self._lane is not None
+        try:
+            self._lane.settimeout(max(0.001, deadline - time.monotonic()))
+            lane.send_frame(self._lane, header, data)
+        except OSError as exc:
+            self._close_lane()
+            if isinstance(exc, TimeoutError):
+                raise RelayTimeout(
+                    f"receiver at {self.endpoint} is not draining; request {rid} not sent"
+                ) from None
+            raise RelayError(
+                f"lane to {self.endpoint} failed; request {rid} not sent: {exc}"
+            ) from None
+        self._lane_sent += 1
+
+    def _close_lane(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
 
     def _inline(self, tensors: list[torch.Tensor], nbytes: int) -> bool:
         """Backend hook: whether a payload goes as one inline message (no pool slot)."""
@@ -146,6 +200,7 @@ class Sender:
                 return
             self.closed = True
             self._sock.close(linger=0)
+            self._close_lane()
             self._on_close()
 
     def _on_close(self) -> None:
@@ -170,8 +225,10 @@ class Sender:
             )
         xid = next(self._xids)
         wait = max(0.0, deadline - time.monotonic())
+        # with a lane, the ingress grants only once it has this sender's earlier inline frames
+        lanes = {"lane": self._lane_sent} if self._lane is not None else {}
         self._sock.send(
-            proto.pack("reserve", rid=rid, xid=xid, nbytes=manifest.nbytes, wait_s=wait)
+            proto.pack("reserve", rid=rid, xid=xid, nbytes=manifest.nbytes, wait_s=wait, **lanes)
         )
         no_room = RelayTimeout(
             f"receiver at {self.endpoint} had no room for {manifest.nbytes} B "

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -37,13 +37,13 @@ from disagg_runtime.pool import (
     MiB,
     Pool,
     PoolError,
+    buffer_tensors,
     create_backing,
-    inline_frames,
-    payload_header,
     pinned_staging,
     plan,
     read_payload,
     shm_name,
+    slot_image,
     to_device,
     write_tensors,
 )
@@ -61,6 +61,11 @@ from disagg_runtime.relay.cuda_ipc import (
 )
 from disagg_runtime.role import relay_kind
 from disagg_runtime.spec_model import PoolSettings
+
+if TYPE_CHECKING:
+    from tests.payload_checks import assert_bit_exact
+else:
+    from payload_checks import assert_bit_exact
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks machines without CUDA")
 WAIT = 10.0
@@ -402,22 +407,27 @@ def _payload() -> dict[str, Any]:
     }
 
 
-def test_plan_and_inline_frames_match_the_codec_on_host_payloads() -> None:
+def test_plan_matches_the_codec_and_the_slot_image_round_trips_on_host_payloads() -> None:
     payload = _payload()
     manifest, tensors = plan(payload)
     reference, ref_tensors = Manifest.plan(payload)
     assert manifest == reference
-    frames = inline_frames(payload_header(manifest), tensors)
-    assert [bytes(f) for f in frames] == [bytes(f) for f in codec.encode(payload)]
     for got, ref in zip(tensors, ref_tensors, strict=True):
         assert (got.dtype, got.shape) == (ref.dtype, ref.shape) and got.is_contiguous()
     assert tensors[0] is payload["bf16"]  # contiguous host tensors are not copied
+    image = slot_image(manifest, tensors)
+    assert len(image) == manifest.nbytes
+    views = buffer_tensors(memoryview(image), manifest)
+    assert_bit_exact(codec.unflatten(manifest.tree, views), payload)
+    for view, offset in zip(views, manifest.offsets, strict=True):
+        if view.numel():  # each tensor views the image at its manifest offset
+            assert view.data_ptr() == torch.frombuffer(image, dtype=torch.uint8).data_ptr() + offset
 
 
-def test_payload_header_keeps_the_codec_limit() -> None:
-    manifest, _ = plan({"big": "x" * (codec.MAX_HEADER_BYTES + 1)})
+def test_relay_headers_keep_the_control_limit() -> None:
+    manifest, _ = plan({"big": "x" * (proto.MAX_CONTROL_BYTES + 1)})
     with pytest.raises(codec.CodecError, match="header would be"):
-        payload_header(manifest)
+        proto.pack("inline", rid="r", manifest=manifest.to_json())
 
 
 def test_host_writes_are_done_on_return_and_to_device_cpu_keeps_tensors() -> None:

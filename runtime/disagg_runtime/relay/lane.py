@@ -1,0 +1,208 @@
+"""The inline lane: a plain stream socket beside the ZMQ socket, for small payloads only.
+
+Why: one ZMQ message crosses three threads (the sender's ZMQ I/O thread, the receiver's
+ZMQ I/O thread, then the application thread), and on small VMs each wake-up costs
+20-50 us. A plain socket read by the ingress's own poll loop is woken once: a 4 KiB
+payload arrives in about a third of the time (DESIGN.md section 7). Large payloads keep
+the credit protocol over ZMQ; only `inline` messages use the lane.
+
+Frames, all lengths little-endian u32:
+
+    [header length][data length][header: the inline control JSON][data: the slot's bytes]
+
+The lane opens with one frame whose header is `{"op": "lane", "id": <hex>}` (no data):
+the sender's ZMQ routing id, so the ingress can tie the lane to that sender. The sender
+numbers its lane frames; a later reservation says how many it had sent (`lane`), and the
+ingress grants it only once it has taken that many from the lane, so a staged payload
+is never delivered ahead of an inline one sent before it.
+
+Anything malformed (a length over the limits, a bad first frame) closes the connection;
+the sender then falls back to inline messages over ZMQ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import struct
+from typing import Any
+
+from disagg_runtime.relay.errors import RelayError
+from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_BYTES
+
+PREFIX = struct.Struct("<II")
+READY = b"\x01"  # the ingress's one-byte answer to the hello: the lane is tied to its sender
+SCRATCH_BYTES = 256 << 10
+
+
+class LaneError(RelayError):
+    """The lane's byte stream broke the framing, or its peer went away."""
+
+
+def frame_prefix(header: bytes, data_bytes: int) -> bytes:
+    return PREFIX.pack(len(header), data_bytes)
+
+
+def send_frame(sock: socket.socket, header: bytes, data: bytes | bytearray | memoryview) -> None:
+    """Write one frame whole (a blocking socket with a timeout: socket.timeout if the
+    receiver stops reading, after which the stream is cut mid-frame and must be closed)."""
+    parts = [frame_prefix(header, len(data)), header, data]
+    total = sum(len(p) for p in parts)
+    sent = sock.sendmsg(parts)
+    if sent < total:  # a partial write: finish from where it stopped
+        sock.sendall((b"".join(bytes(p) for p in parts))[sent:])
+
+
+class Frame:
+    """One received frame: `header` bytes and `data`, a writable view the tensors keep."""
+
+    __slots__ = ("data", "header")
+
+    def __init__(self, body: bytearray, header_bytes: int) -> None:
+        view = memoryview(body)
+        self.header = view[:header_bytes]
+        self.data = view[header_bytes:]
+
+
+class LaneReader:
+    """Cuts one non-blocking connection's stream into frames. `read()` takes what the
+    socket holds now and returns the frames completed; LaneError when the peer closed or
+    broke the framing. Small frames are cut out of a scratch buffer (one system call for
+    many); a large one is received straight into its own buffer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self._have = 0  # bytes at the start of scratch not yet parsed
+        self._body: bytearray | None = None  # the frame being filled
+        self._header_bytes = 0
+        self._got = 0
+
+    def read(self) -> list[Frame]:
+        frames: list[Frame] = []
+        while True:
+            try:
+                if self._body is not None:
+                    n = self.sock.recv_into(memoryview(self._body)[self._got :])
+                else:
+                    n = self.sock.recv_into(memoryview(self._scratch)[self._have :])
+            except (BlockingIOError, InterruptedError):
+                return frames
+            except OSError as exc:
+                raise LaneError(f"lane connection failed: {exc}") from None
+            if n == 0:
+                raise LaneError("lane closed by the sender")
+            if self._body is not None:
+                self._got += n
+                self._complete(frames)
+            else:
+                self._have += n
+                self._parse(frames)
+
+    def _parse(self, frames: list[Frame]) -> None:
+        used = 0
+        while self._body is None and self._have - used >= PREFIX.size:
+            header_bytes, data_bytes = PREFIX.unpack_from(self._scratch, used)
+            if header_bytes > MAX_CONTROL_BYTES or data_bytes > MAX_INLINE_BYTES:
+                raise LaneError(
+                    f"lane frame of {header_bytes} + {data_bytes} B is over the limits "
+                    f"({MAX_CONTROL_BYTES} B header, {MAX_INLINE_BYTES} B data)"
+                )
+            used += PREFIX.size
+            total = header_bytes + data_bytes
+            take = min(total, self._have - used)
+            self._body = bytearray(total)
+            self._body[:take] = self._scratch[used : used + take]
+            self._header_bytes, self._got = header_bytes, take
+            used += take
+            self._complete(frames)
+        self._scratch[: self._have - used] = self._scratch[used : self._have]
+        self._have -= used
+
+    def _complete(self, frames: list[Frame]) -> None:
+        if self._body is not None and self._got == len(self._body):
+            frames.append(Frame(self._body, self._header_bytes))
+            self._body = None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _bind_host(host: str) -> str:
+    """The address to listen on beside a ZMQ endpoint bound to `host`."""
+    if host in ("*", ""):
+        return "::"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host  # a name: let getaddrinfo pick
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)  # ZMQ reports IPv4 binds as ::ffff:a.b.c.d when dual-stack
+    return "::" if ip.is_unspecified else host
+
+
+def listen(endpoint: str) -> tuple[socket.socket, dict[str, Any]] | None:
+    """A listening socket for the lane of the ingress bound at `endpoint` (its LAST_ENDPOINT)
+    and what the welcome tells senders about it; None when the endpoint has no lane."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :] + ".lane"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            sock.bind(path)
+        except OSError:
+            sock.close()
+            return None
+        sock.listen(64)
+        sock.setblocking(False)
+        return sock, {"lane_path": path}
+    if not endpoint.startswith("tcp://"):
+        return None
+    host = _bind_host(endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]"))
+    try:
+        if host == "::" and socket.has_dualstack_ipv6():
+            sock = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+        else:
+            if host == "::":
+                host = "0.0.0.0"
+            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.create_server((host, 0), family=family)
+    except OSError:
+        return None
+    sock.setblocking(False)
+    return sock, {"lane_port": sock.getsockname()[1]}
+
+
+def accept(listener: socket.socket) -> socket.socket | None:
+    try:
+        conn, _ = listener.accept()
+    except (BlockingIOError, InterruptedError):
+        return None
+    conn.setblocking(False)
+    if conn.family != socket.AF_UNIX:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def connect(endpoint: str, welcome: dict[str, Any], timeout: float) -> socket.socket | None:
+    """Open the lane the welcome from the ingress at `endpoint` offers (None: it offers none).
+    OSError when it cannot be reached."""
+    path, port = welcome.get("lane_path"), welcome.get("lane_port")
+    if isinstance(path, str) and endpoint.startswith("ipc://"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    if type(port) is not int or not endpoint.startswith("tcp://"):
+        return None
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
