@@ -150,18 +150,30 @@ class TensorMeta:
         return {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
 
     @classmethod
-    def from_json(cls, obj: object, *, where: str = "tensor") -> TensorMeta:
-        """Parse and validate a header entry; errors name ``where`` and the problem."""
+    def _checked(cls, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorMeta:
+        """Build one whose fields were validated already (skips ``__post_init__``)."""
+        meta = object.__new__(cls)
+        object.__setattr__(meta, "dtype", dtype)
+        object.__setattr__(meta, "shape", shape)
+        return meta
+
+    @classmethod
+    def from_json(
+        cls, obj: object, *, where: str = "tensor", keys: frozenset[str] = _META_KEYS
+    ) -> TensorMeta:
+        """Parse and validate a header entry; errors name ``where`` and the problem.
+        ``keys``: the keys the entry may have (dtype and shape, plus a container's own)."""
         if type(obj) is not dict:
             raise CodecError(
                 f"{where}: expected an object with 'dtype' and 'shape', got {type(obj).__name__}"
             )
-        missing = _META_KEYS - obj.keys()
-        if missing:
-            raise CodecError(f"{where}: missing key(s) {sorted(missing)}")
-        unknown = obj.keys() - _META_KEYS
-        if unknown:
-            raise CodecError(f"{where}: unknown key(s) {_short(sorted(unknown))}")
+        if obj.keys() != keys:
+            missing = _META_KEYS - obj.keys()
+            if missing:
+                raise CodecError(f"{where}: missing key(s) {sorted(missing)}")
+            unknown = obj.keys() - keys
+            if unknown:
+                raise CodecError(f"{where}: unknown key(s) {_short(sorted(unknown))}")
         try:
             dtype = dtype_from_name(obj["dtype"])
         except CodecError as exc:
@@ -170,12 +182,15 @@ class TensorMeta:
         if type(shape) is not list:
             raise CodecError(f"{where}.shape: expected a list of ints, got {type(shape).__name__}")
         _check_shape(dtype, shape, f"{where}.shape")
-        return cls(dtype, tuple(shape))
+        return cls._checked(dtype, tuple(shape))
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
         """The meta of an existing tensor (its dtype must be allowed)."""
-        return cls(t.dtype, tuple(int(d) for d in t.shape))
+        shape = tuple(t.shape)  # a real tensor's sizes are ints within memory's bounds
+        if t.dtype not in _NAMES or len(shape) > MAX_NDIM:
+            return cls(t.dtype, shape)  # the validating constructor says what is wrong
+        return cls._checked(t.dtype, shape)
 
 
 class _NodeError(Exception):
@@ -427,7 +442,7 @@ def tensor_from_buffer(buf: Any, meta: TensorMeta, *, copy: bool = False) -> tor
         flat = torch.frombuffer(view, dtype=meta.dtype)
     if meta.dtype == torch.bool and bool((flat.view(torch.uint8) > 1).any()):
         raise CodecError("bool tensor data holds bytes other than 0 and 1")
-    t = flat.view(meta.shape)
+    t = flat if len(meta.shape) == 1 else flat.view(meta.shape)  # 1-D: already that shape
     return t.clone() if copy else t
 
 
@@ -446,15 +461,34 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# built once: json.dumps / json.loads with options build a new coder on every call
+# built once: json.dumps / json.loads with options build a new coder on every call (and
+# JSONEncoder.encode its C encoder): headers are on the latency path of every message
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=True)
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+_make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
+_C_ENCODE: Callable[[Any, int], tuple[str, ...]] | None = (
+    # no cycle markers: a cyclic header ends in RecursionError, reported like other errors
+    _make_c_encoder(
+        None,
+        _ENCODER.default,
+        json.encoder.encode_basestring_ascii,
+        None,
+        ":",
+        ",",
+        False,
+        False,
+        False,
+    )
+    if _make_c_encoder is not None
+    else None
+)
 
 
 def encode_header(obj: Mapping[str, Any]) -> bytes:
     """Compact strict JSON (no NaN/Infinity), UTF-8 (in fact ASCII: non-ASCII is escaped)."""
+    header = obj if type(obj) is dict else dict(obj)
     try:
-        text = _ENCODER.encode(obj if type(obj) is dict else dict(obj))
+        text = "".join(_C_ENCODE(header, 0)) if _C_ENCODE else _ENCODER.encode(header)
     except (TypeError, ValueError, RecursionError) as exc:
         raise CodecError(f"header is not strict JSON: {exc}") from None
     return text.encode("ascii")

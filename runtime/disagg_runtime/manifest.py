@@ -24,6 +24,7 @@ from disagg_runtime.codec import CodecError, TensorMeta, flatten
 
 ALIGN = 64
 MANIFEST_VERSION = 1
+_ENTRY_KEYS = frozenset({"dtype", "shape", "offset"})
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -100,9 +101,7 @@ class Manifest:
             if not isinstance(entry, dict):
                 raise CodecError(f"{where}: expected an object")
             offset = entry.get("offset")
-            meta = TensorMeta.from_json(
-                {k: v for k, v in entry.items() if k != "offset"}, where=where
-            )
+            meta = TensorMeta.from_json(entry, where=where, keys=_ENTRY_KEYS)
             if not isinstance(offset, int) or isinstance(offset, bool):
                 raise CodecError(f"{where}.offset: expected an integer")
             if offset < end_of_previous or offset % tensor_alignment(meta):

@@ -21,6 +21,7 @@ import collections
 import importlib
 import inspect
 import logging
+import queue
 import signal
 import threading
 import time
@@ -122,33 +123,7 @@ class Role:
             )
             for p in config.downstream
         }
-        device = "shm" if config.pool.device == "cpu" else config.pool.device
-        self.pool = Pool.create(
-            config.pool.size,
-            device=device,
-            min_block=config.pool.min_block,
-            name=shm_name(config.pipeline, f"{config.role}-{config.replica}"),
-        )
-        try:
-            self.ingress = Ingress(
-                f"tcp://{config.bind_host}:{config.ingress_port}",
-                self.pool,
-                lease_s=config.request_timeout,
-            )
-        except BaseException:
-            self.pool.close()
-            raise
-        self.relays = RelayCache(timeout=config.request_timeout)
-        self.metrics = RoleMetrics(
-            pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
-        )
-        self.health = HealthServer(
-            self.metrics,
-            host=config.bind_host,
-            port=config.metrics_port,
-            live=self._live,
-            ready=lambda: self._started and not self._draining.is_set(),
-        )
+        # the ingress hands messages to _on_message from its first one: state comes first
         self._cond = threading.Condition()
         self._work: dict[str, collections.deque[tuple[Meta, Any, Message]]] = {}
         self._runnable: collections.deque[str] = collections.deque()
@@ -162,11 +137,40 @@ class Role:
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._control: queue.SimpleQueue[Meta] = queue.SimpleQueue()  # aborts to pass on
+        self.metrics = RoleMetrics(
+            pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
+        )
+        device = "shm" if config.pool.device == "cpu" else config.pool.device
+        self.pool = Pool.create(
+            config.pool.size,
+            device=device,
+            min_block=config.pool.min_block,
+            name=shm_name(config.pipeline, f"{config.role}-{config.replica}"),
+        )
+        try:
+            self.ingress = Ingress(
+                f"tcp://{config.bind_host}:{config.ingress_port}",
+                self.pool,
+                lease_s=config.request_timeout,
+                on_message=self._on_message,
+            )
+        except BaseException:
+            self.pool.close()
+            raise
+        self.relays = RelayCache(timeout=config.request_timeout)
+        self.health = HealthServer(
+            self.metrics,
+            host=config.bind_host,
+            port=config.metrics_port,
+            live=self._live,
+            ready=lambda: self._started and not self._draining.is_set(),
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         self.health.start()
-        for name, target in [("dispatch", self._dispatch)] + [
+        for name, target in [("control", self._control_loop)] + [
             (f"worker-{i}", self._worker) for i in range(self.config.concurrency)
         ]:
             thread = threading.Thread(target=target, name=f"disagg-{self.name}-{name}", daemon=True)
@@ -179,6 +183,7 @@ class Role:
         """Nothing held: no work, no joins, nothing queued or reserved at the ingress."""
         with self._cond:
             busy = bool(self._work or self._active or self._joins)
+        busy = busy or not self._control.empty()
         stats = self.ingress.stats()
         return not busy and stats.queued == 0 and stats.pending_reservations == 0
 
@@ -200,6 +205,7 @@ class Role:
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=5)
+        self.ingress.close()  # no more deliveries: what is queued now is all there is
         with self._cond:
             leftovers = [m for q in self._work.values() for _, _, m in q]
             leftovers += [m for j in self._joins.values() for m in j.messages]
@@ -209,7 +215,6 @@ class Role:
             msg.release()
         self.relays.close()
         self.health.close()
-        self.ingress.close()
         self.pool.close()
         if self.config.metrics_dump:
             with open(self.config.metrics_dump, "wb") as f:
@@ -243,21 +248,30 @@ class Role:
         )
 
     # ---- receiving ---------------------------------------------------------------------------
-    def _dispatch(self) -> None:
+    def _on_message(self, msg: Message) -> None:
+        """Runs on the ingress's I/O thread: route the message to its request's queue and
+        return (nothing here blocks; passing aborts on is left to the control thread)."""
+        try:
+            self._accept(msg)
+        except Exception:
+            log.exception("role %s: error accepting a message", self.name)
+            msg.release()
+
+    def _control_loop(self) -> None:
+        """Expire joins that waited too long; pass aborts downstream (network sends)."""
         while not self._stopping.is_set():
             try:
                 self._expire_joins()
-                msg = self.ingress.recv(timeout=0.1)
-            except TimeoutError:
+                meta = self._control.get(timeout=0.1)
+            except queue.Empty:
                 continue
-            except Exception:  # the receive loop must outlive any one request's failure
+            except Exception:  # the loop must outlive any one request's failure
                 log.exception("role %s: error while expiring requests", self.name)
                 continue
             try:
-                self._accept(msg)
+                self._pass_abort(meta)
             except Exception:
-                log.exception("role %s: error accepting a message", self.name)
-                msg.release()
+                log.exception("role %s: error passing on the abort of %s", self.name, meta.rid)
 
     def _accept(self, msg: Message) -> None:
         payload = msg.payload
@@ -272,7 +286,8 @@ class Role:
         self.metrics.edge_received(f"{meta.source}->{self.name}", msg.nbytes)
         if meta.kind == "abort":
             msg.release()
-            self._abort(meta)
+            if self._drop(meta):  # at once; telling downstream roles is a network send
+                self._control.put(meta)
             return
         if meta.rid in self._aborted:
             msg.release()
@@ -462,9 +477,14 @@ class Role:
 
     def _abort(self, meta: Meta) -> None:
         """Drop everything of the request here and pass the abort on (once per request)."""
+        if self._drop(meta):
+            self._pass_abort(meta)
+
+    def _drop(self, meta: Meta) -> bool:
+        """Free what the request holds here; False when it was aborted already."""
         with self._cond:
             if meta.rid in self._aborted:
-                return
+                return False
             self._aborted[meta.rid] = time.monotonic() + ABORT_MEMORY_S
             queued = [m for _, _, m in self._work.pop(meta.rid, ())]
             join = self._joins.pop(meta.rid, None)
@@ -474,6 +494,9 @@ class Role:
             self._stream_started.pop(meta.rid, None)
         for msg in queued + (join.messages if join else []):
             msg.release()
+        return True
+
+    def _pass_abort(self, meta: Meta) -> None:
         targets = set(self.me.downstream) | {r.target for r in self.me.refs_out}
         for target in sorted(targets):
             try:

@@ -14,6 +14,7 @@ import os
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -23,7 +24,7 @@ import zmq
 from disagg_runtime import codec
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.pool import Device, Pool, shm_name, to_device
-from disagg_runtime.relay import Ingress
+from disagg_runtime.relay import Ingress, Message
 
 # --device cuda: where each relay's receiver lands payloads (all end on the GPU)
 GPU_POOLS: dict[str, Device] = {"cuda_ipc": "cuda", "shm": "cpu-pinned", "tcp": "cuda"}
@@ -51,9 +52,12 @@ def serve(method: str, pool_size: int, control: Connection, device: str = "cpu")
             name = shm_name("bench", "receiver") if pool_device in ("shm", "cpu-pinned") else None
             pool = Pool.create(pool_size, device=pool_device, name=name)
             endpoint = "tcp://127.0.0.1:0" if method == "tcp" else f"ipc://{tmp}/ingress.sock"
-            ingress = Ingress(endpoint, pool, context=ctx)
+            # delivered on the ingress's I/O thread, as roles receive (relay/ingress.py)
+            ingress = Ingress(
+                endpoint, pool, context=ctx, on_message=_relay_reply(reply, device == "cuda")
+            )
             control.send(ingress.endpoint)
-            _relay_loop(ingress, reply, control, to_gpu=device == "cuda")
+            control.recv()  # "stop"
         else:
             sock = ctx.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
@@ -79,21 +83,15 @@ def _one_way(payload: dict[str, Any]) -> bytes:
     return struct.pack("d", time.perf_counter() - payload["sent"])
 
 
-def _relay_loop(
-    ingress: Ingress, reply: zmq.Socket[Any], control: Connection, *, to_gpu: bool = False
-) -> None:
-    while True:
-        if control.poll(0) and control.recv() == "stop":
-            return
-        try:
-            msg = ingress.recv(timeout=0.2)
-        except TimeoutError:
-            continue
+def _relay_reply(reply: zmq.Socket[Any], to_gpu: bool) -> Callable[[Message], None]:
+    def on_message(msg: Message) -> None:
         payload = msg.payload
         if to_gpu:  # the receiving role works on the GPU: host-staged payloads go there
             payload = to_device(payload, "cuda")
         reply.send(_one_way(payload))
         msg.release()
+
+    return on_message
 
 
 def _baseline_loop(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -85,6 +86,7 @@ class CudaIngress(Ingress):
         *,
         lease_s: float = 30.0,
         context: zmq.Context[Any] | None = None,
+        on_message: Callable[[Message], None] | None = None,
     ) -> None:
         if pool.backing.device != "cuda":
             raise PoolError(f"CudaIngress needs a cuda pool, not {pool.backing.device}")
@@ -98,7 +100,7 @@ class CudaIngress(Ingress):
         self._quarantine: list[_Quarantined] = []
         self._bounce: torch.Tensor | None = None
         self._bounce_view: memoryview | None = None
-        super().__init__(endpoint, pool, lease_s=lease_s, context=context)
+        super().__init__(endpoint, pool, lease_s=lease_s, context=context, on_message=on_message)
 
     # ---- application side ---------------------------------------------------------------
     def _release(self, msg: Message) -> None:

@@ -1,9 +1,12 @@
 """The receiving end of every relay: a ZMQ ROUTER plus the role's receive pool.
 
-One I/O thread owns the socket (ZMQ sockets are single-threaded). It answers
-reservations from the pool in arrival order, lands committed payloads (shm: already in
-the shared pool; tcp: `recv_into` the granted slot), and queues `Message`s for `recv`.
-Other threads never touch the socket: releasing a message frees its slot under a lock
+One I/O thread owns the socket (ZMQ sockets are single-threaded) and the inline lane
+(relay/lane.py). It answers reservations from the pool in arrival order, lands committed
+payloads (shm: already in the shared pool; tcp: `recv_into` the granted slot), and
+queues `Message`s for `recv`, or hands each to `on_message` on the I/O thread itself:
+that saves a thread wake-up per message (tens of us on small VMs), so roles use it, and
+the callback must only route the message on, never block. Other threads never touch
+the socket: releasing a message frees its slot under a lock
 and wakes the I/O thread through a pipe so waiting reservations are granted at once.
 
 Every slot has an owner and a deadline: a grant not committed within its lease is
@@ -31,7 +34,7 @@ from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import Pool, buffer_tensors, read_payload
 from disagg_runtime.relay import lane
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.errors import RelayTimeout
+from disagg_runtime.relay.errors import RelayError, RelayTimeout
 
 log = logging.getLogger(__name__)
 _SCRATCH = bytearray(1 << 20)
@@ -39,7 +42,7 @@ HWM = 16
 MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
 MAX_WAIT_S = 3600.0
 LANE_HELLO = frozenset({"lane"})
-INLINE_ONLY = frozenset({"inline"})
+LANE_OPS = frozenset({"inline", "abort"})
 
 
 @dataclass(eq=False)
@@ -153,8 +156,10 @@ class Ingress:
         *,
         lease_s: float = 30.0,
         context: zmq.Context[Any] | None = None,
+        on_message: Callable[[Message], None] | None = None,
     ) -> None:
         self.pool = pool
+        self._on_message = on_message
         self.lease_s = lease_s
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -187,6 +192,8 @@ class Ingress:
     # ---- application side -------------------------------------------------------------
     def recv(self, timeout: float | None = None) -> Message:
         """Next payload; RelayTimeout when none arrives in time. Aborted ones are skipped."""
+        if self._on_message is not None:
+            raise RelayError(f"the ingress at {self.endpoint} delivers to its on_message callback")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -334,7 +341,10 @@ class Ingress:
             conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
             return
         self._lane_counts[conn.ident] += 1  # every frame counts: the sender counted it too
-        msg = proto.unpack(frame.header, INLINE_ONLY)
+        msg = proto.unpack(frame.header, LANE_OPS)
+        if msg["op"] == "abort":
+            self._on_abort(conn.ident, msg)
+            return
         size = len(frame.data)
         self._inline(msg, Manifest.from_json(msg.get("manifest"), slot_size=size), frame.data, size)
 
@@ -572,7 +582,14 @@ class Ingress:
                 return False
             self._live[msg.request_id].append(msg)
             self._delivered += 1
-        self._queue.put(msg)
+        if self._on_message is None:
+            self._queue.put(msg)
+            return True
+        try:
+            self._on_message(msg)
+        except Exception:  # the I/O thread must outlive a failing callback
+            log.exception("ingress %s: on_message failed; message released", self.endpoint)
+            msg.release()
         return True
 
     def _expire(self, now: float) -> None:

@@ -3,16 +3,17 @@
 Why: one ZMQ message crosses three threads (the sender's ZMQ I/O thread, the receiver's
 ZMQ I/O thread, then the application thread), and on small VMs each wake-up costs
 20-50 us. A plain socket read by the ingress's own poll loop is woken once: a 4 KiB
-payload arrives in about a third of the time (DESIGN.md section 7). Large payloads keep
-the credit protocol over ZMQ; only `inline` messages use the lane.
+payload arrives in about a third of the time. Large payloads keep the credit protocol
+over ZMQ; only `inline` and `abort` messages use the lane.
 
 Frames, all lengths little-endian u32:
 
     [header length][data length][header: the inline control JSON][data: the slot's bytes]
 
 The lane opens with one frame whose header is `{"op": "lane", "id": <hex>}` (no data):
-the sender's ZMQ routing id, so the ingress can tie the lane to that sender. The sender
-numbers its lane frames; a later reservation says how many it had sent (`lane`), and the
+the sender's ZMQ routing id, so the ingress can tie the lane to that sender. `abort`s
+travel on the lane too, behind the inline payloads they follow. The sender numbers its
+lane frames; a later reservation says how many it had sent (`lane`), and the
 ingress grants it only once it has taken that many from the lane, so a staged payload
 is never delivered ahead of an inline one sent before it.
 

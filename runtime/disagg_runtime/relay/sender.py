@@ -190,9 +190,18 @@ class Sender:
 
     def abort(self, request_id: str) -> None:
         """Tell the receiver to free whatever `request_id` holds there."""
+        header = proto.pack("abort", rid=request_id)
         with self._lock:
+            if self._lane is not None:  # behind the inline payloads it sent before
+                try:
+                    self._lane.settimeout(self.timeout)
+                    lane.send_frame(self._lane, header, b"")
+                    self._lane_sent += 1
+                    return
+                except OSError:  # over ZMQ instead: late arrivals of an aborted request
+                    self._close_lane()  # are dropped whichever way they come
             if not self.closed:
-                self._sock.send(proto.pack("abort", rid=request_id))
+                self._sock.send(header)
 
     def close(self) -> None:
         with self._lock:
