@@ -11,10 +11,16 @@ import contextlib
 import os
 import re
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 pytest_plugins = ["k8s.fixtures"]  # the Kubernetes API emulator (tests/k8s/)
+
+if TYPE_CHECKING:
+    from tests.relay_rig import Rig
+else:
+    from relay_rig import Rig
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"
@@ -46,3 +52,13 @@ def no_shm_leaks() -> Iterator[None]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, name))
     assert not leaked, f"shared-memory segments leaked by the suite: {sorted(leaked)}"
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    """Relay test rig (tests/relay_rig.py): everything it made is closed after the test."""
+    r = Rig()
+    try:
+        yield r
+    finally:
+        r.close()

@@ -133,6 +133,7 @@ class IngressStats:
     pending_reservations: int
     delivered: int
     rejected: int
+    lanes: int = 0  # senders connected through an inline lane
 
 
 class Ingress:
@@ -221,6 +222,7 @@ class Ingress:
             pending_reservations=len(self._pending),
             delivered=self._delivered,
             rejected=self._rejected,
+            lanes=len(self._lane_counts),
         )
 
     def close(self) -> None:

@@ -144,9 +144,10 @@ def _bind_host(host: str) -> str:
     return "::" if ip.is_unspecified else host
 
 
-def listen(endpoint: str) -> tuple[socket.socket, dict[str, Any]] | None:
-    """A listening socket for the lane of the ingress bound at `endpoint` (its LAST_ENDPOINT)
-    and what the welcome tells senders about it; None when the endpoint has no lane."""
+def listen(endpoint: str, port: int = 0) -> tuple[socket.socket, dict[str, Any]] | None:
+    """A listening socket for the lane of the ingress bound at `endpoint` (its LAST_ENDPOINT),
+    on `port` for tcp (0: any free one), and what the welcome tells senders about it; None
+    when the endpoint has no lane. OSError when a fixed port is taken."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :] + ".lane"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -165,13 +166,15 @@ def listen(endpoint: str) -> tuple[socket.socket, dict[str, Any]] | None:
     host = _bind_host(endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]"))
     try:
         if host == "::" and socket.has_dualstack_ipv6():
-            sock = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+            sock = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
         else:
             if host == "::":
                 host = "0.0.0.0"
-            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-            sock = socket.create_server((host, 0), family=family)
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.create_server((host, port), family=family)
     except OSError:
+        if port:
+            raise  # a declared port must be ours: say so rather than serve without it
         return None
     sock.setblocking(False)
     return sock, {"lane_port": sock.getsockname()[1]}

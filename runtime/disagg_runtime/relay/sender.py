@@ -69,6 +69,7 @@ class Sender:
         *,
         timeout: float = 30.0,
         inline_max: int = INLINE_MAX,
+        lane: bool = True,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -76,6 +77,7 @@ class Sender:
         if not 0 <= inline_max <= proto.MAX_INLINE_BYTES:
             raise ValueError(f"inline_max must be within [0, {proto.MAX_INLINE_BYTES}] bytes")
         self.inline_max = inline_max
+        self.use_lane = lane  # False: inline payloads over ZMQ even where a lane is offered
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -109,7 +111,7 @@ class Sender:
         """Take the inline lane the ingress offers (relay/lane.py); without one, or when it
         cannot be reached, inline payloads go over ZMQ."""
         ident = welcome.get("lane_id")
-        if not isinstance(ident, str) or self.inline_max == 0:
+        if not isinstance(ident, str) or self.inline_max == 0 or not self.use_lane:
             return
         sock = None
         try:

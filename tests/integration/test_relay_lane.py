@@ -1,0 +1,250 @@
+"""The inline lane (relay/lane.py) and delivery on the ingress's I/O thread, with real
+sockets: ordering against the ZMQ path, fallbacks, and malformed lane traffic."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from disagg_runtime.pool import MiB
+from disagg_runtime.relay import Ingress, Message, RelayError, lane
+from disagg_runtime.relay import protocol as proto
+
+if TYPE_CHECKING:
+    from tests.payload_checks import assert_bit_exact
+    from tests.relay_rig import (
+        KINDS,
+        WAIT,
+        Rig,
+        assert_still_serves,
+        large_payload,
+        recv_reply,
+        small_payload,
+        wait_until,
+    )
+else:
+    from payload_checks import assert_bit_exact
+    from relay_rig import (
+        KINDS,
+        WAIT,
+        Rig,
+        assert_still_serves,
+        large_payload,
+        recv_reply,
+        small_payload,
+        wait_until,
+    )
+
+
+def open_lane(ingress: Ingress, welcome: dict[str, Any]) -> socket.socket:
+    sock = lane.connect(ingress.endpoint, welcome, timeout=WAIT)
+    assert sock is not None, f"no lane offered in {welcome}"
+    return sock
+
+
+def raw_sender(rig: Rig, ingress: Ingress) -> tuple[Any, socket.socket]:
+    """A bare DEALER plus its lane, introduced the way a Sender does it."""
+    dealer = rig.raw(ingress)
+    dealer.send(proto.pack("hello", relay="tcp"))
+    welcome = recv_reply(dealer)
+    sock = open_lane(ingress, welcome)
+    lane.send_frame(sock, proto.pack("lane", id=welcome["lane_id"]), b"")
+    assert sock.recv(1) == lane.READY
+    return dealer, sock
+
+
+def inline_frame(rid: str, data: bytes = b"\x07" * 16) -> tuple[bytes, bytes]:
+    manifest = {
+        "v": 1,
+        "tree": {"t": 0},
+        "nbytes": len(data),
+        "tensors": [{"dtype": "uint8", "shape": [len(data)], "offset": 0}],
+    }
+    return proto.pack("inline", rid=rid, manifest=manifest), data
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inline_and_staged_payloads_arrive_in_send_order(rig: Rig, kind: str) -> None:
+    ingress = rig.ingress(kind)
+    sender = rig.sender(kind, ingress)
+    wait_until(lambda: ingress.stats().lanes == 1)  # inline payloads take the lane
+    sent = []
+    for i in range(9):  # three large ones (4 MiB blocks) stay held: the pool has 16 MiB
+        payload = large_payload(i) if i % 3 == 2 else small_payload(i)
+        sender.send(payload, request_id=f"r{i}")
+        sent.append(payload)
+    for i, payload in enumerate(sent):
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == f"r{i}"
+            assert_bit_exact(msg.payload, payload)
+    assert ingress.stats().rejected == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_inline_payloads_go_over_zmq_without_a_lane(rig: Rig, kind: str) -> None:
+    ingress = rig.ingress(kind)
+    sender = rig.sender(kind, ingress, lane=False)
+    for i in range(3):
+        sender.send(small_payload(i), request_id=f"z{i}")
+    for i in range(3):
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == f"z{i}"
+            assert_bit_exact(msg.payload, small_payload(i))
+    assert ingress.stats().lanes == 0
+
+
+def test_an_unreachable_lane_falls_back_to_zmq(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refused(*args: Any, **kwargs: Any) -> socket.socket:
+        raise ConnectionRefusedError("lane port filtered")
+
+    monkeypatch.setattr(lane, "connect", refused)
+    ingress = rig.ingress("tcp")
+    with caplog.at_level("INFO"):
+        sender = rig.sender("tcp", ingress)
+    assert "sends inline over ZMQ" in caplog.text
+    sender.send(small_payload(), request_id="fallback")
+    with ingress.recv(timeout=WAIT) as msg:
+        assert_bit_exact(msg.payload, small_payload())
+
+
+def test_a_lane_that_fails_mid_send_is_dropped_and_zmq_takes_over(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ingress = rig.ingress("tcp")
+    sender = rig.sender("tcp", ingress)
+    real_send = lane.send_frame
+
+    def broken(*args: Any) -> None:
+        raise ConnectionResetError("peer reset")
+
+    monkeypatch.setattr(lane, "send_frame", broken)
+    with pytest.raises(RelayError, match=r"lane .* failed; request lost not sent"):
+        sender.send(small_payload(), request_id="lost")
+    monkeypatch.setattr(lane, "send_frame", real_send)
+    sender.send(small_payload(1), request_id="after")  # over ZMQ now
+    with ingress.recv(timeout=WAIT) as msg:
+        assert msg.request_id == "after"
+    wait_until(lambda: ingress.stats().lanes == 0)
+
+
+def test_a_reservation_waits_for_the_lane_frames_sent_before_it(rig: Rig) -> None:
+    ingress = rig.ingress("tcp")
+    dealer, sock = raw_sender(rig, ingress)
+    try:
+        dealer.send(proto.pack("reserve", rid="big", xid=1, nbytes=MiB, wait_s=WAIT, lane=1))
+        assert not dealer.poll(300), "granted before the inline frame sent ahead of it arrived"
+        lane.send_frame(sock, *inline_frame("first"))
+        grant = recv_reply(dealer)
+        assert grant["op"] == "grant" and grant["xid"] == 1
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "first"
+        dealer.send(proto.pack("cancel", xid=1))
+        wait_until(lambda: ingress.pool.stats().used == 0)
+    finally:
+        sock.close()
+
+
+def test_a_connection_that_does_not_introduce_itself_is_closed(rig: Rig) -> None:
+    ingress = rig.ingress("tcp")
+    dealer = rig.raw(ingress)
+    dealer.send(proto.pack("hello", relay="tcp"))
+    sock = open_lane(ingress, recv_reply(dealer))
+    try:
+        lane.send_frame(sock, *inline_frame("no-hello"))  # not a hello: not a lane of ours
+        sock.settimeout(WAIT)
+        assert sock.recv(1) == b""  # closed by the ingress
+        wait_until(lambda: ingress.stats().rejected == 1)
+        assert ingress.stats().delivered == 0
+    finally:
+        sock.close()
+    assert_still_serves(rig, ingress, "tcp")
+
+
+def test_an_oversized_lane_frame_closes_the_lane(rig: Rig) -> None:
+    ingress = rig.ingress("tcp")
+    _, sock = raw_sender(rig, ingress)
+    try:
+        sock.sendall(lane.PREFIX.pack(proto.MAX_CONTROL_BYTES + 1, 0))
+        sock.settimeout(WAIT)
+        assert sock.recv(1) == b""
+        wait_until(lambda: ingress.stats().lanes == 0)
+    finally:
+        sock.close()
+    assert_still_serves(rig, ingress, "tcp")
+
+
+@pytest.mark.parametrize(
+    ("header", "data"),
+    [
+        (b"not json", b""),
+        (proto.pack("reserve", rid="r", xid=1, nbytes=10), b""),  # not an op of the lane
+        (inline_frame("short")[0], b"\x07" * 15),  # data shorter than the manifest says
+        (inline_frame("long")[0], b"\x07" * 17),
+    ],
+)
+def test_malformed_lane_messages_are_rejected_and_the_lane_keeps_serving(
+    rig: Rig, header: bytes, data: bytes
+) -> None:
+    ingress = rig.ingress("tcp")
+    _, sock = raw_sender(rig, ingress)
+    try:
+        lane.send_frame(sock, header, data)
+        lane.send_frame(sock, *inline_frame("good"))
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "good"
+        assert ingress.stats().rejected == 1
+        assert ingress.stats().lanes == 1
+    finally:
+        sock.close()
+
+
+# -- delivery on the I/O thread ------------------------------------------------------------
+
+
+def test_on_message_runs_on_the_io_thread_and_recv_is_refused(rig: Rig) -> None:
+    got: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def on_message(msg: Message) -> None:
+        got.append((msg.request_id, threading.current_thread().name))
+        msg.release()
+        if len(got) == 2:
+            done.set()
+
+    ingress = rig.ingress("tcp", on_message=on_message)
+    sender = rig.sender("tcp", ingress)
+    sender.send(small_payload(), request_id="small")
+    sender.send(large_payload(), request_id="large")
+    assert done.wait(WAIT)
+    assert got == [("small", "disagg-ingress"), ("large", "disagg-ingress")]
+    assert ingress.pool.stats().used == 0
+    with pytest.raises(RelayError, match="on_message"):
+        ingress.recv(timeout=0.1)
+
+
+def test_a_failing_on_message_releases_the_message_and_delivery_goes_on(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    kept: list[Message] = []
+
+    def on_message(msg: Message) -> None:
+        if msg.request_id == "boom":
+            raise RuntimeError("handler bug")
+        kept.append(msg)
+
+    ingress = rig.ingress("shm", on_message=on_message)
+    sender = rig.sender("shm", ingress)
+    with caplog.at_level("ERROR"):
+        sender.send(large_payload(), request_id="boom")  # a pool slot: it must come back
+        sender.send(large_payload(1), request_id="fine")
+        wait_until(lambda: len(kept) == 1)
+    assert "on_message failed" in caplog.text
+    assert kept[0].request_id == "fine" and kept[0].slot is not None
+    assert ingress.pool.stats().used == ingress.pool.allocator.size_of(kept[0].slot)
+    kept[0].release()
+    assert ingress.pool.stats().used == 0

@@ -1,0 +1,171 @@
+"""The relay tests' rig: ingresses, senders and raw sockets that are closed after each
+test, payloads to move, and waits with timeouts (nothing asserts durations)."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+
+from disagg_runtime.pool import MiB, Pool, shm_name
+from disagg_runtime.relay import Ingress, Message, Relay, connect
+from disagg_runtime.relay import protocol as proto
+
+if TYPE_CHECKING:
+    from tests.payload_checks import assert_bit_exact
+else:
+    from payload_checks import assert_bit_exact
+
+KiB = 1 << 10
+KINDS = ["shm", "tcp"]
+WAIT = 10.0  # generous upper bound for anything that should happen "soon"
+
+
+# -- rig -----------------------------------------------------------------------------------
+
+
+class Rig:
+    """Builds ingresses, senders and raw sockets for one test and closes them all after."""
+
+    def __init__(self) -> None:
+        # ipc paths must stay short (sun_path is ~107 bytes), so not pytest's tmp_path.
+        self.dir = tempfile.mkdtemp(prefix="dgr")
+        self.pools: list[Pool] = []
+        self.ingresses: list[Ingress] = []
+        self.senders: list[Relay] = []
+        self.sockets: list[zmq.Socket[Any]] = []
+        self._n = itertools.count()
+
+    def ingress(
+        self,
+        kind: str,
+        *,
+        size: int = 16 * MiB,
+        min_block: int = MiB,
+        lease_s: float = 30.0,
+        device: Any = None,
+        on_message: Callable[[Message], None] | None = None,
+    ) -> Ingress:
+        device = device or ("shm" if kind == "shm" else "cpu")
+        name = shm_name("relaytest", f"rx{kind}") if device == "shm" else None
+        pool = Pool.create(size, device=device, min_block=min_block, name=name)
+        self.pools.append(pool)
+        if kind == "shm":
+            endpoint = f"ipc://{self.dir}/{next(self._n)}.sock"
+        else:
+            endpoint = "tcp://127.0.0.1:0"
+        ingress = Ingress(endpoint, pool, lease_s=lease_s, on_message=on_message)
+        self.ingresses.append(ingress)
+        return ingress
+
+    def sender(self, kind: str, ingress: Ingress, **options: Any) -> Relay:
+        options.setdefault("timeout", WAIT)
+        sender = connect(kind, ingress.endpoint, **options)
+        self.senders.append(sender)
+        return sender
+
+    def raw(self, ingress: Ingress) -> zmq.Socket[Any]:
+        """A bare DEALER that speaks whatever the test sends."""
+        sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ingress.endpoint)
+        self.sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
+        for sock in self.sockets:
+            sock.close(linger=0)
+        for ingress in self.ingresses:
+            ingress.close()
+        for pool in self.pools:
+            pool.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.005)
+
+
+def in_pool(t: torch.Tensor, pool: Pool) -> bool:
+    base = pool.backing.tensor.data_ptr()
+    start = t.data_ptr()
+    return base <= start and start + t.numel() * t.element_size() <= base + pool.backing.size
+
+
+def large_payload(seed: int = 0) -> dict[str, Any]:
+    """About 3 MiB of tensors (well above the 64 KiB inline limit) in a nested tree."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "latents": torch.randn(1024, 1536, generator=gen).to(torch.bfloat16),  # 3 MiB
+        "aux": [
+            {"f8": torch.randn(4096, generator=gen).to(torch.float8_e4m3fn)},
+            (torch.rand(999, generator=gen) > 0.5, "frame", 7),
+        ],
+        "ids": torch.randint(-(2**40), 2**40, (33,), generator=gen),
+        "scale": torch.tensor(0.125, dtype=torch.float32),
+        "empty": torch.empty(0, 8, dtype=torch.float16),
+        "meta": {"step": seed, "done": False, "note": None},
+    }
+
+
+def small_payload(seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "emb": torch.randn(16, 32, generator=gen).to(torch.bfloat16),
+        "tok": [torch.arange(5, dtype=torch.int64) + seed, {"mask": torch.tensor([True, False])}],
+        "z": torch.randn(3, dtype=torch.complex64, generator=gen),
+        "scalar": torch.tensor(seed, dtype=torch.int32),
+        "info": ("small", 1.5),
+    }
+
+
+def filled(nbytes: int, value: int = 1) -> dict[str, Any]:
+    return {"x": torch.full((nbytes,), value, dtype=torch.uint8)}
+
+
+def call_in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run `fn` in a daemon thread; the dict gets "ok" or "error" when it ends."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            fn()
+            result["ok"] = True
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def recv_reply(sock: zmq.Socket[Any], timeout: float = WAIT) -> dict[str, Any]:
+    assert sock.poll(int(timeout * 1000)), "no reply from the ingress"
+    return proto.unpack(sock.recv(), proto.OPS_TO_SENDER)
+
+
+def assert_still_serves(rig: Rig, ingress: Ingress, kind: str) -> None:
+    """The ingress is alive: a fresh sender can deliver a large and a small payload."""
+    sender = rig.sender(kind, ingress)
+    for rid, payload in (("after-large", large_payload(9)), ("after-small", small_payload(9))):
+        sender.send(payload, request_id=rid)
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == rid
+            assert_bit_exact(msg.payload, payload)
+    assert ingress.pool.stats().used == 0
