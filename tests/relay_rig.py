@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from disagg_runtime.pool import MiB, Pool, shm_name
-from disagg_runtime.relay import Ingress, Message, Relay, connect
+from disagg_runtime.relay import Ingress, Relay, connect
 from disagg_runtime.relay import protocol as proto
 
 if TYPE_CHECKING:
@@ -51,8 +51,9 @@ class Rig:
         min_block: int = MiB,
         lease_s: float = 30.0,
         device: Any = None,
-        on_message: Callable[[Message], None] | None = None,
+        **options: Any,
     ) -> Ingress:
+        """`options` go to the Ingress (on_message, lane_port)."""
         device = device or ("shm" if kind == "shm" else "cpu")
         name = shm_name("relaytest", f"rx{kind}") if device == "shm" else None
         pool = Pool.create(size, device=device, min_block=min_block, name=name)
@@ -61,7 +62,7 @@ class Rig:
             endpoint = f"ipc://{self.dir}/{next(self._n)}.sock"
         else:
             endpoint = "tcp://127.0.0.1:0"
-        ingress = Ingress(endpoint, pool, lease_s=lease_s, on_message=on_message)
+        ingress = Ingress(endpoint, pool, lease_s=lease_s, **options)
         self.ingresses.append(ingress)
         return ingress
 

@@ -30,10 +30,12 @@ Placement:
   connects straight to the container port and sees replicas come and go without restarts.
 
 Ports: the container at index k of a pod (k = 0 for a lone role) listens for relays on
-ingress_k and serves /metrics /healthz /readyz on metrics_k, where ingress_0 < ingress_1 < ...
-are the lowest ports >= 7400 and metrics_k the lowest >= 9400 that no user port of the pod
-uses. Service P-R exposes `ingress` and `metrics` (port = targetPort = R's container ports)
-and R's own ports. User ports may not be named `ingress` or `metrics`.
+ingress_k, for small payloads on lane_k (relay/lane.py) and serves /metrics /healthz
+/readyz on metrics_k, where ingress_0 < ingress_1 < ... are the lowest ports >= 7400,
+lane_k the lowest >= 7500 and metrics_k the lowest >= 9400 that no user port of the pod
+(nor an earlier kind) uses. Service P-R exposes `ingress`, `lane` and `metrics` (port =
+targetPort = R's container ports) and R's own ports. User ports may not be named
+`ingress`, `lane` or `metrics`.
 
 Environment: every container gets `contract.render_env(role_config(...))`, minus
 DISAGG_REPLICA (the runtime takes the ordinal ending DISAGG_POD_NAME, set from the downward
@@ -106,7 +108,7 @@ GpuMode = Literal["dra", "device-plugin", "none"]
 GPU_MODES: Final[tuple[GpuMode, ...]] = ("dra", "device-plugin", "none")
 DRA_API_VERSIONS: Final = ("resource.k8s.io/v1", "resource.k8s.io/v1beta2")
 DEFAULT_GPU_DEVICE_CLASS: Final = "gpu.nvidia.com"
-RESERVED_PORT_NAMES: Final = ("ingress", "metrics")
+RESERVED_PORT_NAMES: Final = ("ingress", "lane", "metrics")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
@@ -175,6 +177,7 @@ class Workload:
 @dataclass(frozen=True)
 class RolePorts:
     ingress: int
+    lane: int
     metrics: int
 
 
@@ -227,10 +230,11 @@ def role_ports(workload: Workload) -> dict[str, RolePorts]:
     taken = {port.container_port for role in workload.roles for port in role.ports}
     count = len(workload.roles)
     ingress = _free_ports(contract.DEFAULT_INGRESS_PORT, taken, count)
-    metrics = _free_ports(contract.DEFAULT_METRICS_PORT, taken | set(ingress), count)
+    lane = _free_ports(contract.DEFAULT_LANE_PORT, taken | set(ingress), count)
+    metrics = _free_ports(contract.DEFAULT_METRICS_PORT, taken | set(ingress) | set(lane), count)
     return {
-        role.name: RolePorts(ingress=i, metrics=m)
-        for role, i, m in zip(workload.roles, ingress, metrics, strict=True)
+        role.name: RolePorts(ingress=i, lane=n, metrics=m)
+        for role, i, n, m in zip(workload.roles, ingress, lane, metrics, strict=True)
     }
 
 
@@ -368,6 +372,7 @@ def role_config(
         downstream=peers,
         same_gpu_peers=frozenset(group.roles) - {role} if group else frozenset(),
         ingress_port=ports[role].ingress,
+        lane_port=ports[role].lane,
         metrics_port=ports[role].metrics,
         concurrency=me.concurrency,
         request_timeout=pipeline.transport.request_timeout_seconds,
@@ -482,6 +487,7 @@ def _service(pipeline: Pipeline, unit: Workload, role: Role, namespace: str) -> 
     ports = role_ports(unit)[role.name]
     service_ports = [
         {"name": "ingress", "port": ports.ingress, "targetPort": ports.ingress, "protocol": "TCP"},
+        {"name": "lane", "port": ports.lane, "targetPort": ports.lane, "protocol": "TCP"},
         {"name": "metrics", "port": ports.metrics, "targetPort": ports.metrics, "protocol": "TCP"},
     ]
     service_ports += [

@@ -102,6 +102,7 @@ def _container(
     container["env"] = contract_env(config) + [_user_env(var) for var in role.env]
     container["ports"] = [
         {"name": "ingress", "containerPort": config.ingress_port, "protocol": "TCP"},
+        {"name": "lane", "containerPort": config.lane_port, "protocol": "TCP"},
         {"name": "metrics", "containerPort": config.metrics_port, "protocol": "TCP"},
     ] + [
         {"name": p.name, "containerPort": p.container_port, "protocol": p.protocol}

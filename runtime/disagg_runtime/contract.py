@@ -13,6 +13,8 @@ Environment (all strings):
     DISAGG_HANDLER             module.path:function                            required
     DISAGG_BIND_HOST           ingress/metrics bind address (default 0.0.0.0)
     DISAGG_INGRESS_PORT        relay ingress port (default 7400)
+    DISAGG_LANE_PORT           inline lane port: small payloads on a plain socket beside
+                               the ZMQ ingress (relay/lane.py; default 7500, 0 = any)
     DISAGG_METRICS_PORT        /metrics /healthz /readyz port (default 9400)
     DISAGG_POOL_SIZE           receive pool bytes (integer or quantity, e.g. 256Mi)
     DISAGG_POOL_MIN_BLOCK      buddy minimum block (default 1Mi)
@@ -57,6 +59,7 @@ from disagg_runtime.spec_model import (
 
 PREFIX = "DISAGG_"
 DEFAULT_INGRESS_PORT = 7400
+DEFAULT_LANE_PORT = 7500
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_TOPOLOGY_FILE = "/etc/disagg/topology.json"
 TOPOLOGY_VERSION = 1
@@ -198,6 +201,7 @@ class RoleConfig:
     node_local: bool = False
     bind_host: str = "0.0.0.0"
     ingress_port: int = DEFAULT_INGRESS_PORT
+    lane_port: int = DEFAULT_LANE_PORT
     metrics_port: int = DEFAULT_METRICS_PORT
     concurrency: int = DEFAULT_CONCURRENCY
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
@@ -227,6 +231,7 @@ def render_env(config: RoleConfig) -> dict[str, str]:
         "HANDLER": config.handler,
         "BIND_HOST": config.bind_host,
         "INGRESS_PORT": str(config.ingress_port),
+        "LANE_PORT": str(config.lane_port),
         "METRICS_PORT": str(config.metrics_port),
         "POOL_SIZE": str(config.pool.size),
         "POOL_MIN_BLOCK": str(config.pool.min_block),
@@ -340,6 +345,7 @@ def parse_env(env: Mapping[str, str], topology: Topology | None = None) -> RoleC
         node_local=env.get(PREFIX + "NODE_LOCAL", "0") == "1",
         bind_host=env.get(PREFIX + "BIND_HOST") or "0.0.0.0",
         ingress_port=_int(env, "INGRESS_PORT", DEFAULT_INGRESS_PORT),
+        lane_port=_int(env, "LANE_PORT", DEFAULT_LANE_PORT),
         metrics_port=_int(env, "METRICS_PORT", DEFAULT_METRICS_PORT),
         concurrency=_int(env, "CONCURRENCY", DEFAULT_CONCURRENCY),
         request_timeout=timeout,

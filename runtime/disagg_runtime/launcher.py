@@ -89,6 +89,7 @@ def plan_local(
                     node_local=True,
                     bind_host=HOST,
                     ingress_port=ingress,
+                    lane_port=0,  # any free port: the ingress tells its senders which
                     metrics_port=metrics,
                     concurrency=role.concurrency,
                     request_timeout=pipeline.transport.request_timeout_seconds,

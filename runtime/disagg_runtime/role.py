@@ -153,6 +153,7 @@ class Role:
                 f"tcp://{config.bind_host}:{config.ingress_port}",
                 self.pool,
                 lease_s=config.request_timeout,
+                lane_port=config.lane_port,
                 on_message=self._on_message,
             )
         except BaseException:

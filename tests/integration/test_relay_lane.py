@@ -203,6 +203,18 @@ def test_malformed_lane_messages_are_rejected_and_the_lane_keeps_serving(
         sock.close()
 
 
+def test_the_lane_listens_on_the_declared_port(rig: Rig) -> None:
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    ingress = rig.ingress("tcp", lane_port=port)
+    dealer = rig.raw(ingress)
+    dealer.send(proto.pack("hello", relay="tcp"))
+    assert recv_reply(dealer)["lane_port"] == port
+    with pytest.raises(RelayError, match=f"cannot listen for the inline lane on port {port}"):
+        rig.ingress("tcp", lane_port=port)  # taken: a declared port must be ours
+
+
 # -- delivery on the I/O thread ------------------------------------------------------------
 
 

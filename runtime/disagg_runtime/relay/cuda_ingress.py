@@ -86,6 +86,7 @@ class CudaIngress(Ingress):
         *,
         lease_s: float = 30.0,
         context: zmq.Context[Any] | None = None,
+        lane_port: int = 0,
         on_message: Callable[[Message], None] | None = None,
     ) -> None:
         if pool.backing.device != "cuda":
@@ -100,7 +101,14 @@ class CudaIngress(Ingress):
         self._quarantine: list[_Quarantined] = []
         self._bounce: torch.Tensor | None = None
         self._bounce_view: memoryview | None = None
-        super().__init__(endpoint, pool, lease_s=lease_s, context=context, on_message=on_message)
+        super().__init__(
+            endpoint,
+            pool,
+            lease_s=lease_s,
+            context=context,
+            lane_port=lane_port,
+            on_message=on_message,
+        )
 
     # ---- application side ---------------------------------------------------------------
     def _release(self, msg: Message) -> None:

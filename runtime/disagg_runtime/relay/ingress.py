@@ -157,6 +157,7 @@ class Ingress:
         *,
         lease_s: float = 30.0,
         context: zmq.Context[Any] | None = None,
+        lane_port: int = 0,
         on_message: Callable[[Message], None] | None = None,
     ) -> None:
         self.pool = pool
@@ -169,7 +170,13 @@ class Ingress:
         self._sock.setsockopt(zmq.RCVHWM, HWM)  # bounds chunks buffered ahead of recv_into
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        listening = lane.listen(self.endpoint)
+        try:
+            listening = lane.listen(self.endpoint, lane_port)
+        except OSError as exc:
+            self._sock.close(linger=0)
+            raise RelayError(
+                f"cannot listen for the inline lane on port {lane_port}: {exc}"
+            ) from None
         self._lane_listener = listening[0] if listening else None
         self._lane_offer: dict[str, Any] = listening[1] if listening else {}
         self._lanes: dict[int, _Lane] = {}  # by file descriptor

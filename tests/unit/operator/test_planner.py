@@ -81,6 +81,7 @@ def test_one_statefulset_and_service_per_role(examples: dict[str, Pipeline]) -> 
         assert service["spec"]["selector"] == selector
         assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [
             ("ingress", 7400),
+            ("lane", 7500),
             ("metrics", 9400),
         ]
 
@@ -155,8 +156,9 @@ def test_colocated_roles_share_a_pod(examples: dict[str, Pipeline]) -> None:
     for container in pod["containers"]:
         assert container["resources"]["claims"] == [{"name": "gpu"}]
     vision, audio = (_env(c) for c in pod["containers"])
-    assert (vision["DISAGG_INGRESS_PORT"], vision["DISAGG_METRICS_PORT"]) == ("7400", "9400")
-    assert (audio["DISAGG_INGRESS_PORT"], audio["DISAGG_METRICS_PORT"]) == ("7401", "9401")
+    ports = ("DISAGG_INGRESS_PORT", "DISAGG_LANE_PORT", "DISAGG_METRICS_PORT")
+    assert tuple(vision[p] for p in ports) == ("7400", "7500", "9400")
+    assert tuple(audio[p] for p in ports) == ("7401", "7501", "9401")
     assert vision["DISAGG_SAME_GPU_PEERS"] == "audio"
     assert audio["DISAGG_SAME_GPU_PEERS"] == "vision"
     assert vision["DISAGG_DOWNSTREAM"] == "fuse=fan-out-fuse.ml.svc.cluster.local:7400"
@@ -212,7 +214,13 @@ def test_peers_in_the_same_pod_use_loopback(full_doc: Obj) -> None:
     )
     assert encoder["DISAGG_POOL_DEVICE"] == "cpu-pinned"
     ports = [(p["name"], p["port"]) for p in found["Service"]["full-encoder"]["spec"]["ports"]]
-    assert ports == [("ingress", 7401), ("metrics", 9400), ("debug", 7400), ("probe", 5678)]
+    assert ports == [
+        ("ingress", 7401),
+        ("lane", 7500),
+        ("metrics", 9400),
+        ("debug", 7400),
+        ("probe", 5678),
+    ]
 
 
 def test_pod_template_is_hardened(examples: dict[str, Pipeline]) -> None:
@@ -263,7 +271,7 @@ def test_role_overrides_image_command_args_env(full_doc: Obj) -> None:
     token = encoder["env"][-1]
     assert token == {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
     assert encoder["resources"]["limits"] == {"memory": "2Gi", "nvidia.com/gpu": "1"}
-    assert [p["containerPort"] for p in encoder["ports"]] == [7401, 9400, 7400, 5678]
+    assert [p["containerPort"] for p in encoder["ports"]] == [7401, 7500, 9400, 7400, 5678]
 
 
 def test_pod_template_overrides_merge_last(full_doc: Obj) -> None:
@@ -494,3 +502,12 @@ def test_workloads(examples: dict[str, Pipeline]) -> None:
         ("fuse", "fan-out-fuse", ["fuse"]),
     ]
     assert planner.workload_of(examples["fan-out"], "audio").unit == "encoders"
+
+
+def test_the_lane_port_name_is_reserved_too(full_doc: Obj) -> None:
+    full_doc["spec"]["roles"][0]["ports"][0]["name"] = "lane"
+    with pytest.raises(spec.SpecError) as caught:
+        planner.plan(_pipeline(full_doc), namespace=NS)
+    assert [(p.path, p.reason) for p in caught.value.problems] == [
+        ("spec.roles[0].ports[0].name", "'lane' is reserved for the runtime's own port")
+    ]
