@@ -8,9 +8,10 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import torch
 
 from disagg_runtime.pool import MiB
-from disagg_runtime.relay import Ingress, Message, RelayError, lane
+from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, lane
 from disagg_runtime.relay import protocol as proto
 
 if TYPE_CHECKING:
@@ -130,6 +131,34 @@ def test_a_lane_that_fails_mid_send_is_dropped_and_zmq_takes_over(
     with ingress.recv(timeout=WAIT) as msg:
         assert msg.request_id == "after"
     wait_until(lambda: ingress.stats().lanes == 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_receiver_that_stops_reading_times_out_the_lane_and_loses_nothing_sent(
+    rig: Rig, kind: str
+) -> None:
+    unblock = threading.Event()
+    got: list[str] = []
+
+    def on_message(msg: Message) -> None:
+        unblock.wait(WAIT)  # the I/O thread stops reading: socket buffers fill up
+        got.append(msg.request_id)
+        msg.release()
+
+    ingress = rig.ingress(kind, on_message=on_message)
+    sender = rig.sender(kind, ingress, timeout=0.5)
+    payload = {"x": torch.zeros(60 * 1024, dtype=torch.uint8)}  # inline, near the limit
+    sent = 0
+    with pytest.raises(RelayTimeout, match="not draining"):
+        for _ in range(5000):  # ~300 MiB: far more than any socket buffer
+            sender.send(payload, request_id=f"m{sent}")
+            sent += 1
+    unblock.set()
+    wait_until(lambda: len(got) == sent)  # everything send() accepted arrives, in order
+    assert got == [f"m{i}" for i in range(sent)]
+    sender.send(payload, request_id="after")  # over ZMQ now: the cut lane was closed
+    wait_until(lambda: got[-1:] == ["after"])
+    assert ingress.stats().lanes == 0
 
 
 def test_a_reservation_waits_for_the_lane_frames_sent_before_it(rig: Rig) -> None:

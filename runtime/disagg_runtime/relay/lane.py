@@ -47,8 +47,9 @@ def frame_prefix(header: bytes, data_bytes: int) -> bytes:
 
 
 def send_frame(sock: socket.socket, header: bytes, data: bytes | bytearray | memoryview) -> None:
-    """Write one frame whole (a blocking socket with a timeout: socket.timeout if the
-    receiver stops reading, after which the stream is cut mid-frame and must be closed)."""
+    """Write one frame whole on a blocking socket. With a send timeout (`SO_SNDTIMEO`, see
+    `connect`) a receiver that stops reading raises BlockingIOError; the stream is then cut
+    mid-frame and must be closed."""
     parts = [frame_prefix(header, len(data)), header, data]
     total = sum(len(p) for p in parts)
     sent = sock.sendmsg(parts)
@@ -76,6 +77,7 @@ class LaneReader:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._scratch = bytearray(SCRATCH_BYTES)
+        self._view = memoryview(self._scratch)  # never resized: the view stays valid
         self._have = 0  # bytes at the start of scratch not yet parsed
         self._body: bytearray | None = None  # the frame being filled
         self._header_bytes = 0
@@ -84,11 +86,13 @@ class LaneReader:
     def read(self) -> list[Frame]:
         frames: list[Frame] = []
         while True:
+            target = (
+                memoryview(self._body)[self._got :]
+                if self._body is not None
+                else self._view[self._have :]
+            )
             try:
-                if self._body is not None:
-                    n = self.sock.recv_into(memoryview(self._body)[self._got :])
-                else:
-                    n = self.sock.recv_into(memoryview(self._scratch)[self._have :])
+                n = self.sock.recv_into(target)
             except (BlockingIOError, InterruptedError):
                 return frames
             except OSError as exc:
@@ -101,6 +105,8 @@ class LaneReader:
             else:
                 self._have += n
                 self._parse(frames)
+            if n < len(target):
+                return frames  # the socket is drained for now (poll says when there is more)
 
     def _parse(self, frames: list[Frame]) -> None:
         used = 0
@@ -115,12 +121,13 @@ class LaneReader:
             total = header_bytes + data_bytes
             take = min(total, self._have - used)
             self._body = bytearray(total)
-            self._body[:take] = self._scratch[used : used + take]
+            self._body[:take] = self._view[used : used + take]
             self._header_bytes, self._got = header_bytes, take
             used += take
             self._complete(frames)
-        self._scratch[: self._have - used] = self._scratch[used : self._have]
-        self._have -= used
+        if used:  # keep the start of a frame whose prefix is not complete yet
+            self._scratch[: self._have - used] = self._scratch[used : self._have]
+            self._have -= used
 
     def _complete(self, frames: list[Frame]) -> None:
         if self._body is not None and self._got == len(self._body):
@@ -193,7 +200,8 @@ def accept(listener: socket.socket) -> socket.socket | None:
 
 def connect(endpoint: str, welcome: dict[str, Any], timeout: float) -> socket.socket | None:
     """Open the lane the welcome from the ingress at `endpoint` offers (None: it offers none).
-    OSError when it cannot be reached."""
+    OSError when it cannot be reached. The socket has `timeout` for connecting; see
+    `set_send_timeout` for sending."""
     path, port = welcome.get("lane_path"), welcome.get("lane_port")
     if isinstance(path, str) and endpoint.startswith("ipc://"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -210,3 +218,12 @@ def connect(endpoint: str, welcome: dict[str, Any], timeout: float) -> socket.so
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+def set_send_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make `sock` blocking with a kernel send timeout: a send then costs one system call
+    (Python's own socket timeouts poll before every send)."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)

@@ -55,7 +55,7 @@ INLINE_MAX = 64 * 1024
 CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN = 64 * 1024
 HWM = 16
-LANE_CONNECT_S = 5.0
+LANE_CONNECT_S = 2.0  # a filtered port must not stall start-up long
 
 
 class Sender:
@@ -121,6 +121,7 @@ class Sender:
             lane.send_frame(sock, proto.pack("lane", id=ident), b"")
             if sock.recv(1) != lane.READY:
                 raise OSError("the ingress did not take the lane")
+            lane.set_send_timeout(sock, self.timeout)
         except OSError as exc:
             log.info("%s relay to %s sends inline over ZMQ: %s", self.kind, self.endpoint, exc)
             if sock is not None:
@@ -151,7 +152,7 @@ class Sender:
             self._check_open()
             try:
                 if inline is not None and self._lane is not None:
-                    self._send_lane(request_id, *inline, deadline)
+                    self._send_lane(request_id, *inline)
                 elif inline is not None:
                     self._sock.send_multipart(list(inline))
                 else:
@@ -162,17 +163,17 @@ class Sender:
                     f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
                 ) from None
 
-    def _send_lane(self, rid: str, header: bytes, data: bytearray, deadline: float) -> None:
-        """One frame on the lane. A failure cuts the stream mid-frame, which the ingress
-        drops whole; the lane is closed and later payloads go over ZMQ (not this one: it
-        could overtake frames still queued on the lane)."""
+    def _send_lane(self, rid: str, header: bytes, data: bytearray) -> None:
+        """One frame on the lane, waiting at most the sender's `timeout` for room (the
+        kernel's send timeout: cheaper than a deadline per call). A failure cuts the stream
+        mid-frame, which the ingress drops whole; the lane is closed and later payloads go
+        over ZMQ (not this one: it could overtake frames still queued on the lane)."""
         assert self._lane is not None
         try:
-            self._lane.settimeout(max(0.001, deadline - time.monotonic()))
             lane.send_frame(self._lane, header, data)
         except OSError as exc:
             self._close_lane()
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, (BlockingIOError, TimeoutError)):
                 raise RelayTimeout(
                     f"receiver at {self.endpoint} is not draining; request {rid} not sent"
                 ) from None
@@ -196,7 +197,6 @@ class Sender:
         with self._lock:
             if self._lane is not None:  # behind the inline payloads it sent before
                 try:
-                    self._lane.settimeout(self.timeout)
                     lane.send_frame(self._lane, header, b"")
                     self._lane_sent += 1
                     return
