@@ -113,6 +113,19 @@ def test_an_unreachable_lane_falls_back_to_zmq(
         assert_bit_exact(msg.payload, small_payload())
 
 
+def test_lanes_beyond_the_limit_are_refused_and_their_senders_use_zmq(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lane, "MAX_CONNECTIONS", 1)
+    ingress = rig.ingress("tcp")
+    first, second = rig.sender("tcp", ingress), rig.sender("tcp", ingress)
+    for sender, rid in ((first, "via-lane"), (second, "via-zmq")):
+        sender.send(small_payload(), request_id=rid)
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == rid
+    assert ingress.stats().lanes == 1
+
+
 def test_a_lane_that_fails_mid_send_is_dropped_and_zmq_takes_over(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -310,6 +310,13 @@ class Ingress:
     def _accept_lane(self, poller: zmq.Poller) -> None:
         assert self._lane_listener is not None
         while (conn := lane.accept(self._lane_listener)) is not None:
+            if len(self._lanes) >= lane.MAX_CONNECTIONS:
+                self._rejected += 1
+                log.warning(
+                    "ingress %s: more than %d lanes; one refused", self.endpoint, len(self._lanes)
+                )
+                conn.close()  # its sender goes over ZMQ
+                continue
             self._lanes[conn.fileno()] = _Lane(lane.LaneReader(conn))
             poller.register(conn.fileno(), zmq.POLLIN)
             self._read_lane(poller, conn.fileno())  # its hello may be there already

@@ -35,7 +35,9 @@ from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_BYTES
 
 PREFIX = struct.Struct("<II")
 READY = b"\x01"  # the ingress's one-byte answer to the hello: the lane is tied to its sender
-SCRATCH_BYTES = 256 << 10
+SCRATCH_BYTES = 64 << 10  # per connection: small frames are cut from it
+MAX_CONNECTIONS = 1024  # per ingress (each holds a socket and its scratch buffer)
+MAX_FRAMES_PER_READ = 64  # then back to the poll loop, so one busy lane cannot starve others
 
 
 class LaneError(RelayError):
@@ -85,7 +87,7 @@ class LaneReader:
 
     def read(self) -> list[Frame]:
         frames: list[Frame] = []
-        while True:
+        while len(frames) < MAX_FRAMES_PER_READ:
             target = (
                 memoryview(self._body)[self._got :]
                 if self._body is not None
@@ -106,7 +108,8 @@ class LaneReader:
                 self._have += n
                 self._parse(frames)
             if n < len(target):
-                return frames  # the socket is drained for now (poll says when there is more)
+                break  # the socket is drained for now (poll says when there is more)
+        return frames
 
     def _parse(self, frames: list[Frame]) -> None:
         used = 0

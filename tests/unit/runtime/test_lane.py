@@ -213,3 +213,20 @@ def test_an_unreachable_lane_is_an_oserror() -> None:
     probe.close()  # nobody listens there now
     with pytest.raises(OSError):
         lane.connect("tcp://127.0.0.1:5555", {"lane_port": port}, timeout=2)
+
+
+def test_one_read_takes_a_bounded_share_of_a_busy_lane(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    writer, sock = pair
+    frames = [(b"h", bytes([i % 256]) * 1024) for i in range(200)]  # ~3 scratch buffers
+    thread = threading.Thread(target=writer.sendall, args=(wire(frames),))
+    thread.start()
+    reader = lane.LaneReader(sock)
+    got = drain(reader)
+    while len(got) < len(frames):
+        more = drain(reader)
+        assert len(more) <= lane.MAX_FRAMES_PER_READ + lane.SCRATCH_BYTES // 1024
+        got += more
+    thread.join()
+    assert got == frames
