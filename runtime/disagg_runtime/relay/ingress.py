@@ -289,23 +289,31 @@ class Ingress:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        if self._lane_listener is not None:
-            poller.register(self._lane_listener, zmq.POLLIN)
+        listener = self._lane_listener.fileno() if self._lane_listener is not None else None
+        if listener is not None:
+            poller.register(listener, zmq.POLLIN)
         while not self._stop.is_set():
-            events = dict(poller.poll(timeout=self._poll_ms()))
-            if self._wake_r in events:
-                os.read(self._wake_r, 4096)
-            while not self._commands.empty():
-                self._commands.get()()
-            # lanes first: an inline frame is taken before a later ZMQ message of its sender
-            for fd in [fd for fd in events if fd in self._lanes]:
-                self._read_lane(poller, fd)
-            if self._lane_listener is not None and self._lane_listener.fileno() in events:
-                self._accept_lane(poller)
-            while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._handle_one()
-            self._expire(time.monotonic())
-            self._grant_pending()
+            try:
+                self._step(poller, listener)
+            except Exception:  # a bug must not stop every transfer to this role
+                log.exception("ingress %s: unexpected error in the I/O loop", self.endpoint)
+                time.sleep(0.01)
+
+    def _step(self, poller: zmq.Poller, listener: int | None) -> None:
+        events = dict(poller.poll(timeout=self._poll_ms()))
+        if self._wake_r in events:
+            os.read(self._wake_r, 4096)
+        while not self._commands.empty():
+            self._commands.get()()
+        # lanes first: an inline frame is taken before a later ZMQ message of its sender
+        for fd in [fd for fd in events if fd in self._lanes]:
+            self._read_lane(poller, fd)
+        if listener in events:
+            self._accept_lane(poller)
+        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._handle_one()
+        self._expire(time.monotonic())
+        self._grant_pending()
 
     def _accept_lane(self, poller: zmq.Poller) -> None:
         assert self._lane_listener is not None
@@ -331,6 +339,9 @@ class Ingress:
         for frame in frames:
             try:
                 self._on_lane_frame(conn, frame)
+            except lane.LaneError as exc:
+                closed = exc
+                break
             except (proto.ProtocolError, codec.CodecError) as exc:
                 self._rejected += 1
                 log.warning("ingress %s rejected a lane message: %s", self.endpoint, exc)
@@ -353,8 +364,11 @@ class Ingress:
                 conn.ident = bytes.fromhex(ident)
             except ValueError:
                 raise proto.ProtocolError("lane hello: 'id' is not hex") from None
+            try:
+                conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
+            except OSError as exc:  # the sender is gone already
+                raise lane.LaneError(f"lane hello not answered: {exc}") from None
             self._lane_counts[conn.ident] = 0
-            conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
             return
         self._lane_counts[conn.ident] += 1  # every frame counts: the sender counted it too
         msg = proto.unpack(frame.header, LANE_OPS)

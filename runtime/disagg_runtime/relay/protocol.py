@@ -6,9 +6,10 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
 
     sender                               ingress (owns the receive pool)
     hello {relay}                  -->
-                                   <--   welcome {pool, pool_size, max_allocation}
+                                   <--   welcome {pool, pool_size, max_allocation, lease_s,
+                                                  lane_id[, lane_port | lane_path]}
     inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
-    reserve {rid, xid, nbytes}     -->   queued until the pool has room
+    reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
                                    <--   grant {xid, offset, lease_s} | deny {xid, reason}
     (shm: sender writes the slot in the shared pool)
     commit {rid, xid, offset, manifest[, chunk]} [+ chunk frames for tcp]  -->
@@ -18,6 +19,11 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
 
 `xid` numbers each operation of a sender so that a late grant for an operation that timed
 out is never mistaken for the current one (completions are per operation).
+
+The inline lane (relay/lane.py) is a plain socket beside the ZMQ one that carries `inline`
+and `abort` messages in the same JSON: the welcome says where it listens and under which
+id (`lane_id`) the sender introduces itself there; a reservation's `lane` is how many lane
+frames the sender had written before it, and it is granted only once they are all taken.
 
 cuda-ipc (relay/cuda_ipc.py) adds two fields: the welcome to a `hello {relay: "cuda-ipc"}`
 carries `cuda` (the CUDA pool's IPC export for this peer) or `cuda_unavailable` (why not),

@@ -1,7 +1,8 @@
 """Sending ends of the relays: `ShmSender` (same node) and `TcpSender` (across nodes).
 
 Both speak `protocol` to an `Ingress`. Payloads up to `inline_max` bytes of tensors go as
-one codec message (latency-bound, no handshake). Larger ones reserve a slot in the
+one message carrying their slot's bytes (latency-bound, no handshake), on the inline lane
+the ingress offers (relay/lane.py) or else over ZMQ. Larger ones reserve a slot in the
 receiver's pool first, so a slow receiver stalls its senders (flow control) rather than
 dropping or over-allocating:
 
