@@ -302,3 +302,22 @@ def test_a_failing_on_message_releases_the_message_and_delivery_goes_on(
     assert ingress.pool.stats().used == ingress.pool.allocator.size_of(kept[0].slot)
     kept[0].release()
     assert ingress.pool.stats().used == 0
+
+
+def test_the_io_loop_outlives_an_unexpected_error(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ingress = rig.ingress("tcp")
+    real = Ingress._grant_pending
+    failures = [RuntimeError("bug")]
+
+    def flaky(self: Ingress) -> None:
+        if failures:
+            raise failures.pop()
+        real(self)
+
+    with caplog.at_level("ERROR"):
+        monkeypatch.setattr(Ingress, "_grant_pending", flaky)
+        ingress._wake()  # one turn of the loop: it fails once
+        wait_until(lambda: "unexpected error in the I/O loop" in caplog.text)
+    assert_still_serves(rig, ingress, "tcp")
