@@ -10,9 +10,7 @@ send and clones every tensor on receive.
 
 from __future__ import annotations
 
-import os
 import struct
-import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -40,7 +38,6 @@ def serve(method: str, pool_size: int, control: Connection, device: str = "cpu")
     reply.connect(reply_endpoint)
     baseline = rss_bytes()
     reset_peak()
-    tmp = tempfile.mkdtemp(prefix="disagg-bench-")
     ingress: Ingress | None = None
     pool: Pool | None = None
     sock: zmq.Socket[Any] | None = None
@@ -51,7 +48,7 @@ def serve(method: str, pool_size: int, control: Connection, device: str = "cpu")
                 pool_device = GPU_POOLS[method]
             name = shm_name("bench", "receiver") if pool_device in ("shm", "cpu-pinned") else None
             pool = Pool.create(pool_size, device=pool_device, name=name)
-            endpoint = "tcp://127.0.0.1:0" if method == "tcp" else f"ipc://{tmp}/ingress.sock"
+            endpoint = "tcp://127.0.0.1:0"  # as roles bind, whatever the relay
             # delivered on the ingress's I/O thread, as roles receive (relay/ingress.py)
             ingress = Ingress(
                 endpoint, pool, context=ctx, on_message=_relay_reply(reply, device == "cuda")
@@ -74,7 +71,6 @@ def serve(method: str, pool_size: int, control: Connection, device: str = "cpu")
         control.send({"rss_baseline": baseline, "rss_peak": peak_rss_bytes()})
         reply.close()
         ctx.term()
-        os.rmdir(tmp) if not os.listdir(tmp) else None
 
 
 def _one_way(payload: dict[str, Any]) -> bytes:
