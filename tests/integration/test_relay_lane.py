@@ -207,6 +207,27 @@ def test_a_connection_that_does_not_introduce_itself_is_closed(rig: Rig) -> None
     assert_still_serves(rig, ingress, "tcp")
 
 
+@pytest.mark.parametrize("case", ["unknown", "reused"])
+def test_a_lane_hello_with_an_id_this_ingress_did_not_give_is_refused(rig: Rig, case: str) -> None:
+    ingress = rig.ingress("tcp")
+    dealer = rig.raw(ingress)
+    dealer.send(proto.pack("hello", relay="tcp"))
+    welcome = recv_reply(dealer)
+    first = open_lane(ingress, welcome)
+    lane.send_frame(first, proto.pack("lane", id=welcome["lane_id"]), b"")
+    assert first.recv(1) == lane.READY  # the id is spent now
+    token = welcome["lane_id"] if case == "reused" else "ab" * 16
+    sock = open_lane(ingress, welcome)
+    try:
+        lane.send_frame(sock, proto.pack("lane", id=token), b"")
+        sock.settimeout(WAIT)
+        assert sock.recv(1) == b""  # closed: a lane is never tied to a sender twice or blindly
+        assert ingress.stats().lanes == 1
+    finally:
+        sock.close()
+        first.close()
+
+
 def test_an_oversized_lane_frame_closes_the_lane(rig: Rig) -> None:
     ingress = rig.ingress("tcp")
     _, sock = raw_sender(rig, ingress)

@@ -181,6 +181,7 @@ class Ingress:
         self._lane_offer: dict[str, Any] = listening[1] if listening else {}
         self._lanes: dict[int, _Lane] = {}  # by file descriptor
         self._lane_counts: dict[bytes, int] = {}  # inline frames taken, by sender identity
+        self._lane_tokens: dict[str, bytes] = {}  # offered in welcomes, not yet used
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: fast hand-off
         self._lock = threading.Lock()
         self._pending: collections.deque[_Reservation] = collections.deque()
@@ -359,11 +360,10 @@ class Ingress:
     def _on_lane_frame(self, conn: _Lane, frame: lane.Frame) -> None:
         if conn.ident is None:
             hello = proto.unpack(frame.header, LANE_HELLO)
-            ident = proto.field(hello, "id", str)
-            try:
-                conn.ident = bytes.fromhex(ident)
-            except ValueError:
-                raise proto.ProtocolError("lane hello: 'id' is not hex") from None
+            ident = self._lane_tokens.pop(proto.field(hello, "id", str), None)
+            if ident is None:  # not welcomed here: a lane that reached the wrong ingress
+                raise proto.ProtocolError("lane hello: unknown id")
+            conn.ident = ident
             try:
                 conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
             except OSError as exc:  # the sender is gone already
@@ -425,9 +425,18 @@ class Ingress:
             max_allocation=self.pool.allocator.max_allocation,
             lease_s=self.lease_s,
             **self._lane_offer,
-            lane_id=ident.hex(),
+            lane_id=self._lane_token(ident),
             **self._welcome_extra(ident, msg),
         )
+
+    def _lane_token(self, ident: bytes) -> str:
+        """A random id under which the sender `ident` may open a lane (once): a lane that
+        reaches another ingress (a name that resolved elsewhere) is refused there."""
+        token = os.urandom(16).hex()
+        self._lane_tokens[token] = ident
+        while len(self._lane_tokens) > lane.MAX_CONNECTIONS:  # senders that never came
+            self._lane_tokens.pop(next(iter(self._lane_tokens)))
+        return token
 
     def _welcome_extra(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         """Backend hook: relay-specific welcome fields (a CUDA pool exports itself)."""

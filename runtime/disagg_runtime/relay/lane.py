@@ -10,8 +10,9 @@ Frames, all lengths little-endian u32:
 
     [header length][data length][header: the inline control JSON][data: the slot's bytes]
 
-The lane opens with one frame whose header is `{"op": "lane", "id": <hex>}` (no data):
-the sender's ZMQ routing id, so the ingress can tie the lane to that sender. `abort`s
+The lane opens with one frame whose header is `{"op": "lane", "id": <token>}` (no data):
+the one-time token the welcome gave the sender over ZMQ, so the ingress can tie the lane
+to that sender (and refuse a lane that reached another ingress). `abort`s
 travel on the lane too, behind the inline payloads they follow. The sender numbers its
 lane frames; a later reservation says how many it had sent (`lane`), and the
 ingress grants it only once it has taken that many from the lane, so a staged payload

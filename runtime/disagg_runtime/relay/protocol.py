@@ -22,7 +22,7 @@ out is never mistaken for the current one (completions are per operation).
 
 The inline lane (relay/lane.py) is a plain socket beside the ZMQ one that carries `inline`
 and `abort` messages in the same JSON: the welcome says where it listens and under which
-id (`lane_id`) the sender introduces itself there; a reservation's `lane` is how many lane
+one-time id (`lane_id`) the sender introduces itself there; a reservation's `lane` is how many lane
 frames the sender had written before it, and it is granted only once they are all taken.
 
 cuda-ipc (relay/cuda_ipc.py) adds two fields: the welcome to a `hello {relay: "cuda-ipc"}`
