@@ -445,9 +445,10 @@ class Role:
             nbytes = relay.send(
                 payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
             )
-        except RelayError:
+        except RelayError as exc:
             self.relays.drop(peers.kind, endpoint)
-            raise
+            # the same type (a timeout stays a timeout), naming whom it could not reach
+            raise type(exc)(f"{target} at {endpoint}: {exc}") from exc
         self.metrics.edge_sent(f"{self.name}->{target}", nbytes, time.monotonic() - started)
 
     def _send_reply(self, meta: Meta, payload: Any) -> None:

@@ -3,6 +3,7 @@ sockets: ordering against the ZMQ path, fallbacks, and malformed lane traffic.""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from typing import TYPE_CHECKING, Any
@@ -46,15 +47,27 @@ def open_lane(ingress: Ingress, welcome: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def raw_sender(rig: Rig, ingress: Ingress) -> tuple[Any, socket.socket]:
+def raw_sender(rig: Rig, ingress: Ingress, *, control: bool = False) -> tuple[Any, socket.socket]:
     """A bare DEALER plus its lane, introduced the way a Sender does it."""
     dealer = rig.raw(ingress)
-    dealer.send(proto.pack("hello", relay="tcp"))
+    dealer.send(proto.pack("hello", relay="shm" if control else "tcp"))
     welcome = recv_reply(dealer)
     sock = open_lane(ingress, welcome)
-    lane.send_frame(sock, proto.pack("lane", id=welcome["lane_id"]), b"")
+    lane.send_frame(sock, proto.pack("lane", id=welcome["lane_id"], control=control), b"")
     assert sock.recv(1) == lane.READY
     return dealer, sock
+
+
+def lane_reply(sock: socket.socket) -> dict[str, Any]:
+    """The next reply the ingress wrote on a control lane."""
+    reader = lane.LaneReader(sock)
+    sock.settimeout(WAIT)
+    frames: list[lane.Frame] = []
+    while not frames:
+        assert select.select([sock], [], [], WAIT)[0], "no reply on the lane"
+        frames = reader.read()
+    assert len(frames) == 1
+    return proto.unpack(frames[0].header, proto.OPS_TO_SENDER)
 
 
 def inline_frame(rid: str, data: bytes = b"\x07" * 16) -> tuple[bytes, bytes]:
@@ -126,23 +139,25 @@ def test_lanes_beyond_the_limit_are_refused_and_their_senders_use_zmq(
     assert ingress.stats().lanes == 1
 
 
-def test_a_lane_that_fails_mid_send_is_dropped_and_zmq_takes_over(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_broken_lane_is_dropped_and_zmq_carries_that_payload_and_the_next(
+    rig: Rig, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ingress = rig.ingress("tcp")
-    sender = rig.sender("tcp", ingress)
+    ingress = rig.ingress(kind)
+    sender = rig.sender(kind, ingress)
     real_send = lane.send_frame
 
     def broken(*args: Any) -> None:
         raise ConnectionResetError("peer reset")
 
     monkeypatch.setattr(lane, "send_frame", broken)
-    with pytest.raises(RelayError, match=r"lane .* failed; request lost not sent"):
-        sender.send(small_payload(), request_id="lost")
+    sender.send(small_payload(), request_id="when-it-broke")
     monkeypatch.setattr(lane, "send_frame", real_send)
-    sender.send(small_payload(1), request_id="after")  # over ZMQ now
-    with ingress.recv(timeout=WAIT) as msg:
-        assert msg.request_id == "after"
+    sender.send(small_payload(1), request_id="after")
+    sender.send(large_payload(), request_id="staged")  # the handshake over ZMQ too
+    for rid in ("when-it-broke", "after", "staged"):
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == rid
     wait_until(lambda: ingress.stats().lanes == 0)
 
 
@@ -187,6 +202,56 @@ def test_a_reservation_waits_for_the_lane_frames_sent_before_it(rig: Rig) -> Non
             assert msg.request_id == "first"
         dealer.send(proto.pack("cancel", xid=1))
         wait_until(lambda: ingress.pool.stats().used == 0)
+    finally:
+        sock.close()
+
+
+def test_a_control_lane_carries_the_whole_handshake_and_its_replies(rig: Rig) -> None:
+    ingress = rig.ingress("shm")
+    dealer, sock = raw_sender(rig, ingress, control=True)
+    try:
+        lane.send_frame(sock, proto.pack("reserve", rid="r", xid=1, nbytes=MiB, wait_s=WAIT), b"")
+        grant = lane_reply(sock)
+        assert (grant["op"], grant["xid"]) == ("grant", 1)
+        bad = {"v": 1, "tree": {"t": 0}, "nbytes": 1, "tensors": []}  # tree names no tensor
+        lane.send_frame(
+            sock, proto.pack("commit", rid="r", xid=1, offset=grant["offset"], manifest=bad), b""
+        )
+        nack = lane_reply(sock)  # answered at once, on the lane
+        assert (nack["op"], nack["xid"]) == ("nack", 1)
+        lane.send_frame(sock, proto.pack("reserve", rid="r", xid=2, nbytes=MiB), b"")
+        grant = lane_reply(sock)
+        manifest = {
+            "v": 1,
+            "tree": {"t": 0},
+            "nbytes": 4,
+            "tensors": [{"dtype": "uint8", "shape": [4], "offset": 0}],
+        }
+        ingress.pool.backing.buffer(grant["offset"], 4)[:] = b"\x01\x02\x03\x04"
+        commit = proto.pack("commit", rid="r", xid=2, offset=grant["offset"], manifest=manifest)
+        lane.send_frame(sock, commit, b"")
+        assert lane_reply(sock) == {"v": 1, "pv": 1, "op": "ack", "xid": 2}
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.payload.tolist() == [1, 2, 3, 4]
+        assert not dealer.poll(100), "replies of a control lane never go over ZMQ"
+        assert ingress.stats().rejected == 1
+    finally:
+        sock.close()
+
+
+def test_a_tcp_commit_cannot_travel_on_the_lane(rig: Rig) -> None:
+    ingress = rig.ingress("tcp")
+    _, sock = raw_sender(rig, ingress, control=True)
+    try:
+        lane.send_frame(sock, proto.pack("reserve", rid="r", xid=1, nbytes=MiB), b"")
+        grant = lane_reply(sock)
+        manifest: dict[str, Any] = {"v": 1, "tree": None, "nbytes": 0, "tensors": []}
+        commit = proto.pack(
+            "commit", rid="r", xid=1, offset=grant["offset"], manifest=manifest, chunk=4096
+        )
+        lane.send_frame(sock, commit, b"")
+        assert lane_reply(sock)["op"] == "nack"
+        assert ingress.pool.stats().used == 0  # the grant was let go before the nack
     finally:
         sock.close()
 

@@ -42,7 +42,8 @@ HWM = 16
 MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
 MAX_WAIT_S = 3600.0
 LANE_HELLO = frozenset({"lane"})
-LANE_OPS = frozenset({"inline", "abort"})
+INLINE_OPS = frozenset({"inline", "abort"})
+LANE_OPS = frozenset({"inline", "abort", "reserve", "cancel", "commit"})
 
 
 @dataclass(eq=False)
@@ -122,6 +123,7 @@ class _Lane:
 
     reader: lane.LaneReader
     ident: bytes | None = None
+    control: bool = False  # the sender runs its whole protocol here, replies included
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,8 @@ class Ingress:
         self._lanes: dict[int, _Lane] = {}  # by file descriptor
         self._lane_counts: dict[bytes, int] = {}  # inline frames taken, by sender identity
         self._lane_tokens: dict[str, bytes] = {}  # offered in welcomes, not yet used
+        self._control_lanes: dict[bytes, _Lane] = {}  # senders whose replies go on the lane
+        self._poller = zmq.Poller()  # the I/O thread's
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: fast hand-off
         self._lock = threading.Lock()
         self._pending: collections.deque[_Reservation] = collections.deque()
@@ -287,7 +291,7 @@ class Ingress:
 
     # ---- I/O thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         listener = self._lane_listener.fileno() if self._lane_listener is not None else None
@@ -295,28 +299,28 @@ class Ingress:
             poller.register(listener, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                self._step(poller, listener)
+                self._step(listener)
             except Exception:  # a bug must not stop every transfer to this role
                 log.exception("ingress %s: unexpected error in the I/O loop", self.endpoint)
                 time.sleep(0.01)
 
-    def _step(self, poller: zmq.Poller, listener: int | None) -> None:
-        events = dict(poller.poll(timeout=self._poll_ms()))
+    def _step(self, listener: int | None) -> None:
+        events = dict(self._poller.poll(timeout=self._poll_ms()))
         if self._wake_r in events:
             os.read(self._wake_r, 4096)
         while not self._commands.empty():
             self._commands.get()()
         # lanes first: an inline frame is taken before a later ZMQ message of its sender
         for fd in [fd for fd in events if fd in self._lanes]:
-            self._read_lane(poller, fd)
+            self._read_lane(fd)
         if listener in events:
-            self._accept_lane(poller)
+            self._accept_lane()
         while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._handle_one()
         self._expire(time.monotonic())
         self._grant_pending()
 
-    def _accept_lane(self, poller: zmq.Poller) -> None:
+    def _accept_lane(self) -> None:
         assert self._lane_listener is not None
         while (conn := lane.accept(self._lane_listener)) is not None:
             if len(self._lanes) >= lane.MAX_CONNECTIONS:
@@ -327,10 +331,10 @@ class Ingress:
                 conn.close()  # its sender goes over ZMQ
                 continue
             self._lanes[conn.fileno()] = _Lane(lane.LaneReader(conn))
-            poller.register(conn.fileno(), zmq.POLLIN)
-            self._read_lane(poller, conn.fileno())  # its hello may be there already
+            self._poller.register(conn.fileno(), zmq.POLLIN)
+            self._read_lane(conn.fileno())  # its hello may be there already
 
-    def _read_lane(self, poller: zmq.Poller, fd: int) -> None:
+    def _read_lane(self, fd: int) -> None:
         conn = self._lanes[fd]
         closed: lane.LaneError | None = None
         try:
@@ -351,11 +355,18 @@ class Ingress:
                     break
         if closed is not None:
             log.debug("ingress %s: %s", self.endpoint, closed)
-            poller.unregister(fd)
-            del self._lanes[fd]
-            if conn.ident is not None:
-                self._lane_counts.pop(conn.ident, None)
-            conn.reader.close()
+            self._close_lane(conn)
+
+    def _close_lane(self, conn: _Lane) -> None:
+        fd = conn.reader.sock.fileno()
+        if self._lanes.pop(fd, None) is None:
+            return
+        self._poller.unregister(fd)  # before closing: the number may be reused at once
+        if conn.ident is not None:
+            self._lane_counts.pop(conn.ident, None)
+            if self._control_lanes.get(conn.ident) is conn:
+                del self._control_lanes[conn.ident]
+        conn.reader.close()
 
     def _on_lane_frame(self, conn: _Lane, frame: lane.Frame) -> None:
         if conn.ident is None:
@@ -364,17 +375,28 @@ class Ingress:
             if ident is None:  # not welcomed here: a lane that reached the wrong ingress
                 raise proto.ProtocolError("lane hello: unknown id")
             conn.ident = ident
+            conn.control = hello.get("control") is True
             try:
                 conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
             except OSError as exc:  # the sender is gone already
                 raise lane.LaneError(f"lane hello not answered: {exc}") from None
             self._lane_counts[conn.ident] = 0
+            if conn.control:
+                self._control_lanes[conn.ident] = conn
             return
         self._lane_counts[conn.ident] += 1  # every frame counts: the sender counted it too
-        msg = proto.unpack(frame.header, LANE_OPS)
-        if msg["op"] == "abort":
-            self._on_abort(conn.ident, msg)
-            return
+        msg: dict[str, Any] = {}
+        try:
+            msg = proto.unpack(frame.header, LANE_OPS if conn.control else INLINE_OPS)
+            if msg["op"] != "inline":
+                if msg["op"] == "commit" and msg.get("chunk") is not None:
+                    self._on_cancel(conn.ident, msg)  # its slot is free again
+                    raise proto.ProtocolError("a tcp commit cannot travel on the lane")
+                getattr(self, f"_on_{msg['op']}")(conn.ident, msg)
+                return
+        except (proto.ProtocolError, codec.CodecError) as exc:
+            self._nack_commit(conn.ident, msg, exc)
+            raise
         size = len(frame.data)
         self._inline(msg, Manifest.from_json(msg.get("manifest"), slot_size=size), frame.data, size)
 
@@ -403,18 +425,31 @@ class Ingress:
         except (proto.ProtocolError, codec.CodecError) as exc:
             self._rejected += 1
             log.warning("ingress %s rejected a message: %s", self.endpoint, exc)
-            xid = msg.get("xid")
-            if msg.get("op") == "commit" and isinstance(xid, int) and ident not in self._landing:
-                self._reply(ident, "nack", xid=xid, reason=str(exc))
+            if ident not in self._landing:
+                self._nack_commit(ident, msg, exc)
         finally:
             self._drain()
+
+    def _nack_commit(self, ident: bytes, msg: dict[str, Any], exc: Exception) -> None:
+        """A rejected commit is answered, so its sender fails now rather than at its timeout."""
+        xid = msg.get("xid")
+        if msg.get("op") == "commit" and isinstance(xid, int):
+            self._reply(ident, "nack", xid=xid, reason=str(exc))
 
     def _drain(self) -> None:
         while self._sock.getsockopt(zmq.RCVMORE):
             self._sock.recv_into(_SCRATCH)
 
     def _reply(self, ident: bytes, op: str, **fields: Any) -> None:
-        self._sock.send_multipart([ident, proto.pack(op, **fields)])
+        conn = self._control_lanes.get(ident)
+        if conn is None:
+            self._sock.send_multipart([ident, proto.pack(op, **fields)])
+            return
+        try:  # a few hundred bytes into the buffer of a sender that reads its replies
+            lane.send_frame(conn.reader.sock, proto.pack(op, **fields), b"")
+        except OSError as exc:  # gone, or not reading: it times out on its side
+            log.warning("ingress %s: lane reply failed: %s", self.endpoint, exc)
+            self._close_lane(conn)
 
     def _on_hello(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._reply(
@@ -606,13 +641,22 @@ class Ingress:
         except BaseException:
             self.pool.free(slot)
             raise
-        if self._deliver(Message(rid, payload, manifest.nbytes, slot, time.monotonic(), meta)):
-            self._reply(ident, "ack", xid=xid)
-        else:
+        msg = Message(rid, payload, manifest.nbytes, slot, time.monotonic(), meta)
+        if not self._admit(msg):
             self._reply(ident, "nack", xid=xid, reason=f"request {rid} was aborted")
+            return
+        self._reply(ident, "ack", xid=xid)  # the sender goes on while the message is handled
+        self._hand_over(msg)
 
     def _deliver(self, msg: Message) -> bool:
         """Queue a landed payload unless its request was aborted (then free its slot)."""
+        if not self._admit(msg):
+            return False
+        self._hand_over(msg)
+        return True
+
+    def _admit(self, msg: Message) -> bool:
+        """Make `msg` one of its request's live messages; False (slot freed) if aborted."""
         msg._release = self._release
         with self._lock:
             if msg.request_id in self._aborted:
@@ -621,15 +665,18 @@ class Ingress:
                 return False
             self._live[msg.request_id].append(msg)
             self._delivered += 1
+        return True
+
+    def _hand_over(self, msg: Message) -> None:
+        """To `recv` through the queue, or to `on_message` right here on the I/O thread."""
         if self._on_message is None:
             self._queue.put(msg)
-            return True
+            return
         try:
             self._on_message(msg)
         except Exception:  # the I/O thread must outlive a failing callback
             log.exception("ingress %s: on_message failed; message released", self.endpoint)
             msg.release()
-        return True
 
     def _expire(self, now: float) -> None:
         for ident, landing in list(self._landing.items()):

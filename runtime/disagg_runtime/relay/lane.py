@@ -94,14 +94,14 @@ class LaneReader:
                 if self._body is not None
                 else self._view[self._have :]
             )
-            try:
-                n = self.sock.recv_into(target)
+            try:  # never waits, on a blocking socket too (the sender reads its replies so)
+                n = self.sock.recv_into(target, 0, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return frames
             except OSError as exc:
                 raise LaneError(f"lane connection failed: {exc}") from None
             if n == 0:
-                raise LaneError("lane closed by the sender")
+                raise LaneError("lane closed by the other end")
             if self._body is not None:
                 self._got += n
                 self._complete(frames)

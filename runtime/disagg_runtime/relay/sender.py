@@ -23,8 +23,10 @@ taken for the current one.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import select
 import socket
 import threading
 import time
@@ -63,6 +65,7 @@ class Sender:
     """Common handshake, inline path, reservation and acknowledgement logic."""
 
     kind: ClassVar[str] = ""
+    control_on_lane: ClassVar[bool] = False  # run the whole protocol on the lane
 
     def __init__(
         self,
@@ -91,6 +94,8 @@ class Sender:
         self.closed = False
         self._lane: socket.socket | None = None
         self._lane_sent = 0
+        self._lane_control = False  # reservations, commits and their replies on the lane too
+        self._lane_replies: collections.deque[bytes] = collections.deque()
         try:
             welcome = self._handshake()
             self.max_allocation: int = proto.nonneg_int(welcome, "max_allocation")
@@ -119,7 +124,8 @@ class Sender:
             sock = lane.connect(self.endpoint, welcome, min(self.timeout, LANE_CONNECT_S))
             if sock is None:
                 return
-            lane.send_frame(sock, proto.pack("lane", id=ident), b"")
+            hello = proto.pack("lane", id=ident, control=self.control_on_lane)
+            lane.send_frame(sock, hello, b"")
             if sock.recv(1) != lane.READY:
                 raise OSError("the ingress did not take the lane")
             lane.set_send_timeout(sock, self.timeout)
@@ -129,6 +135,10 @@ class Sender:
                 sock.close()
             return
         self._lane = sock
+        self._lane_reader = lane.LaneReader(sock)
+        self._lane_poll = select.poll()
+        self._lane_poll.register(sock, select.POLLIN)
+        self._lane_control = self.control_on_lane
 
     def send(
         self,
@@ -167,8 +177,10 @@ class Sender:
     def _send_lane(self, rid: str, header: bytes, data: bytearray) -> None:
         """One frame on the lane, waiting at most the sender's `timeout` for room (the
         kernel's send timeout: cheaper than a deadline per call). A failure cuts the stream
-        mid-frame, which the ingress drops whole; the lane is closed and later payloads go
-        over ZMQ (not this one: it could overtake frames still queued on the lane)."""
+        mid-frame, which the ingress drops whole, and closes the lane. A broken connection
+        took every earlier frame with it, so this payload goes over ZMQ, as later ones do
+        (ZMQ queues for a peer that comes back); a full one (the receiver stopped reading)
+        still holds earlier frames this one must not overtake: RelayTimeout."""
         assert self._lane is not None
         try:
             lane.send_frame(self._lane, header, data)
@@ -178,15 +190,58 @@ class Sender:
                 raise RelayTimeout(
                     f"receiver at {self.endpoint} is not draining; request {rid} not sent"
                 ) from None
-            raise RelayError(
-                f"lane to {self.endpoint} failed; request {rid} not sent: {exc}"
-            ) from None
+            log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
+            self._sock.send_multipart([header, data])
+            return
         self._lane_sent += 1
 
     def _close_lane(self) -> None:
         if self._lane is not None:
             self._lane.close()
             self._lane = None
+            self._lane_control = False
+
+    def _control(self, header: bytes, *, opens: bool = False) -> None:
+        """Send a control message where this sender's replies come from. When the lane is
+        broken, a message that `opens` an operation (nothing of it sent yet) goes over
+        ZMQ, as everything after it; one in the middle of an operation fails it."""
+        if not self._lane_control:
+            self._sock.send(header)
+            return
+        assert self._lane is not None
+        try:
+            lane.send_frame(self._lane, header, b"")
+        except OSError as exc:
+            self._close_lane()
+            if isinstance(exc, (BlockingIOError, TimeoutError)):
+                raise RelayTimeout(f"receiver at {self.endpoint} is not draining") from None
+            if not opens:
+                raise RelayError(
+                    f"lost the connection to {self.endpoint} mid-transfer (receiver gone?): {exc}"
+                ) from None
+            log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
+            self._sock.send(header)
+            return
+        self._lane_sent += 1
+
+    def _next_reply(self, timeout: float) -> bytes | None:
+        """The next reply header, or None when none came within `timeout` s."""
+        if not self._lane_control:
+            if not self._sock.poll(int(timeout * 1000) + 1, zmq.POLLIN):
+                return None
+            return bytes(self._sock.recv())
+        while not self._lane_replies:
+            if not self._lane_poll.poll(int(timeout * 1000) + 1):
+                return None
+            try:
+                frames = self._lane_reader.read()
+            except lane.LaneError as exc:
+                self._close_lane()
+                raise RelayError(
+                    f"lost the connection to {self.endpoint} mid-transfer (receiver gone?): {exc}"
+                ) from None
+            self._lane_replies.extend(bytes(f.header) for f in frames)
+        return self._lane_replies.popleft()
 
     def _inline(self, tensors: list[torch.Tensor], nbytes: int) -> bool:
         """Backend hook: whether a payload goes as one inline message (no pool slot)."""
@@ -237,10 +292,12 @@ class Sender:
             )
         xid = next(self._xids)
         wait = max(0.0, deadline - time.monotonic())
-        # with a lane, the ingress grants only once it has this sender's earlier inline frames
-        lanes = {"lane": self._lane_sent} if self._lane is not None else {}
-        self._sock.send(
-            proto.pack("reserve", rid=rid, xid=xid, nbytes=manifest.nbytes, wait_s=wait, **lanes)
+        # over ZMQ beside a lane, the ingress grants only once it has the inline frames sent
+        # on the lane before this (on the lane itself, the order is the lane's)
+        lanes = {"lane": self._lane_sent} if self._lane and not self._lane_control else {}
+        self._control(
+            proto.pack("reserve", rid=rid, xid=xid, nbytes=manifest.nbytes, wait_s=wait, **lanes),
+            opens=True,
         )
         no_room = RelayTimeout(
             f"receiver at {self.endpoint} had no room for {manifest.nbytes} B "
@@ -249,7 +306,7 @@ class Sender:
         try:
             grant = self._await(xid, {"grant", "deny"}, deadline, "reservation")
         except RelayTimeout:
-            self._sock.send(proto.pack("cancel", xid=xid))
+            self._control(proto.pack("cancel", xid=xid))
             raise no_room from None
         granted = time.monotonic()
         if grant["op"] == "deny" and grant.get("timeout") is True:
@@ -295,7 +352,7 @@ class Sender:
 
     def _check_lease(self, xid: int, write_by: float) -> None:
         if time.monotonic() > write_by:
-            self._sock.send(proto.pack("cancel", xid=xid))
+            self._control(proto.pack("cancel", xid=xid))
             raise RelayTimeout(f"lease on the slot at {self.endpoint} ran out before commit")
 
     def _await(self, xid: int | None, ops: set[str], deadline: float, what: str) -> dict[str, Any]:
@@ -303,22 +360,26 @@ class Sender:
         (a late grant is cancelled so the receiver frees its slot)."""
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+            header = self._next_reply(remaining) if remaining > 0 else None
+            if header is None:
                 raise RelayTimeout(f"{what} from {self.endpoint} timed out")
             try:
-                msg = proto.unpack(self._sock.recv(), proto.OPS_TO_SENDER)
+                msg = proto.unpack(header, proto.OPS_TO_SENDER)
             except proto.ProtocolError as exc:
                 raise RelayError(f"bad reply from {self.endpoint}: {exc}") from None
             if msg["op"] in ops and msg.get("xid") == xid:
                 return msg
             if msg["op"] == "grant" and isinstance(msg.get("xid"), int):
-                self._sock.send(proto.pack("cancel", xid=msg["xid"]))
+                self._control(proto.pack("cancel", xid=msg["xid"]))
 
 
 class ShmSender(Sender):
-    """Writes tensors once into the receiver's pre-faulted shared pool; sends the manifest."""
+    """Writes tensors once into the receiver's pre-faulted shared pool; sends the manifest.
+    With a lane, the whole handshake runs there: one thread wake-up per message instead of
+    three (the data itself never crosses a socket)."""
 
     kind = "shm"
+    control_on_lane = True
     _backing: Backing | None = None
     _pin_tried = False
 
@@ -348,7 +409,7 @@ class ShmSender(Sender):
         self._check_lease(xid, write_by)
         # copies from a GPU run on the copy stream; the receiver reads once it has the commit
         write_tensors(self._backing, offset, manifest, tensors).wait()
-        self._sock.send(commit)
+        self._control(commit)
 
     def _pin_for_gpu(self, backing: Backing) -> None:
         """Page-lock our mapping of the receiver's pool once, so that GPU tensors are copied
