@@ -1,10 +1,12 @@
-"""The inline lane: a plain stream socket beside the ZMQ socket, for small payloads only.
+"""The lane: a plain stream socket beside the ZMQ socket, for the latency-bound messages.
 
 Why: one ZMQ message crosses three threads (the sender's ZMQ I/O thread, the receiver's
 ZMQ I/O thread, then the application thread), and on small VMs each wake-up costs
 20-50 us. A plain socket read by the ingress's own poll loop is woken once: a 4 KiB
-payload arrives in about a third of the time. Large payloads keep the credit protocol
-over ZMQ; only `inline` and `abort` messages use the lane.
+payload arrives in about a third of the time. Every sender puts its `inline` and `abort`
+messages on the lane; an shm sender (whose data never crosses a socket) says `control`
+in its hello and runs its whole credit protocol there, replies included. tcp chunks stay
+on ZMQ.
 
 Frames, all lengths little-endian u32:
 
@@ -50,9 +52,9 @@ def frame_prefix(header: bytes, data_bytes: int) -> bytes:
 
 
 def send_frame(sock: socket.socket, header: bytes, data: bytes | bytearray | memoryview) -> None:
-    """Write one frame whole on a blocking socket. With a send timeout (`SO_SNDTIMEO`, see
-    `connect`) a receiver that stops reading raises BlockingIOError; the stream is then cut
-    mid-frame and must be closed."""
+    """Write one frame whole. On a blocking socket with a send timeout (`set_send_timeout`)
+    a receiver that stops reading raises BlockingIOError (on a non-blocking one, a full
+    buffer does at once); the stream is then cut mid-frame and must be closed."""
     parts = [frame_prefix(header, len(data)), header, data]
     total = sum(len(p) for p in parts)
     sent = sock.sendmsg(parts)
