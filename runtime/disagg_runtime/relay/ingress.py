@@ -460,7 +460,7 @@ class Ingress:
             max_allocation=self.pool.allocator.max_allocation,
             lease_s=self.lease_s,
             **self._lane_offer,
-            lane_id=self._lane_token(ident),
+            **({"lane_id": self._lane_token(ident)} if self._lane_offer else {}),
             **self._welcome_extra(ident, msg),
         )
 
