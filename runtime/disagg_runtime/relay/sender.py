@@ -200,6 +200,7 @@ class Sender:
             self._lane.close()
             self._lane = None
             self._lane_control = False
+            self._lane_replies.clear()
 
     def _control(self, header: bytes, *, opens: bool = False) -> None:
         """Send a control message where this sender's replies come from. When the lane is
@@ -230,8 +231,10 @@ class Sender:
             if not self._sock.poll(int(timeout * 1000) + 1, zmq.POLLIN):
                 return None
             return bytes(self._sock.recv())
+        deadline = time.monotonic() + timeout
         while not self._lane_replies:
-            if not self._lane_poll.poll(int(timeout * 1000) + 1):
+            remaining = deadline - time.monotonic()  # a partial frame must not extend it
+            if remaining <= 0 or not self._lane_poll.poll(int(remaining * 1000) + 1):
                 return None
             try:
                 frames = self._lane_reader.read()
