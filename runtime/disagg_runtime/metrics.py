@@ -107,6 +107,7 @@ class RoleSample:
     pool_free_slots: int  # how many more typical requests fit the receive pool now
     inflight: int  # requests being handled
     queue_depth: int  # received, waiting for a worker
+    lanes: int = 0  # senders connected through the ingress's lane (the rest use ZMQ only)
 
 
 def occupancy(used: int, total: int) -> float:
@@ -117,7 +118,7 @@ def occupancy(used: int, total: int) -> float:
 
 
 class _SampleCollector:
-    """Yields the six gauges from one call of ``sample()`` per scrape."""
+    """Yields the role's gauges from one call of ``sample()`` per scrape."""
 
     _GAUGES: Final = (
         ("disagg_pool_bytes_used", "Receive-pool bytes in use."),
@@ -126,6 +127,7 @@ class _SampleCollector:
         ("disagg_pool_free_slots", "Typical requests that still fit the receive pool."),
         ("disagg_inflight_requests", "Requests being handled."),
         ("disagg_queue_depth", "Requests received and waiting for a worker."),
+        ("disagg_ingress_lanes", "Senders connected through the lane; others use ZMQ only."),
     )
 
     def __init__(self, label_values: list[str], sample: Callable[[], RoleSample]) -> None:
@@ -147,6 +149,7 @@ class _SampleCollector:
                 float(s.pool_free_slots),
                 float(s.inflight),
                 float(s.queue_depth),
+                float(s.lanes),
             )
         except Exception:
             if not self._failing:

@@ -237,6 +237,7 @@ class Role:
 
     def _sample(self) -> RoleSample:
         stats = self.pool.stats()
+        ingress = self.ingress.stats()
         with self._cond:
             queued = sum(len(q) for q in self._work.values())
             inflight = len(self._active)
@@ -245,7 +246,8 @@ class Role:
             pool_total_bytes=stats.total,
             pool_free_slots=self.pool.allocator.free_slots(self._typical),
             inflight=inflight,
-            queue_depth=queued + self.ingress.stats().queued,
+            queue_depth=queued + ingress.queued,
+            lanes=ingress.lanes,
         )
 
     # ---- receiving ---------------------------------------------------------------------------

@@ -304,6 +304,7 @@ def test_health_readiness_and_metrics(linear: Running) -> None:
             "disagg_pool_free_slots",
             "disagg_inflight_requests",
             "disagg_queue_depth",
+            "disagg_ingress_lanes",
             'disagg_requests_total{outcome="done"}',
             'disagg_requests_total{outcome="failed"}',
             "disagg_request_seconds_count",
@@ -313,6 +314,7 @@ def test_health_readiness_and_metrics(linear: Running) -> None:
         assert s["disagg_pool_bytes_used"] == 0
         assert s["disagg_pool_occupancy"] == 0.0
         assert s["disagg_pool_free_slots"] >= 1
+        assert s["disagg_ingress_lanes"] >= 1  # its senders (the client, a role) took lanes
         assert s['disagg_requests_total{outcome="done"}'] >= 1
         assert s["disagg_request_seconds_count"] >= 1
     a, b, c = (linear.samples(n) for n in "abc")

@@ -28,6 +28,7 @@ GAUGES = (
     "disagg_pool_free_slots",
     "disagg_inflight_requests",
     "disagg_queue_depth",
+    "disagg_ingress_lanes",
 )
 COUNTERS_AND_HISTOGRAMS = (
     "disagg_requests_total",
@@ -92,7 +93,7 @@ def get_metrics(server: HealthServer) -> dict[str, float]:
 
 
 def test_metrics_endpoint_has_every_name_with_const_labels(server, metrics, role):
-    role.sample = RoleSample(1, 2, 3, 4, 5)
+    role.sample = RoleSample(1, 2, 3, 4, 5, 6)
     metrics.edge_sent("encoder->denoiser", 10, 0.001)
     status, body = fetch(url(server, "/metrics"))
     assert status == 200
