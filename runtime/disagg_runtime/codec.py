@@ -127,6 +127,17 @@ def _check_shape(dtype: torch.dtype, shape: Sequence[object], where: str) -> Non
             )
 
 
+def _check_keys(
+    obj: Mapping[str, Any], required: frozenset[str], allowed: frozenset[str], where: str
+) -> None:
+    missing = required - obj.keys()
+    if missing:
+        raise CodecError(f"{where}: missing key(s) {sorted(missing)}")
+    unknown = obj.keys() - allowed
+    if unknown:
+        raise CodecError(f"{where}: unknown key(s) {_short(sorted(unknown))}")
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """What the header says about one tensor: its dtype and shape (validated on creation)."""
@@ -168,12 +179,7 @@ class TensorMeta:
                 f"{where}: expected an object with 'dtype' and 'shape', got {type(obj).__name__}"
             )
         if obj.keys() != keys:
-            missing = _META_KEYS - obj.keys()
-            if missing:
-                raise CodecError(f"{where}: missing key(s) {sorted(missing)}")
-            unknown = obj.keys() - keys
-            if unknown:
-                raise CodecError(f"{where}: unknown key(s) {_short(sorted(unknown))}")
+            _check_keys(obj, _META_KEYS, keys, where)
         try:
             dtype = dtype_from_name(obj["dtype"])
         except CodecError as exc:
@@ -561,12 +567,7 @@ def decode(
     if len(frames) == 0:
         raise CodecError("message has no frames; expected at least a header frame")
     header = decode_header(frames[0], max_bytes=max_header_bytes)
-    missing = _HEADER_KEYS - header.keys()
-    if missing:
-        raise CodecError(f"header is missing key(s) {sorted(missing)}")
-    unknown = header.keys() - _HEADER_KEYS
-    if unknown:
-        raise CodecError(f"header has unknown key(s) {_short(sorted(unknown))}")
+    _check_keys(header, _HEADER_KEYS, _HEADER_KEYS, "header")
     specs = header["tensors"]
     if type(specs) is not list:
         raise CodecError(f"header 'tensors' must be a list, got {type(specs).__name__}")
