@@ -124,6 +124,7 @@ class _Lane:
     reader: lane.LaneReader
     ident: bytes | None = None
     control: bool = False  # the sender runs its whole protocol here, replies included
+    taken: int = 0  # frames read after the hello: the sender counts the ones it wrote
 
 
 @dataclass(frozen=True)
@@ -182,9 +183,8 @@ class Ingress:
         self._lane_listener = listening[0] if listening else None
         self._lane_offer: dict[str, Any] = listening[1] if listening else {}
         self._lanes: dict[int, _Lane] = {}  # by file descriptor
-        self._lane_counts: dict[bytes, int] = {}  # inline frames taken, by sender identity
+        self._by_sender: dict[bytes, _Lane] = {}  # tied lanes, by their sender's identity
         self._lane_tokens: dict[str, bytes] = {}  # offered in welcomes, not yet used
-        self._control_lanes: dict[bytes, _Lane] = {}  # senders whose replies go on the lane
         self._poller = zmq.Poller()  # the I/O thread's
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: fast hand-off
         self._lock = threading.Lock()
@@ -234,7 +234,7 @@ class Ingress:
             pending_reservations=len(self._pending),
             delivered=self._delivered,
             rejected=self._rejected,
-            lanes=len(self._lane_counts),
+            lanes=len(self._by_sender),
         )
 
     def close(self) -> None:
@@ -363,9 +363,7 @@ class Ingress:
             return
         self._poller.unregister(fd)  # before closing: the number may be reused at once
         if conn.ident is not None:
-            self._lane_counts.pop(conn.ident, None)
-            if self._control_lanes.get(conn.ident) is conn:
-                del self._control_lanes[conn.ident]
+            del self._by_sender[conn.ident]
         conn.reader.close()
 
     def _on_lane_frame(self, conn: _Lane, frame: lane.Frame) -> None:
@@ -380,11 +378,9 @@ class Ingress:
                 conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
             except OSError as exc:  # the sender is gone already
                 raise lane.LaneError(f"lane hello not answered: {exc}") from None
-            self._lane_counts[conn.ident] = 0
-            if conn.control:
-                self._control_lanes[conn.ident] = conn
+            self._by_sender[ident] = conn
             return
-        self._lane_counts[conn.ident] += 1  # every frame counts: the sender counted it too
+        conn.taken += 1  # every frame counts: the sender counted it too
         msg: dict[str, Any] = {}
         try:
             msg = proto.unpack(frame.header, LANE_OPS if conn.control else INLINE_OPS)
@@ -441,8 +437,8 @@ class Ingress:
             self._sock.recv_into(_SCRATCH)
 
     def _reply(self, ident: bytes, op: str, **fields: Any) -> None:
-        conn = self._control_lanes.get(ident)
-        if conn is None:
+        conn = self._by_sender.get(ident)
+        if conn is None or not conn.control:
             self._sock.send_multipart([ident, proto.pack(op, **fields)])
             return
         try:  # a few hundred bytes into the buffer of a sender that reads its replies
@@ -538,7 +534,8 @@ class Ingress:
     def _grant_pending(self) -> None:
         while self._pending:
             head = self._pending[0]
-            if self._lane_counts.get(head.ident, head.lane_sent) < head.lane_sent:
+            conn = self._by_sender.get(head.ident)
+            if conn is not None and conn.taken < head.lane_sent:
                 return  # inline frames sent before it are still on their way: keep order
             offset = self.pool.allocate(head.nbytes)
             if offset is None:

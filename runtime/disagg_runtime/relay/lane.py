@@ -144,6 +144,11 @@ class LaneReader:
         self.sock.close()
 
 
+def _tcp_host(endpoint: str) -> str:
+    """`tcp://host:port` (host may be [v6]) -> host."""
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+
+
 def _bind_host(host: str) -> str:
     """The address to listen on beside a ZMQ endpoint bound to `host`."""
     if host in ("*", ""):
@@ -176,7 +181,7 @@ def listen(endpoint: str, port: int = 0) -> tuple[socket.socket, dict[str, Any]]
         return sock, {"lane_path": path}
     if not endpoint.startswith("tcp://"):
         return None
-    host = _bind_host(endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]"))
+    host = _bind_host(_tcp_host(endpoint))
     try:
         if host == "::" and socket.has_dualstack_ipv6():
             sock = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
@@ -220,8 +225,7 @@ def connect(endpoint: str, welcome: dict[str, Any], timeout: float) -> socket.so
         return sock
     if type(port) is not int or not endpoint.startswith("tcp://"):
         return None
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-    sock = socket.create_connection((host, port), timeout=timeout)
+    sock = socket.create_connection((_tcp_host(endpoint), port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 

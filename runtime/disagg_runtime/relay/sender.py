@@ -61,6 +61,11 @@ HWM = 16
 LANE_CONNECT_S = 2.0  # a filtered port must not stall start-up long
 
 
+def _full(exc: OSError) -> bool:
+    """A lane send failed because the receiver stopped reading (not because it is gone)."""
+    return isinstance(exc, (BlockingIOError, TimeoutError))
+
+
 class Sender:
     """Common handshake, inline path, reservation and acknowledgement logic."""
 
@@ -181,19 +186,27 @@ class Sender:
         took every earlier frame with it, so this payload goes over ZMQ, as later ones do
         (ZMQ queues for a peer that comes back); a full one (the receiver stopped reading)
         still holds earlier frames this one must not overtake: RelayTimeout."""
+        exc = self._lane_frame(header, data)
+        if exc is None:
+            return
+        if _full(exc):
+            raise RelayTimeout(
+                f"receiver at {self.endpoint} is not draining; request {rid} not sent"
+            ) from None
+        log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
+        self._sock.send_multipart([header, data])
+
+    def _lane_frame(self, header: bytes, data: bytes | bytearray = b"") -> OSError | None:
+        """Write one frame on the lane and count it; on failure close the lane and return
+        the error (the caller decides: time out, fail, or go over ZMQ)."""
         assert self._lane is not None
         try:
             lane.send_frame(self._lane, header, data)
         except OSError as exc:
             self._close_lane()
-            if isinstance(exc, (BlockingIOError, TimeoutError)):
-                raise RelayTimeout(
-                    f"receiver at {self.endpoint} is not draining; request {rid} not sent"
-                ) from None
-            log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
-            self._sock.send_multipart([header, data])
-            return
+            return exc
         self._lane_sent += 1
+        return None
 
     def _close_lane(self) -> None:
         if self._lane is not None:
@@ -209,21 +222,17 @@ class Sender:
         if not self._lane_control:
             self._sock.send(header)
             return
-        assert self._lane is not None
-        try:
-            lane.send_frame(self._lane, header, b"")
-        except OSError as exc:
-            self._close_lane()
-            if isinstance(exc, (BlockingIOError, TimeoutError)):
-                raise RelayTimeout(f"receiver at {self.endpoint} is not draining") from None
-            if not opens:
-                raise RelayError(
-                    f"lost the connection to {self.endpoint} mid-transfer (receiver gone?): {exc}"
-                ) from None
-            log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
-            self._sock.send(header)
+        exc = self._lane_frame(header)
+        if exc is None:
             return
-        self._lane_sent += 1
+        if _full(exc):
+            raise RelayTimeout(f"receiver at {self.endpoint} is not draining") from None
+        if not opens:
+            raise RelayError(
+                f"lost the connection to {self.endpoint} mid-transfer (receiver gone?): {exc}"
+            ) from None
+        log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
+        self._sock.send(header)
 
     def _next_reply(self, timeout: float) -> bytes | None:
         """The next reply header, or None when none came within `timeout` s."""
@@ -254,13 +263,10 @@ class Sender:
         """Tell the receiver to free whatever `request_id` holds there."""
         header = proto.pack("abort", rid=request_id)
         with self._lock:
-            if self._lane is not None:  # behind the inline payloads it sent before
-                try:
-                    lane.send_frame(self._lane, header, b"")
-                    self._lane_sent += 1
-                    return
-                except OSError:  # over ZMQ instead: late arrivals of an aborted request
-                    self._close_lane()  # are dropped whichever way they come
+            # on the lane, behind the inline payloads it sent before; else over ZMQ (late
+            # arrivals of an aborted request are dropped whichever way they come)
+            if self._lane is not None and self._lane_frame(header) is None:
+                return
             if not self.closed:
                 self._sock.send(header)
 
