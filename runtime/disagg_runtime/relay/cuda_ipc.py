@@ -366,7 +366,7 @@ class CudaIpcSender(ShmSender):
         self._check_lease(xid, write_by)
         write_tensors(self._mapped, offset, manifest, tensors, stream=self._stream)
         self._event.record(self._stream)  # the receiver waits on this before delivering
-        self._sock.send(commit)
+        self._control(commit)  # where the reservation went, and where the ack will come
 
     def _release_mapping(self) -> None:
         mapped, self._mapped = self._mapped, None
