@@ -11,6 +11,7 @@ RUN groupadd --gid 65532 disagg \
       --shell /usr/sbin/nologin disagg
 
 COPY pyproject.toml README.md /src/
+COPY core /src/core
 COPY runtime /src/runtime
 COPY operator /src/operator
 RUN pip install --no-cache-dir --disable-pip-version-check "/src[operator]" \

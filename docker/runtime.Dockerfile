@@ -25,6 +25,7 @@ RUN pip install --no-cache-dir --disable-pip-version-check \
       --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 COPY pyproject.toml README.md /src/
+COPY core /src/core
 COPY runtime /src/runtime
 COPY operator /src/operator
 RUN pip install --no-cache-dir --disable-pip-version-check "/src[runtime]" \

@@ -1,5 +1,5 @@
 """Occupancy autoscaling in the operator, the pure part: from a pipeline, its pods and their
-metrics to `disagg_runtime.autoscale` (the algorithm `disagg up --autoscale` runs too) and
+metrics to `disagg_core.autoscale` (the algorithm `disagg up --autoscale` runs too) and
 from its decisions to status and Events. The I/O is in `podmetrics` and `scaling_loop`.
 
 Units. The operator scales workload units (one StatefulSet: a lone role, or a colocation
@@ -38,11 +38,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from disagg_core import contract, spec
+from disagg_core.autoscale import STALE_AFTER_S, Autoscaler, Decision, Policy, RatioLock, Sample
+from disagg_core.spec.fields import SpecError
+from disagg_core.spec.model import Autoscaling, Pipeline
 from disagg_operator import names, planner, status
-from disagg_runtime import contract, spec
-from disagg_runtime.autoscale import STALE_AFTER_S, Autoscaler, Decision, Policy, RatioLock, Sample
-from disagg_runtime.spec_fields import SpecError
-from disagg_runtime.spec_model import Autoscaling, Pipeline
 
 MAX_STATUS_DECISIONS: Final = 10
 MAX_REASON: Final = 512

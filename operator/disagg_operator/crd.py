@@ -8,7 +8,7 @@ uniqueness (list-map keys: role names, env names, port names, edge from/to pairs
 a group's roles) and, through CEL rules, what relates fields: autoscaling min <= max, edges
 and tensor references and groups naming declared roles, no self-loop, an entry role, a role
 in at most one group, derived names within 52 characters, cuda-ipc only inside a group.
-What only the operator's validator (`disagg_runtime.spec`) checks, reported in the status:
+What only the operator's validator (`disagg_core.spec`) checks, reported in the status:
 cycles, tensor references that do not lead downstream or overlap, pool size vs minimum block,
 requests vs limits, equal replicas/autoscaling/ports inside a group, handler keywords.
 
@@ -25,9 +25,9 @@ from typing import Any, Final
 
 import yaml
 
+from disagg_core import quantity
+from disagg_core.spec import model as m
 from disagg_operator import names
-from disagg_runtime import quantity
-from disagg_runtime import spec_model as m
 
 Schema = dict[str, Any]
 

@@ -10,7 +10,7 @@ the schema (`spec`, `spec.roles[]`, ...; depth first, in schema order), each a t
 fields (type, required, default, constraints, description) and its CEL validation rules,
 then `status` likewise.
 
-`contract()`: the operator <-> runtime contract: `disagg_runtime.contract`'s docstring
+`contract()`: the operator <-> runtime contract: `disagg_core.contract`'s docstring
 verbatim (the variables and the topology file), what the operator sets in a pod, and an
 example (the planner's output for examples/text-to-video.yaml).
 
@@ -28,9 +28,9 @@ from typing import Any, Final
 
 import yaml
 
+from disagg_core import contract as runtime_contract
+from disagg_core import spec as runtime_spec
 from disagg_operator import crd, planner
-from disagg_runtime import contract as runtime_contract
-from disagg_runtime import spec as runtime_spec
 
 Schema = Mapping[str, Any]
 REPO: Final = pathlib.Path(__file__).resolve().parents[2]
@@ -230,7 +230,7 @@ CONTRACT_INTRO: Final = """\
 A role process (`disagg role`) learns everything about its place in a pipeline from two
 things: its environment (`DISAGG_*` variables) and a topology file. The operator renders both
 for every container of a pipeline's pods; `disagg up` renders the same for local processes.
-`disagg_runtime.contract.parse_env` turns them into a `RoleConfig`; a missing or malformed
+`disagg_core.contract.parse_env` turns them into a `RoleConfig`; a missing or malformed
 value stops the role at start with a `ContractError` naming the variable.
 
 The runtime reads nothing else from Kubernetes: no API access, no service-account token
@@ -238,7 +238,7 @@ The runtime reads nothing else from Kubernetes: no API access, no service-accoun
 
 ## Variables and the topology file
 
-This is the docstring of `runtime/disagg_runtime/contract.py`, verbatim:
+This is the docstring of `core/disagg_core/contract.py`, verbatim:
 """
 
 CONTRACT_POD: Final = """\
@@ -287,7 +287,7 @@ def contract(example: pathlib.Path = EXAMPLE) -> str:
         f"{EXAMPLE_NAMESPACE}` prints every object). Its environment:\n"
     )
     parts = [
-        _header("contract", "runtime/disagg_runtime/contract.py and the planner"),
+        _header("contract", "core/disagg_core/contract.py and the planner"),
         CONTRACT_INTRO,
         "```text",
         doc.strip("\n"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from disagg_runtime.spec_model import API_VERSION, KIND
+from disagg_core.spec.model import API_VERSION, KIND
 
 GROUP: Final = "disagg.dev"
 VERSION: Final = "v1alpha1"

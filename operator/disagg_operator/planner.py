@@ -99,10 +99,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from disagg_core import contract
+from disagg_core.spec.fields import Problem, SpecError, child
+from disagg_core.spec.model import ColocationGroup, Pipeline, Role
 from disagg_operator import names, pods
-from disagg_runtime import contract
-from disagg_runtime.spec_fields import Problem, SpecError, child
-from disagg_runtime.spec_model import ColocationGroup, Pipeline, Role
 
 GpuMode = Literal["dra", "device-plugin", "none"]
 GPU_MODES: Final[tuple[GpuMode, ...]] = ("dra", "device-plugin", "none")

@@ -8,9 +8,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from disagg_core import contract, quantity
+from disagg_core.spec.model import EnvVar, Pipeline, Role
 from disagg_operator import merge, names
-from disagg_runtime import contract, quantity
-from disagg_runtime.spec_model import EnvVar, Pipeline, Role
 
 TOPOLOGY_KEY: Final = os.path.basename(contract.DEFAULT_TOPOLOGY_FILE)  # topology.json
 TOPOLOGY_DIR: Final = os.path.dirname(contract.DEFAULT_TOPOLOGY_FILE)  # /etc/disagg

@@ -45,11 +45,11 @@ from typing import Any, Final, cast
 
 import kopf
 
+from disagg_core import spec
+from disagg_core.spec.fields import SpecError
+from disagg_core.spec.model import Pipeline
 from disagg_operator import apply, autoscaling, names, planner, status
 from disagg_operator.metrics import Metrics
-from disagg_runtime import spec
-from disagg_runtime.spec_fields import SpecError
-from disagg_runtime.spec_model import Pipeline
 
 # Degraded reason when a planned child's name is taken by an object this pipeline does not
 # control. (Not in names.REASONS: that tuple feeds the generated CRD's descriptions.)

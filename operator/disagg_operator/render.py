@@ -11,9 +11,9 @@ from typing import Any, TextIO
 
 import yaml
 
+from disagg_core import spec
+from disagg_core.spec.fields import ROOT
 from disagg_operator import planner
-from disagg_runtime import spec
-from disagg_runtime.spec_fields import ROOT
 
 DEFAULT_NAMESPACE = "default"
 

@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from disagg_core.autoscale import STALE_AFTER_S, Decision, Sample
+from disagg_core.spec.fields import SpecError
 from disagg_operator import apply, autoscaling, podmetrics, reconcile
-from disagg_runtime.autoscale import STALE_AFTER_S, Decision, Sample
-from disagg_runtime.spec_fields import SpecError
 
 DEFAULT_INTERVAL: Final = 15.0  # seconds, the HorizontalPodAutoscaler's sync period
 PARALLEL_PIPELINES: Final = 16  # steps in flight at once

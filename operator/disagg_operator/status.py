@@ -44,9 +44,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from disagg_core.spec.fields import ROOT, SpecError
+from disagg_core.spec.model import Pipeline
 from disagg_operator import names, planner
-from disagg_runtime.spec_fields import ROOT, SpecError
-from disagg_runtime.spec_model import Pipeline
 
 DEFAULT_PROGRESS_DEADLINE: Final = 600.0  # seconds, like a Deployment's progressDeadlineSeconds
 MAX_PROBLEMS: Final = 50  # keeps the status small; the message says how many were left out

@@ -71,7 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_operator(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`disagg bench operator` (see disagg_operator.bench)."""
+    """`disagg bench operator` (see disagg_operator.bench.run)."""
     op = bench_sub.add_parser(
         "operator", help="operator latency, throughput and memory against an API server"
     )
@@ -140,7 +140,7 @@ def _add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "validate":
-        from disagg_runtime import spec
+        from disagg_core import spec
 
         return spec.validate_cli(args.files, out=sys.stdout)
     if args.command == "render":
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return role.main()
     if args.command == "up":
-        from disagg_runtime import up
+        from disagg_runtime.local import up
 
         return up.run_cli(args)
     if args.command == "bench" and args.bench_command == "transport":
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return pipeline.run_cli(args)
     if args.command == "bench" and args.bench_command == "operator":
-        from disagg_operator import bench as operator_bench
+        from disagg_operator.bench import run as operator_bench
 
         return operator_bench.run_cli(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse enforces choices

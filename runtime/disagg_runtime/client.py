@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from disagg_core.contract import Peer
 from disagg_runtime import envelope as env
-from disagg_runtime.contract import Peer
 from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name

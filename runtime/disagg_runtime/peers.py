@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from disagg_runtime.contract import Peer
+from disagg_core.contract import Peer
 from disagg_runtime.relay import Relay, RelayError, connect
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg_core.contract import RoleConfig
 from disagg_runtime import envelope as env
-from disagg_runtime.contract import RoleConfig
 from disagg_runtime.envelope import Meta
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
@@ -65,7 +65,7 @@ def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
     without CUDA is a start-up error naming CUDA (ContractError). Whether the receiver's
     pool is on the GPU is only known at connect: the cuda-ipc sender then falls back to
     the receiver's shared memory by itself, again with the reason logged."""
-    from disagg_runtime.contract import ContractError
+    from disagg_core.contract import ContractError
     from disagg_runtime.relay.cuda_ipc import unavailable_reason
 
     if requested == "cuda-ipc":
@@ -527,7 +527,7 @@ class Role:
 
 def main() -> int:
     """`disagg role`: read the contract from the environment and serve."""
-    from disagg_runtime.contract import ContractError, from_environ
+    from disagg_core.contract import ContractError, from_environ
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from disagg_core import contract, spec
+from disagg_core.spec.fields import SpecError
 from disagg_operator import names, planner, reconcile
-from disagg_runtime import contract, spec
-from disagg_runtime.spec_fields import SpecError
 
 if TYPE_CHECKING:
     from tests.e2e import e2e_support as e

@@ -16,13 +16,13 @@ import pytest
 import torch
 import zmq
 
-from disagg_runtime.contract import Peer, RoleConfig, RoleTopology, Topology
+from disagg_core.contract import Peer, RoleConfig, RoleTopology, Topology
+from disagg_core.spec.model import PoolSettings
 from disagg_runtime.pool import MiB
 from disagg_runtime.relay import Relay, RelayError, connect
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.cuda_ipc import CudaIpcSender
 from disagg_runtime.role import relay_kind
-from disagg_runtime.spec_model import PoolSettings
 
 if TYPE_CHECKING:
     from tests.gpu import gpu_peer as peer

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import pytest_asyncio
 
+from disagg_core import spec
 from disagg_operator import apply, names, planner
-from disagg_runtime import spec
 
 if TYPE_CHECKING:
     from tests.integration import operator_support as s

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from disagg_core import spec
 from disagg_operator import autoscaling, main, names
-from disagg_runtime import spec
-from disagg_runtime.launcher import LocalPipeline
+from disagg_runtime.local.supervisor import LocalPipeline
 
 if TYPE_CHECKING:
     from tests.integration import operator_support as s

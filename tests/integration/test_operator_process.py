@@ -25,9 +25,9 @@ FORBIDDEN = ("torch", "numpy", "zmq")
 ALLOWED_RUNTIME = {
     "disagg_runtime",
     "disagg_runtime.cli",
-    "disagg_runtime.autoscale",
-    "disagg_runtime.contract",
-    "disagg_runtime.quantity",
+    "disagg_core.autoscale",
+    "disagg_core.contract",
+    "disagg_core.quantity",
 }
 LAUNCH = """
 import atexit, json, runpy, sys
@@ -102,5 +102,5 @@ def test_the_operator_process(k8s: EmulatorThread, kubeconfig: pathlib.Path, tmp
     assert "kopf" in loaded and "disagg_operator.reconcile" in loaded, "it really ran"
     assert [m for m in loaded if m.split(".")[0] in FORBIDDEN] == []
     runtime = {m for m in loaded if m.startswith("disagg_runtime")}
-    outside = {m for m in runtime - ALLOWED_RUNTIME if not m.startswith("disagg_runtime.spec")}
+    outside = {m for m in runtime - ALLOWED_RUNTIME if not m.startswith("disagg_core.spec")}
     assert outside == set()

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from disagg_core import contract, spec
+from disagg_core.spec.fields import SpecError
 from disagg_operator import handlers, names, planner, reconcile
 from disagg_operator.metrics import Metrics
-from disagg_runtime import contract, spec
-from disagg_runtime.spec_fields import SpecError
 
 if TYPE_CHECKING:
     from tests.integration import operator_support as s

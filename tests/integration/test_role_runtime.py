@@ -1,6 +1,6 @@
 """Role runtime and client, in process: real `Role`s (ingress, shared-memory pools, relays,
 health servers) on loopback, talking to a real `Client`, built from a spec the way
-`disagg up` builds them (`launcher.plan_local` + `contract.write_topology`).
+`disagg up` builds them (`supervisor.plan_local` + `contract.write_topology`).
 
 Each topology is started once per module and shared by the tests that use it; tests
 leave the pipeline idle (every pool back to 0 bytes used) so the next one starts clean.
@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from disagg_runtime import contract, envelope, launcher
+from disagg_core import contract
+from disagg_core.contract import Peer
+from disagg_core.spec import parse_pipeline
+from disagg_runtime import envelope
 from disagg_runtime.client import Client, RequestFailed, RequestTimeout
-from disagg_runtime.contract import Peer
+from disagg_runtime.local import supervisor
 from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.pool import SHM_DIR, Pool
 from disagg_runtime.relay import Ingress, connect
 from disagg_runtime.role import Handler, Role
-from disagg_runtime.spec import parse_pipeline
 
 if TYPE_CHECKING:
     from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
@@ -91,7 +93,7 @@ class Running:
         self.pipeline = parse_pipeline(doc)
         self.dir = tempfile.mkdtemp(prefix="disagg-it-")
         topology_file = os.path.join(self.dir, "topology.json")
-        configs = launcher.plan_local(self.pipeline, launcher.free_ports(), topology_file)
+        configs = supervisor.plan_local(self.pipeline, supervisor.free_ports(), topology_file)
         contract.write_topology(configs[0].topology, topology_file)
         self.roles: dict[str, Role] = {}
         self.client: Client | None = None

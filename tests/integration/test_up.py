@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 import torch
 
+from disagg_core.spec import load_pipeline_file
 from disagg_runtime import cli
 from disagg_runtime.client import Client, RequestFailed
-from disagg_runtime.launcher import LocalPipeline, RoleProcess, remove_segments_of
+from disagg_runtime.local.supervisor import LocalPipeline, RoleProcess, remove_segments_of
 from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
-from disagg_runtime.spec import load_pipeline_file
 
 HERE = Path(__file__).resolve().parent
 PIPELINES = HERE / "pipelines"

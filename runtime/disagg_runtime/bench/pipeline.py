@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from disagg_core.spec import parse_pipeline
+from disagg_core.spec.model import Pipeline
 from disagg_runtime.bench.transport import format_size, measure_remote, parse_size
-from disagg_runtime.launcher import LocalPipeline
-from disagg_runtime.spec import parse_pipeline
-from disagg_runtime.spec_model import Pipeline
+from disagg_runtime.local.supervisor import LocalPipeline
 
 
 def chain(hops: int, pool_bytes: int) -> Pipeline:

@@ -18,8 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from disagg_core import contract
 from disagg_operator import docgen, install, names, pods
-from disagg_runtime import contract
 
 if TYPE_CHECKING:
     from tests.unit.chart import chart_support as c

@@ -21,10 +21,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from disagg_core import spec
+from disagg_core.autoscale import Decision, Policy, RatioLock, Sample
 from disagg_operator import apply, autoscaling, names, planner, podmetrics, reconcile
 from disagg_operator.scaling_loop import ScalingLoop
-from disagg_runtime import spec
-from disagg_runtime.autoscale import Decision, Policy, RatioLock, Sample
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
@@ -605,8 +605,8 @@ def test_the_whole_operator_imports_no_torch() -> None:
     assert not {m for m in loaded if m.split(".")[0] in ("torch", "numpy", "zmq")}
     allowed = {
         "disagg_runtime",
-        "disagg_runtime.autoscale",
-        "disagg_runtime.contract",
-        "disagg_runtime.quantity",
+        "disagg_core.autoscale",
+        "disagg_core.contract",
+        "disagg_core.quantity",
     }
-    assert {m for m in loaded - allowed if not m.startswith("disagg_runtime.spec")} == set()
+    assert {m for m in loaded - allowed if not m.startswith("disagg_core.spec")} == set()

@@ -13,9 +13,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from disagg_core import spec
+from disagg_core.spec import fields as spec_fields
+from disagg_core.spec.model import API_VERSION, KIND
 from disagg_operator import crd, names
-from disagg_runtime import spec, spec_fields
-from disagg_runtime.spec_model import API_VERSION, KIND
 
 Doc = dict[str, Any]
 Mutation = Callable[[Doc], None]

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from disagg_core import contract, spec
+from disagg_core.spec.model import Pipeline
 from disagg_operator import merge, names, planner
-from disagg_runtime import contract, spec
-from disagg_runtime.spec_model import Pipeline
 
 NS = "ml"
 Obj = dict[str, Any]

@@ -11,8 +11,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from disagg_core import spec
 from disagg_operator import planner, render
-from disagg_runtime import cli, spec
+from disagg_runtime import cli
 
 NEWEST = kubernetes_validate.utils.latest_version()
 # resource.k8s.io/v1 (DRA GA) arrived in 1.34; 1.33 serves v1beta2 with the same shape.

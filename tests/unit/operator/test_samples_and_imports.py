@@ -11,7 +11,7 @@ from typing import Any
 
 SAMPLES = ("fan-out.yaml", "llm-prefill-decode.yaml", "text-to-video.yaml")
 OPERATOR_MODULES = ("crd", "merge", "names", "planner", "pods", "render", "status")
-ALLOWED_RUNTIME = {"disagg_runtime", "disagg_runtime.contract", "disagg_runtime.quantity"}
+ALLOWED_RUNTIME = {"disagg_runtime", "disagg_core.contract", "disagg_core.quantity"}
 
 
 def test_samples_are_the_examples(repo: pathlib.Path) -> None:
@@ -46,5 +46,5 @@ def test_operator_modules_do_not_import_torch() -> None:
     loaded = json.loads(result.stdout)
     assert not [m for m in loaded if m.split(".")[0] in ("torch", "numpy", "zmq", "kopf")]
     runtime = {m for m in loaded if m.startswith("disagg_runtime")}
-    outside = {m for m in runtime - ALLOWED_RUNTIME if not m.startswith("disagg_runtime.spec")}
+    outside = {m for m in runtime - ALLOWED_RUNTIME if not m.startswith("disagg_core.spec")}
     assert outside == set(), outside

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from disagg_core import spec
 from disagg_operator import names, planner, status
-from disagg_runtime import spec
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 Obj = dict[str, Any]

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg_runtime.autoscale import Autoscaler, Policy, RatioLock, Sample, recommend
+from disagg_core.autoscale import Autoscaler, Policy, RatioLock, Sample, recommend
 
 POLICY = Policy(min_replicas=1, max_replicas=8, target_occupancy=0.5, scale_down_window_s=60)
 

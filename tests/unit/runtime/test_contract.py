@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from disagg_runtime import contract
-from disagg_runtime.contract import ContractError, Peer, RoleConfig, Topology
-from disagg_runtime.launcher import plan_local
-from disagg_runtime.spec import load_pipeline_file
+from disagg_core import contract
+from disagg_core.contract import ContractError, Peer, RoleConfig, Topology
+from disagg_core.spec import load_pipeline_file
+from disagg_runtime.local.supervisor import plan_local
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 

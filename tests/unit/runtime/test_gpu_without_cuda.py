@@ -26,8 +26,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from disagg_core.contract import ContractError, Peer, RoleConfig, RoleTopology, Topology
+from disagg_core.spec.model import PoolSettings
 from disagg_runtime import codec
-from disagg_runtime.contract import ContractError, Peer, RoleConfig, RoleTopology, Topology
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import (
     SHM_DIR,
@@ -60,7 +61,6 @@ from disagg_runtime.relay.cuda_ipc import (
     unavailable_reason,
 )
 from disagg_runtime.role import relay_kind
-from disagg_runtime.spec_model import PoolSettings
 
 if TYPE_CHECKING:
     from tests.payload_checks import assert_bit_exact

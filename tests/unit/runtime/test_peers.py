@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from disagg_core.contract import Peer
 from disagg_runtime import peers
-from disagg_runtime.contract import Peer
 from disagg_runtime.relay import RelayError
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg_runtime import quantity
-from disagg_runtime.quantity import QuantityError, format_bytes, parse_bytes, parse_quantity
+from disagg_core import quantity
+from disagg_core.quantity import QuantityError, format_bytes, parse_bytes, parse_quantity
 
 
 @pytest.mark.parametrize(

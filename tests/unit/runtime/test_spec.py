@@ -16,8 +16,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg_runtime import spec
-from disagg_runtime.spec import (
+from disagg_core import spec
+from disagg_core.spec import (
     Autoscaling,
     ColocationGroup,
     Edge,
@@ -938,7 +938,7 @@ def test_fan_out_example_shape() -> None:
 
 def test_importing_spec_does_not_import_torch() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "runtime")}
-    code = "import disagg_runtime.spec, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import disagg_core.spec, sys; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
     )

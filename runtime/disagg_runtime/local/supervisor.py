@@ -28,12 +28,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from disagg_core.contract import Peer, RoleConfig, Topology, render_env, write_topology
+from disagg_core.spec.model import Pipeline
 from disagg_runtime.client import Client
-from disagg_runtime.contract import Peer, RoleConfig, Topology, render_env, write_topology
 from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.peers import FILE_RESOLVE_EVERY, write_peers_file
 from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
-from disagg_runtime.spec_model import Pipeline
 
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1

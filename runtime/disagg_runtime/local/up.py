@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from disagg_core.spec import SpecError, load_pipeline_file
+from disagg_core.spec.fields import ROOT
+from disagg_core.spec.model import Pipeline
 from disagg_runtime.client import Client
-from disagg_runtime.launcher import LocalPipeline, RoleProcess, dump_json
-from disagg_runtime.local_autoscale import LocalAutoscaler
-from disagg_runtime.spec import SpecError, load_pipeline_file
-from disagg_runtime.spec_fields import ROOT
-from disagg_runtime.spec_model import Pipeline
+from disagg_runtime.local.autoscaler import LocalAutoscaler
+from disagg_runtime.local.supervisor import LocalPipeline, RoleProcess, dump_json
 
 
 def input_factory(pipeline: Pipeline) -> Callable[[int], Any]:

@@ -4,7 +4,7 @@ The operator (planner, status, autoscaler), the contract, the local launcher and
 process all read the same parsed pipeline, so the questions they ask of it (who is downstream,
 which pool settings apply to a role, which group shares a pod) are answered here once instead
 of being re-derived from raw dictionaries in each place. Instances come from
-`disagg_runtime.spec.parse_pipeline`, which guarantees the invariants the queries rely on
+`disagg_core.spec.parse_pipeline`, which guarantees the invariants the queries rely on
 (unique role names, edges between known roles, no cycles); this module only holds data.
 
 YAML keys are camelCase (Kubernetes convention); attributes are their snake_case forms, except

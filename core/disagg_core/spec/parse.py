@@ -2,7 +2,7 @@
 
 Each reader below takes one object of the document, records what is wrong with it at
 its path and still returns a model object (with defaults or placeholders where a field was
-unusable), so that cross-object checks (`spec_checks`) can run on the rest and the user sees
+unusable), so that cross-object checks (`checks`) can run on the rest and the user sees
 every problem at once. A role or edge whose name fields are unusable gets the name "", which
 later checks skip: its own problem has already been reported.
 """
@@ -14,10 +14,10 @@ import keyword
 import re
 from typing import TypeVar
 
-from disagg_runtime import quantity
-from disagg_runtime import spec_fields as f
-from disagg_runtime import spec_model as m
-from disagg_runtime.spec_fields import Collector, child
+from disagg_core import quantity
+from disagg_core.spec import fields as f
+from disagg_core.spec import model as m
+from disagg_core.spec.fields import Collector, child
 
 TOP_KEYS = ("apiVersion", "kind", "metadata", "spec", "status")
 METADATA_KEYS = (

@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from disagg_runtime import quantity
+from disagg_core import quantity
 
 ROOT = "<document>"  # how a problem about the whole document shows its path
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")

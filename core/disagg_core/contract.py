@@ -47,8 +47,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_runtime.quantity import parse_bytes
-from disagg_runtime.spec_model import (
+from disagg_core.quantity import parse_bytes
+from disagg_core.spec.model import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MIN_BLOCK,
     DEFAULT_POOL_SIZE,

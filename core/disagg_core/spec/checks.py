@@ -13,9 +13,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from disagg_runtime import quantity
-from disagg_runtime import spec_model as m
-from disagg_runtime.spec_fields import Collector
+from disagg_core import quantity
+from disagg_core.spec import model as m
+from disagg_core.spec.fields import Collector
 
 
 @dataclass(frozen=True)

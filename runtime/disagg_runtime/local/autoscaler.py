@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_runtime.autoscale import Autoscaler, Decision, Policy, RatioLock, Sample
-from disagg_runtime.launcher import HOST, LocalPipeline
+from disagg_core.autoscale import Autoscaler, Decision, Policy, RatioLock, Sample
+from disagg_core.spec.model import Pipeline
+from disagg_runtime.local.supervisor import HOST, LocalPipeline
 from disagg_runtime.metrics import fetch, scrape
-from disagg_runtime.spec_model import Pipeline
 
 log = logging.getLogger(__name__)
 

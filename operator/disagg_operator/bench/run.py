@@ -64,9 +64,10 @@ import aiohttp
 import kopf
 import yaml
 
-from disagg_operator import apply, crd, kubeconfig, names, planner
-from disagg_runtime import spec
-from disagg_runtime.spec_fields import SpecError
+from disagg_core import spec
+from disagg_core.spec.fields import SpecError
+from disagg_operator import apply, crd, names, planner
+from disagg_operator.bench import kubeconfig
 
 Json = dict[str, Any]
 Key = tuple[str, str]  # (kind, name) of a child

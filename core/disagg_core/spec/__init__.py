@@ -5,13 +5,13 @@ launcher, the role process and the operator (which receives the same document fr
 server). It is pure and torch-free so that the operator and `disagg validate` start fast.
 Validation reports every problem at once, each with a field path (`spec.edges[2].to`):
 
-- `spec_fields`: typed readers that collect problems (`Problem`, `SpecError`);
-- `spec_parse`: document -> model, one object at a time (types, formats, per-object rules);
-- `spec_checks`: rules across objects (unique names, the role graph, colocation groups);
-- `spec_model`: the dataclasses and graph queries (`Pipeline.downstream`, `pool_for`, ...).
+- `fields`: typed readers that collect problems (`Problem`, `SpecError`);
+- `parse`: document -> model, one object at a time (types, formats, per-object rules);
+- `checks`: rules across objects (unique names, the role graph, colocation groups);
+- `model`: the dataclasses and graph queries (`Pipeline.downstream`, `pool_for`, ...).
 
 A role's `replicas` may lie outside its autoscaling [minReplicas, maxReplicas]: it is the
-starting point and the autoscaler clamps it. See `spec_model` for the name-length constants.
+starting point and the autoscaler clamps it. See `model` for the name-length constants.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, TextIO
 
 import yaml
 
-from disagg_runtime import spec_checks, spec_parse
-from disagg_runtime.spec_fields import ROOT, Problem, SpecError
-from disagg_runtime.spec_model import (
+from disagg_core.spec import checks, parse
+from disagg_core.spec.fields import ROOT, Problem, SpecError
+from disagg_core.spec.model import (
     API_VERSION,
     KIND,
     MAX_DERIVED_NAME_LENGTH,
@@ -85,8 +85,8 @@ def parse_pipeline(doc: object) -> Pipeline:
 
     Raises SpecError listing every problem found. `status` and server-set metadata are ignored.
     """
-    pipeline, out = spec_parse.parse_document(doc)
-    spec_checks.check(pipeline, out)
+    pipeline, out = parse.parse_document(doc)
+    checks.check(pipeline, out)
     if out.problems:
         raise SpecError(out.problems)
     return pipeline
