@@ -74,10 +74,6 @@ def _number(description: str, **extra: Any) -> Schema:
     return {"type": "number", "description": description, **extra}
 
 
-def _boolean(description: str) -> Schema:
-    return {"type": "boolean", "description": description}
-
-
 def _object(
     description: str, properties: dict[str, Schema], *, required: tuple[str, ...] = (), **extra: Any
 ) -> Schema:

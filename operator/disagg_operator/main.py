@@ -37,7 +37,6 @@ from disagg_operator.metrics import Metrics
 
 DEFAULT_LIVENESS_PORT: Final = 8080
 DEFAULT_METRICS_PORT: Final = 9090
-LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True, kw_only=True)

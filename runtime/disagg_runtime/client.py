@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from disagg_core.contract import Peer
-from disagg_runtime import envelope as env
+from disagg_runtime import envelope
 from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name
@@ -216,9 +216,9 @@ class Client:
             except TimeoutError:
                 continue
             try:
-                meta = env.parse(msg.meta)
+                meta = envelope.parse(msg.meta)
                 payload = detach(msg.payload)
-            except env.EnvelopeError:
+            except envelope.EnvelopeError:
                 continue
             finally:
                 msg.release()

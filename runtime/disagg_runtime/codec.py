@@ -14,7 +14,7 @@ everything else is an object with exactly one tag key::
 
     {"t": i}  tensor i          {"d": {...}}  dict (str keys)
     {"l": [...]}  list          {"u": [...]}  tuple
-    {"b": "<base64>"}  small bytes (<= MAX_INLINE_BYTES)
+    {"b": "<base64>"}  small bytes (<= MAX_BYTES_VALUE)
     {"f": "nan" | "inf" | "-inf"}  non-finite float
 
 Why this shape: tensor bytes never pass through a serializer. ``encode`` hands out
@@ -23,6 +23,11 @@ received frames, so a transport can move them without copies. The header is data
 never code -- no pickle, no ``torch.load``, no ``eval`` -- dtypes come from a fixed
 allow-list, and every frame count, size, shape and tensor index is checked against the
 header before any tensor is built. Every failure is a :class:`CodecError`.
+
+Relays do not send this format: they write tensors into pool slots and send a manifest
+(manifest.py) in their control header. ``encode``/``decode`` is the message format of the
+benchmarks' naive baselines and of callers who want a self-contained message; ``flatten``
+and ``unflatten`` (the tree part) are what relays share with it.
 """
 
 from __future__ import annotations
@@ -43,10 +48,10 @@ FORMAT_VERSION: int = 1
 MAX_HEADER_BYTES: int = 1 << 20
 MAX_DEPTH: int = 64
 MAX_NDIM: int = 32
-MAX_INLINE_BYTES: int = 64 * 1024
+MAX_BYTES_VALUE: int = 64 * 1024
 
 _MAX_TENSOR_BYTES = 1 << 48
-_MAX_INLINE_B64 = 4 * ((MAX_INLINE_BYTES + 2) // 3)
+_MAX_BYTES_VALUE_B64 = 4 * ((MAX_BYTES_VALUE + 2) // 3)
 _HEADER_KEYS = frozenset({"v", "tree", "tensors"})
 _META_KEYS = frozenset({"dtype", "shape"})
 _SPECIAL_FLOATS: Mapping[str, float] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -251,10 +256,10 @@ def _flatten(
         tensors.append(_wire_tensor(obj, keep_device))
         return {"t": len(tensors) - 1}
     if isinstance(obj, bytes):
-        if len(obj) > MAX_INLINE_BYTES:
+        if len(obj) > MAX_BYTES_VALUE:
             raise _NodeError(
-                f"bytes value of {len(obj)} bytes is over the inline limit of "
-                f"{MAX_INLINE_BYTES}; send it as a uint8 tensor"
+                f"bytes value of {len(obj)} bytes is over the limit of "
+                f"{MAX_BYTES_VALUE}; send it as a uint8 tensor"
             )
         return {"b": base64.b64encode(obj).decode("ascii")}
     if isinstance(obj, (dict, list, tuple)):
@@ -350,8 +355,8 @@ def _unflatten(
     if tag == "b":
         if type(body) is not str:
             raise _NodeError(f"'b' node holds {type(body).__name__}, expected a base64 string")
-        if len(body) > _MAX_INLINE_B64:
-            raise _NodeError(f"bytes value is over the inline limit of {MAX_INLINE_BYTES} bytes")
+        if len(body) > _MAX_BYTES_VALUE_B64:
+            raise _NodeError(f"bytes value is over the limit of {MAX_BYTES_VALUE} bytes")
         try:
             return base64.b64decode(body, validate=True)
         except ValueError:  # binascii.Error, or non-ASCII text

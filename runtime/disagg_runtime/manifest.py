@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from disagg_runtime.codec import CodecError, TensorMeta, flatten
+from disagg_runtime.codec import CodecError, TensorMeta
 
 ALIGN = 64
 MANIFEST_VERSION = 1
@@ -55,12 +55,6 @@ class Manifest:
     tensors: tuple[TensorMeta, ...]
     offsets: tuple[int, ...]
     nbytes: int
-
-    @classmethod
-    def plan(cls, payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
-        """Flatten a payload and lay its tensors out; the tensors are contiguous CPU tensors."""
-        tree, tensors = flatten(payload)
-        return cls.of(tree, tensors), tensors
 
     @classmethod
     def of(cls, tree: Any, tensors: Sequence[torch.Tensor]) -> Manifest:

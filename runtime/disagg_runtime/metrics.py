@@ -78,7 +78,6 @@ logger = logging.getLogger(__name__)
 CONST_LABELS: Final = ("pipeline", "role", "replica")
 OUTCOMES: Final = ("done", "failed")
 FAILURE_REASONS: Final = ("handler", "timeout", "aborted", "transport", "other")
-DIRECTIONS: Final = ("in", "out")
 
 # 100 us .. 10 s, roughly 1-2.5-5 per decade: a 64 MiB hop over shm is a few ms, over tcp tens.
 EDGE_BUCKETS: Final = (

@@ -461,9 +461,9 @@ def read_payload(
 
 
 def plan(payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
-    """Like `Manifest.plan`, but CUDA tensors stay on their GPU (returned as they are,
-    possibly strided): `write_tensors` copies them once, straight into the slot, instead
-    of through fresh host memory first. CPU tensors come back contiguous, as from flatten."""
+    """Flatten a payload and lay its tensors out. CUDA tensors stay on their GPU (returned
+    as they are, possibly strided): `write_tensors` copies them once, straight into the
+    slot, instead of through fresh host memory first. CPU tensors come back contiguous."""
     tree, tensors = codec.flatten(payload, keep_device=True)
     return Manifest.of(tree, tensors), tensors
 

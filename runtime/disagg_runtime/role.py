@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_core.contract import RoleConfig
-from disagg_runtime import envelope as env
+from disagg_runtime import envelope
 from disagg_runtime.envelope import Meta
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
@@ -99,7 +99,7 @@ class _Join:
     messages: list[Message] = field(default_factory=list)
 
 
-class Role:
+class RoleRuntime:
     """A running role. `start()` binds and serves; `stop()` drains and releases."""
 
     def __init__(
@@ -279,8 +279,8 @@ class Role:
     def _accept(self, msg: Message) -> None:
         payload = msg.payload
         try:
-            meta = env.parse(msg.meta)
-        except env.EnvelopeError as exc:
+            meta = envelope.parse(msg.meta)
+        except envelope.EnvelopeError as exc:
             log.warning("role %s dropped a malformed message: %s", self.name, exc)
             msg.release()
             return
@@ -381,7 +381,7 @@ class Role:
             return
         data: Any = join.inputs if len(self.me.upstream) > 1 else join.inputs[self.me.upstream[0]]
         for path, value in join.refs.items():
-            data = env.insert(data, path, value)
+            data = envelope.insert(data, path, value)
         self._run(join.meta.with_(kind="data"), data, join.messages)
 
     def _run(
@@ -433,7 +433,7 @@ class Role:
             return
         if kind == "data":
             for ref in self.me.refs_out:
-                payload, value = env.extract(payload, ref.path)
+                payload, value = envelope.extract(payload, ref.path)
                 self._send_to(ref.target, out.with_(kind="ref", path=ref.path), value)
         for target in self.me.downstream:
             self._send_to(target, out, payload)
@@ -532,7 +532,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         config = from_environ()
-        role = Role(config)
+        role = RoleRuntime(config)
     except (ContractError, HandlerError, PoolError) as exc:
         log.error("cannot start role: %s", exc)
         return 2

@@ -1,4 +1,4 @@
-"""Role runtime and client, in process: real `Role`s (ingress, shared-memory pools, relays,
+"""Role runtime and client, in process: real `RoleRuntime`s (ingress, shared-memory pools, relays,
 health servers) on loopback, talking to a real `Client`, built from a spec the way
 `disagg up` builds them (`supervisor.plan_local` + `contract.write_topology`).
 
@@ -30,7 +30,7 @@ from disagg_runtime.local import supervisor
 from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.pool import SHM_DIR, Pool
 from disagg_runtime.relay import Ingress, connect
-from disagg_runtime.role import Handler, Role
+from disagg_runtime.role import Handler, RoleRuntime
 
 if TYPE_CHECKING:
     from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
@@ -95,14 +95,14 @@ class Running:
         topology_file = os.path.join(self.dir, "topology.json")
         configs = supervisor.plan_local(self.pipeline, supervisor.free_ports(), topology_file)
         contract.write_topology(configs[0].topology, topology_file)
-        self.roles: dict[str, Role] = {}
+        self.roles: dict[str, RoleRuntime] = {}
         self.client: Client | None = None
         try:
             for config in configs:
                 handler = (handlers or {}).get(config.role)
                 if handler is None:  # the spec's `pipeline_handlers:<name>`
                     handler = getattr(ph, self.pipeline.role(config.role).handler_attr)
-                self.roles[config.role] = Role(config, handler=handler, grace_s=5.0)
+                self.roles[config.role] = RoleRuntime(config, handler=handler, grace_s=5.0)
             for role in self.roles.values():
                 role.start()
             topology = configs[0].topology
@@ -675,7 +675,7 @@ def test_requests_within_the_timeout_run_concurrently(slow: Running) -> None:
     slow.wait_idle()
 
 
-# -- draining: Role.stop finishes what it holds ------------------------------------------------
+# -- draining: RoleRuntime.stop finishes what it holds -----------------------------------------
 
 
 def test_stop_drains_in_flight_requests_then_releases_the_pool() -> None:

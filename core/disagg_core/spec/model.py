@@ -21,10 +21,10 @@ from typing import Any, Literal, get_args
 API_VERSION = "disagg.dev/v1alpha1"
 KIND = "DisaggregatedPipeline"
 
-Relay = Literal["auto", "shm", "tcp", "cuda-ipc"]
+RelayKind = Literal["auto", "shm", "tcp", "cuda-ipc"]
 PoolDevice = Literal["cpu", "cpu-pinned", "cuda"]
 PortProtocol = Literal["TCP", "UDP", "SCTP"]
-RELAYS: tuple[Relay, ...] = get_args(Relay)
+RELAYS: tuple[RelayKind, ...] = get_args(RelayKind)
 POOL_DEVICES: tuple[PoolDevice, ...] = get_args(PoolDevice)
 PORT_PROTOCOLS: tuple[PortProtocol, ...] = get_args(PortProtocol)
 
@@ -38,7 +38,7 @@ MAX_DERIVED_NAME_LENGTH = 52
 MAX_PIPELINE_NAME_LENGTH = 40
 
 # Defaults applied when a field is omitted.
-DEFAULT_RELAY: Relay = "auto"
+DEFAULT_RELAY: RelayKind = "auto"
 DEFAULT_POOL_SIZE = 256 * 2**20
 DEFAULT_MIN_BLOCK = 2**20
 DEFAULT_POOL_DEVICE: PoolDevice = "cpu"
@@ -105,7 +105,7 @@ class PoolOverride:
 class Transport:
     """`spec.transport`: the default relay per edge, the default pool, the request timeout."""
 
-    relay: Relay = DEFAULT_RELAY
+    relay: RelayKind = DEFAULT_RELAY
     pool_size: int = DEFAULT_POOL_SIZE
     min_block: int = DEFAULT_MIN_BLOCK
     pool_device: PoolDevice = DEFAULT_POOL_DEVICE
@@ -202,7 +202,7 @@ class Edge:
 
     source: str
     target: str
-    relay: Relay | None = None
+    relay: RelayKind | None = None
     tensor_refs: tuple[TensorRef, ...] = ()
 
 
@@ -326,7 +326,7 @@ class Pipeline:
             device=default.pool_device if override.pool_device is None else override.pool_device,
         )
 
-    def relay_for(self, edge: Edge) -> Relay:
+    def relay_for(self, edge: Edge) -> RelayKind:
         """The relay an edge uses as written (`auto` is resolved at run time)."""
         return self.transport.relay if edge.relay is None else edge.relay
 

@@ -485,7 +485,7 @@ class Ingress:
         return None
 
     def _on_inline(self, ident: bytes, msg: dict[str, Any]) -> None:
-        manifest = Manifest.from_json(msg.get("manifest"), slot_size=proto.MAX_INLINE_BYTES)
+        manifest = Manifest.from_json(msg.get("manifest"), slot_size=proto.MAX_INLINE_MESSAGE_BYTES)
         if not self._sock.getsockopt(zmq.RCVMORE):
             raise proto.ProtocolError("inline message has no data frame")
         data = bytearray(manifest.nbytes)  # bounded above; a longer frame is cut short

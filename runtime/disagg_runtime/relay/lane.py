@@ -34,7 +34,7 @@ import struct
 from typing import Any
 
 from disagg_runtime.relay.errors import RelayError
-from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_BYTES
+from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_MESSAGE_BYTES
 
 PREFIX = struct.Struct("<II")
 READY = b"\x01"  # the ingress's one-byte answer to the hello: the lane is tied to its sender
@@ -118,10 +118,10 @@ class LaneReader:
         used = 0
         while self._body is None and self._have - used >= PREFIX.size:
             header_bytes, data_bytes = PREFIX.unpack_from(self._scratch, used)
-            if header_bytes > MAX_CONTROL_BYTES or data_bytes > MAX_INLINE_BYTES:
+            if header_bytes > MAX_CONTROL_BYTES or data_bytes > MAX_INLINE_MESSAGE_BYTES:
                 raise LaneError(
                     f"lane frame of {header_bytes} + {data_bytes} B is over the limits "
-                    f"({MAX_CONTROL_BYTES} B header, {MAX_INLINE_BYTES} B data)"
+                    f"({MAX_CONTROL_BYTES} B header, {MAX_INLINE_MESSAGE_BYTES} B data)"
                 )
             used += PREFIX.size
             total = header_bytes + data_bytes

@@ -39,7 +39,7 @@ from disagg_runtime.codec import CodecError, decode_header, encode_header
 
 PROTOCOL_VERSION = 1
 MAX_CONTROL_BYTES = 4 << 20
-MAX_INLINE_BYTES = 16 << 20  # the most slot bytes an inline message may carry
+MAX_INLINE_MESSAGE_BYTES = 16 << 20  # the most slot bytes an inline message may carry
 OPS_TO_INGRESS = frozenset({"hello", "inline", "reserve", "commit", "cancel", "abort"})
 OPS_TO_SENDER = frozenset({"welcome", "grant", "deny", "ack", "nack"})
 

@@ -54,7 +54,7 @@ from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 
 log = logging.getLogger(__name__)
-INLINE_MAX = 64 * 1024
+INLINE_THRESHOLD = 64 * 1024
 CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN = 64 * 1024
 HWM = 16
@@ -77,14 +77,16 @@ class Sender:
         endpoint: str,
         *,
         timeout: float = 30.0,
-        inline_max: int = INLINE_MAX,
+        inline_max: int = INLINE_THRESHOLD,
         lane: bool = True,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
-        if not 0 <= inline_max <= proto.MAX_INLINE_BYTES:
-            raise ValueError(f"inline_max must be within [0, {proto.MAX_INLINE_BYTES}] bytes")
+        if not 0 <= inline_max <= proto.MAX_INLINE_MESSAGE_BYTES:
+            raise ValueError(
+                f"inline_max must be within [0, {proto.MAX_INLINE_MESSAGE_BYTES}] bytes"
+            )
         self.inline_max = inline_max
         self.use_lane = lane  # False: inline payloads over ZMQ even where a lane is offered
         self._ctx = context or zmq.Context.instance()

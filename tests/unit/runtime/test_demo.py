@@ -14,8 +14,7 @@ import pytest
 import torch
 import yaml
 
-from disagg_runtime import codec, demo
-from disagg_runtime import envelope as env
+from disagg_runtime import codec, demo, envelope
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[3] / "examples"
 SMALL = "0.05"
@@ -75,9 +74,9 @@ def text_to_video(i: int = 0, **extra: Any) -> tuple[dict[str, Any], dict[str, A
     """encoder -> (text_embedding split off as a tensor ref) -> denoiser -> (re-inserted)
     -> decoder; returns (encoder output, decoder output)."""
     encoded = run_hop(demo.encode_text, {**demo.sample_input("encode_text", i), **extra})
-    to_denoiser, text_embedding = env.extract(encoded, "text_embedding")
+    to_denoiser, text_embedding = envelope.extract(encoded, "text_embedding")
     denoised = run_hop(demo.denoise, to_denoiser)
-    frames = run_hop(demo.decode_video, env.insert(denoised, "text_embedding", text_embedding))
+    frames = run_hop(demo.decode_video, envelope.insert(denoised, "text_embedding", text_embedding))
     return encoded, frames
 
 
@@ -108,7 +107,7 @@ def test_text_to_video_chain() -> None:
 
 def test_denoise_steps_and_dtype() -> None:
     encoded = demo.encode_text(demo.sample_input("encode_text", 0))
-    payload, _ = env.extract(encoded, "text_embedding")
+    payload, _ = envelope.extract(encoded, "text_embedding")
     before = payload["latents"].clone()
     out = demo.denoise(payload)
     assert set(out) == {"latents", "request"}
@@ -297,7 +296,7 @@ def test_bad_scale(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
 def inputs() -> dict[str, dict[str, Any]]:
     """A valid input for every handler."""
     encoded = demo.encode_text(demo.sample_input("encode_text", 0))
-    to_denoiser, _ = env.extract(encoded, "text_embedding")
+    to_denoiser, _ = envelope.extract(encoded, "text_embedding")
     prefilled = demo.prefill(demo.sample_input("prefill", 0))
     out = fan_out(0)
     return {
@@ -355,7 +354,7 @@ def test_failure_at_a_chosen_stage() -> None:
 
 def test_sleep_ms_slows_the_denoiser() -> None:
     encoded = demo.encode_text({**demo.sample_input("encode_text", 0), "sleep_ms": 60.0})
-    payload, _ = env.extract(encoded, "text_embedding")
+    payload, _ = envelope.extract(encoded, "text_embedding")
     started = time.monotonic()
     out = demo.denoise(payload)
     assert time.monotonic() - started >= 0.06

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_runtime import envelope as env
+from disagg_runtime import envelope
 from disagg_runtime.envelope import EnvelopeError, Meta, Reply
 
 
@@ -29,7 +29,7 @@ def meta(**changes):
     ],
 )
 def test_to_json_parse_round_trip(m):
-    assert env.parse(json.loads(json.dumps(m.to_json()))) == m
+    assert envelope.parse(json.loads(json.dumps(m.to_json()))) == m
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_to_json_parse_round_trip(m):
 )
 def test_malformed_envelopes_raise(obj, message):
     with pytest.raises(EnvelopeError, match=message):
-        env.parse(obj)
+        envelope.parse(obj)
 
 
 def test_expired():
@@ -60,31 +60,31 @@ def test_expired():
 def test_extract_and_insert_are_inverse_and_do_not_mutate():
     emb = torch.ones(3)
     payload: dict[str, Any] = {"a": {"b": [emb, 2]}, "keep": 1}
-    rest, value = env.extract(payload, "a.b[0]")
+    rest, value = envelope.extract(payload, "a.b[0]")
     assert value is emb
     assert rest == {"a": {"b": [None, 2]}, "keep": 1}
     assert payload["a"]["b"][0] is emb  # the original is untouched
-    back = env.insert(rest, "a.b[0]", value)
+    back = envelope.insert(rest, "a.b[0]", value)
     assert back["a"]["b"][0] is emb and back["keep"] == 1
 
 
 def test_extract_top_level_key_removes_it():
-    rest, value = env.extract({"latents": 1, "text_embedding": 2}, "text_embedding")
+    rest, value = envelope.extract({"latents": 1, "text_embedding": 2}, "text_embedding")
     assert rest == {"latents": 1} and value == 2
-    assert env.insert(rest, "text_embedding", value) == {"latents": 1, "text_embedding": 2}
+    assert envelope.insert(rest, "text_embedding", value) == {"latents": 1, "text_embedding": 2}
 
 
 def test_insert_creates_missing_dicts_and_keeps_tuples():
-    assert env.insert({}, "a.b", 1) == {"a": {"b": 1}}
-    assert env.insert((0, {"k": 1}), "[1].k", 5) == (0, {"k": 5})
+    assert envelope.insert({}, "a.b", 1) == {"a": {"b": 1}}
+    assert envelope.insert((0, {"k": 1}), "[1].k", 5) == (0, {"k": 5})
 
 
 @pytest.mark.parametrize("path", ["missing", "a.zz", "a.b[5]"])
 def test_extract_missing_path_raises_key_error(path):
     with pytest.raises(KeyError, match="not in the payload"):
-        env.extract({"a": {"b": [1]}}, path)
+        envelope.extract({"a": {"b": [1]}}, path)
 
 
 def test_insert_through_a_non_container_raises():
     with pytest.raises(KeyError, match="cannot put"):
-        env.insert({"a": 3}, "a.b", 1)
+        envelope.insert({"a": 3}, "a.b", 1)

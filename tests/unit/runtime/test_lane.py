@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_runtime.relay import lane
-from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_BYTES
+from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_MESSAGE_BYTES
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_received_data_is_a_writable_view_of_its_own_buffer(
     "prefix",
     [
         lane.PREFIX.pack(MAX_CONTROL_BYTES + 1, 0),
-        lane.PREFIX.pack(2, MAX_INLINE_BYTES + 1),
+        lane.PREFIX.pack(2, MAX_INLINE_MESSAGE_BYTES + 1),
         lane.PREFIX.pack(0xFFFFFFFF, 0xFFFFFFFF),
     ],
 )

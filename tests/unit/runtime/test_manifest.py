@@ -19,6 +19,7 @@ from disagg_runtime.manifest import (
     layout,
     tensor_alignment,
 )
+from disagg_runtime.pool import plan as pool_plan
 
 # -- helpers -------------------------------------------------------------------------------
 
@@ -107,7 +108,7 @@ def test_plan_flattens_and_lays_out_a_nested_payload() -> None:
     b = torch.ones(5, dtype=torch.bfloat16)
     t = torch.arange(12, dtype=torch.int64).reshape(3, 4).t()  # not contiguous
     payload = {"a": a, "rest": [b, (t, "x", 2.5)], "n": None}
-    man, tensors = Manifest.plan(payload)
+    man, tensors = pool_plan(payload)
     assert [m.dtype for m in man.tensors] == [torch.float32, torch.bfloat16, torch.int64]
     assert [m.shape for m in man.tensors] == [(2, 3), (5,), (4, 3)]
     assert man.offsets == (0, 64, 128)
@@ -123,7 +124,7 @@ def test_round_trip_through_json_text() -> None:
         "y": [torch.tensor(True), torch.empty(0, dtype=torch.complex64)],
         "z": (1, "two", None),
     }
-    man, _ = Manifest.plan(payload)
+    man, _ = pool_plan(payload)
     obj = man.to_json()
     assert obj["v"] == MANIFEST_VERSION
     assert obj["nbytes"] == man.nbytes

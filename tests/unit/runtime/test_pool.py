@@ -23,6 +23,7 @@ from disagg_runtime.pool import (
     shm_name,
     write_tensors,
 )
+from disagg_runtime.pool import plan as pool_plan
 
 if TYPE_CHECKING:
     from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
@@ -71,7 +72,7 @@ def mixed_payload() -> dict[str, Any]:
 
 
 def stage(pool: Pool, payload: Any) -> tuple[int, Manifest]:
-    manifest, tensors = Manifest.plan(payload)
+    manifest, tensors = pool_plan(payload)
     slot = pool.allocate(manifest.nbytes)
     assert slot is not None
     write_tensors(pool.backing, slot, manifest, tensors)
