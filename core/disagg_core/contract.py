@@ -3,39 +3,14 @@
 Two parts, both rendered by the operator (and by `disagg up` for local processes) and
 parsed here into a `RoleConfig`. Torch-free: the operator imports it.
 
-Environment (all strings):
+- The environment: the `ENV` table below is the one list of variables (name, default,
+  meaning). `render_env` and `parse_env` are driven by it, and docs/contract.md prints it.
+- The topology file (JSON, mounted from a ConfigMap): the pipeline's graph as the runtime
+  needs it: per role whether it is an entry or exit, its upstream roles (fan-in joins wait
+  for all), its tensor references in and out. See `Topology`.
 
-    DISAGG_PIPELINE            pipeline name                                   required
-    DISAGG_NAMESPACE           namespace ("" locally)
-    DISAGG_ROLE                this container's role                           required
-    DISAGG_REPLICA             replica index; else the ordinal ending DISAGG_POD_NAME
-    DISAGG_POD_NAME            pod name (downward API), for the replica ordinal and logs
-    DISAGG_HANDLER             module.path:function                            required
-    DISAGG_BIND_HOST           ingress/metrics bind address (default 0.0.0.0)
-    DISAGG_INGRESS_PORT        relay ingress port (default 7400)
-    DISAGG_LANE_PORT           inline lane port: small payloads on a plain socket beside
-                               the ZMQ ingress (relay/lane.py; default 7500, 0 = any)
-    DISAGG_METRICS_PORT        /metrics /healthz /readyz port (default 9400)
-    DISAGG_POOL_SIZE           receive pool bytes (integer or quantity, e.g. 256Mi)
-    DISAGG_POOL_MIN_BLOCK      buddy minimum block (default 1Mi)
-    DISAGG_POOL_DEVICE         cpu | cpu-pinned | cuda
-    DISAGG_CONCURRENCY         requests handled at once (default 4)
-    DISAGG_REQUEST_TIMEOUT     seconds a request may live (default 30)
-    DISAGG_DOWNSTREAM          peers this role sends to, per role:
-                               `role=host:port[|host:port...][@relay]` joined by `,`
-                               host may be a DNS name (a headless Service: every A record
-                               is a replica, re-resolved) or an IP; relay auto|shm|tcp|cuda-ipc
-    DISAGG_SAME_GPU_PEERS      comma list of roles sharing this container's GPU (same pod)
-    DISAGG_NODE_LOCAL          "1" when every peer shares this host's /dev/shm (disagg up)
-    DISAGG_TOPOLOGY_FILE       path of the topology file (default /etc/disagg/topology.json)
-    DISAGG_PEERS_FILE          optional JSON {"role": ["host:port", ...]} overriding the
-                               addresses of DISAGG_DOWNSTREAM, re-read when it changes
-                               (`disagg up` scales replicas with it; pods use DNS instead)
-    DISAGG_METRICS_DUMP        optional path: the role writes its final metrics there on exit
-
-Topology file (JSON, mounted from a ConfigMap): the pipeline's graph as the runtime needs
-it: per role whether it is an entry or exit, its upstream roles (fan-in joins wait for
-all), its tensor references in and out. See `Topology`.
+Which values a role gets is decided by `disagg_core.placement.role_config`, the one
+derivation shared by the operator's planner and `disagg up`.
 """
 
 from __future__ import annotations
@@ -43,17 +18,21 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from disagg_core.quantity import parse_bytes
 from disagg_core.spec.model import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MIN_BLOCK,
+    DEFAULT_POOL_DEVICE,
     DEFAULT_POOL_SIZE,
     DEFAULT_REQUEST_TIMEOUT_SECONDS,
+    POOL_DEVICES,
+    RELAYS,
     Pipeline,
+    PoolDevice,
     PoolSettings,
 )
 
@@ -63,8 +42,6 @@ DEFAULT_LANE_PORT = 7500
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_TOPOLOGY_FILE = "/etc/disagg/topology.json"
 TOPOLOGY_VERSION = 1
-RELAYS = ("auto", "shm", "tcp", "cuda-ipc")
-POOL_DEVICES = ("cpu", "cpu-pinned", "cuda")
 
 
 class ContractError(ValueError):
@@ -221,33 +198,204 @@ class RoleConfig:
         raise ContractError(f"{PREFIX}DOWNSTREAM has no entry for role {role!r}")
 
 
+# ---- the environment: one table ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one variable's value is written and read back (`name` is for error messages)."""
+
+    render: Callable[[Any], str]
+    parse: Callable[[str, str], Any]  # (variable name, raw text) -> value
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ContractError(f"{name}={raw!r} is not an integer") from None
+
+
+def _parse_seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ContractError(f"{name}={raw!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ContractError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def _parse_bytes(name: str, raw: str) -> int:
+    try:
+        return parse_bytes(raw)
+    except ValueError as exc:
+        raise ContractError(f"{name}={raw!r}: {exc}") from None
+
+
+def _parse_device(name: str, raw: str) -> PoolDevice:
+    if raw not in POOL_DEVICES:
+        raise ContractError(f"{name}={raw!r}; expected one of {POOL_DEVICES}")
+    return raw
+
+
+TEXT = Kind(str, lambda name, raw: raw)
+INT = Kind(str, _parse_int)
+ORDINAL = Kind(str, lambda name, raw: _parse_int(name, raw) if raw else None)
+SECONDS = Kind(lambda v: f"{v:g}", _parse_seconds)
+BYTES = Kind(str, _parse_bytes)
+FLAG = Kind(lambda v: "1" if v else "0", lambda name, raw: raw == "1")
+DEVICE = Kind(str, _parse_device)
+ROLES = Kind(
+    lambda v: ",".join(sorted(v)), lambda name, raw: frozenset(filter(None, raw.split(",")))
+)
+PEERS = Kind(lambda v: ",".join(p.render() for p in v), lambda name, raw: parse_downstream(raw))
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One `DISAGG_*` variable: the RoleConfig field it carries (a dotted path for the pool),
+    its default (None: required) and what it means. `optional` ones are rendered only when
+    set (the empty string is their unset value)."""
+
+    key: str
+    field: str
+    kind: Kind
+    doc: str
+    default: str | None = None
+    optional: bool = False
+
+    @property
+    def name(self) -> str:
+        return PREFIX + self.key
+
+
+ENV: Final[tuple[EnvVar, ...]] = (
+    EnvVar("PIPELINE", "pipeline", TEXT, "pipeline name"),
+    EnvVar("NAMESPACE", "namespace", TEXT, 'namespace ("" locally)', default=""),
+    EnvVar("ROLE", "role", TEXT, "this container's role"),
+    EnvVar(
+        "REPLICA",
+        "replica",
+        ORDINAL,
+        "replica index; unset in pods: the ordinal ending DISAGG_POD_NAME, else 0",
+        default="",
+    ),
+    EnvVar(
+        "POD_NAME",
+        "pod_name",
+        TEXT,
+        "pod name (downward API), for the replica ordinal and logs",
+        default="",
+        optional=True,
+    ),
+    EnvVar("HANDLER", "handler", TEXT, "module.path:function (or :Class) of the handler"),
+    EnvVar("BIND_HOST", "bind_host", TEXT, "ingress/lane/metrics bind address", "0.0.0.0"),
+    EnvVar("INGRESS_PORT", "ingress_port", INT, "relay ingress port", str(DEFAULT_INGRESS_PORT)),
+    EnvVar(
+        "LANE_PORT",
+        "lane_port",
+        INT,
+        "inline lane port: small payloads on a plain socket beside the ZMQ ingress "
+        "(relay/lane.py; 0 = any free port)",
+        str(DEFAULT_LANE_PORT),
+    ),
+    EnvVar(
+        "METRICS_PORT",
+        "metrics_port",
+        INT,
+        "/metrics /healthz /readyz port",
+        str(DEFAULT_METRICS_PORT),
+    ),
+    EnvVar(
+        "POOL_SIZE",
+        "pool.size",
+        BYTES,
+        "receive pool bytes (integer or quantity, e.g. 256Mi)",
+        str(DEFAULT_POOL_SIZE),
+    ),
+    EnvVar(
+        "POOL_MIN_BLOCK", "pool.min_block", BYTES, "buddy minimum block", str(DEFAULT_MIN_BLOCK)
+    ),
+    EnvVar("POOL_DEVICE", "pool.device", DEVICE, " | ".join(POOL_DEVICES), DEFAULT_POOL_DEVICE),
+    EnvVar("CONCURRENCY", "concurrency", INT, "requests handled at once", str(DEFAULT_CONCURRENCY)),
+    EnvVar(
+        "REQUEST_TIMEOUT",
+        "request_timeout",
+        SECONDS,
+        "seconds a request may live",
+        f"{DEFAULT_REQUEST_TIMEOUT_SECONDS:g}",
+    ),
+    EnvVar(
+        "DOWNSTREAM",
+        "downstream",
+        PEERS,
+        "peers this role sends to, per role: `role=host:port[|host:port...][@relay]` joined "
+        "by `,`; host may be a DNS name (a headless Service: every A record is a replica, "
+        f"re-resolved) or an IP; relay {'|'.join(RELAYS)}",
+        default="",
+    ),
+    EnvVar(
+        "SAME_GPU_PEERS",
+        "same_gpu_peers",
+        ROLES,
+        "comma list of roles sharing this container's GPU (same pod)",
+        default="",
+    ),
+    EnvVar(
+        "NODE_LOCAL",
+        "node_local",
+        FLAG,
+        '"1" when every peer shares this host\'s /dev/shm (disagg up)',
+        default="0",
+    ),
+    EnvVar(
+        "TOPOLOGY_FILE",
+        "topology_file",
+        TEXT,
+        "path of the topology file",
+        DEFAULT_TOPOLOGY_FILE,
+    ),
+    EnvVar(
+        "PEERS_FILE",
+        "peers_file",
+        TEXT,
+        'JSON {"role": ["host:port", ...]} overriding the addresses of DISAGG_DOWNSTREAM, '
+        "re-read when it changes (`disagg up` scales replicas with it; pods use DNS instead)",
+        default="",
+        optional=True,
+    ),
+    EnvVar(
+        "METRICS_DUMP",
+        "metrics_dump",
+        TEXT,
+        "the role writes its final metrics to this path on exit",
+        default="",
+        optional=True,
+    ),
+)
+
+
+def _field(config: RoleConfig, path: str) -> Any:
+    value: Any = config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def render_env(config: RoleConfig) -> dict[str, str]:
     """The environment a container gets for `config` (the operator and `disagg up` use it)."""
-    env = {
-        "PIPELINE": config.pipeline,
-        "NAMESPACE": config.namespace,
-        "ROLE": config.role,
-        "REPLICA": str(config.replica),
-        "HANDLER": config.handler,
-        "BIND_HOST": config.bind_host,
-        "INGRESS_PORT": str(config.ingress_port),
-        "LANE_PORT": str(config.lane_port),
-        "METRICS_PORT": str(config.metrics_port),
-        "POOL_SIZE": str(config.pool.size),
-        "POOL_MIN_BLOCK": str(config.pool.min_block),
-        "POOL_DEVICE": config.pool.device,
-        "CONCURRENCY": str(config.concurrency),
-        "REQUEST_TIMEOUT": f"{config.request_timeout:g}",
-        "DOWNSTREAM": ",".join(p.render() for p in config.downstream),
-        "SAME_GPU_PEERS": ",".join(sorted(config.same_gpu_peers)),
-        "NODE_LOCAL": "1" if config.node_local else "0",
-        "TOPOLOGY_FILE": config.topology_file,
-    }
-    if config.peers_file:
-        env["PEERS_FILE"] = config.peers_file
-    if config.metrics_dump:
-        env["METRICS_DUMP"] = config.metrics_dump
-    return {PREFIX + k: v for k, v in env.items()}
+    env = {}
+    for var in ENV:
+        value = var.kind.render(_field(config, var.field))
+        if value or not var.optional:
+            env[var.name] = value
+    return env
+
+
+def env_table() -> list[tuple[str, str, str]]:
+    """(name, default, meaning) per variable, for docs/contract.md."""
+    return [(var.name, "required" if var.default is None else var.default, var.doc) for var in ENV]
 
 
 def write_topology(topology: Topology, path: str) -> None:
@@ -275,85 +423,49 @@ def parse_downstream(text: str) -> tuple[Peer, ...]:
     return tuple(peers)
 
 
-def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
-    raw = env.get(PREFIX + key)
-    if raw is None or raw == "":
-        if default is None:
-            raise ContractError(f"{PREFIX}{key} is required")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ContractError(f"{PREFIX}{key}={raw!r} is not an integer") from None
+def _values(env: Mapping[str, str]) -> dict[str, Any]:
+    """Every table variable parsed (defaults filled in), keyed by RoleConfig field path."""
+    values: dict[str, Any] = {}
+    for var in ENV:
+        raw = env.get(var.name) or var.default
+        if raw is None:
+            raise ContractError(f"{var.name} is required")
+        values[var.field] = var.kind.parse(var.name, raw)
+    return values
 
 
-def _required(env: Mapping[str, str], key: str) -> str:
-    value = env.get(PREFIX + key, "")
-    if not value:
-        raise ContractError(f"{PREFIX}{key} is required")
-    return value
-
-
-def _replica(env: Mapping[str, str]) -> int:
-    if env.get(PREFIX + "REPLICA"):
-        return _int(env, "REPLICA")
-    match = re.search(r"-(\d+)$", env.get(PREFIX + "POD_NAME", ""))
+def _replica(replica: int | None, pod_name: str) -> int:
+    if replica is not None:
+        return replica
+    match = re.search(r"-(\d+)$", pod_name)
     return int(match.group(1)) if match else 0
 
 
 def parse_env(env: Mapping[str, str], topology: Topology | None = None) -> RoleConfig:
     """Build a RoleConfig from the environment; reads the topology file unless given."""
-    topology_file = env.get(PREFIX + "TOPOLOGY_FILE") or DEFAULT_TOPOLOGY_FILE
+    values = _values(env)
+    topology_file = values["topology_file"]
     if topology is None:
         try:
             with open(topology_file) as f:
                 topology = Topology.from_json(json.load(f))
         except (OSError, json.JSONDecodeError) as exc:
             raise ContractError(f"cannot read topology file {topology_file}: {exc}") from None
-    role = _required(env, "ROLE")
+    role = values["role"]
     if role not in topology.roles:
         raise ContractError(f"{PREFIX}ROLE={role!r} is not a role of the topology")
-    device = env.get(PREFIX + "POOL_DEVICE") or "cpu"
-    if device not in POOL_DEVICES:
-        raise ContractError(f"{PREFIX}POOL_DEVICE={device!r}; expected one of {POOL_DEVICES}")
-    try:
-        pool = PoolSettings(
-            size=parse_bytes(env.get(PREFIX + "POOL_SIZE") or DEFAULT_POOL_SIZE),
-            min_block=parse_bytes(env.get(PREFIX + "POOL_MIN_BLOCK") or DEFAULT_MIN_BLOCK),
-            device=device,  # type: ignore[arg-type]  # checked against POOL_DEVICES above
-        )
-        timeout = float(env.get(PREFIX + "REQUEST_TIMEOUT") or DEFAULT_REQUEST_TIMEOUT_SECONDS)
-    except ValueError as exc:
-        raise ContractError(f"bad pool or timeout setting: {exc}") from None
-    downstream = parse_downstream(env.get(PREFIX + "DOWNSTREAM", ""))
-    missing = set(topology.roles[role].downstream) | {
-        r.target for r in topology.roles[role].refs_out
-    }
-    missing -= {p.role for p in downstream}
+    downstream = values.pop("downstream")
+    me = topology.roles[role]
+    missing = (set(me.downstream) | {r.target for r in me.refs_out}) - {p.role for p in downstream}
     if missing:
         raise ContractError(f"{PREFIX}DOWNSTREAM lacks addresses for {sorted(missing)}")
-    return RoleConfig(
-        pipeline=_required(env, "PIPELINE"),
-        namespace=env.get(PREFIX + "NAMESPACE", ""),
-        role=role,
-        replica=_replica(env),
-        handler=_required(env, "HANDLER"),
-        pool=pool,
-        topology=topology,
-        downstream=downstream,
-        same_gpu_peers=frozenset(filter(None, env.get(PREFIX + "SAME_GPU_PEERS", "").split(","))),
-        node_local=env.get(PREFIX + "NODE_LOCAL", "0") == "1",
-        bind_host=env.get(PREFIX + "BIND_HOST") or "0.0.0.0",
-        ingress_port=_int(env, "INGRESS_PORT", DEFAULT_INGRESS_PORT),
-        lane_port=_int(env, "LANE_PORT", DEFAULT_LANE_PORT),
-        metrics_port=_int(env, "METRICS_PORT", DEFAULT_METRICS_PORT),
-        concurrency=_int(env, "CONCURRENCY", DEFAULT_CONCURRENCY),
-        request_timeout=timeout,
-        pod_name=env.get(PREFIX + "POD_NAME", ""),
-        topology_file=topology_file,
-        peers_file=env.get(PREFIX + "PEERS_FILE", ""),
-        metrics_dump=env.get(PREFIX + "METRICS_DUMP", ""),
+    pool = PoolSettings(
+        size=values.pop("pool.size"),
+        min_block=values.pop("pool.min_block"),
+        device=values.pop("pool.device"),
     )
+    values["replica"] = _replica(values["replica"], values["pod_name"])
+    return RoleConfig(**values, pool=pool, topology=topology, downstream=downstream)
 
 
 def from_environ() -> RoleConfig:

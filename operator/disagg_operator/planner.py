@@ -99,7 +99,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from disagg_core import contract
+from disagg_core import contract, placement
 from disagg_core.spec.fields import Problem, SpecError, child
 from disagg_core.spec.model import ColocationGroup, Pipeline, Role
 from disagg_operator import names, pods
@@ -347,37 +347,17 @@ def role_config(
     units = workloads(pipeline, options)
     ports = {name: p for w in units for name, p in role_ports(w).items()}
     home = next(w for w in units if role in (r.name for r in w.roles))
-    me = pipeline.role(role)
-    topo = topology(pipeline, namespace)
-    mine = topo.roles[role]
-    targets = dict.fromkeys([*mine.downstream, *(ref.target for ref in mine.refs_out)])
-    relays = {edge.target: pipeline.relay_for(edge) for edge in pipeline.edges_from(role)}
-    peers = tuple(
-        contract.Peer(
-            target,
-            (_address(pipeline, target, ports[target], home, namespace, options),),
-            relays.get(target, "auto"),
-        )
-        for target in targets
-    )
-    group = home.group
-    return contract.RoleConfig(
-        pipeline=pipeline.name,
+    where = placement.Placement(
         namespace=namespace,
-        role=role,
-        replica=0,
-        handler=me.handler,
-        pool=pipeline.pool_for(role),
-        topology=topo,
-        downstream=peers,
-        same_gpu_peers=frozenset(group.roles) - {role} if group else frozenset(),
+        addresses={
+            target: (_address(pipeline, target, ports[target], home, namespace, options),)
+            for target in placement.targets(pipeline, role)
+        },
         ingress_port=ports[role].ingress,
         lane_port=ports[role].lane,
         metrics_port=ports[role].metrics,
-        concurrency=me.concurrency,
-        request_timeout=pipeline.transport.request_timeout_seconds,
-        topology_file=contract.DEFAULT_TOPOLOGY_FILE,
     )
+    return placement.role_config(pipeline, role, where)
 
 
 def _address(

@@ -30,6 +30,9 @@ name                                type       extra labels           meaning
 ``disagg_handler_seconds``          histogram  -                      time inside the user handler
 ``disagg_edge_bytes_total``         counter    ``edge``,              payload bytes per edge;
                                                ``direction``          direction is in|out
+``disagg_edge_messages_total``      counter    ``edge``, ``relay``    messages sent per edge and
+                                                                      the relay (shm|tcp|cuda-ipc)
+                                                                      that carried them
 ``disagg_edge_seconds``             histogram  ``edge``               send time per edge
                                                                       (buckets 100 us .. 10 s)
 ==================================  =========  =====================  ==========================
@@ -209,6 +212,12 @@ class RoleMetrics:
             [*CONST_LABELS, "edge", "direction"],
             registry=reg,
         )
+        self._edge_messages = Counter(
+            "disagg_edge_messages",
+            "Messages sent per edge and the relay that carried them.",
+            [*CONST_LABELS, "edge", "relay"],
+            registry=reg,
+        )
         self._edge_seconds = Histogram(
             "disagg_edge_seconds",
             "Send time per edge, seconds.",
@@ -233,9 +242,11 @@ class RoleMetrics:
         label = reason if reason in FAILURE_REASONS else "other"
         self._failures.labels(*self._const, label).inc()
 
-    def edge_sent(self, edge: str, nbytes: int, seconds: float) -> None:
-        """Count ``nbytes`` sent on ``edge``; negative sizes raise ``ValueError`` (a bug)."""
+    def edge_sent(self, edge: str, relay: str, nbytes: int, seconds: float) -> None:
+        """Count one message of ``nbytes`` sent on ``edge`` by ``relay``; negative sizes raise
+        ``ValueError`` (a bug)."""
         self._edge_bytes.labels(*self._const, edge, "out").inc(nbytes)
+        self._edge_messages.labels(*self._const, edge, relay).inc()
         self._edge_seconds.labels(*self._const, edge).observe(seconds)
 
     def edge_received(self, edge: str, nbytes: int) -> None:

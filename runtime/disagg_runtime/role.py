@@ -451,7 +451,8 @@ class RoleRuntime:
             self.relays.drop(peers.kind, endpoint)
             # the same type (a timeout stays a timeout), naming whom it could not reach
             raise type(exc)(f"{target} at {endpoint}: {exc}") from exc
-        self.metrics.edge_sent(f"{self.name}->{target}", nbytes, time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        self.metrics.edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
 
     def _send_reply(self, meta: Meta, payload: Any) -> None:
         relay = self.relays.get(meta.reply.relay, meta.reply.endpoint)

@@ -212,6 +212,11 @@ def test_up_json_summary() -> None:
     assert s["throughput_rps"] > 0
     assert s["bytes_moved"] >= 3 * 20 * BIG * 4  # client->src, src->mid, mid->sink at least
     assert s["died"] == []
+    assert [(e["from"], e["to"], e["relay"], e["messages"]) for e in s["edges"]] == [
+        ("mid", "sink", "shm", 20),
+        ("src", "mid", "tcp", 20),  # the edge's relay from the spec, not `auto`
+    ]
+    assert all(e["bytes"] >= 20 * BIG * 4 for e in s["edges"])
     assert set(s["roles"]) == {"src", "mid", "sink"}
     assert {n: r["replicas"] for n, r in s["roles"].items()} == {"src": 1, "mid": 2, "sink": 1}
     for name, r in s["roles"].items():

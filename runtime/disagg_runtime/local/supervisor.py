@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from disagg_core.contract import Peer, RoleConfig, Topology, render_env, write_topology
+from disagg_core import placement
+from disagg_core.contract import Peer, RoleConfig, render_env, write_topology
 from disagg_core.spec.model import Pipeline
 from disagg_runtime.client import Client
 from disagg_runtime.metrics import fetch, scrape
@@ -60,44 +61,31 @@ def plan_local(
     peers_file: str = "",
 ) -> list[RoleConfig]:
     """One RoleConfig per replica: ports assigned, peers as explicit loopback addresses."""
-    topology = Topology.from_pipeline(pipeline, namespace="")
     counts = {r.name: (replicas or {}).get(r.name, r.replicas) for r in pipeline.roles}
     assigned = {
         name: [(next(ports), next(ports)) for _ in range(max(1, n))] for name, n in counts.items()
     }
-    configs = []
-    for role in pipeline.roles:
-        me = topology.roles[role.name]
-        targets = list(me.downstream) + [
-            r.target for r in me.refs_out if r.target not in me.downstream
-        ]
-        downstream = tuple(Peer(t, tuple(f"{HOST}:{p}" for p, _ in assigned[t])) for t in targets)
-        group = pipeline.colocation_group_of(role.name)
-        same_gpu = frozenset(group.roles) - {role.name} if group else frozenset()
-        for index, (ingress, metrics) in enumerate(assigned[role.name]):
-            configs.append(
-                RoleConfig(
-                    pipeline=pipeline.name,
-                    namespace="",
-                    role=role.name,
-                    replica=index,
-                    handler=role.handler,
-                    pool=pipeline.pool_for(role.name),
-                    topology=topology,
-                    downstream=downstream,
-                    same_gpu_peers=same_gpu,
-                    node_local=True,
-                    bind_host=HOST,
-                    ingress_port=ingress,
-                    lane_port=0,  # any free port: the ingress tells its senders which
-                    metrics_port=metrics,
-                    concurrency=role.concurrency,
-                    request_timeout=pipeline.transport.request_timeout_seconds,
-                    topology_file=topology_file,
-                    peers_file=peers_file,
-                )
-            )
-    return configs
+    addresses = {name: tuple(f"{HOST}:{p}" for p, _ in pairs) for name, pairs in assigned.items()}
+    return [
+        placement.role_config(
+            pipeline,
+            role.name,
+            placement.Placement(
+                namespace="",
+                addresses=addresses,
+                replica=index,
+                ingress_port=ingress,
+                lane_port=0,  # any free port: the ingress tells its senders which
+                metrics_port=metrics,
+                bind_host=HOST,
+                node_local=True,
+                topology_file=topology_file,
+                peers_file=peers_file,
+            ),
+        )
+        for role in pipeline.roles
+        for index, (ingress, metrics) in enumerate(assigned[role.name])
+    ]
 
 
 def _die_with_parent() -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +150,46 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+_EDGE_KEY = re.compile(r"^disagg_edge_(messages|bytes)_total\{(.*)\}$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def edges(samples: Mapping[str, Mapping[str, float]]) -> list[dict[str, Any]]:
+    """One entry per edge from every replica's counters: `{"from", "to", "relay", "messages",
+    "bytes"}`, where `relay` is what actually carried its messages (comma-joined if several
+    did) and `bytes` what was sent on it."""
+    found: dict[str, dict[str, Any]] = {}
+    for sample in samples.values():
+        for key, value in sample.items():
+            match = _EDGE_KEY.match(key)
+            if not match:
+                continue
+            labels = dict(_LABEL.findall(match.group(2)))
+            if match.group(1) == "bytes" and labels.get("direction") != "out":
+                continue
+            source, _, target = labels.get("edge", "").partition("->")
+            entry = found.setdefault(
+                labels.get("edge", ""),
+                {"from": source, "to": target, "relays": set(), "messages": 0, "bytes": 0},
+            )
+            if match.group(1) == "messages":
+                entry["messages"] += int(value)
+                if value:
+                    entry["relays"].add(labels.get("relay", ""))
+            else:
+                entry["bytes"] += int(value)
+    return [
+        {
+            "from": e["from"],
+            "to": e["to"],
+            "relay": ",".join(sorted(e["relays"])),
+            "messages": e["messages"],
+            "bytes": e["bytes"],
+        }
+        for _, e in sorted(found.items())
+    ]
+
+
 def summarize(local: LocalPipeline, tally: Tally, elapsed: float, ready_s: float) -> dict[str, Any]:
     samples = local.metrics()
     roles: dict[str, dict[str, Any]] = {}
@@ -187,6 +228,7 @@ def summarize(local: LocalPipeline, tally: Tally, elapsed: float, ready_s: float
         "elapsed_s": round(elapsed, 3),
         "ready_s": round(ready_s, 3),
         "roles": roles,
+        "edges": edges(samples),
         "died": list(local.deaths),
         "logs": local.workdir if local.deaths else None,
         "errors": list(tally.errors),
@@ -206,6 +248,11 @@ def render(summary: dict[str, Any]) -> str:
         lines.append(
             f"{name:<20}{r['replicas']:>9}{r['completed']:>11}{r['failed']:>8}{r['mean_ms']:>10.1f}"
         )
+    lines += [
+        f"edge {e['from']} -> {e['to']} over {e['relay'] or '-'}: {e['messages']} messages, "
+        f"{e['bytes'] / 2**20:.1f} MiB"
+        for e in summary.get("edges", [])
+    ]
     lines += [
         f"scaled {e['role']} {e['from']} -> {e['to']} at {e['time_s']:.1f} s: {e['reason']}"
         for e in summary.get("scale_events", [])

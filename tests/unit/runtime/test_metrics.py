@@ -38,6 +38,7 @@ COUNTERS_AND_HISTOGRAMS = (
     "disagg_request_seconds_count",
     "disagg_handler_seconds_count",
     "disagg_edge_bytes_total",
+    "disagg_edge_messages_total",
     "disagg_edge_seconds_bucket",
     "disagg_edge_seconds_count",
 )
@@ -94,7 +95,7 @@ def get_metrics(server: HealthServer) -> dict[str, float]:
 
 def test_metrics_endpoint_has_every_name_with_const_labels(server, metrics, role):
     role.sample = RoleSample(1, 2, 3, 4, 5, 6)
-    metrics.edge_sent("encoder->denoiser", 10, 0.001)
+    metrics.edge_sent("encoder->denoiser", "shm", 10, 0.001)
     status, body = fetch(url(server, "/metrics"))
     assert status == 200
     for name in GAUGES + COUNTERS_AND_HISTOGRAMS:
@@ -194,8 +195,8 @@ def test_handler_seconds(metrics):
 
 
 def test_edge_bytes_and_seconds(server, metrics):
-    metrics.edge_sent("denoiser->decoder", 64 << 20, 0.006)
-    metrics.edge_sent("denoiser->decoder", 1 << 20, 0.00005)
+    metrics.edge_sent("denoiser->decoder", "tcp", 64 << 20, 0.006)
+    metrics.edge_sent("denoiser->decoder", "tcp", 1 << 20, 0.00005)
     metrics.edge_received("encoder->denoiser", 1000)
     metrics.edge_received("encoder->denoiser", 24)
     values = get_metrics(server)
@@ -352,7 +353,7 @@ def test_fetch_raises_oserror_without_a_server():
 def test_scrape_parses_render_output(metrics, role):
     role.sample = RoleSample(3, 12, 2, 1, 4)
     metrics.request_done(0.01)
-    metrics.edge_sent("a->b", 5, 0.001)
+    metrics.edge_sent("a->b", "shm", 5, 0.001)
     values = scrape(metrics.render().decode())
     assert values["disagg_pool_occupancy"] == 0.25
     assert values["disagg_queue_depth"] == 4

@@ -112,7 +112,7 @@ def test_quantities_and_relays_parse(tmp_path, t2v):
         ({"DISAGG_HANDLER": "<unset>"}, "DISAGG_HANDLER is required"),
         ({"DISAGG_INGRESS_PORT": "x"}, "not an integer"),
         ({"DISAGG_POOL_DEVICE": "tpu"}, "POOL_DEVICE"),
-        ({"DISAGG_POOL_SIZE": "lots"}, "bad pool"),
+        ({"DISAGG_POOL_SIZE": "lots"}, "DISAGG_POOL_SIZE=.lots."),
         ({"DISAGG_DOWNSTREAM": ""}, "lacks addresses for \\['decoder'\\]"),
         ({"DISAGG_DOWNSTREAM": "decoder"}, "not role=host:port"),
         ({"DISAGG_DOWNSTREAM": "decoder=host"}, "not host:port"),

@@ -1,0 +1,89 @@
+"""The one derivation of a role's contract: pipeline + role + placement -> `RoleConfig`.
+
+The operator's planner (one container of a pod) and `disagg up` (one local process per
+replica) both call `role_config`. Everything a role is told about the pipeline comes from
+the pipeline here, the same way for both; only the `Placement` differs, i.e. where the
+replica runs and how it reaches its targets:
+
+    in a pod        addresses  P-T.NS.svc.<domain>:port (127.0.0.1:port inside the pod)
+                    ports      the planner's ingress/lane/metrics rule, replica from the pod
+    disagg up       addresses  127.0.0.1:port of every replica of T (a peers file updates them)
+                    ports      free loopback ports, node_local (shared /dev/shm)
+
+Targets of role R: its edge targets, then the targets of its tensor references that are not
+already edge targets (in that order). The relay to a target is the edge's relay, else
+`spec.transport.relay`; a target reached only through tensor references is `auto`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from disagg_core.contract import (
+    DEFAULT_INGRESS_PORT,
+    DEFAULT_LANE_PORT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_TOPOLOGY_FILE,
+    Peer,
+    RoleConfig,
+    Topology,
+)
+from disagg_core.spec.model import Pipeline, RelayKind
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where one replica of a role runs: the only input that differs between a pod and a
+    local process. `addresses` maps each target role to its host:port entries."""
+
+    namespace: str
+    addresses: Mapping[str, tuple[str, ...]]
+    replica: int = 0
+    ingress_port: int = DEFAULT_INGRESS_PORT
+    lane_port: int = DEFAULT_LANE_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT
+    bind_host: str = "0.0.0.0"
+    node_local: bool = False
+    topology_file: str = DEFAULT_TOPOLOGY_FILE
+    peers_file: str = ""
+
+
+def targets(pipeline: Pipeline, role: str) -> tuple[str, ...]:
+    """The roles `role` sends to: edge targets, then further tensor-reference targets."""
+    me = Topology.from_pipeline(pipeline).roles[role]
+    return tuple(dict.fromkeys([*me.downstream, *(ref.target for ref in me.refs_out)]))
+
+
+def relays(pipeline: Pipeline, role: str) -> dict[str, RelayKind]:
+    """The relay to each target of `role` (tensor-reference-only targets: `auto`)."""
+    by_edge = {edge.target: pipeline.relay_for(edge) for edge in pipeline.edges_from(role)}
+    return {target: by_edge.get(target, "auto") for target in targets(pipeline, role)}
+
+
+def role_config(pipeline: Pipeline, role: str, placement: Placement) -> RoleConfig:
+    """The contract of one replica of `role` placed by `placement`."""
+    group = pipeline.colocation_group_of(role)
+    return RoleConfig(
+        pipeline=pipeline.name,
+        namespace=placement.namespace,
+        role=role,
+        replica=placement.replica,
+        handler=pipeline.role(role).handler,
+        pool=pipeline.pool_for(role),
+        topology=Topology.from_pipeline(pipeline, namespace=placement.namespace),
+        downstream=tuple(
+            Peer(target, placement.addresses[target], relay)
+            for target, relay in relays(pipeline, role).items()
+        ),
+        same_gpu_peers=frozenset(group.roles) - {role} if group else frozenset(),
+        node_local=placement.node_local,
+        bind_host=placement.bind_host,
+        ingress_port=placement.ingress_port,
+        lane_port=placement.lane_port,
+        metrics_port=placement.metrics_port,
+        concurrency=pipeline.role(role).concurrency,
+        request_timeout=pipeline.transport.request_timeout_seconds,
+        topology_file=placement.topology_file,
+        peers_file=placement.peers_file,
+    )
