@@ -33,6 +33,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 STALE_AFTER_S = 30.0
+# The role metrics the algorithm reads (runtime/disagg_runtime/metrics.py exports them):
+OCCUPANCY_METRIC = "disagg_pool_occupancy"
+QUEUE_DEPTH_METRIC = "disagg_queue_depth"
+
+
+def signals(values: Mapping[str, float]) -> tuple[float | None, int]:
+    """(occupancy clamped to 0..1, queue depth) from one replica's scraped metrics; occupancy
+    None when missing or not finite (the replica then counts as without a sample)."""
+    occupancy = values.get(OCCUPANCY_METRIC)
+    queued = values.get(QUEUE_DEPTH_METRIC, 0.0)
+    queue_depth = int(queued) if math.isfinite(queued) and queued > 0 else 0
+    if occupancy is None or not math.isfinite(occupancy):
+        return None, queue_depth
+    return min(1.0, max(0.0, occupancy)), queue_depth
 
 
 @dataclass(frozen=True)

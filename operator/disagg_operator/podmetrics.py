@@ -10,17 +10,15 @@ the algorithm treats a missing sample conservatively.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterable
 from typing import Final
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg_core import autoscale
 from disagg_operator.autoscaling import Reading
 
-OCCUPANCY: Final = "disagg_pool_occupancy"
-QUEUE_DEPTH: Final = "disagg_queue_depth"
 DEFAULT_TIMEOUT: Final = 2.0  # seconds per scrape, connect included
 MAX_BODY: Final = 4 * 2**20  # a role's exposition is a few KiB
 CONNECTION_LIMIT: Final = 64
@@ -28,21 +26,17 @@ CONNECTION_LIMIT: Final = 64
 
 def parse(text: str) -> Reading | None:
     """The occupancy and queue depth in an exposition text; None without an occupancy."""
-    occupancy: float | None = None
-    queued = 0.0
+    wanted = (autoscale.OCCUPANCY_METRIC, autoscale.QUEUE_DEPTH_METRIC)
+    values: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == OCCUPANCY:
-                    occupancy = float(sample.value)
-                elif sample.name == QUEUE_DEPTH:
-                    queued = float(sample.value)
+                if sample.name in wanted:
+                    values[sample.name] = float(sample.value)
     except (ValueError, TypeError, IndexError):
         return None
-    if occupancy is None or not math.isfinite(occupancy):
-        return None
-    queue_depth = int(queued) if math.isfinite(queued) and queued > 0 else 0
-    return Reading(min(1.0, max(0.0, occupancy)), queue_depth)
+    occupancy, queue_depth = autoscale.signals(values)
+    return None if occupancy is None else Reading(occupancy, queue_depth)
 
 
 class Scraper:

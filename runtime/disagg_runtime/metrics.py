@@ -76,6 +76,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg_core.autoscale import OCCUPANCY_METRIC, QUEUE_DEPTH_METRIC
+
 logger = logging.getLogger(__name__)
 
 CONST_LABELS: Final = ("pipeline", "role", "replica")
@@ -125,10 +127,10 @@ class _SampleCollector:
     _GAUGES: Final = (
         ("disagg_pool_bytes_used", "Receive-pool bytes in use."),
         ("disagg_pool_bytes_total", "Receive-pool capacity in bytes."),
-        ("disagg_pool_occupancy", "Receive-pool occupancy, used/total, 0..1."),
+        (OCCUPANCY_METRIC, "Receive-pool occupancy, used/total, 0..1."),
         ("disagg_pool_free_slots", "Typical requests that still fit the receive pool."),
         ("disagg_inflight_requests", "Requests being handled."),
-        ("disagg_queue_depth", "Requests received and waiting for a worker."),
+        (QUEUE_DEPTH_METRIC, "Requests received and waiting for a worker."),
         ("disagg_ingress_lanes", "Senders connected through the lane; others use ZMQ only."),
     )
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_core.autoscale import Autoscaler, Decision, Policy, RatioLock, Sample
+from disagg_core.autoscale import Autoscaler, Decision, Policy, RatioLock, Sample, signals
 from disagg_core.spec.model import Pipeline
 from disagg_runtime.local.supervisor import HOST, LocalPipeline
 from disagg_runtime.metrics import fetch, scrape
@@ -94,9 +94,7 @@ class LocalAutoscaler:
         with contextlib.suppress(OSError, ValueError):
             status, body = fetch(f"http://{HOST}:{port}/metrics", 1.0)
             if status == 200:
-                values = scrape(body)
-                occupancy = values.get("disagg_pool_occupancy")
-                queued = int(values.get("disagg_queue_depth", 0))
+                occupancy, queued = signals(scrape(body))
         return Sample(label, occupancy, queue_depth=queued, ready=ready, at=now)
 
     def step(self) -> list[Decision]:

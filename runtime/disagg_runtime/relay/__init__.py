@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from disagg_core.spec.model import RELAYS
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.ingress import Ingress, Message
 from disagg_runtime.relay.sender import Sender, ShmSender, TcpSender
@@ -27,7 +28,7 @@ __all__ = [
     "TcpSender",
     "connect",
 ]
-KINDS = ("shm", "tcp", "cuda-ipc")
+KINDS = tuple(kind for kind in RELAYS if kind != "auto")  # what `auto` resolves to
 
 
 class Relay(Protocol):

@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from disagg_core import spec
+from disagg_core import autoscale, spec
 from disagg_core.autoscale import Decision, Policy, RatioLock, Sample
 from disagg_operator import apply, autoscaling, names, planner, podmetrics, reconcile
 from disagg_operator.scaling_loop import ScalingLoop
@@ -563,7 +563,7 @@ def test_hpa_sample(repo: pathlib.Path, load_yaml: Any) -> None:
     }
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods"
-    assert metric["pods"]["metric"]["name"] == podmetrics.OCCUPANCY
+    assert metric["pods"]["metric"]["name"] == autoscale.OCCUPANCY_METRIC
     policy = pipeline.role("denoiser").autoscaling
     assert policy is not None
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (
@@ -582,7 +582,7 @@ def test_keda_sample(repo: pathlib.Path) -> None:
     assert scaled["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
-    assert podmetrics.OCCUPANCY in trigger["metadata"]["query"]
+    assert autoscale.OCCUPANCY_METRIC in trigger["metadata"]["query"]
     assert float(trigger["metadata"]["threshold"]) == 0.6
     assert f"{names.ANNOTATION_EXTERNAL_SCALING}=denoiser" in path.read_text()
 
