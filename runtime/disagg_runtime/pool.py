@@ -46,6 +46,7 @@ from typing import Any, Literal, cast
 
 import torch
 
+from disagg_core.spec.model import POOL_DEVICES, PoolDevice
 from disagg_runtime import codec
 from disagg_runtime.allocator import AllocatorError, BuddyAllocator
 from disagg_runtime.codec import tensor_from_buffer, unflatten
@@ -54,8 +55,9 @@ from disagg_runtime.manifest import Manifest
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"
 MiB = 1 << 20
-Device = Literal["cpu", "shm", "cpu-pinned", "cuda"]
-DEVICES: tuple[Device, ...] = ("cpu", "shm", "cpu-pinned", "cuda")
+# a spec's pool devices, plus `shm`: the shared backing a node-local `cpu` pool gets
+Device = Literal[PoolDevice, "shm"]
+DEVICES: tuple[Device, ...] = (*POOL_DEVICES, "shm")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _counter = itertools.count()
