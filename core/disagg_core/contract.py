@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg_core.quantity import parse_bytes
+from disagg_core.quantity import format_bytes, parse_bytes
 from disagg_core.spec.model import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MIN_BLOCK,
@@ -312,10 +312,14 @@ ENV: Final[tuple[EnvVar, ...]] = (
         "pool.size",
         BYTES,
         "receive pool bytes (integer or quantity, e.g. 256Mi)",
-        str(DEFAULT_POOL_SIZE),
+        format_bytes(DEFAULT_POOL_SIZE),
     ),
     EnvVar(
-        "POOL_MIN_BLOCK", "pool.min_block", BYTES, "buddy minimum block", str(DEFAULT_MIN_BLOCK)
+        "POOL_MIN_BLOCK",
+        "pool.min_block",
+        BYTES,
+        "buddy minimum block",
+        format_bytes(DEFAULT_MIN_BLOCK),
     ),
     EnvVar("POOL_DEVICE", "pool.device", DEVICE, " | ".join(POOL_DEVICES), DEFAULT_POOL_DEVICE),
     EnvVar("CONCURRENCY", "concurrency", INT, "requests handled at once", str(DEFAULT_CONCURRENCY)),
@@ -393,9 +397,9 @@ def render_env(config: RoleConfig) -> dict[str, str]:
     return env
 
 
-def env_table() -> list[tuple[str, str, str]]:
-    """(name, default, meaning) per variable, for docs/contract.md."""
-    return [(var.name, "required" if var.default is None else var.default, var.doc) for var in ENV]
+def env_table() -> list[tuple[str, str | None, str]]:
+    """(name, default or None if required, meaning) per variable, for docs/contract.md."""
+    return [(var.name, var.default, var.doc) for var in ENV]
 
 
 def write_topology(topology: Topology, path: str) -> None:

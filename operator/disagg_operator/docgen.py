@@ -236,9 +236,10 @@ value stops the role at start with a `ContractError` naming the variable.
 The runtime reads nothing else from Kubernetes: no API access, no service-account token
 (pods run with `automountServiceAccountToken: false`). Peers are found by DNS.
 
-## Variables and the topology file
+## Variables
 
-This is the docstring of `core/disagg_core/contract.py`, verbatim:
+The table `ENV` of `core/disagg_core/contract.py`, from which the operator renders a
+container's environment and the runtime parses it (all values are strings):
 """
 
 CONTRACT_POD: Final = """\
@@ -268,6 +269,12 @@ and `DISAGG_METRICS_DUMP`.
 """
 
 
+def _default_cell(default: str | None) -> str:
+    if default is None:
+        return "required"
+    return f"`{default}`" if default else "(empty)"
+
+
 def contract(example: pathlib.Path = EXAMPLE) -> str:
     """docs/contract.md."""
     pipeline = runtime_spec.load_pipeline_file(example)
@@ -289,6 +296,17 @@ def contract(example: pathlib.Path = EXAMPLE) -> str:
     parts = [
         _header("contract", "core/disagg_core/contract.py and the planner"),
         CONTRACT_INTRO,
+        "| variable | default | meaning |",
+        "|---|---|---|",
+        *(
+            f"| `{name}` | {_default_cell(default)} | {meaning.replace('|', chr(92) + '|')} |"
+            for name, default, meaning in runtime_contract.env_table()
+        ),
+        "",
+        "## The topology file and the rest of the contract",
+        "",
+        "The docstring of `core/disagg_core/contract.py`, verbatim:",
+        "",
         "```text",
         doc.strip("\n"),
         "```",
