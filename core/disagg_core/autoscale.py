@@ -1,16 +1,24 @@
-"""Replica decisions from transfer-pool occupancy: pure, shared by the operator and `disagg up`.
+"""Replica decisions from backlog: pure, shared by the operator and `disagg up`.
 
-A stage that cannot keep up holds its receive slots longer, so its pool fills; an idle
-stage's pool drains. Per role and decision (HPA-like, with the rules written out):
+A stage that cannot keep up holds its receive slots longer, so its pool fills, and its
+requests wait for a worker; an idle stage drains both. Two signals, each a ratio to its
+target, combined by max (HPA-like, with the rules written out):
 
-    observed  = mean pool occupancy over ready replicas with a fresh sample
-    ratio     = observed / target
+    occupancy = mean pool occupancy (payload bytes / pool bytes) over ready replicas with a
+                fresh sample, / targetPoolOccupancy
+    queue     = mean queue depth (requests waiting for a worker) over the same replicas,
+                / targetQueuePerReplica                      (only when that target is set)
+    ratio     = max(occupancy, queue); `signal` names the larger one
     raw       = current                       if |ratio - 1| <= tolerance
               = ceil(current * ratio)         otherwise
-    up:   replicas not ready or without a fresh sample count as occupancy 0 (they will
-          take load soon), which damps the step; raw <= current + max_step_up
-    down: blocked while any replica lacks a fresh sample or has requests queued;
-          raw >= current - max_step_down
+    up:   replicas not ready or without a fresh sample count as 0 on both signals (they
+          will take load soon), which damps the step; raw <= current + max_step_up
+    down: blocked while any replica lacks a fresh sample; without a queue target also
+          while any replica has requests queued; raw >= current - max_step_down
+
+Why two: occupancy alone misses backlogs of small payloads (eight queued 1 MiB requests
+fill 6 % of a 128 MiB pool while their latency grows without bound); queue depth alone
+misses a pool that fills with a few huge payloads.
     stabilized = min(raws in the last up window)    when raw > current
                = max(raws in the last down window)  when raw < current
     desired    = clamp(stabilized, minReplicas, maxReplicas)
@@ -31,6 +39,8 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from disagg_core.spec.model import Autoscaling
 
 STALE_AFTER_S = 30.0
 # The role metrics the algorithm reads (runtime/disagg_runtime/metrics.py exports them):
@@ -59,12 +69,15 @@ class Policy:
     scale_down_window_s: float = 300.0
     max_step_up: int | None = None  # default: max(4, current), as the HPA
     max_step_down: int | None = None  # default: no limit beyond the window
+    target_queue: float | None = None  # requests waiting per replica; None: occupancy only
 
     def __post_init__(self) -> None:
         if not 0 < self.min_replicas <= self.max_replicas:
             raise ValueError(f"need 0 < minReplicas <= maxReplicas, got {self}")
         if not 0 < self.target_occupancy <= 1:
             raise ValueError(f"targetPoolOccupancy must be in (0, 1], got {self.target_occupancy}")
+        if self.target_queue is not None and not self.target_queue > 0:
+            raise ValueError(f"targetQueuePerReplica must be > 0, got {self.target_queue}")
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,9 @@ class RatioLock:
         return max(1, math.ceil(leader_replicas * self.follower_share / self.leader_share))
 
 
+SIGNALS = ("occupancy", "queue", "ratio-lock")
+
+
 @dataclass(frozen=True)
 class Decision:
     role: str
@@ -99,6 +115,7 @@ class Decision:
     desired: int
     reason: str
     at: float
+    signal: str = "occupancy"  # which of SIGNALS drove it
 
     @property
     def changed(self) -> bool:
@@ -141,7 +158,7 @@ class Autoscaler:
     def _decide_role(
         self, role: str, policy: Policy, now: float, current: int, samples: Sequence[Sample]
     ) -> Decision:
-        raw, reason = recommend(policy, current, samples, now, self.stale_after_s)
+        raw, reason, signal = recommend(policy, current, samples, now, self.stale_after_s)
         first_seen = self._first_seen.setdefault(role, now)
         history = self._history[role].raws
         history.append((now, raw))
@@ -165,7 +182,7 @@ class Autoscaler:
         desired = min(policy.max_replicas, max(policy.min_replicas, stabilized))
         if desired != stabilized:
             reason += f"; clamped to [{policy.min_replicas}, {policy.max_replicas}]"
-        return Decision(role, current, desired, reason, now)
+        return Decision(role, current, desired, reason, now, signal)
 
     def _apply_lock(
         self,
@@ -190,38 +207,64 @@ class Autoscaler:
             f"ratio lock {lock.leader}:{lock.follower} = "
             f"{lock.leader_share}:{lock.follower_share} with {lock.leader} at {leader.desired}"
         )
-        decisions[lock.follower] = Decision(lock.follower, follower_now, want, reason, now)
+        decisions[lock.follower] = Decision(
+            lock.follower, follower_now, want, reason, now, "ratio-lock"
+        )
 
 
 def recommend(
     policy: Policy, current: int, samples: Sequence[Sample], now: float, stale_after_s: float
-) -> tuple[int, str]:
-    """The unstabilized recommendation for one role, with the reason in words."""
+) -> tuple[int, str, str]:
+    """The unstabilized recommendation for one role, the reason in words, and the signal
+    that drove it."""
     fresh = [
         s for s in samples if s.ready and s.occupancy is not None and now - s.at <= stale_after_s
     ]
     if not fresh:
-        return current, "no fresh pool samples: keeping the replica count"
-    observed = sum(s.occupancy or 0.0 for s in fresh) / len(fresh)
-    ratio = observed / policy.target_occupancy
-    described = f"pool occupancy {observed:.2f} vs target {policy.target_occupancy:.2f}"
+        return current, "no fresh pool samples: keeping the replica count", "occupancy"
+    occupancy = sum(s.occupancy or 0.0 for s in fresh)
+    queued = sum(s.queue_depth for s in fresh)
+    ratios = {"occupancy": occupancy / len(fresh) / policy.target_occupancy}
+    described = (
+        f"pool occupancy {occupancy / len(fresh):.2f} vs target {policy.target_occupancy:.2f}"
+    )
+    if policy.target_queue is not None:
+        ratios["queue"] = queued / len(fresh) / policy.target_queue
+        described += f", queue {queued / len(fresh):.1f}/replica vs target {policy.target_queue:g}"
+    signal = max(ratios, key=lambda name: ratios[name])
+    ratio = ratios[signal]
     if abs(ratio - 1) <= policy.tolerance:
-        return current, f"{described}: within tolerance"
+        return current, f"{described}: within tolerance", signal
     if ratio > 1:
         counted = max(current, len(samples))
-        damped = sum(s.occupancy or 0.0 for s in fresh) / counted
-        raw = math.ceil(current * damped / policy.target_occupancy)
+        total = occupancy if signal == "occupancy" else float(queued)
+        target = policy.target_occupancy if signal == "occupancy" else policy.target_queue or 1.0
+        raw = math.ceil(current * total / counted / target)
         step = policy.max_step_up if policy.max_step_up is not None else max(4, current)
         raw = min(raw, current + step)
         if raw <= current:
-            return current, f"{described}: replicas not yet ready absorb the load"
-        return raw, f"{described}: scale up"
+            return current, f"{described}: replicas not yet ready absorb the load", signal
+        return raw, f"{described}: scale up on {signal}", signal
     missing = current - len(fresh)
     if missing > 0:
-        return current, f"{described}: {missing} replica(s) without fresh samples block scale-down"
-    if any(s.queue_depth > 0 for s in fresh):
-        return current, f"{described}: requests still queued block scale-down"
+        reason = f"{described}: {missing} replica(s) without fresh samples block scale-down"
+        return current, reason, signal
+    if policy.target_queue is None and queued > 0:
+        return current, f"{described}: requests still queued block scale-down", "queue"
     raw = max(1, math.ceil(current * ratio))
     if policy.max_step_down is not None:
         raw = max(raw, current - policy.max_step_down)
-    return raw, f"{described}: scale down"
+    return raw, f"{described}: scale down", signal
+
+
+def policy_of(autoscaling: Autoscaling) -> Policy:
+    """The algorithm's policy for a role's `autoscaling` (the operator and `disagg up`)."""
+    return Policy(
+        min_replicas=autoscaling.min_replicas,
+        max_replicas=autoscaling.max_replicas,
+        target_occupancy=autoscaling.target_pool_occupancy,
+        tolerance=autoscaling.tolerance,
+        scale_up_window_s=autoscaling.scale_up_stabilization_seconds,
+        scale_down_window_s=autoscaling.scale_down_stabilization_seconds,
+        target_queue=autoscaling.target_queue_per_replica,
+    )

@@ -39,9 +39,17 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from disagg_core import contract, spec
-from disagg_core.autoscale import STALE_AFTER_S, Autoscaler, Decision, Policy, RatioLock, Sample
+from disagg_core.autoscale import (
+    STALE_AFTER_S,
+    Autoscaler,
+    Decision,
+    Policy,
+    RatioLock,
+    Sample,
+    policy_of,
+)
 from disagg_core.spec.fields import SpecError
-from disagg_core.spec.model import Autoscaling, Pipeline
+from disagg_core.spec.model import Pipeline
 from disagg_operator import names, planner, status
 
 MAX_STATUS_DECISIONS: Final = 10
@@ -52,18 +60,6 @@ EVENT_SCALED_UP: Final = "ScaledUp"
 EVENT_SCALED_DOWN: Final = "ScaledDown"
 METRICS_PORT_NAME: Final = "metrics"
 METRICS_PORT_ENV: Final = contract.PREFIX + "METRICS_PORT"
-
-
-def policy_of(autoscaling: Autoscaling) -> Policy:
-    """The algorithm's policy for a role's `autoscaling` (as `disagg up` builds it)."""
-    return Policy(
-        min_replicas=autoscaling.min_replicas,
-        max_replicas=autoscaling.max_replicas,
-        target_occupancy=autoscaling.target_pool_occupancy,
-        tolerance=autoscaling.tolerance,
-        scale_up_window_s=autoscaling.scale_up_stabilization_seconds,
-        scale_down_window_s=autoscaling.scale_down_stabilization_seconds,
-    )
 
 
 @dataclass(frozen=True)
@@ -270,6 +266,7 @@ def decision_record(
         "role": decision.role,
         "fromReplicas": decision.current,
         "toReplicas": decision.desired,
+        "signal": decision.signal,
     }
     if occupancy is not None:
         record["occupancy"] = round(occupancy, 4)
@@ -280,7 +277,9 @@ def decision_record(
 def decision_event(decision: Decision) -> tuple[str, str, str]:
     """(type, reason, message) of the Event for a decision."""
     reason = EVENT_SCALED_UP if decision.desired > decision.current else EVENT_SCALED_DOWN
-    message = f"{decision.role}: {decision.current} -> {decision.desired} replicas"
+    message = (
+        f"{decision.role}: {decision.current} -> {decision.desired} replicas on {decision.signal}"
+    )
     return "Normal", reason, f"{message} ({decision.reason})"
 
 

@@ -25,8 +25,9 @@ from typing import Any, Final
 
 import yaml
 
-from disagg_core import quantity
+from disagg_core import autoscale, quantity
 from disagg_core.spec import model as m
+from disagg_core.spec.parse import MAX_TARGET_QUEUE
 from disagg_operator import names
 
 Schema = dict[str, Any]
@@ -269,8 +270,9 @@ def resources_schema() -> Schema:
 
 def autoscaling_schema() -> Schema:
     return _object(
-        "Occupancy-driven scaling: the operator keeps the mean receive-pool occupancy of the "
-        "role's replicas near targetPoolOccupancy, within [minReplicas, maxReplicas].",
+        "Backlog-driven scaling: the operator keeps the mean receive-pool occupancy of the "
+        "role's replicas near targetPoolOccupancy and, when set, their mean queue depth near "
+        "targetQueuePerReplica (the larger ratio wins), within [minReplicas, maxReplicas].",
         {
             "minReplicas": _integer("Fewest replicas.", minimum=1, format="int32", default=1),
             "maxReplicas": _integer("Most replicas.", minimum=1, format="int32"),
@@ -280,6 +282,13 @@ def autoscaling_schema() -> Schema:
                 exclusiveMinimum=True,
                 maximum=1,
                 default=m.DEFAULT_TARGET_POOL_OCCUPANCY,
+            ),
+            "targetQueuePerReplica": _number(
+                "Wanted mean number of requests waiting for a worker per replica; unset: pool "
+                "occupancy is the only signal (queued requests then only block scale-down).",
+                minimum=0,
+                exclusiveMinimum=True,
+                maximum=MAX_TARGET_QUEUE,
             ),
             "scaleUpStabilizationSeconds": _integer(
                 "Seconds of recommendations considered before scaling up (the lowest wins).",
@@ -657,6 +666,10 @@ def status_schema() -> Schema:
             "fromReplicas": _integer("Replicas before.", **count),
             "toReplicas": _integer("Replicas after.", **count),
             "occupancy": _number("Mean pool occupancy that led to it, in [0, 1]."),
+            "signal": _string(
+                "The signal that drove it: " + ", ".join(autoscale.SIGNALS) + ".",
+                enum=list(autoscale.SIGNALS),
+            ),
             "reason": _string("Why, for humans."),
         },
         required=("time", "role", "fromReplicas", "toReplicas"),

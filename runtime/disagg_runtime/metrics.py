@@ -11,10 +11,14 @@ index as a decimal string); the table lists only the labels beyond those.
 ==================================  =========  =====================  ==========================
 name                                type       extra labels           meaning
 ==================================  =========  =====================  ==========================
-``disagg_pool_bytes_used``          gauge      -                      receive-pool bytes in use
+``disagg_pool_bytes_used``          gauge      -                      payload bytes in the
+                                                                      receive pool
 ``disagg_pool_bytes_total``         gauge      -                      receive-pool capacity
 ``disagg_pool_occupancy``           gauge      -                      used / total, 0..1 (0 when
                                                                       total is 0): scaling signal
+``disagg_pool_fragmentation_bytes`` gauge      -                      block bytes beyond the
+                                                                      payloads (the buddy
+                                                                      allocator's rounding)
 ``disagg_pool_free_slots``          gauge      -                      typical requests that still
                                                                       fit the receive pool now
 ``disagg_inflight_requests``        gauge      -                      requests being handled
@@ -44,7 +48,7 @@ extra gauges). ``disagg_requests_total`` has both outcomes and
 before the first request. ``edge`` is the edge name from the spec (bounded by the spec,
 so the label's cardinality is too).
 
-The six gauges are not stored: a custom collector calls the role's ``sample()`` at scrape time,
+The gauges are not stored: a custom collector calls the role's ``sample()`` at scrape time,
 so a scrape never sees a stale value. If ``sample()`` raises, the scrape still succeeds without
 those gauges (the error is logged once per run of failures).
 
@@ -112,6 +116,7 @@ class RoleSample:
     inflight: int  # requests being handled
     queue_depth: int  # received, waiting for a worker
     lanes: int = 0  # senders connected through the ingress's lane (the rest use ZMQ only)
+    pool_fragmentation_bytes: int = 0  # block bytes beyond the payloads (allocator rounding)
 
 
 def occupancy(used: int, total: int) -> float:
@@ -132,6 +137,10 @@ class _SampleCollector:
         ("disagg_inflight_requests", "Requests being handled."),
         (QUEUE_DEPTH_METRIC, "Requests received and waiting for a worker."),
         ("disagg_ingress_lanes", "Senders connected through the lane; others use ZMQ only."),
+        (
+            "disagg_pool_fragmentation_bytes",
+            "Receive-pool bytes held beyond the payloads by the allocator's rounding.",
+        ),
     )
 
     def __init__(self, label_values: list[str], sample: Callable[[], RoleSample]) -> None:
@@ -154,6 +163,7 @@ class _SampleCollector:
                 float(s.inflight),
                 float(s.queue_depth),
                 float(s.lanes),
+                float(s.pool_fragmentation_bytes),
             )
         except Exception:
             if not self._failing:

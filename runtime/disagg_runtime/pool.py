@@ -238,9 +238,10 @@ def attach_backing(name: str) -> Backing:
 @dataclass(frozen=True)
 class PoolStats:
     total: int
-    used: int
+    used: int  # bytes in live blocks (after the allocator's power-of-two rounding)
     largest_free: int
-    occupancy: float
+    occupancy: float  # used / total
+    requested: int = 0  # bytes the live slots were asked for: the payloads themselves
 
 
 class Pool:
@@ -270,7 +271,11 @@ class Pool:
         s = self.allocator.stats()
         occupancy = s.used / s.total if s.total else 0.0
         return PoolStats(
-            total=s.total, used=s.used, largest_free=s.largest_free, occupancy=occupancy
+            total=s.total,
+            used=s.used,
+            largest_free=s.largest_free,
+            occupancy=occupancy,
+            requested=s.requested,
         )
 
     def allocate(self, nbytes: int) -> int | None:

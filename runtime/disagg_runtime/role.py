@@ -242,12 +242,13 @@ class RoleRuntime:
             queued = sum(len(q) for q in self._work.values())
             inflight = len(self._active)
         return RoleSample(
-            pool_used_bytes=stats.used,
+            pool_used_bytes=stats.requested,  # payload bytes: the scaling signal
             pool_total_bytes=stats.total,
             pool_free_slots=self.pool.allocator.free_slots(self._typical),
             inflight=inflight,
             queue_depth=queued + ingress.queued,
             lanes=ingress.lanes,
+            pool_fragmentation_bytes=stats.used - stats.requested,
         )
 
     # ---- receiving ---------------------------------------------------------------------------

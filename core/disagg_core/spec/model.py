@@ -144,10 +144,11 @@ class Resources:
 
 @dataclass(frozen=True, kw_only=True)
 class Autoscaling:
-    """Occupancy-driven scaling: the autoscaler keeps the role's mean pool occupancy near
-    `target_pool_occupancy`, ignores deviations within `tolerance` (relative), and clamps to
-    [`min_replicas`, `max_replicas`]. A role's `replicas` outside that range is allowed: it is
-    the starting point, and the autoscaler clamps it."""
+    """Backlog-driven scaling: the autoscaler keeps the role's mean pool occupancy near
+    `target_pool_occupancy` and, when set, its mean queue depth per replica near
+    `target_queue_per_replica` (the larger ratio wins), ignores deviations within `tolerance`
+    (relative), and clamps to [`min_replicas`, `max_replicas`]. A role's `replicas` outside
+    that range is allowed: it is the starting point, and the autoscaler clamps it."""
 
     min_replicas: int = 1
     max_replicas: int
@@ -155,6 +156,7 @@ class Autoscaling:
     scale_up_stabilization_seconds: int = DEFAULT_SCALE_UP_STABILIZATION_SECONDS
     scale_down_stabilization_seconds: int = DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS
     tolerance: float = DEFAULT_TOLERANCE
+    target_queue_per_replica: float | None = None  # None: occupancy is the only signal
 
 
 @dataclass(frozen=True, kw_only=True)

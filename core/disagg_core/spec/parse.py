@@ -36,9 +36,10 @@ ROLE_KEYS = (
 PORT_KEYS = ("name", "containerPort", "protocol")
 AUTOSCALING_KEYS = (
     "minReplicas", "maxReplicas", "targetPoolOccupancy", "scaleUpStabilizationSeconds",
-    "scaleDownStabilizationSeconds", "tolerance",
+    "scaleDownStabilizationSeconds", "tolerance", "targetQueuePerReplica",
 )  # fmt: skip
 
+MAX_TARGET_QUEUE = 10_000
 DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 DNS_1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -368,6 +369,11 @@ def _autoscaling(out: Collector, raw: object, path: str) -> m.Autoscaling | None
     tolerance = f.number(out, a, "tolerance", path)
     if tolerance is not None and not 0 <= tolerance < 1:
         out.add(child(path, "tolerance"), f"must be in [0, 1), got {tolerance}")
+    queue = f.number(out, a, "targetQueuePerReplica", path)
+    if queue is not None and not 0 < queue <= MAX_TARGET_QUEUE:
+        out.add(
+            child(path, "targetQueuePerReplica"), f"must be in (0, {MAX_TARGET_QUEUE}], got {queue}"
+        )
     up = f.integer(out, a, "scaleUpStabilizationSeconds", path, minimum=0)
     down = f.integer(out, a, "scaleDownStabilizationSeconds", path, minimum=0)
     return m.Autoscaling(
@@ -377,6 +383,9 @@ def _autoscaling(out: Collector, raw: object, path: str) -> m.Autoscaling | None
         scale_up_stabilization_seconds=_or(up, m.DEFAULT_SCALE_UP_STABILIZATION_SECONDS),
         scale_down_stabilization_seconds=_or(down, m.DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS),
         tolerance=_or(tolerance, m.DEFAULT_TOLERANCE),
+        target_queue_per_replica=None
+        if queue is None or not 0 < queue <= MAX_TARGET_QUEUE
+        else queue,
     )
 
 

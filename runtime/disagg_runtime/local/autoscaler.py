@@ -14,7 +14,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_core.autoscale import Autoscaler, Decision, Policy, RatioLock, Sample, signals
+from disagg_core.autoscale import (
+    Autoscaler,
+    Decision,
+    Policy,
+    RatioLock,
+    Sample,
+    policy_of,
+    signals,
+)
 from disagg_core.spec.model import Pipeline
 from disagg_runtime.local.supervisor import HOST, LocalPipeline
 from disagg_runtime.metrics import fetch, scrape
@@ -24,14 +32,7 @@ log = logging.getLogger(__name__)
 
 def policies_of(pipeline: Pipeline) -> dict[str, Policy]:
     return {
-        role.name: Policy(
-            min_replicas=role.autoscaling.min_replicas,
-            max_replicas=role.autoscaling.max_replicas,
-            target_occupancy=role.autoscaling.target_pool_occupancy,
-            tolerance=role.autoscaling.tolerance,
-            scale_up_window_s=role.autoscaling.scale_up_stabilization_seconds,
-            scale_down_window_s=role.autoscaling.scale_down_stabilization_seconds,
-        )
+        role.name: policy_of(role.autoscaling)
         for role in pipeline.roles
         if role.autoscaling is not None
     }
@@ -108,6 +109,7 @@ class LocalAutoscaler:
                     "role": decision.role,
                     "from": decision.current,
                     "to": decision.desired,
+                    "signal": decision.signal,
                     "reason": decision.reason,
                 }
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,7 +74,7 @@ def test_stale_or_missing_samples_never_scale_down():
 
 def test_queued_requests_block_scale_down():
     policy = Policy(1, 8, target_occupancy=0.5, scale_down_window_s=0)
-    desired, reason = recommend(policy, 4, samples(0.05, 4, 0.0, queue_depth=2), 0.0, 30)
+    desired, reason, _ = recommend(policy, 4, samples(0.05, 4, 0.0, queue_depth=2), 0.0, 30)
     assert desired == 4 and "queued" in reason
 
 
@@ -82,7 +83,7 @@ def test_not_ready_replicas_count_as_idle_when_scaling_up():
     starting = [Sample("c", None, ready=False, at=0.0), Sample("d", None, ready=False, at=0.0)]
     # alone, two busy replicas would ask for 4; counting the two starting ones as idle, 4
     # replicas at mean 0.45 are about at target: no further step while they come up
-    desired, _ = recommend(POLICY, 4, ready + starting, 0.0, 30)
+    desired, _, _ = recommend(POLICY, 4, ready + starting, 0.0, 30)
     assert desired == 4
     assert recommend(POLICY, 2, ready, 0.0, 30)[0] == 4
 
@@ -153,3 +154,45 @@ def test_a_fresh_autoscaler_holds_scale_downs_for_one_window():
     # scale-up is never held
     fresh = Autoscaler({"d": policy})
     assert fresh.decide(0.0, {"d": 1}, {"d": samples(1.0, 1, 0.0)})["d"].desired == 2
+
+
+# -- the queue signal ----------------------------------------------------------------------
+
+
+QUEUE_POLICY = Policy(1, 8, target_occupancy=0.4, scale_down_window_s=0, target_queue=2)
+
+
+def test_a_queue_of_small_payloads_scales_up_where_occupancy_does_not():
+    """Eight queued 1 MiB requests fill 6 % of a 128 MiB pool: occupancy says idle."""
+    backlog = samples(0.06, 1, 0.0, queue_depth=8)
+    assert recommend(Policy(1, 8, target_occupancy=0.4), 1, backlog, 0.0, 30)[0] == 1
+    desired, reason, signal = recommend(QUEUE_POLICY, 1, backlog, 0.0, 30)
+    assert (desired, signal) == (4, "queue")
+    assert "queue 8.0/replica vs target 2" in reason
+
+
+def test_the_larger_ratio_drives_and_is_named():
+    full_pool = samples(0.8, 2, 0.0, queue_depth=1)  # occupancy 2x target, queue 0.5x
+    assert recommend(QUEUE_POLICY, 2, full_pool, 0.0, 30)[::2] == (4, "occupancy")
+    long_queue = samples(0.2, 2, 0.0, queue_depth=6)  # occupancy 0.5x, queue 3x
+    assert recommend(QUEUE_POLICY, 2, long_queue, 0.0, 30)[::2] == (6, "queue")
+
+
+def test_with_a_queue_target_a_short_queue_no_longer_blocks_scale_down():
+    quiet = [*samples(0.05, 4, 0.0, queue_depth=0), Sample("r4", 0.05, queue_depth=1, at=0.0)]
+    desired, _, signal = recommend(QUEUE_POLICY, 5, quiet, 0.0, 30)
+    assert desired < 5 and signal in ("queue", "occupancy")
+
+
+def test_decisions_record_their_signal_and_locks_theirs():
+    scaler = Autoscaler({"den": QUEUE_POLICY, "dec": Policy(1, 8)}, [RatioLock("den", "dec", 1, 1)])
+    decisions = scaler.decide(
+        0.0, {"den": 1, "dec": 1}, {"den": samples(0.0, 1, 0.0, queue_depth=8)}
+    )
+    assert (decisions["den"].desired, decisions["den"].signal) == (4, "queue")
+    assert (decisions["dec"].desired, decisions["dec"].signal) == (4, "ratio-lock")
+
+
+def test_a_queue_target_must_be_positive():
+    with pytest.raises(ValueError, match="targetQueuePerReplica"):
+        Policy(1, 2, target_queue=0)

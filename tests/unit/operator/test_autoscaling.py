@@ -275,6 +275,7 @@ def test_records_events_and_status_patches() -> None:
         "fromReplicas": 1,
         "toReplicas": 3,
         "occupancy": 0.9123,
+        "signal": "occupancy",
         "reason": up.reason,
     }
     assert "occupancy" not in autoscaling.decision_record(down, NOW, None)
@@ -282,7 +283,7 @@ def test_records_events_and_status_patches() -> None:
     assert autoscaling.decision_event(up) == (
         "Normal",
         "ScaledUp",
-        f"a: 1 -> 3 replicas ({up.reason})",
+        f"a: 1 -> 3 replicas on occupancy ({up.reason})",
     )
     assert autoscaling.decision_event(down)[1] == "ScaledDown"
 

@@ -29,6 +29,7 @@ GAUGES = (
     "disagg_inflight_requests",
     "disagg_queue_depth",
     "disagg_ingress_lanes",
+    "disagg_pool_fragmentation_bytes",
 )
 COUNTERS_AND_HISTOGRAMS = (
     "disagg_requests_total",

@@ -53,6 +53,17 @@ def make_pool() -> Iterator[MakePool]:
         pool.close()
 
 
+def test_stats_count_payload_bytes_apart_from_the_rounding(make_pool: MakePool) -> None:
+    """The scaling signal is what payloads hold, not the power-of-two blocks around them."""
+    pool = make_pool("cpu", size=4 * MiB, min_block=64 * KiB)
+    offset = pool.allocate(MiB + 1)
+    assert offset is not None
+    stats = pool.stats()
+    assert (stats.requested, stats.used) == (MiB + 1, 2 * MiB)
+    pool.free(offset)
+    assert (pool.stats().requested, pool.stats().used) == (0, 0)
+
+
 def mixed_payload() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(7)
     wide = torch.randn(64, 33, generator=gen)
