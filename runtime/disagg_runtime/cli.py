@@ -38,6 +38,12 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--autoscale-interval", type=float, default=1.0, help="seconds between decisions"
     )
+    up.add_argument(
+        "--cooldown",
+        type=float,
+        default=0.0,
+        help="with --autoscale: keep deciding this many idle seconds after the load (scale-down)",
+    )
 
     _add_operator(sub)
 

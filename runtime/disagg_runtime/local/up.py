@@ -304,6 +304,7 @@ def run_cli(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             sys.stderr.write("\n")
         if scaler is not None:
+            stop.wait(max(0.0, args.cooldown))  # idle: let the autoscaler scale down
             scaler.stop()
         summary = summarize(local, tally, elapsed, ready_s)
         if scaler is not None:
