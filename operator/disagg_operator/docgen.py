@@ -256,8 +256,8 @@ rule) puts into each container:
   and go), or `127.0.0.1:<port>` for a target in the same pod (a colocation group);
 - `DISAGG_SAME_GPU_PEERS`: the other roles of the container's colocation group;
 - the topology file: the ConfigMap `P-topology` (key `topology.json`), mounted read-only at
-  `/etc/disagg`; a change of the graph changes the pods' `disagg.dev/spec-hash` annotation
-  and so rolls them;
+  `/etc/disagg`; a change of the graph changes the `disagg.dev/spec-hash` annotation of the
+  pods whose roles' entries it changes (a hash of just those entries), and so rolls only them;
 - ports: relay ingress and `/metrics` `/healthz` `/readyz` (7400 and 9400 for a lone role;
   the next free ones for further containers of a group), named `ingress` and `metrics` on the
   role's Service; probes use them;

@@ -61,9 +61,10 @@ Pod template:
 - volumes: the topology ConfigMap at /etc/disagg, /dev/shm = memory emptyDir with
   sizeLimit = sum(pool size of every role in the pod) + 64Mi, /tmp = emptyDir (writable
   scratch under a read-only root);
-- annotation disagg.dev/spec-hash = sha256(topology.json)[:16]: the one input the pods read
-  from outside their own template, so a graph change rolls the pods while a change to one
-  role's image or replicas touches that role's StatefulSet only;
+- annotation disagg.dev/spec-hash = sha256 of the unit's roles' own entries of topology.json
+  (with the pipeline and namespace)[:16]: the one input the pods read from outside their own
+  template, so a graph change rolls only the roles whose entries it changes, and a change to
+  one role's image or replicas touches that role's StatefulSet only;
 - last, the role's `podTemplate` (a PodTemplateSpec) is deep-merged in (see `merge`; for a
   group, each member's in the group's order); labels, the spec-hash and DISAGG_* variables
   are put back afterwards, so a podTemplate cannot break the selector or the contract.
@@ -257,8 +258,15 @@ def topology_text(pipeline: Pipeline, namespace: str) -> str:
     return json.dumps(topology(pipeline, namespace).to_json(), indent=2, sort_keys=True) + "\n"
 
 
-def spec_hash(pipeline: Pipeline, namespace: str) -> str:
-    return hashlib.sha256(topology_text(pipeline, namespace).encode()).hexdigest()[:16]
+def spec_hash(pipeline: Pipeline, namespace: str, roles: tuple[str, ...]) -> str:
+    """The hash of what the pods of `roles` read from outside their own template: their own
+    slices of the topology file (and the pipeline and namespace it names). A graph change
+    rolls only the roles whose slice it changes."""
+    topo = topology(pipeline, namespace).to_json()
+    slices = [r for r in topo["roles"] if r["name"] in roles]
+    mine = {"pipeline": topo["pipeline"], "namespace": topo["namespace"], "roles": slices}
+    text = json.dumps(mine, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def gpu_mode(pipeline: Pipeline, options: PlanOptions | None = None) -> GpuMode:
@@ -506,7 +514,7 @@ def _stateful_set(
         unit.roles,
         configs,
         labels=unit.labels(pipeline),
-        spec_hash=spec_hash(pipeline, namespace),
+        spec_hash=spec_hash(pipeline, namespace, tuple(r.name for r in unit.roles)),
         config_map=topology_config_map_name(pipeline),
         shared=unit.group is not None,
         gpu=mode if unit.group is not None else "none",

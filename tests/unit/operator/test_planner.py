@@ -15,6 +15,7 @@ from disagg_core.spec.model import Pipeline
 from disagg_operator import merge, names, planner
 
 NS = "ml"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[3] / "examples"
 Obj = dict[str, Any]
 
 
@@ -452,19 +453,46 @@ def test_one_role_change_touches_only_its_statefulset(load_yaml: Any, repo: Any)
     assert _by_kind(after)["StatefulSet"]["text-to-video-decoder"]["spec"]["replicas"] == 5
 
 
-def test_graph_change_rolls_every_pod(load_yaml: Any, repo: Any) -> None:
+def _hashes(objects: list[dict[str, Any]]) -> dict[str, str]:
+    return {
+        o["metadata"]["name"]: o["spec"]["template"]["metadata"]["annotations"][
+            names.ANNOTATION_SPEC_HASH
+        ]
+        for o in objects
+        if o["kind"] == "StatefulSet"
+    }
+
+
+def test_graph_change_rolls_only_the_roles_it_touches(load_yaml: Any, repo: Any) -> None:
+    """Dropping the encoder's tensor reference to the decoder changes the topology entries of
+    those two roles: their pods roll, the denoiser's do not."""
     doc = load_yaml(repo / "examples" / "text-to-video.yaml")
     before = planner.plan(_pipeline(doc), namespace=NS)
     del doc["spec"]["edges"][0]["tensorRefs"]
     after = planner.plan(_pipeline(doc), namespace=NS)
     changed = _changed(before, after)
     assert ("ConfigMap", "text-to-video-topology") in changed
-    hashes = {
-        o["spec"]["template"]["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
-        for o in before + after
-        if o["kind"] == "StatefulSet"
-    }
-    assert len(hashes) == 2  # one per plan, shared by every StatefulSet
+    old, new = _hashes(before), _hashes(after)
+    rolled = {name for name in old if old[name] != new[name]}
+    assert rolled == {"text-to-video-encoder", "text-to-video-decoder"}
+    assert len(set(old.values())) == len(old)  # each unit its own hash
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_one_role_image_change_renders_only_that_roles_objects(
+    load_yaml: Any, repo: Any, example: str
+) -> None:
+    doc = load_yaml(repo / "examples" / example)
+    before = planner.plan(_pipeline(doc), namespace=NS)
+    for i, role in enumerate(doc["spec"]["roles"]):
+        changed_doc = copy.deepcopy(doc)
+        changed_doc["spec"]["roles"][i]["image"] = "ghcr.io/disagg/runtime:9.9.9"
+        after = planner.plan(_pipeline(changed_doc), namespace=NS)
+        unit = next(
+            (g["name"] for g in doc["spec"].get("colocation", []) if role["name"] in g["roles"]),
+            role["name"],
+        )
+        assert _changed(before, after) == {("StatefulSet", f"{doc['metadata']['name']}-{unit}")}
 
 
 def test_replica_overrides_from_the_autoscaler(examples: dict[str, Pipeline]) -> None:
