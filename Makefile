@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache
 
 typecheck: venv
 	$(BIN)/mypy

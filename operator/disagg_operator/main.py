@@ -16,8 +16,8 @@
 - Autoscaling: every `autoscale_interval` seconds (default 15; 0 turns it off), the roles
   with `autoscaling` are scaled on their pool occupancy (see `scaling_loop`).
 
-The argument parser lives in `disagg_runtime.cli` (which must not import kopf for its other
-commands); `run_cli` takes its namespace. This process never imports torch.
+The flags are in `flags` (kept apart from kopf: the `disagg` CLI builds its parser from them
+for every command); `run_cli` takes the parsed namespace. This process never imports torch.
 """
 
 from __future__ import annotations

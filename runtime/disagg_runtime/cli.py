@@ -1,11 +1,15 @@
 """`disagg` command line: thin argument parsing over the library; subcommands import lazily
-so that `disagg validate` never loads torch and `disagg operator` never loads the runtime."""
+so that `disagg validate` never loads torch and `disagg operator` never loads the runtime. The
+operator's flags come from the operator package (`disagg_operator.flags`, which loads no kopf).
+Nothing imports this module: it is the root above both halves (checked by `make lint`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+
+from disagg_operator import flags as operator_flags
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -45,7 +49,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --autoscale: keep deciding this many idle seconds after the load (scale-down)",
     )
 
-    _add_operator(sub)
+    operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    operator_flags.add_operator_arguments(operator)
 
     bench = sub.add_parser("bench", help="measure transports")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -72,75 +77,11 @@ def _build_parser() -> argparse.ArgumentParser:
     chain.add_argument("--hops", type=int, default=2, help="full-size hops (default 2)")
     chain.add_argument("--repeats", type=int, default=9, help="repetitions (default 9)")
     chain.add_argument("--json", action="store_true", help="print JSON")
-    _add_bench_operator(bench_sub)
-    return parser
-
-
-def _add_bench_operator(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`disagg bench operator` (see disagg_operator.bench.run)."""
-    op = bench_sub.add_parser(
+    bench_operator = bench_sub.add_parser(
         "operator", help="operator latency, throughput and memory against an API server"
     )
-    op.add_argument(
-        "--kubeconfig", metavar="PATH", help="cluster or API server (default: $KUBECONFIG)"
-    )
-    op.add_argument("--samples", type=int, default=20, help="one-pipeline samples (default 20)")
-    op.add_argument(
-        "--pipelines", type=int, default=100, help="pipelines created at once (default 100)"
-    )
-    op.add_argument("--namespace", help="an existing namespace (default: a new one, deleted)")
-    op.add_argument(
-        "--external-operator",
-        action="store_true",
-        help="start no operator: measure the one already watching the namespace",
-    )
-    op.add_argument("--file", help="pipeline YAML (default: the text-to-video example)")
-    op.add_argument("--timeout", type=float, default=120.0, help="seconds per wait (120)")
-    op.add_argument("--operator-log", metavar="PATH", help="keep the operator's log here")
-    op.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    op.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """`disagg operator` (see disagg_operator.main); defined here so that parsing the command
-    line imports neither kopf nor the operator."""
-    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
-    scope = op.add_mutually_exclusive_group()
-    scope.add_argument(
-        "--namespace", action="append", metavar="NS", help="watch NS (repeatable; globs work)"
-    )
-    scope.add_argument(
-        "--all-namespaces", action="store_true", help="watch every namespace (the default)"
-    )
-    op.add_argument("--liveness-port", type=int, default=8080, help="/healthz port (0: off)")
-    op.add_argument("--metrics-port", type=int, default=9090, help="/metrics port (0: off)")
-    peering = op.add_mutually_exclusive_group()
-    peering.add_argument("--peering", metavar="NAME", help="kopf peering object for HA")
-    peering.add_argument("--standalone", action="store_true", help="no peering")
-    op.add_argument("--priority", type=int, default=0, help="peering priority (default 0)")
-    op.add_argument("--cluster-domain", default="cluster.local", help="for peer DNS names")
-    op.add_argument(
-        "--gpu-mode",
-        choices=("dra", "device-plugin", "none"),
-        default="dra",
-        help="GPU of colocation groups (pipelines may override by annotation)",
-    )
-    op.add_argument(
-        "--dra-api-version",
-        choices=("resource.k8s.io/v1", "resource.k8s.io/v1beta2"),
-        default="resource.k8s.io/v1",
-        help="API of the ResourceClaimTemplates (gpu mode dra)",
-    )
-    op.add_argument(
-        "--progress-deadline", type=float, default=600.0, help="seconds before Degraded"
-    )
-    op.add_argument(
-        "--autoscale-interval",
-        type=float,
-        default=15.0,
-        help="seconds between autoscaling decisions (0 turns autoscaling off)",
-    )
-    op.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    operator_flags.add_bench_arguments(bench_operator)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
