@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint typecheck pytest demo bench e2e clean
+.PHONY: venv test lint typecheck verify generate pytest demo bench e2e clean
 
 venv: $(VENV)/.installed
 
@@ -24,10 +24,18 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# every generated file (the CRD and its chart copy, manifests/install.yaml, docs/reference.md,
+# docs/contract.md; the list is disagg_operator/generate.py): write them, or fail when one is stale
+generate: venv
+	$(BIN)/python -m disagg_operator.generate
+
+verify: venv
+	$(BIN)/python -m disagg_operator.generate --check
+
 pytest: venv
 	$(BIN)/pytest
 
-test: lint typecheck pytest
+test: lint typecheck verify pytest
 
 # against the cluster in $$KUBECONFIG (see tests/e2e/README.md); creates and deletes a namespace
 e2e: venv
@@ -40,4 +48,4 @@ demo: venv
 	$(BIN)/disagg up examples/text-to-video.yaml --requests 200
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis .import_linter_cache

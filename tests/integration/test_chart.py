@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
-from disagg_operator import install
+from disagg_operator import generate, install
 
 if TYPE_CHECKING:
     from tests.integration import operator_support as s
@@ -41,6 +41,7 @@ else:
 
 Rule = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 Obj = dict[str, Any]
+CHART = s.REPO / generate.CHART
 NAMESPACE = "disagg-system"
 RELEASE = "disagg-operator"
 PEERINGS = frozenset({
@@ -134,7 +135,7 @@ def grants(objects: Iterable[Mapping[str, Any]], account: str, namespace: str) -
 
 
 def chart_grants(values: Mapping[str, Any]) -> Grants:
-    objects = install.render(values, release=RELEASE, namespace=NAMESPACE)
+    objects = install.render(CHART, values, release=RELEASE, namespace=NAMESPACE)
     account = next(o for o in objects if o["kind"] == "ServiceAccount")["metadata"]["name"]
     return grants(objects, account, NAMESPACE)
 
@@ -179,7 +180,7 @@ def test_globs_bind_the_workload_rules_cluster_wide():
 
 
 def test_rbac_can_be_left_to_the_cluster_admin():
-    objects = install.render({"rbac": {"create": False}})
+    objects = install.render(CHART, {"rbac": {"create": False}})
     assert not [o for o in objects if o["apiVersion"].startswith("rbac.")]
 
 
@@ -190,7 +191,7 @@ def test_the_additions_are_not_observed_calls():
 
 
 def test_the_chart_readme_explains_the_additions():
-    readme = (install.CHART / "README.md").read_text()
+    readme = (CHART / "README.md").read_text()
     for group, resource, verb in {**ADDITIONS, **PEERING_ADDITIONS}:
         assert f"`{group or 'core'}` `{resource}`: {verb}" in readme, resource
 
@@ -247,9 +248,9 @@ def test_the_chart_installs_and_runs_the_operator(
     }
     peering = bool(values.get("peering"))
     namespace_doc = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
-    crds = install.crds() + (kopf_peering_crds() if peering else [])
+    crds = install.crds(CHART) + (kopf_peering_crds() if peering else [])
     kubectl.apply([namespace_doc, *crds])
-    kubectl.apply(install.render(values, release=RELEASE, namespace=NAMESPACE))
+    kubectl.apply(install.render(CHART, values, release=RELEASE, namespace=NAMESPACE))
     kubectl("apply", "--validate=false", "-f", str(s.EXAMPLE))  # text-to-video, in default
 
     deployment = kubectl.json("get", "deployment", RELEASE, "-n", NAMESPACE)
@@ -326,5 +327,5 @@ def run_to_ready(
 
 
 def kopf_peering_crds() -> list[Obj]:
-    text = (install.CHART / "files" / "kopf-peering-crds.yaml").read_text()
+    text = (CHART / "files" / "kopf-peering-crds.yaml").read_text()
     return [d for d in yaml.safe_load_all(text) if d]

@@ -9,10 +9,10 @@ from typing import Any
 
 import yaml
 
-from disagg_operator import install
+from disagg_operator import generate, install
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
-CHART = install.CHART
+CHART = REPO / generate.CHART
 Obj = dict[str, Any]
 
 # Every value away from its default somewhere; together they render every template.
@@ -99,7 +99,7 @@ VALUE_SETS: dict[str, Obj] = {
 
 
 def render(values: Mapping[str, Any] | None = None, release: str = "rel") -> list[Obj]:
-    return install.render(values, release=release, namespace="ops")
+    return install.render(CHART, values, release=release, namespace="ops")
 
 
 def only(objects: Iterable[Obj], kind: str) -> Obj:

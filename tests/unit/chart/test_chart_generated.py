@@ -1,16 +1,17 @@
-"""Files made from other files stay equal to what their generators make now, and documents
-that describe code cover all of it: manifests/install.yaml (the chart with its defaults),
-the chart's crds/ (the repository's crds/), docs/reference.md (the CRD schema),
-docs/contract.md (contract.py's docstring), docs/troubleshooting.md (every reason the
-operator reports), the chart README's values table (values.yaml), and the Dockerfiles (the
-chart's and the planner's commands, user and ports)."""
+"""Generated files and documents that describe code: `make generate` writes every generated
+file and `make verify` fails when one is stale (disagg_operator.generate, checked here on a
+copy of the repository's inputs); what the generated files hold (install.yaml is the chart
+with its defaults, the docs cover every field and variable); docs/troubleshooting.md covers
+every reason the operator reports, the chart README every value (values.yaml), and the
+Dockerfiles run the chart's and the planner's commands, user and ports."""
 
 from __future__ import annotations
 
 import ast
-import filecmp
 import json
+import pathlib
 import re
+import shutil
 import tomllib
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from disagg_core import contract
-from disagg_operator import docgen, install, names, pods
+from disagg_operator import docgen, generate, install, names, pods
 
 if TYPE_CHECKING:
     from tests.unit.chart import chart_support as c
@@ -27,45 +28,69 @@ else:
     import chart_support as c
 
 DOCS = c.REPO / "docs"
-REGENERATE = "stale: regenerate it with `{}` (see README.md, Generated files)"
 # Values documented as one row although they are maps.
 VALUE_ROWS_WITHOUT_CHILDREN = {"resources", "probes.liveness", "probes.readiness"}
 
 
-def test_the_chart_crds_are_the_repository_crds() -> None:
-    top, chart = c.REPO / "crds", c.CHART / "crds"
-    names_top = sorted(p.name for p in top.iterdir())
-    assert names_top == sorted(p.name for p in chart.iterdir())
-    _, mismatch, errors = filecmp.cmpfiles(top, chart, names_top, shallow=False)
-    assert (mismatch, errors) == ([], []), "copy crds/ to charts/disagg-operator/crds/"
-
-
 def test_install_yaml_is_the_chart_with_defaults() -> None:
-    text = install.INSTALL_FILE.read_text()
-    assert text == install.install_yaml(), REGENERATE.format(
-        "python -m disagg_operator.install > manifests/install.yaml"
-    )
+    text = (c.REPO / "manifests" / "install.yaml").read_text()
     objects = [d for d in yaml.safe_load_all(text) if d]
     assert [o["kind"] for o in objects[:2]] == ["Namespace", "CustomResourceDefinition"]
-    assert objects[2:] == install.render()
+    assert objects[1:2] == install.crds(c.CHART)
+    assert objects[2:] == install.render(c.CHART)
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     assert deployment["metadata"]["namespace"] == install.NAMESPACE
     for obj in objects:
         kubernetes_validate.validate(obj, kubernetes_validate.utils.latest_version(), strict=True)
 
 
-def test_reference_is_generated_from_the_crd() -> None:
-    text = (DOCS / "reference.md").read_text()
-    assert text == docgen.reference(), REGENERATE.format(
-        "python -m disagg_operator.docgen reference > docs/reference.md"
-    )
-    crd = yaml.safe_load((c.REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml").read_text())
-    assert docgen.reference(crd) == text  # the checked-in CRD says the same
+def test_the_checked_in_crd_documents_the_same() -> None:
+    """The YAML dump of the CRD keeps everything the reference shows."""
+    crd = yaml.safe_load((c.REPO / "crds" / generate.CRD_FILE).read_text())
+    assert docgen.reference(crd) == docgen.reference()
+
+
+def test_verify_names_each_stale_file_and_generate_fixes_it(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a copy of the inputs (chart, example): missing and edited files are stale, named,
+    with a diff and the command that fixes them; after `generate` nothing is, and every file is
+    what is checked in."""
+    shutil.copytree(c.CHART, tmp_path / generate.CHART)
+    chart_crd = tmp_path / generate.CHART / "crds" / generate.CRD_FILE
+    chart_crd.write_text("# stale: install.yaml must render the chart after its CRD is made\n")
+    (tmp_path / generate.EXAMPLE).parent.mkdir(parents=True)
+    shutil.copy(c.REPO / generate.EXAMPLE, tmp_path / generate.EXAMPLE)
+    names = [name for name, _ in generate.FILES]
+    assert generate.main(["--check", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "docs/reference.md (missing)" in err and "run `make generate`" in err
+    assert generate.generate(tmp_path) == names
+    assert generate.main(["--check", "--root", str(tmp_path)]) == 0
+    assert generate.generate(tmp_path) == []  # nothing rewritten
+    for name in names:
+        assert (tmp_path / name).read_text() == (c.REPO / name).read_text(), "run `make generate`"
+    reference = tmp_path / "docs" / "reference.md"
+    reference.write_text(reference.read_text().replace("## ", "## edited ", 1))
+    assert generate.main(["--check", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "+## " in err and "-## edited " in err
+    assert err.splitlines()[-1] == "stale generated files: docs/reference.md; run `make generate`"
+
+
+def test_every_file_that_says_generated_is_listed() -> None:
+    marked = {
+        str(path.relative_to(c.REPO))
+        for top in ("crds", "charts", "manifests", "docs")
+        for path in (c.REPO / top).rglob("*")
+        if path.is_file() and "Generated by `make generate`" in path.read_text()
+    }
+    assert marked == {name for name, _ in generate.FILES}
 
 
 def test_reference_documents_every_field() -> None:
     text = (DOCS / "reference.md").read_text()
-    root = install.crds()[0]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root = install.crds(c.CHART)[0]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, schema in _objects("spec", root["properties"]["spec"]):
         assert f"### `{path}`" in text
         for field in schema.get("properties") or {}:
@@ -79,11 +104,8 @@ def _objects(path: str, schema: dict[str, Any]) -> list[tuple[str, dict[str, Any
     return found
 
 
-def test_contract_doc_is_generated_from_the_contract() -> None:
+def test_the_contract_doc_covers_the_contract() -> None:
     text = (DOCS / "contract.md").read_text()
-    assert text == docgen.contract(), REGENERATE.format(
-        "python -m disagg_operator.docgen contract > docs/contract.md"
-    )
     assert (contract.__doc__ or "").strip() in text
     documented = set(re.findall(r"^\| `(DISAGG_[A-Z_]+)` \|", text, re.M))
     assert documented == {var.name for var in contract.ENV}

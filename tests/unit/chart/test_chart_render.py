@@ -58,7 +58,7 @@ def test_every_object_is_valid_kubernetes(
 
 
 def test_the_crds_are_valid_kubernetes() -> None:
-    for crd in [*install.crds(), *c.peering_crds()]:
+    for crd in [*install.crds(c.CHART), *c.peering_crds()]:
         for version in VERSIONS:
             kubernetes_validate.validate(crd, version, strict=True)
 
@@ -259,10 +259,10 @@ def test_names_follow_the_release() -> None:
 
 
 def test_notes_say_what_to_do_next() -> None:
-    text = install.notes()
+    text = install.notes(c.CHART)
     assert "kubectl apply --server-side --force-conflicts -f crds/" in text
     assert "kubectl get dpipe -w" in text
-    ha = install.notes({"peering": {"enabled": True}, "watch": {"namespaces": ["team-*"]}})
+    ha = install.notes(c.CHART, {"peering": {"enabled": True}, "watch": {"namespaces": ["team-*"]}})
     assert "kopf-peering-crds.yaml" in ha and "Create a KopfPeering" in ha
 
 
