@@ -11,16 +11,12 @@ import contextlib
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import pytest
 
-pytest_plugins = ["k8s.fixtures"]  # the Kubernetes API emulator (tests/k8s/)
+from tests.relay_rig import Rig
 
-if TYPE_CHECKING:
-    from tests.relay_rig import Rig
-else:
-    from relay_rig import Rig
+pytest_plugins = ["tests.k8s.fixtures"]  # the Kubernetes API emulator (tests/k8s/)
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"

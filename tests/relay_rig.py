@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import zmq
@@ -17,11 +17,7 @@ import zmq
 from disagg_runtime.pool import MiB, Pool, shm_name
 from disagg_runtime.relay import Ingress, Relay, connect
 from disagg_runtime.relay import protocol as proto
-
-if TYPE_CHECKING:
-    from tests.payload_checks import assert_bit_exact
-else:
-    from payload_checks import assert_bit_exact
+from tests.payload_checks import assert_bit_exact
 
 KiB = 1 << 10
 KINDS = ["shm", "tcp"]

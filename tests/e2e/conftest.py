@@ -22,16 +22,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
 from disagg_operator import names
-
-if TYPE_CHECKING:
-    from tests.e2e import e2e_support as e
-else:
-    import e2e_support as e
+from tests.e2e import e2e_support as e
 
 
 @pytest.fixture(scope="session")

@@ -11,18 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
 from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
 from disagg_operator import names, planner, reconcile
-
-if TYPE_CHECKING:
-    from tests.e2e import e2e_support as e
-else:
-    import e2e_support as e
+from tests.e2e import e2e_support as e
 
 pytestmark = [
     pytest.mark.e2e,

@@ -7,7 +7,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -23,11 +23,7 @@ from disagg_runtime.pool import (
     to_device,
     write_tensors,
 )
-
-if TYPE_CHECKING:
-    from tests.gpu import gpu_peer as peer
-else:
-    import gpu_peer as peer
+from tests.gpu import gpu_peer as peer
 
 pytestmark = pytest.mark.gpu
 MakePool = Callable[..., Pool]

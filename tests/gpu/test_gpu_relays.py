@@ -10,7 +10,7 @@ import logging
 import statistics
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -23,13 +23,8 @@ from disagg_runtime.relay import Relay, RelayError, connect
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.cuda_ipc import CudaIpcSender
 from disagg_runtime.role import relay_kind
-
-if TYPE_CHECKING:
-    from tests.gpu import gpu_peer as peer
-    from tests.gpu.test_gpu_pools import SLEEP_CYCLES, report
-else:
-    import gpu_peer as peer
-    from test_gpu_pools import SLEEP_CYCLES, report
+from tests.gpu import gpu_peer as peer
+from tests.gpu.test_gpu_pools import SLEEP_CYCLES, report
 
 pytestmark = pytest.mark.gpu
 WAIT = 30.0

@@ -11,15 +11,13 @@ import copy
 import json
 import pathlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
 from disagg_operator import main, names
 from disagg_operator.metrics import Metrics
-
-if TYPE_CHECKING:
-    from tests.k8s.server import EmulatorThread
+from tests.k8s.server import EmulatorThread
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "text-to-video.yaml"

@@ -25,19 +25,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import yaml
 
 from disagg_operator import generate, install
-
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.fixtures import Kubectl
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.fixtures import Kubectl
+from tests.k8s.server import EmulatorThread
 
 Rule = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 Obj = dict[str, Any]

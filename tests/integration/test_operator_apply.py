@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from disagg_core import spec
 from disagg_operator import apply, names, planner
-
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.server import EmulatorThread
 
 pytestmark = pytest.mark.asyncio
 NS = s.NS

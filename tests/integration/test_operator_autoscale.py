@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -28,12 +28,8 @@ import torch
 from disagg_core import spec
 from disagg_operator import autoscaling, main, names
 from disagg_runtime.local.supervisor import LocalPipeline
-
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.server import EmulatorThread
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 HERE = Path(__file__).resolve().parent

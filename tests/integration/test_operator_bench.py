@@ -15,19 +15,15 @@ import stat
 import subprocess
 import sys
 import textwrap
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import yaml
 
 from disagg_operator import names
 from disagg_operator.bench import run as bench
-
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.server import EmulatorThread
 
 DISAGG = [sys.executable, "-m", "disagg_runtime.cli", "bench", "operator"]
 FULL_ENV = "DISAGG_BENCH_OPERATOR_FULL"

@@ -4,16 +4,12 @@ and an example, wait for it, read the printer columns, delete it."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import pytest
 
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.fixtures import Kubectl
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.fixtures import Kubectl
+from tests.k8s.server import EmulatorThread
 
 pytestmark = pytest.mark.asyncio
 NAME = "text-to-video"

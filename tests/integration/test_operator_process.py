@@ -12,13 +12,9 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.server import EmulatorThread
 
 NAME = "text-to-video"
 DISAGG = [sys.executable, "-m", "disagg_runtime.cli"]

@@ -16,18 +16,14 @@ file, and the chart, learn it)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import yaml
 
 from disagg_operator import handlers
-
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.server import EmulatorThread
 
 pytestmark = pytest.mark.asyncio
 ESSENTIAL = {

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
@@ -16,12 +16,8 @@ from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
 from disagg_operator import handlers, names, planner, reconcile
 from disagg_operator.metrics import Metrics
-
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.server import EmulatorThread
 
 pytestmark = pytest.mark.asyncio
 NAME = "text-to-video"

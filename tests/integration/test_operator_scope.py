@@ -11,17 +11,13 @@ saw new objects after taking over. See the operator notes."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
 from disagg_operator.metrics import Metrics
-
-if TYPE_CHECKING:
-    from tests.integration import operator_support as s
-    from tests.k8s.server import EmulatorThread
-else:
-    import operator_support as s
+from tests.integration import operator_support as s
+from tests.k8s.server import EmulatorThread
 
 pytestmark = pytest.mark.asyncio
 RECONCILES = "disagg_operator_reconcile_duration_seconds_count"

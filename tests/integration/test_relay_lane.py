@@ -6,7 +6,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -14,31 +14,17 @@ import torch
 from disagg_runtime.pool import MiB
 from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, lane
 from disagg_runtime.relay import protocol as proto
-
-if TYPE_CHECKING:
-    from tests.payload_checks import assert_bit_exact
-    from tests.relay_rig import (
-        KINDS,
-        WAIT,
-        Rig,
-        assert_still_serves,
-        large_payload,
-        recv_reply,
-        small_payload,
-        wait_until,
-    )
-else:
-    from payload_checks import assert_bit_exact
-    from relay_rig import (
-        KINDS,
-        WAIT,
-        Rig,
-        assert_still_serves,
-        large_payload,
-        recv_reply,
-        small_payload,
-        wait_until,
-    )
+from tests.payload_checks import assert_bit_exact
+from tests.relay_rig import (
+    KINDS,
+    WAIT,
+    Rig,
+    assert_still_serves,
+    large_payload,
+    recv_reply,
+    small_payload,
+    wait_until,
+)
 
 
 def open_lane(ingress: Ingress, welcome: dict[str, Any]) -> socket.socket:

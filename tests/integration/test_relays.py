@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -27,39 +27,21 @@ from disagg_runtime.relay import (
     connect,
 )
 from disagg_runtime.relay import protocol as proto
-
-if TYPE_CHECKING:
-    from tests.payload_checks import assert_bit_exact, tensors_of
-    from tests.relay_rig import (
-        KINDS,
-        WAIT,
-        KiB,
-        Rig,
-        assert_still_serves,
-        call_in_thread,
-        filled,
-        in_pool,
-        large_payload,
-        recv_reply,
-        small_payload,
-        wait_until,
-    )
-else:
-    from payload_checks import assert_bit_exact, tensors_of
-    from relay_rig import (
-        KINDS,
-        WAIT,
-        KiB,
-        Rig,
-        assert_still_serves,
-        call_in_thread,
-        filled,
-        in_pool,
-        large_payload,
-        recv_reply,
-        small_payload,
-        wait_until,
-    )
+from tests.payload_checks import assert_bit_exact, tensors_of
+from tests.relay_rig import (
+    KINDS,
+    WAIT,
+    KiB,
+    Rig,
+    assert_still_serves,
+    call_in_thread,
+    filled,
+    in_pool,
+    large_payload,
+    recv_reply,
+    small_payload,
+    wait_until,
+)
 
 # -- round trips ---------------------------------------------------------------------------
 

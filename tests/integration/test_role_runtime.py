@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -31,16 +31,8 @@ from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.pool import SHM_DIR, Pool
 from disagg_runtime.relay import Ingress, connect
 from disagg_runtime.role import Handler, RoleRuntime
-
-if TYPE_CHECKING:
-    from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
-else:
-    from payload_checks import assert_bit_exact, raw_bytes, tensors_of
-
-if TYPE_CHECKING:  # mypy knows this folder as a package path; pytest puts it on sys.path
-    from tests.integration import pipeline_handlers as ph
-else:
-    import pipeline_handlers as ph
+from tests.integration import pipeline_handlers as ph
+from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
 
 WAIT = 15.0  # upper bound for anything that should happen "soon"
 KiB = 1 << 10

@@ -13,7 +13,7 @@ import pathlib
 import re
 import shutil
 import tomllib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -21,11 +21,7 @@ import yaml
 
 from disagg_core import contract
 from disagg_operator import docgen, generate, install, names, pods
-
-if TYPE_CHECKING:
-    from tests.unit.chart import chart_support as c
-else:
-    import chart_support as c
+from tests.unit.chart import chart_support as c
 
 DOCS = c.REPO / "docs"
 # Values documented as one row although they are maps.

@@ -10,7 +10,6 @@ import os
 import pathlib
 import stat
 import subprocess
-from typing import TYPE_CHECKING
 
 import jsonschema
 import kubernetes_validate
@@ -19,11 +18,7 @@ import yaml
 
 from disagg_operator import install, main, pods
 from disagg_runtime import cli
-
-if TYPE_CHECKING:
-    from tests.unit.chart import chart_support as c
-else:
-    import chart_support as c
+from tests.unit.chart import chart_support as c
 
 NEWEST = kubernetes_validate.utils.latest_version()
 VERSIONS = ("1.30", NEWEST)

@@ -4,16 +4,13 @@ schema cannot say, the templates) reject bad values with a message that names th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import helm_python
 import kubernetes_validate
 import pytest
 
-if TYPE_CHECKING:
-    from tests.unit.chart import chart_support as c
-else:
-    import chart_support as c
+from tests.unit.chart import chart_support as c
 
 KUBE_VERSIONS = ("v1.30.0", f"v{kubernetes_validate.utils.latest_version()}")
 WARNING = 2  # helm lint severities: 1 info, 2 warning, 3 error

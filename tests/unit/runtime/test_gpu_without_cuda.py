@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -61,11 +61,7 @@ from disagg_runtime.relay.cuda_ipc import (
     unavailable_reason,
 )
 from disagg_runtime.role import relay_kind
-
-if TYPE_CHECKING:
-    from tests.payload_checks import assert_bit_exact
-else:
-    from payload_checks import assert_bit_exact
+from tests.payload_checks import assert_bit_exact
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks machines without CUDA")
 WAIT = 10.0

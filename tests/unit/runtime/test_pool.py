@@ -6,7 +6,7 @@ import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import torch
@@ -24,11 +24,7 @@ from disagg_runtime.pool import (
     write_tensors,
 )
 from disagg_runtime.pool import plan as pool_plan
-
-if TYPE_CHECKING:
-    from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
-else:
-    from payload_checks import assert_bit_exact, raw_bytes, tensors_of
+from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
 
 KiB = 1 << 10
 MakePool = Callable[..., Pool]
