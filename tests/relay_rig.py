@@ -7,7 +7,6 @@ import itertools
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -89,14 +88,6 @@ class Rig:
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.005)
 
 
 def in_pool(t: torch.Tensor, pool: Pool) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -28,6 +27,7 @@ import pytest
 
 from disagg_operator import names
 from tests.e2e import e2e_support as e
+from tests.support import free_port
 
 
 @pytest.fixture(scope="session")
@@ -101,12 +101,6 @@ def e2e_namespace(
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -123,7 +117,7 @@ def e2e_operator(
     if not e.run_operator():
         yield None
         return
-    port = _free_port()
+    port = free_port()
     log_path = Path(tmp_path_factory.mktemp("operator")) / "operator.log"
     env = {**os.environ, "KUBECONFIG": e2e_kubeconfig}
     for variable in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):

@@ -16,18 +16,18 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar
 
 import yaml
 
 from disagg_operator import names
+from tests import support
+from tests.support import REPO
 
 T = TypeVar("T")
 Obj = dict[str, Any]
 
-REPO: Final = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE: Final = REPO / "examples" / "text-to-video.yaml"
 CRD_FILE: Final = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
 
@@ -80,15 +80,10 @@ def example(name: str) -> Obj:
 
 
 def wait_for(predicate: Callable[[], T | None], message: str, timeout: float = TIMEOUT) -> T:
-    """Poll until `predicate` returns something truthy (returned); AssertionError on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {message}")
-        time.sleep(0.5)
+    """`tests.support.wait_for` at a real cluster's pace: every 0.5 s, up to TIMEOUT."""
+    value = support.wait_for(predicate, timeout, interval=0.5, message=message)
+    assert value is not None  # it is truthy
+    return value
 
 
 class Cluster:

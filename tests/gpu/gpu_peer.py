@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -262,15 +261,6 @@ class Peer:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=30)
-
-
-def wait_for(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #          --implementation cp --platform manylinux_2_28_x86_64 -d .whl pyzmq==27.3.0
 #      and name .whl in the device tool's `carry`;
-#   3. runs the project from the checkout (PYTHONPATH=runtime:operator), as `pip install -e .`
+#   3. runs the project from the checkout (PYTHONPATH=core:runtime:operator), as `pip install -e .`
 #      would, without touching the machine's packages.
 # Outputs go to $OUT (the device tool's folder) or ./.gpu-out: pytest.log, bench.txt,
 # gpu_report.jsonl (bandwidth and leak figures from the tests). Exit status: non-zero if
@@ -75,7 +75,7 @@ if [ -n "$missing" ]; then
     exit 2
   fi
 fi
-export PYTHONPATH="$ROOT/runtime:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT/core:$ROOT/runtime:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import torch, zmq, disagg_runtime.relay.cuda_ipc as c
 print("pyzmq", zmq.__version__, "| cuda-ipc:", c.unavailable_reason() or "possible")' || exit 2
 

@@ -25,6 +25,7 @@ from disagg_runtime.relay.cuda_ipc import CudaIpcSender
 from disagg_runtime.role import relay_kind
 from tests.gpu import gpu_peer as peer
 from tests.gpu.test_gpu_pools import SLEEP_CYCLES, report
+from tests.support import wait_for
 
 pytestmark = pytest.mark.gpu
 WAIT = 30.0
@@ -294,7 +295,7 @@ def test_a_sender_that_never_commits_loses_its_slot_after_the_lease(remote: peer
         raw.send("reserve", rid="gone", xid=1, nbytes=4 * MiB, wait_s=5.0)
         assert raw.reply()["op"] == "grant"
         assert remote.call("stats", id=rx["id"])["pool_used"] >= 4 * MiB
-        assert peer.wait_for(lambda: remote.call("stats", id=rx["id"])["pool_used"] == 0, 10)
+        wait_for(lambda: remote.call("stats", id=rx["id"])["pool_used"] == 0, 10)
     finally:
         raw.close()
 
@@ -326,7 +327,7 @@ def test_bad_event_handles_are_nacked_and_their_slots_come_back(
             nack = raw.reply()
             assert nack["op"] == "nack" and nack["xid"] == xid
         # quarantined for a lease (a copy might still land), then free again
-        assert peer.wait_for(lambda: remote.call("stats", id=rx["id"])["pool_used"] == 0, 10)
+        wait_for(lambda: remote.call("stats", id=rx["id"])["pool_used"] == 0, 10)
         assert remote.call("stats", id=rx["id"])["rejected"] >= 3
     finally:
         raw.close()

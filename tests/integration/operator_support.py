@@ -18,8 +18,8 @@ import yaml
 from disagg_operator import main, names
 from disagg_operator.metrics import Metrics
 from tests.k8s.server import EmulatorThread
+from tests.support import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "text-to-video.yaml"
 CRD = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
 RBAC_FILE = pathlib.Path(__file__).with_name("operator_rbac_observed.json")

@@ -1,7 +1,7 @@
 """Handlers for the integration-test pipelines (`pipeline_handlers:<name>` in a spec).
 
 Role processes import this module by name, so tests put `tests/integration` on PYTHONPATH;
-in-process roles load it the same way (pytest puts this folder on sys.path).
+in-process roles take its functions from `tests.integration.pipeline_handlers`.
 
 Payloads are dicts. Conventions every handler here follows:
     "x"      a tensor the handlers compute on (float32)

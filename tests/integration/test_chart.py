@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -34,10 +33,11 @@ from disagg_operator import generate, install
 from tests.integration import operator_support as s
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.server import EmulatorThread
+from tests.support import REPO, free_port
 
 Rule = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 Obj = dict[str, Any]
-CHART = s.REPO / generate.CHART
+CHART = REPO / generate.CHART
 NAMESPACE = "disagg-system"
 RELEASE = "disagg-operator"
 PEERINGS = frozenset({
@@ -193,12 +193,6 @@ def test_the_chart_readme_explains_the_additions():
 
 
 # ---------------------------------------------------------------------------- the install
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fetch(url: str) -> tuple[int, str] | None:

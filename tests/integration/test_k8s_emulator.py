@@ -15,14 +15,14 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 REAL_CRD = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 JSONPATCH = {"Content-Type": "application/json-patch+json"}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -15,15 +14,10 @@ import urllib.request
 
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
+from tests.support import free_port
 
 NAME = "text-to-video"
 DISAGG = [sys.executable, "-m", "disagg_runtime.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fetch(url: str) -> str | None:

@@ -24,6 +24,7 @@ import yaml
 from disagg_operator import handlers
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
+from tests.support import REPO
 
 pytestmark = pytest.mark.asyncio
 ESSENTIAL = {
@@ -51,7 +52,7 @@ async def test_the_operator_rbac_is_recorded(
     k8s.apply_file(disagg_crd)
     k8s.apply(s.PEERING_CRD)
     k8s.create(s.peering("disagg"))
-    fan_out = yaml.safe_load((s.REPO / "examples" / "fan-out.yaml").read_text())
+    fan_out = yaml.safe_load((REPO / "examples" / "fan-out.yaml").read_text())
     name = fan_out["metadata"]["name"]
     async with s.running_operator(k8s, peering="disagg"):
         await s.call(k8s.create, fan_out, s.NS)

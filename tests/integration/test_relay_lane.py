@@ -23,8 +23,8 @@ from tests.relay_rig import (
     large_payload,
     recv_reply,
     small_payload,
-    wait_until,
 )
+from tests.support import wait_for
 
 
 def open_lane(ingress: Ingress, welcome: dict[str, Any]) -> socket.socket:
@@ -70,7 +70,7 @@ def inline_frame(rid: str, data: bytes = b"\x07" * 16) -> tuple[bytes, bytes]:
 def test_inline_and_staged_payloads_arrive_in_send_order(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress)
-    wait_until(lambda: ingress.stats().lanes == 1)  # inline payloads take the lane
+    wait_for(lambda: ingress.stats().lanes == 1)  # inline payloads take the lane
     sent = []
     for i in range(9):  # three large ones (4 MiB blocks) stay held: the pool has 16 MiB
         payload = large_payload(i) if i % 3 == 2 else small_payload(i)
@@ -144,7 +144,7 @@ def test_a_broken_lane_is_dropped_and_zmq_carries_that_payload_and_the_next(
     for rid in ("when-it-broke", "after", "staged"):
         with ingress.recv(timeout=WAIT) as msg:
             assert msg.request_id == rid
-    wait_until(lambda: ingress.stats().lanes == 0)
+    wait_for(lambda: ingress.stats().lanes == 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -168,10 +168,10 @@ def test_a_receiver_that_stops_reading_times_out_the_lane_and_loses_nothing_sent
             sender.send(payload, request_id=f"m{sent}")
             sent += 1
     unblock.set()
-    wait_until(lambda: len(got) == sent)  # everything send() accepted arrives, in order
+    wait_for(lambda: len(got) == sent)  # everything send() accepted arrives, in order
     assert got == [f"m{i}" for i in range(sent)]
     sender.send(payload, request_id="after")  # over ZMQ now: the cut lane was closed
-    wait_until(lambda: got[-1:] == ["after"])
+    wait_for(lambda: got[-1:] == ["after"])
     assert ingress.stats().lanes == 0
 
 
@@ -187,7 +187,7 @@ def test_a_reservation_waits_for_the_lane_frames_sent_before_it(rig: Rig) -> Non
         with ingress.recv(timeout=WAIT) as msg:
             assert msg.request_id == "first"
         dealer.send(proto.pack("cancel", xid=1))
-        wait_until(lambda: ingress.pool.stats().used == 0)
+        wait_for(lambda: ingress.pool.stats().used == 0)
     finally:
         sock.close()
 
@@ -251,7 +251,7 @@ def test_a_connection_that_does_not_introduce_itself_is_closed(rig: Rig) -> None
         lane.send_frame(sock, *inline_frame("no-hello"))  # not a hello: not a lane of ours
         sock.settimeout(WAIT)
         assert sock.recv(1) == b""  # closed by the ingress
-        wait_until(lambda: ingress.stats().rejected == 1)
+        wait_for(lambda: ingress.stats().rejected == 1)
         assert ingress.stats().delivered == 0
     finally:
         sock.close()
@@ -286,7 +286,7 @@ def test_an_oversized_lane_frame_closes_the_lane(rig: Rig) -> None:
         sock.sendall(lane.PREFIX.pack(proto.MAX_CONTROL_BYTES + 1, 0))
         sock.settimeout(WAIT)
         assert sock.recv(1) == b""
-        wait_until(lambda: ingress.stats().lanes == 0)
+        wait_for(lambda: ingress.stats().lanes == 0)
     finally:
         sock.close()
     assert_still_serves(rig, ingress, "tcp")
@@ -368,7 +368,7 @@ def test_a_failing_on_message_releases_the_message_and_delivery_goes_on(
     with caplog.at_level("ERROR"):
         sender.send(large_payload(), request_id="boom")  # a pool slot: it must come back
         sender.send(large_payload(1), request_id="fine")
-        wait_until(lambda: len(kept) == 1)
+        wait_for(lambda: len(kept) == 1)
     assert "on_message failed" in caplog.text
     assert kept[0].request_id == "fine" and kept[0].slot is not None
     assert ingress.pool.stats().used == ingress.pool.allocator.size_of(kept[0].slot)
@@ -391,5 +391,5 @@ def test_the_io_loop_outlives_an_unexpected_error(
     with caplog.at_level("ERROR"):
         monkeypatch.setattr(Ingress, "_grant_pending", flaky)
         ingress._wake()  # one turn of the loop: it fails once
-        wait_until(lambda: "unexpected error in the I/O loop" in caplog.text)
+        wait_for(lambda: "unexpected error in the I/O loop" in caplog.text)
     assert_still_serves(rig, ingress, "tcp")

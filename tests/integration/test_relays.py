@@ -40,8 +40,8 @@ from tests.relay_rig import (
     large_payload,
     recv_reply,
     small_payload,
-    wait_until,
 )
+from tests.support import wait_for
 
 # -- round trips ---------------------------------------------------------------------------
 
@@ -230,8 +230,8 @@ def test_full_pool_times_out_the_sender(rig: Rig, kind: str) -> None:
 
     first.release()
     # The abandoned reservation is cancelled, not granted behind our back.
-    wait_until(lambda: ingress.stats().pending_reservations == 0)
-    wait_until(lambda: ingress.pool.stats().used == 0)
+    wait_for(lambda: ingress.stats().pending_reservations == 0)
+    wait_for(lambda: ingress.pool.stats().used == 0)
     with pytest.raises(RelayTimeout):
         ingress.recv(timeout=0.1)  # "second" never arrived
     # The sender is still usable.
@@ -251,7 +251,7 @@ def test_blocked_sender_completes_once_room_is_released(rig: Rig, kind: str) -> 
 
     second = filled(3 * MiB, 2)
     thread, result = call_in_thread(lambda: sender.send(second, request_id="second", timeout=WAIT))
-    wait_until(lambda: ingress.stats().pending_reservations == 1)
+    wait_for(lambda: ingress.stats().pending_reservations == 1)
     assert thread.is_alive()
     assert result == {}
     first.release()
@@ -272,7 +272,7 @@ def test_blocked_sender_survives_a_wait_longer_than_half_the_lease(rig: Rig, kin
     thread, result = call_in_thread(
         lambda: sender.send(filled(3 * MiB, 2), request_id="second", timeout=4.0)
     )
-    wait_until(lambda: ingress.stats().pending_reservations == 1)
+    wait_for(lambda: ingress.stats().pending_reservations == 1)
     time.sleep(0.7)  # > lease/2, < lease: the reservation is still pending at the ingress
     first.release()
     thread.join(WAIT)
@@ -321,7 +321,7 @@ def test_abort_frees_delivered_but_unreleased_messages(rig: Rig, kind: str, who:
         sender.abort("doomed")
     else:
         ingress.abort("doomed")
-    wait_until(lambda: ingress.pool.stats().used == 4 * MiB)  # only "kept" remains
+    wait_for(lambda: ingress.pool.stats().used == 4 * MiB)  # only "kept" remains
     assert all(m.released for m in doomed)
     assert not kept.released
 
@@ -364,7 +364,7 @@ def test_abort_fails_a_blocked_sender_promptly(rig: Rig, kind: str) -> None:
     thread, result = call_in_thread(
         lambda: sender.send(filled(3 * MiB), request_id="waiting", timeout=60.0)
     )
-    wait_until(lambda: ingress.stats().pending_reservations == 1)
+    wait_for(lambda: ingress.stats().pending_reservations == 1)
     ingress.abort("waiting")
     thread.join(WAIT)
     assert not thread.is_alive()
@@ -435,7 +435,7 @@ def test_malformed_control_messages_are_rejected(rig: Rig, kind: str, frames: li
     raw = rig.raw(ingress)
     before = ingress.stats().rejected
     raw.send_multipart(frames)
-    wait_until(lambda: ingress.stats().rejected == before + 1)
+    wait_for(lambda: ingress.stats().rejected == before + 1)
     if frames[0].startswith(b'{"v":1,"pv":1,"op":"commit"'):
         reply = recv_reply(raw)  # the sender of a bad commit is told, not left waiting
         assert (reply["op"], reply["xid"]) == ("nack", 42)
@@ -449,13 +449,13 @@ def test_inline_without_frames_is_rejected(rig: Rig) -> None:
     raw = rig.raw(ingress)
     raw.send(proto.pack("inline", rid="r"))
     try:
-        wait_until(lambda: ingress.stats().rejected == 1, timeout=1.0)
+        wait_for(lambda: ingress.stats().rejected == 1, timeout=1.0)
         assert_still_serves(rig, ingress, "tcp")
     finally:
         # With the bug, the I/O thread sits in a blocking recv(); closing the socket under
         # it aborts the interpreter. Feed it one message so it gets out before teardown.
         rig.raw(ingress).send(b"unblock")
-        wait_until(lambda: ingress.stats().rejected >= 1)
+        wait_for(lambda: ingress.stats().rejected >= 1)
 
 
 def _reserve(raw: zmq.Socket[Any], nbytes: int, xid: int = 1, rid: str = "r") -> int:
@@ -490,7 +490,7 @@ def test_tcp_commit_with_wrong_chunk_sizes_is_nacked(rig: Rig, sizes: list[int])
     assert (reply["op"], reply["xid"]) == ("nack", 1)
     assert ingress.stats().rejected == 1
     assert ingress.stats().delivered == 0
-    wait_until(lambda: ingress.pool.stats().used == 0)
+    wait_for(lambda: ingress.pool.stats().used == 0)
     assert_still_serves(rig, ingress, "tcp")
 
 
@@ -522,7 +522,7 @@ def test_tcp_commit_with_tiny_chunks_is_nacked(rig: Rig) -> None:
     reply = recv_reply(raw)
     assert (reply["op"], reply["xid"]) == ("nack", 1)
     assert "below the minimum" in reply["reason"]
-    wait_until(lambda: ingress.pool.stats().used == 0)
+    wait_for(lambda: ingress.pool.stats().used == 0)
     assert_still_serves(rig, ingress, "tcp")
 
 
@@ -601,7 +601,7 @@ def test_uncommitted_grant_is_freed_after_the_lease(rig: Rig, kind: str) -> None
     assert welcome["lease_s"] == 0.5
     offset = _reserve(raw, 2 * MiB)
     assert ingress.pool.stats().used == 2 * MiB
-    wait_until(lambda: ingress.pool.stats().used == 0)
+    wait_for(lambda: ingress.pool.stats().used == 0)
     # A commit after the lease is refused, not written over a slot someone else may own.
     raw.send(proto.pack("commit", rid="r", xid=1, offset=offset, manifest=_MANIFEST))
     reply = recv_reply(raw)
@@ -619,7 +619,7 @@ def test_stalled_tcp_transfer_is_freed_after_the_lease(rig: Rig) -> None:
         )
     )
     raw.send(b"\0" * CHUNK)  # one chunk of four, then silence
-    wait_until(lambda: ingress.pool.stats().used == 0)
+    wait_for(lambda: ingress.pool.stats().used == 0)
     assert ingress.stats().delivered == 0
     assert_still_serves(rig, ingress, "tcp")
 
@@ -630,7 +630,7 @@ def test_cancel_frees_a_grant(rig: Rig) -> None:
     _reserve(raw, 2 * MiB, xid=5)
     assert ingress.pool.stats().used == 2 * MiB
     raw.send(proto.pack("cancel", xid=5))
-    wait_until(lambda: ingress.pool.stats().used == 0)
+    wait_for(lambda: ingress.pool.stats().used == 0)
 
 
 def test_reused_xid_does_not_leak_a_slot(rig: Rig) -> None:
@@ -641,7 +641,7 @@ def test_reused_xid_does_not_leak_a_slot(rig: Rig) -> None:
     replies = [recv_reply(raw), recv_reply(raw)]
     assert sorted(r["op"] for r in replies) == ["deny", "grant"]
     assert [r["xid"] for r in replies] == [1, 1]
-    wait_until(lambda: ingress.pool.stats().used == 0, timeout=1.5)
+    wait_for(lambda: ingress.pool.stats().used == 0, timeout=1.5)
 
 
 # -- connecting ----------------------------------------------------------------------------

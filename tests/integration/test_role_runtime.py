@@ -14,7 +14,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -33,6 +33,7 @@ from disagg_runtime.relay import Ingress, connect
 from disagg_runtime.role import Handler, RoleRuntime
 from tests.integration import pipeline_handlers as ph
 from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
+from tests.support import wait_for
 
 WAIT = 15.0  # upper bound for anything that should happen "soon"
 KiB = 1 << 10
@@ -138,10 +139,10 @@ class Running:
 
     def wait_idle(self, timeout: float = WAIT) -> None:
         """Every role's pool back to 0 bytes used and nothing queued or running."""
-        wait_until(
+        wait_for(
             lambda: not any(self.used().values()) and all(r.idle() for r in self.roles.values()),
             timeout,
-            lambda: f"pools used: {self.used()}",
+            message=lambda: f"idle roles; pools used: {self.used()}",
         )
 
     def close(self) -> None:
@@ -158,16 +159,6 @@ class Running:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(self.dir, "topology.json"))
             os.rmdir(self.dir)
-
-
-def wait_until(
-    predicate: Callable[[], bool], timeout: float = WAIT, what: Callable[[], str] = lambda: ""
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s {what()}")
-        time.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -480,7 +471,7 @@ def test_timeout_aborts_and_releases_a_parked_ref(refs: Running) -> None:
     started = time.monotonic()
     future = refs.c.submit_async(ref_input(2, sleep=2.5), timeout=0.8)
 
-    wait_until(lambda: consumer.pool.stats().used > 0, 1.0)  # the ref is parked at c
+    wait_for(lambda: consumer.pool.stats().used > 0, 1.0)  # the ref is parked at c
     with pytest.raises(RequestFailed) as info:
         future.result(timeout=WAIT)
     timed_out = time.monotonic() - started
@@ -489,7 +480,7 @@ def test_timeout_aborts_and_releases_a_parked_ref(refs: Running) -> None:
     assert isinstance(info.value, RequestTimeout) or info.value.error["reason"] == "timeout"
     assert 0.7 <= timed_out < 1.6, f"RequestTimeout after {timed_out:.2f} s for a 0.8 s timeout"
     # the abort reaches c while mid is still sleeping: the parked slot goes at once
-    wait_until(lambda: consumer.pool.stats().used == 0, 1.0)
+    wait_for(lambda: consumer.pool.stats().used == 0, 1.0)
     assert time.monotonic() - started < 2.4
     refs.wait_idle()  # and mid's slot once its handler returns
     assert refs.submit(ref_input(3))["i"] == 3
@@ -498,13 +489,13 @@ def test_timeout_aborts_and_releases_a_parked_ref(refs: Running) -> None:
 def test_failure_upstream_releases_a_parked_ref(refs: Running) -> None:
     consumer = refs.roles["c"]
     future = refs.c.submit_async(ref_input(4, sleep=0.3, fail=True))
-    wait_until(lambda: consumer.pool.stats().used > 0, 1.0)
+    wait_for(lambda: consumer.pool.stats().used > 0, 1.0)
 
     with pytest.raises(RequestFailed) as info:
         future.result(timeout=WAIT)
 
     assert info.value.role == "mid" and "boom 4" in str(info.value)
-    wait_until(lambda: consumer.pool.stats().used == 0, 2.0)
+    wait_for(lambda: consumer.pool.stats().used == 0, 2.0)
     refs.wait_idle()
 
 
@@ -528,7 +519,7 @@ def test_a_vanished_reply_pool_fails_the_request_without_killing_the_role() -> N
 
             # mid could not report its failure, but still told c to drop the parked ref (or
             # c's join expired at the deadline): either way c lets go and carries on
-            wait_until(lambda: consumer.pool.stats().used == 0, 2.0)
+            wait_for(lambda: consumer.pool.stats().used == 0, 2.0)
             assert fetch(rig.url("c", "/healthz"))[0] == 200
             assert fetch(rig.url("mid", "/healthz"))[0] == 200
         finally:
@@ -679,12 +670,12 @@ def test_stop_drains_in_flight_requests_then_releases_the_pool() -> None:
         futures = [
             rig.c.submit_async({"x": torch.ones(ph.BIG), "i": i, "sleep": 1.0}) for i in range(2)
         ]
-        wait_until(lambda: rig.samples("s")["disagg_inflight_requests"] == 2, 2.0)
+        wait_for(lambda: rig.samples("s")["disagg_inflight_requests"] == 2, 2.0)
 
         stopper = threading.Thread(target=s.stop, kwargs={"grace_s": 10.0})
         started = time.monotonic()
         stopper.start()
-        wait_until(lambda: fetch(rig.url("s", "/readyz"))[0] == 503, 1.0)
+        wait_for(lambda: fetch(rig.url("s", "/readyz"))[0] == 503, 1.0)
         assert fetch(rig.url("s", "/healthz"))[0] == 200  # draining, still live
 
         assert [f.result(timeout=WAIT)["i"] for f in futures] == [0, 1]

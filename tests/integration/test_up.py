@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from disagg_runtime.client import Client, RequestFailed
 from disagg_runtime.local.supervisor import LocalPipeline, RoleProcess, remove_segments_of
 from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
+from tests.support import wait_for
 
 HERE = Path(__file__).resolve().parent
 PIPELINES = HERE / "pipelines"
@@ -54,16 +55,6 @@ def segments(prefix: str = "", pid: int | None = None) -> set[str]:
     if pid is not None:
         names = {n for n in names if re.search(rf"-{pid}-\d+$", n)}
     return names
-
-
-def wait_until(
-    predicate: Callable[[], bool], timeout: float = WAIT, what: Callable[[], str] = lambda: ""
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s {what()}")
-        time.sleep(0.05)
 
 
 def samples(port: int) -> dict[str, float]:
@@ -148,7 +139,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_clean(
         pid = rp.proc.pid
         assert segments(pid=pid), "the role's pool is not in /dev/shm"
         futures = [client.submit_async(slow_input(i, 1.0)) for i in range(3)]
-        wait_until(lambda: samples(rp.config.metrics_port).get("disagg_inflight_requests") == 3, 5)
+        wait_for(lambda: samples(rp.config.metrics_port).get("disagg_inflight_requests") == 3, 5)
 
         rp.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
@@ -177,7 +168,7 @@ def test_killed_role_fails_in_flight_requests_and_leaves_nothing(
         rp = process_of(local, "slow")
         pid = rp.proc.pid
         futures = [client.submit_async(slow_input(i, 5.0)) for i in range(3)]
-        wait_until(lambda: samples(rp.config.metrics_port).get("disagg_inflight_requests") == 3, 5)
+        wait_for(lambda: samples(rp.config.metrics_port).get("disagg_inflight_requests") == 3, 5)
 
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -305,12 +296,12 @@ def test_ctrl_c_stops_every_role_and_leaves_nothing() -> None:
     )
     children: dict[int, dict[str, str]] = {}
     try:
-        wait_until(lambda: len(children.update(role_children(proc.pid)) or children) == 2, 30)
+        wait_for(lambda: len(children.update(role_children(proc.pid)) or children) == 2, 30)
         ports = [env["DISAGG_METRICS_PORT"] for env in children.values()]
-        wait_until(lambda: all(ready(p) for p in ports), 30)
+        wait_for(lambda: all(ready(p) for p in ports), 30)
         # the client exists (its reply pool is named for the launcher): requests are flowing
-        wait_until(lambda: bool(segments(f"itest-up-ctrlc-client-{proc.pid}-")), 10)
-        wait_until(
+        wait_for(lambda: bool(segments(f"itest-up-ctrlc-client-{proc.pid}-")), 10)
+        wait_for(
             lambda: all(
                 samples(int(p)).get('disagg_requests_total{outcome="done"}', 0) > 0 for p in ports
             ),
@@ -324,7 +315,7 @@ def test_ctrl_c_stops_every_role_and_leaves_nothing() -> None:
         assert proc.returncode == 130, err
         assert time.monotonic() - interrupted < 15
         assert "interrupted" in err
-        wait_until(lambda: not any(alive(pid) for pid in children), 5)
+        wait_for(lambda: not any(alive(pid) for pid in children), 5)
         assert not segments("itest-up-ctrlc-")
         assert not segments(pid=proc.pid)
     finally:

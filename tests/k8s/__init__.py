@@ -6,6 +6,6 @@
 - ``resources``: the resource types it serves (built-ins; CRDs register at creation).
 - ``fixtures``: the pytest fixtures ``k8s``, ``kubeconfig``, ``kubectl``, ``k8s_client``.
 
-Inside this package, imports are relative: pytest imports it as ``k8s`` (``tests/`` is on
-``sys.path`` because ``tests/conftest.py`` is not in a package), mypy as ``tests.k8s``.
+It is ``tests.k8s`` (``tests`` is a package): ``tests/conftest.py`` registers the fixtures
+with ``pytest_plugins = ["tests.k8s.fixtures"]``; inside, imports are relative.
 """

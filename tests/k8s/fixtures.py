@@ -1,6 +1,6 @@
 """pytest fixtures around the Kubernetes API emulator.
 
-Registered from ``tests/conftest.py`` with ``pytest_plugins = ["k8s.fixtures"]``.
+Registered from ``tests/conftest.py`` with ``pytest_plugins = ["tests.k8s.fixtures"]``.
 
 - ``k8s``: a running ``EmulatorThread`` (own thread and loop, ``k8s.url`` on 127.0.0.1 and a
   random port); no CRD is preloaded: ``k8s.apply_file(DISAGG_CRD)`` or ``kubectl apply`` it.
@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import yaml
 
+from .. import support
 from .server import EmulatorThread
 
-REPO = Path(__file__).resolve().parents[2]
-DISAGG_CRD = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
+DISAGG_CRD = support.REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
 
 
 def kubectl_binary() -> str | None:
@@ -142,5 +142,5 @@ def k8s_client(k8s: EmulatorThread) -> Iterator[Any]:
 def disagg_crd() -> Path:
     """The project's CRD file (the test is skipped while crds/ does not have it)."""
     if not DISAGG_CRD.exists():
-        pytest.skip(f"{DISAGG_CRD.relative_to(REPO)} does not exist yet")
+        pytest.skip(f"{DISAGG_CRD.relative_to(support.REPO)} does not exist yet")
     return DISAGG_CRD

@@ -17,7 +17,6 @@ import asyncio
 import concurrent.futures
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +26,7 @@ import aiohttp.web
 import kmock
 import yaml
 
+from .. import support
 from .emulator import JSON, ApiCall, KubeEmulator
 
 T = TypeVar("T")
@@ -250,7 +250,7 @@ class EmulatorThread:
         message: str = "condition",
     ) -> T:
         """Poll ``predicate`` until it returns something truthy; that value is returned."""
-        return wait_for(predicate, timeout=timeout, interval=interval, message=message)
+        return support.wait_for(predicate, timeout, interval=interval, message=message)
 
     # ------------------------------------------------------------------ clients
 
@@ -268,22 +268,6 @@ class EmulatorThread:
         import kopf
 
         return kopf.ConnectionInfo(server=self.url, default_namespace=namespace)
-
-
-def wait_for(
-    predicate: Callable[[], T],
-    timeout: float = 10.0,
-    interval: float = 0.02,
-    message: str = "condition",
-) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)
 
 
 def kubeconfig_for(url: str, namespace: str = "default") -> JSON:

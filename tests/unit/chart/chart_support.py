@@ -3,15 +3,14 @@ rendered objects. Rendering is Helm's own (`disagg_operator.install.render`)."""
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
 
 from disagg_operator import generate, install
+from tests.support import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
 CHART = REPO / generate.CHART
 Obj = dict[str, Any]
 

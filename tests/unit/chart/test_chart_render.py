@@ -18,6 +18,7 @@ import yaml
 
 from disagg_operator import install, main, pods
 from disagg_runtime import cli
+from tests.support import REPO
 from tests.unit.chart import chart_support as c
 
 NEWEST = kubernetes_validate.utils.latest_version()
@@ -263,7 +264,7 @@ def test_notes_say_what_to_do_next() -> None:
 
 def test_chart_metadata_matches_the_project() -> None:
     chart = yaml.safe_load((c.CHART / "Chart.yaml").read_text())
-    project = (c.REPO / "pyproject.toml").read_text()
+    project = (REPO / "pyproject.toml").read_text()
     assert f'version = "{chart["appVersion"]}"' in project
     assert chart["kubeVersion"] == ">=1.30.0-0"
     schema = json.loads((c.CHART / "values.schema.json").read_text())

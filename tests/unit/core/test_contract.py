@@ -11,8 +11,7 @@ from disagg_core import contract
 from disagg_core.contract import ContractError, Peer, RoleConfig, Topology
 from disagg_core.spec import load_pipeline_file
 from disagg_runtime.local.supervisor import plan_local
-
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+from tests.support import EXAMPLES
 
 
 @pytest.fixture

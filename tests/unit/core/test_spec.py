@@ -32,8 +32,8 @@ from disagg_core.spec import (
     parse_payload_path,
     parse_pipeline,
 )
+from tests.support import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "examples"
 Doc = dict[str, Any]
 

@@ -18,7 +18,8 @@ from celpy.adapter import json_to_cel
 from celpy.celtypes import BoolType
 from celpy.evaluation import CELEvalError
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
+from tests.support import REPO
+
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 CRD_FILE = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
 FULL_FILE = pathlib.Path(__file__).with_name("full-pipeline.yaml")

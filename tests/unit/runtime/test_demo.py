@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import pathlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,8 +14,8 @@ import torch
 import yaml
 
 from disagg_runtime import codec, demo, envelope
+from tests.support import EXAMPLES
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[3] / "examples"
 SMALL = "0.05"
 
 

@@ -1,0 +1,44 @@
+"""What tests across the suite share: where the repository is, polling until something holds,
+and a free loopback port. Plain Python, no pytest: the GPU checks run it on a bare machine."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import time
+from collections.abc import Callable
+from typing import Final, TypeVar
+
+REPO: Final = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES: Final = REPO / "examples"
+WAIT: Final = 10.0  # a generous upper bound for anything that should happen "soon"
+
+T = TypeVar("T")
+
+
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float = WAIT,
+    *,
+    interval: float = 0.01,
+    message: str | Callable[[], str] = "condition",
+) -> T:
+    """Polls `predicate` every `interval` seconds until it returns something truthy, and
+    returns that. After `timeout` seconds, AssertionError naming `message`; a callable one is
+    asked then, so that it can describe the state at the time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            what = message() if callable(message) else message
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (the kernel's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
