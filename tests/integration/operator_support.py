@@ -119,6 +119,13 @@ async def running_operator(
             post(body, type_, reason, message)
 
         operator.reconciler.post_event = recording
+    async with run(operator):
+        yield operator
+
+
+@contextlib.asynccontextmanager
+async def run(operator: main.Operator) -> AsyncIterator[main.Operator]:
+    """`operator` running in this event loop until the block ends (then cancelled)."""
     task = asyncio.create_task(operator.run(), name="kopf-operator")
     try:
         yield operator

@@ -93,13 +93,10 @@ async def operator(k8s: EmulatorThread, *, interval: float = 0.5) -> AsyncIterat
         scrape_timeout=1.0,
     )
     built = main.build(config)
-    task = asyncio.create_task(built.run(), name="kopf-operator")
     try:
-        yield built
+        async with s.run(built):
+            yield built
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, timeout=s.WAIT)
         assert not built.scaler.running
 
 
