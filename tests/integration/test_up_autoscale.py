@@ -8,12 +8,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from tests.support import EXAMPLES
 
 
 def disagg() -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import pathlib
 
 import pytest
 import yaml
@@ -15,8 +14,8 @@ from disagg_core.contract import Peer, RoleConfig
 from disagg_core.spec.model import Pipeline
 from disagg_operator import planner
 from disagg_runtime.local.supervisor import plan_local
+from tests.support import REPO
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
 PIPELINE_FILES = sorted(
     [
         *REPO.glob("examples/*.yaml"),

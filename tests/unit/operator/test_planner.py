@@ -13,9 +13,9 @@ import pytest
 from disagg_core import contract, spec
 from disagg_core.spec.model import Pipeline
 from disagg_operator import merge, names, planner
+from tests.support import EXAMPLES
 
 NS = "ml"
-EXAMPLES = pathlib.Path(__file__).resolve().parents[3] / "examples"
 Obj = dict[str, Any]
 
 
