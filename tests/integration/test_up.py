@@ -337,3 +337,64 @@ def test_ctrl_c_stops_every_role_and_leaves_nothing() -> None:
                     os.kill(pid, signal.SIGKILL)
             remove_segments_of(pid)
         remove_segments_of(proc.pid)
+
+
+def test_sigkilled_up_is_cleaned_up_by_the_next_run(tmp_path: Path) -> None:
+    """`disagg up` SIGKILLed mid-run leaves its client pool and (here: a stopped role that
+    cannot act on the SIGTERM its launcher's death sends) a role process and its pool. The
+    next `disagg up` finds the run directory, kills the role, unlinks every segment and
+    says so in one line; afterwards nothing of either run is left."""
+    env = role_env()
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)  # the run directories of this test only
+    runs = tmp_path / "disagg-runs"
+    file = str(PIPELINES / "up-kill.yaml")
+    first = subprocess.Popen(
+        [*disagg(), "up", file, "--duration", "120"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children: dict[int, dict[str, str]] = {}
+    try:
+        wait_until(lambda: len(children.update(role_children(first.pid)) or children) == 2, 60)
+        wait_until(lambda: all(ready(e["DISAGG_METRICS_PORT"]) for e in children.values()), 60)
+        wait_until(lambda: bool(segments(f"itest-up-kill-client-{first.pid}-")), 30)
+        (run,) = runs.iterdir()
+        record = json.loads((run / "run.json").read_text())
+        assert record["supervisor"] == first.pid
+        assert {p["pid"] for p in record["processes"]} == set(children)
+        sink = next(pid for pid, e in children.items() if e["DISAGG_ROLE"] == "sink")
+
+        os.kill(sink, signal.SIGSTOP)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        time.sleep(1.0)  # the SIGTERM of the launcher's death is pending in the stopped sink
+        assert alive(sink)
+        assert segments(pid=sink)  # a live (stopped) owner: nobody else may unlink it
+
+        second = subprocess.run(
+            [*disagg(), "up", file, "--requests", "4"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert second.returncode == 0, second.stderr
+        lines = [line for line in second.stderr.splitlines() if "cleaned up after" in line]
+        assert len(lines) == 1, second.stderr
+        assert f"cleaned up after 1 killed run(s) ({run.name})" in lines[0]
+        assert f"sink/0 (pid {sink})" in lines[0]
+        assert "shared-memory segment(s)" in lines[0]
+        assert not alive(sink)
+        assert not segments("itest-up-kill-")  # both runs' pools, the client's included
+        assert not any(runs.iterdir())  # both run directories
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=5)
+        for pid in children:  # only if the test failed: leave nothing behind either way
+            with contextlib.suppress(ProcessLookupError):
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            remove_segments_of(pid)
+        remove_segments_of(first.pid)

@@ -116,8 +116,9 @@ class RunDir:
 
     def add_segments(self, prefix: str) -> None:
         """Record a prefix of shared-memory names this process creates (its client pool)."""
-        self.record["segments"].append(prefix)
-        self._save()
+        if prefix not in self.record["segments"]:
+            self.record["segments"].append(prefix)
+            self._save()
 
     def _save(self) -> None:
         tmp = self.file(RECORD + ".tmp")
