@@ -26,6 +26,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -86,7 +87,8 @@ class RunDir:
     def create(cls, pipeline: str, root: str | None = None) -> RunDir:
         """A fresh run directory for `pipeline` under `root` (default `runs_root()`)."""
         root = root or runs_root()
-        path = tempfile.mkdtemp(prefix=f"{pipeline[:40]}-", dir=root)
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", pipeline)[:40]
+        path = tempfile.mkdtemp(prefix=f"{safe}-", dir=root)
         fd = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         run = cls(path, _lock_fd=fd)
