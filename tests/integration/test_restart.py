@@ -2,15 +2,18 @@
 entrypoint), the same /dev/shm (an emptyDir outlives the container), SIGKILLed (an OOM
 kill) and started again. Its pool's name is the same in every incarnation (pid 1), so the
 second one meets the first one's segment: it must reclaim it and serve, and a second
-live owner of the name must be refused, not robbed.
+live owner of the name must be refused, not robbed. In a pod that shares one PID namespace
+(colocated roles) the restarted role has another pid, so another name: it must free the
+dead incarnation's pool all the same, or each restart leaks a pool into the pod's memory.
 
-Needs `unshare --pid --fork --mount-proc` (root, or user namespaces): skipped with the
-reason when the machine refuses it.
+The PID 1 tests need `unshare --pid --fork --mount-proc` (root, or user namespaces):
+skipped with the reason when the machine refuses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -26,6 +29,7 @@ import torch
 from disagg_core.contract import Peer, RoleConfig, render_env, write_topology
 from disagg_core.spec import load_pipeline_file
 from disagg_runtime.client import Client
+from disagg_runtime.local.rundir import start_time
 from disagg_runtime.local.supervisor import free_ports, plan_local
 from disagg_runtime.metrics import fetch
 from disagg_runtime.pool import SHM_DIR, reclaim_stale, shm_prefix
@@ -52,7 +56,7 @@ def _unshare_refused() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(bool(_unshare_refused()), reason=str(_unshare_refused()))
+needs_unshare = pytest.mark.skipif(bool(_unshare_refused()), reason=str(_unshare_refused()))
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
@@ -63,6 +67,10 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT) 
         time.sleep(0.1)
 
 
+def gone(pid: int) -> bool:
+    return start_time(pid) is None
+
+
 @dataclass
 class Incarnation:
     """One `disagg role` run as PID 1 of a fresh PID and mount namespace."""
@@ -70,10 +78,13 @@ class Incarnation:
     proc: subprocess.Popen[bytes]  # the `unshare` process; the role is its only child
     config: RoleConfig
     log: Path
+    namespaced: bool = True
 
     @property
     def role_pid(self) -> int:
         """The role's pid as seen from here (it is 1 inside its namespace)."""
+        if not self.namespaced:
+            return self.proc.pid
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
         return int(children.split()[0])
 
@@ -87,15 +98,16 @@ class Incarnation:
 
 
 @pytest.fixture
-def start_role(tmp_path: Path) -> Iterator[Callable[[], Incarnation]]:
-    """Start incarnations of role solo/0 (each on fresh ports); all gone afterwards."""
+def start_role(tmp_path: Path) -> Iterator[Callable[..., Incarnation]]:
+    """Start incarnations of role solo/0 (each on fresh ports, as PID 1 of a namespace
+    unless `namespaced=False`); all gone afterwards."""
     topology_file = str(tmp_path / "topology.json")
     ports = free_ports()
     base = plan_local(PIPELINE, ports, topology_file)[0]
     write_topology(base.topology, topology_file)
     started: list[Incarnation] = []
 
-    def start() -> Incarnation:
+    def start(namespaced: bool = True) -> Incarnation:
         config = replace(base, ingress_port=next(ports), metrics_port=next(ports))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
@@ -103,27 +115,33 @@ def start_role(tmp_path: Path) -> Iterator[Callable[[], Incarnation]]:
         env["PYTHONUNBUFFERED"] = "1"
         log = tmp_path / f"role-{len(started)}.log"
         role = [sys.executable, "-m", "disagg_runtime.cli", "role"]
+        unshare = ["unshare", "--pid", "--fork", "--mount-proc"] if namespaced else []
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount-proc", *role],
+                [*unshare, *role],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        incarnation = Incarnation(proc, config, log)
+        incarnation = Incarnation(proc, config, log, namespaced)
         started.append(incarnation)
         return incarnation
 
     yield start
     for inc in started:
         if inc.proc.poll() is None:
+            pid = None
             with contextlib.suppress(OSError, IndexError, ValueError):
-                os.kill(inc.role_pid, signal.SIGKILL)
+                pid = inc.role_pid
+                os.kill(pid, signal.SIGKILL)
             inc.proc.kill()
             inc.proc.wait(timeout=30)
-    # pid 1 is always alive to the suite's leak check: this test must leave nothing itself
-    assert reclaim_stale(PREFIX, why=None) == {}, "a role incarnation left its pool behind"
+            if pid is not None:  # gone (or a zombie): its lock on the pool is released
+                wait_until(functools.partial(gone, pid), f"role pid {pid} gone")
+    # pid 1 is always alive to the suite's leak check: leave nothing behind here
+    reclaim_stale(PREFIX, why=None)
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
 
 
 def serve_one(config: RoleConfig) -> None:
@@ -150,8 +168,9 @@ def segment_inode() -> int | None:
     return None
 
 
+@needs_unshare
 def test_role_as_pid_1_sigkilled_and_restarted_reclaims_its_pool_and_serves(
-    start_role: Callable[[], Incarnation],
+    start_role: Callable[..., Incarnation],
 ) -> None:
     first = start_role()
     wait_until(first.ready, f"first incarnation ready:\n{first.output()}")
@@ -179,7 +198,8 @@ def test_role_as_pid_1_sigkilled_and_restarted_reclaims_its_pool_and_serves(
     assert segment_inode() is None
 
 
-def test_live_owner_of_the_name_is_not_robbed(start_role: Callable[[], Incarnation]) -> None:
+@needs_unshare
+def test_live_owner_of_the_name_is_not_robbed(start_role: Callable[..., Incarnation]) -> None:
     """Two live PID 1s with the same pool name (same pipeline, role, replica) on one
     /dev/shm: the second refuses to start, naming the owner; the first keeps serving."""
     owner = start_role()
@@ -194,3 +214,29 @@ def test_live_owner_of_the_name_is_not_robbed(start_role: Callable[[], Incarnati
     assert segment_inode() == inode
     assert owner.ready()
     serve_one(owner.config)
+
+
+def test_restart_with_another_pid_frees_the_dead_incarnations_pool(
+    start_role: Callable[..., Incarnation],
+) -> None:
+    """Colocated roles share the pod's PID namespace: a restarted role has a new pid and a
+    new name, and the old pool (whose owner is dead) would stay in the pod's memory."""
+    # another pid's name, no lock held: what a dead incarnation leaves (the pid named is
+    # this test's, so that other test runs on the machine leave the segment alone)
+    stale = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-0")
+    fd = os.open(stale, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 8 << 20)
+    os.close(fd)
+    try:
+        role = start_role(namespaced=False)
+        wait_until(lambda: role.ready() or role.proc.poll() is not None, "role ready")
+        assert role.proc.poll() is None, role.output()
+        assert not os.path.exists(stale)
+        assert f"reclaimed shared-memory pool {os.path.basename(stale)}" in role.output()
+        serve_one(role.config)
+        role.proc.send_signal(signal.SIGTERM)
+        assert role.proc.wait(timeout=60) == 0, role.output()
+        assert not reclaim_stale(PREFIX, why=None)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)

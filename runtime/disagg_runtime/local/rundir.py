@@ -60,13 +60,17 @@ def runs_root() -> str:
 
 
 def start_time(pid: int) -> int | None:
-    """When `pid` started (clock ticks since boot), None if it is gone or a zombie."""
+    """When `pid` started (clock ticks since boot), None once it is gone: reaped, or a
+    zombie whose other threads have exited too (until then they may still hold its files,
+    and so the locks on its pools)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
+        if fields[0] in ("Z", "X") and os.listdir(f"/proc/{pid}/task") == [str(pid)]:
+            return None
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    return int(fields[19])
 
 
 def _boot_id() -> str:
