@@ -5,7 +5,9 @@ Every replica of every role is its own `disagg role` process on 127.0.0.1, given
 addresses instead of Service names; `DISAGG_NODE_LOCAL=1`, so auto relays use shared
 memory). The launcher watches its children: a role that dies fails the requests in
 flight at once, and whatever way the run ends (done, Ctrl-C, a crash) every child is
-stopped and no shared-memory segment of theirs is left behind.
+stopped and no shared-memory segment of theirs is left behind. A launcher that cannot
+clean up (SIGKILLed) leaves a run directory that says what it started: the next one
+cleans up after it (local/rundir.py).
 """
 
 from __future__ import annotations
