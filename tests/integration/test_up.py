@@ -259,14 +259,15 @@ CRASH_TIMEOUT = 2.0  # --timeout of the crash run: what a request left hanging w
 
 
 @pytest.fixture(scope="module")
-def crash_run() -> subprocess.CompletedProcess[str]:
-    """`disagg up` on a pipeline whose middle role exits (code 1) on request 5, run once."""
+def crash_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """`disagg up` on a pipeline whose middle role exits (code 1) on request 5, run once
+    (its run directory, kept for the logs, in a temporary XDG_RUNTIME_DIR)."""
     file = PIPELINES / "up-crash.yaml"
     args = ["up", str(file), "--requests", "16", "--concurrency", "4", "--json"]
     args += ["--grace", "1", "--timeout", str(CRASH_TIMEOUT)]
-    return subprocess.run(
-        [*disagg(), *args], env=role_env(), capture_output=True, text=True, timeout=60
-    )
+    env = role_env()
+    env["XDG_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("xdg"))
+    return subprocess.run([*disagg(), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_up_reports_a_role_that_dies_mid_run(crash_run: subprocess.CompletedProcess[str]) -> None:
@@ -278,6 +279,8 @@ def test_up_reports_a_role_that_dies_mid_run(crash_run: subprocess.CompletedProc
     assert any("role dier/0 died (exit code 1)" in e for e in s["errors"]), s["errors"]
     assert s["requests"] < 16  # nothing more was sent once the role died
     assert not segments("itest-up-crash-")  # the dead role's pool included
+    logs = Path(s["logs"])  # the run directory stays for its logs, but is no run any more
+    assert (logs / "dier-0.log").exists() and not (logs / "run.json").exists()
 
 
 def test_up_fails_every_request_of_a_dead_pipeline_with_the_role_at_once(
