@@ -13,6 +13,15 @@ out reusable slots. Backings:
     cuda        device memory on the current GPU; other processes on the same GPU map it
                 through CUDA IPC (relay/cuda_ipc.py) (needs CUDA)
 
+Ownership. The owner of a shared segment holds an exclusive flock on it for as long as it
+lives; the kernel drops the lock when the owner dies, SIGKILL and OOM kill included. So a
+segment whose lock is free is garbage: a dead incarnation's. Process ids cannot say this:
+in a pod the role is PID 1 in every incarnation (same pid, so the same name, and /dev/shm
+is an emptyDir that outlives the container), and pids are per namespace and recycled. A
+segment is built unnamed (O_TMPFILE), locked and sized, then linked under its name, so a
+name never shows a half-made or unlocked segment; a name taken by a dead owner's segment
+is reclaimed (`reclaim_stale`), one taken by a live owner is refused with who holds it.
+
 A slot holds one payload's tensors laid out by `manifest.layout`; `write_tensors` copies
 tensors in, `read_payload` returns views (or copies) that stay valid until the slot is
 freed.
@@ -35,7 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import itertools
+import logging
 import mmap
 import os
 import re
@@ -62,6 +73,7 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _counter = itertools.count()
 _local = threading.local()
+log = logging.getLogger(__name__)
 
 
 class PoolError(RuntimeError):
@@ -83,10 +95,103 @@ def _require_cuda(what: str) -> None:
         raise PoolError(f"{what} needs CUDA, and {reason}")
 
 
+def shm_prefix(pipeline: str, role: str) -> str:
+    """What every segment name of this pipeline and role starts with (then `<pid>-<n>`)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{pipeline}-{role}")[:160]
+    return f"{SHM_PREFIX}{safe}-"
+
+
 def shm_name(pipeline: str, role: str) -> str:
     """A /dev/shm name unique to this process, namespaced by pipeline and role."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{pipeline}-{role}")[:160]
-    return f"{SHM_PREFIX}{safe}-{os.getpid()}-{next(_counter)}"
+    return f"{shm_prefix(pipeline, role)}{os.getpid()}-{next(_counter)}"
+
+
+# ---- ownership of shared segments --------------------------------------------------------------
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the owner's lock on an open segment; False when a live process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _lock_holder(fd: int) -> int | None:
+    """The pid (in this PID namespace) holding the flock on `fd`'s file, from /proc/locks;
+    None when the holder is not visible from here (another PID namespace)."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError), open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key:
+                return int(fields[4]) or None
+    return None
+
+
+def _describe_owner(name: str, fd: int) -> str:
+    pid = _lock_holder(fd)
+    if pid is not None:
+        cmdline = ""
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+        return f"pid {pid}" + (f" ({cmdline})" if cmdline else "")
+    match = re.search(r"-(\d+)-\d+$", name)
+    named = f"pid {match.group(1)} in its own PID namespace, " if match else ""
+    return f"a live process outside this PID namespace ({named}by the segment's name)"
+
+
+def _remove_if_stale(name: str) -> bool | str:
+    """Unlink segment `name` if its owner is gone: True when it is gone (removed by us or
+    already), else a description of the live owner."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    try:
+        if not _try_lock(fd):
+            return _describe_owner(name, fd)
+        # ours now: nobody else can be reclaiming it; unlink it only if the name still is it
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+        return True
+    finally:
+        os.close(fd)  # drops the lock, after the name is gone
+
+
+def reclaim_stale(prefix: str, *, why: str | None = "its owner is gone") -> dict[str, int]:
+    """Unlink the segments named `prefix` + digits and dashes whose owner is dead (lock
+    free); live owners' segments are left alone. Returns {name: size} of those removed,
+    each logged with `why` (unless None: the caller says it)."""
+    if not prefix.startswith(SHM_PREFIX) or "/" in prefix:
+        raise PoolError(f"refusing to reclaim {prefix!r}: not a disagg shared-memory prefix")
+    removed: dict[str, int] = {}
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix) or not re.fullmatch(r"[0-9-]+", name[len(prefix) :]):
+            continue
+        size = _size_of(name)
+        with contextlib.suppress(PermissionError):  # another user's: not ours to judge
+            if size is not None and _remove_if_stale(name) is True:
+                removed[name] = size
+                if why is not None:
+                    mib = size / MiB
+                    log.warning("reclaimed shared-memory pool %s (%.1f MiB): %s", name, mib, why)
+    return removed
+
+
+def _size_of(name: str) -> int | None:
+    try:
+        return os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return None
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -108,6 +213,7 @@ class Backing:
         name: str | None = None,
         mapping: mmap.mmap | None = None,
         owner: bool = True,
+        lock_fd: int | None = None,
     ) -> None:
         self.device = device
         self.tensor = tensor
@@ -115,6 +221,7 @@ class Backing:
         self.size = tensor.numel()
         self._mapping = mapping
         self._owner = owner
+        self._lock_fd = lock_fd  # the owner's flock on the segment (see "Ownership")
         self._registered: int | None = None  # address passed to cudaHostRegister
         self.closed = False
 
@@ -165,6 +272,9 @@ class Backing:
         if self.name is not None and self._owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
+        if self._lock_fd is not None:  # after the unlink: the name is never free and unlocked
+            os.close(self._lock_fd)
+            self._lock_fd = None
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self._mapping is not None:
             # with views still exported the mapping goes away with the last of them
@@ -172,18 +282,59 @@ class Backing:
                 self._mapping.close()
 
 
-def _create_shm(device: Device, size: int, name: str) -> Backing:
+def _link(fd: int, path: str) -> None:
+    """Give the unnamed file `fd` the name `path` (FileExistsError if it is taken)."""
+    proc_fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:  # linkat(AT_SYMLINK_FOLLOW) through /proc: how an O_TMPFILE file gets a name
+        os.link(str(fd), path, src_dir_fd=proc_fds, follow_symlinks=True)
+    finally:
+        os.close(proc_fds)
+
+
+def _publish(fd: int, name: str) -> None:
+    """Link the segment under `name`, reclaiming a dead owner's segment that has it."""
     path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    for _ in range(3):  # a stale one removed, then (rarely) the name taken again: retry
+        try:
+            _link(fd, path)
+            return
+        except FileExistsError:
+            size = _size_of(name)
+            owner = _remove_if_stale(name)
+            if owner is not True:
+                raise PoolError(
+                    f"shared-memory pool {name!r} already exists and its owner is alive: "
+                    f"{owner}; a second process with the same pipeline, role, replica "
+                    "and pid shares this /dev/shm"
+                ) from None
+            if size is not None:
+                log.warning(
+                    "reclaimed shared-memory pool %s (%.1f MiB): its owner is gone "
+                    "(a previous incarnation of this process?)",
+                    name,
+                    size / MiB,
+                )
+    raise PoolError(f"shared-memory pool {name!r} keeps being created by another process")
+
+
+def _create_shm(device: Device, size: int, name: str) -> Backing:
     try:
+        fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise PoolError(f"cannot create a shared-memory pool in {SHM_DIR}: {exc}") from None
+    mapping: mmap.mmap | None = None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh inode: nobody else has it
         os.ftruncate(fd, size)
         mapping = _map(fd, size)
+        _publish(fd, name)
     except BaseException:
-        os.unlink(path)
-        raise
-    finally:
+        if mapping is not None:
+            mapping.close()
         os.close(fd)
-    return Backing(device, torch.frombuffer(mapping, dtype=torch.uint8), name=name, mapping=mapping)
+        raise
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+    return Backing(device, tensor, name=name, mapping=mapping, lock_fd=fd)
 
 
 def create_backing(device: Device, size: int, *, name: str | None = None) -> Backing:

@@ -34,7 +34,7 @@ from disagg_runtime import envelope
 from disagg_runtime.envelope import Meta
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
-from disagg_runtime.pool import Pool, PoolError, shm_name
+from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_prefix
 from disagg_runtime.relay import Ingress, Message, RelayError
 
 log = logging.getLogger(__name__)
@@ -142,11 +142,14 @@ class RoleRuntime:
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
         device = "shm" if config.pool.device == "cpu" else config.pool.device
+        me = f"{config.role}-{config.replica}"
+        # a dead incarnation's pool (SIGKILL, OOM kill) stays in the pod's /dev/shm: free it
+        reclaim_stale(shm_prefix(config.pipeline, me), why="a previous incarnation's, now dead")
         self.pool = Pool.create(
             config.pool.size,
             device=device,
             min_block=config.pool.min_block,
-            name=shm_name(config.pipeline, f"{config.role}-{config.replica}"),
+            name=shm_name(config.pipeline, me),
         )
         try:
             self.ingress = Ingress(

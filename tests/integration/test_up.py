@@ -250,14 +250,15 @@ CRASH_TIMEOUT = 2.0  # --timeout of the crash run: what a request left hanging w
 
 
 @pytest.fixture(scope="module")
-def crash_run() -> subprocess.CompletedProcess[str]:
-    """`disagg up` on a pipeline whose middle role exits (code 1) on request 5, run once."""
+def crash_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """`disagg up` on a pipeline whose middle role exits (code 1) on request 5, run once
+    (its run directory, kept for the logs, in a temporary XDG_RUNTIME_DIR)."""
     file = PIPELINES / "up-crash.yaml"
     args = ["up", str(file), "--requests", "16", "--concurrency", "4", "--json"]
     args += ["--grace", "1", "--timeout", str(CRASH_TIMEOUT)]
-    return subprocess.run(
-        [*disagg(), *args], env=role_env(), capture_output=True, text=True, timeout=60
-    )
+    env = role_env()
+    env["XDG_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("xdg"))
+    return subprocess.run([*disagg(), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_up_reports_a_role_that_dies_mid_run(crash_run: subprocess.CompletedProcess[str]) -> None:
@@ -269,6 +270,8 @@ def test_up_reports_a_role_that_dies_mid_run(crash_run: subprocess.CompletedProc
     assert any("role dier/0 died (exit code 1)" in e for e in s["errors"]), s["errors"]
     assert s["requests"] < 16  # nothing more was sent once the role died
     assert not segments("itest-up-crash-")  # the dead role's pool included
+    logs = Path(s["logs"])  # the run directory stays for its logs, but is no run any more
+    assert (logs / "dier-0.log").exists() and not (logs / "run.json").exists()
 
 
 def test_up_fails_every_request_of_a_dead_pipeline_with_the_role_at_once(
@@ -328,3 +331,64 @@ def test_ctrl_c_stops_every_role_and_leaves_nothing() -> None:
                     os.kill(pid, signal.SIGKILL)
             remove_segments_of(pid)
         remove_segments_of(proc.pid)
+
+
+def test_sigkilled_up_is_cleaned_up_by_the_next_run(tmp_path: Path) -> None:
+    """`disagg up` SIGKILLed mid-run leaves its client pool and (here: a stopped role that
+    cannot act on the SIGTERM its launcher's death sends) a role process and its pool. The
+    next `disagg up` finds the run directory, kills the role, unlinks every segment and
+    says so in one line; afterwards nothing of either run is left."""
+    env = role_env()
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)  # the run directories of this test only
+    runs = tmp_path / "disagg-runs"
+    file = str(PIPELINES / "up-kill.yaml")
+    first = subprocess.Popen(
+        [*disagg(), "up", file, "--duration", "120"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children: dict[int, dict[str, str]] = {}
+    try:
+        wait_until(lambda: len(children.update(role_children(first.pid)) or children) == 2, 60)
+        wait_until(lambda: all(ready(e["DISAGG_METRICS_PORT"]) for e in children.values()), 60)
+        wait_until(lambda: bool(segments(f"itest-up-kill-client-{first.pid}-")), 30)
+        (run,) = runs.iterdir()
+        record = json.loads((run / "run.json").read_text())
+        assert record["supervisor"] == first.pid
+        assert {p["pid"] for p in record["processes"]} == set(children)
+        sink = next(pid for pid, e in children.items() if e["DISAGG_ROLE"] == "sink")
+
+        os.kill(sink, signal.SIGSTOP)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        time.sleep(1.0)  # the SIGTERM of the launcher's death is pending in the stopped sink
+        assert alive(sink)
+        assert segments(pid=sink)  # a live (stopped) owner: nobody else may unlink it
+
+        second = subprocess.run(
+            [*disagg(), "up", file, "--requests", "4"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert second.returncode == 0, second.stderr
+        lines = [line for line in second.stderr.splitlines() if "cleaned up after" in line]
+        assert len(lines) == 1, second.stderr
+        assert f"cleaned up after 1 killed run(s) ({run.name})" in lines[0]
+        assert f"sink/0 (pid {sink})" in lines[0]
+        assert "shared-memory segment(s)" in lines[0]
+        assert not alive(sink)
+        assert not segments("itest-up-kill-")  # both runs' pools, the client's included
+        assert not any(runs.iterdir())  # both run directories
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=5)
+        for pid in children:  # only if the test failed: leave nothing behind either way
+            with contextlib.suppress(ProcessLookupError):
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            remove_segments_of(pid)
+        remove_segments_of(first.pid)

@@ -5,7 +5,9 @@ Every replica of every role is its own `disagg role` process on 127.0.0.1, given
 addresses instead of Service names; `DISAGG_NODE_LOCAL=1`, so auto relays use shared
 memory). The launcher watches its children: a role that dies fails the requests in
 flight at once, and whatever way the run ends (done, Ctrl-C, a crash) every child is
-stopped and no shared-memory segment of theirs is left behind.
+stopped and no shared-memory segment of theirs is left behind. A launcher that cannot
+clean up (SIGKILLed) leaves a run directory that says what it started: the next one
+cleans up after it (local/rundir.py).
 """
 
 from __future__ import annotations
@@ -13,15 +15,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import glob
+import functools
 import json
 import os
-import shutil
+import re
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,9 +33,10 @@ from disagg_core import placement
 from disagg_core.contract import Peer, RoleConfig, render_env, write_topology
 from disagg_core.spec.model import Pipeline
 from disagg_runtime.client import Client
+from disagg_runtime.local.rundir import RunDir, open_run
 from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.peers import FILE_RESOLVE_EVERY, write_peers_file
-from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
+from disagg_runtime.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
 
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -88,10 +90,13 @@ def plan_local(
     ]
 
 
-def _die_with_parent() -> None:
-    """preexec: SIGTERM the child if the launcher itself is killed (Linux)."""
+def _die_with_parent(parent: int) -> None:
+    """preexec: SIGTERM the child if the launcher itself is killed (Linux), also when it
+    died before the prctl (the child was already orphaned)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass
@@ -117,19 +122,24 @@ class LocalPipeline:
     """Start, watch and stop the role processes of one pipeline."""
 
     pipeline: Pipeline
-    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="disagg-up-"))
     grace_s: float = 10.0
     on_death: Callable[[RoleProcess, int], None] | None = None
     processes: list[RoleProcess] = field(default_factory=list)
     deaths: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.run: RunDir = open_run(self.pipeline.name)  # every per-run file goes in here
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._ports = free_ports()
         self._scale_lock = threading.Lock()
         self.topology_file = os.path.join(self.workdir, "topology.json")
         self.peers_file = os.path.join(self.workdir, "peers.json")
+
+    @property
+    def workdir(self) -> str:
+        """The run directory (topology, peers file, role logs, the run's record)."""
+        return self.run.path
 
     def start(self) -> None:
         configs = plan_local(
@@ -210,8 +220,10 @@ class LocalPipeline:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the launcher, which drains them
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
+        pools = shm_prefix(self.pipeline.name, f"{config.role}-{config.replica}")
+        self.run.add_process(proc.pid, f"{config.role}/{config.replica}", f"{pools}{proc.pid}-")
         return RoleProcess(config, proc, log_path, ready=ready)
 
     def wait_ready(self, timeout: float = 60.0) -> float:
@@ -242,6 +254,7 @@ class LocalPipeline:
     def client(self, timeout: float | None = None) -> Client:
         configs = [rp.config for rp in self.processes]
         topology = configs[0].topology
+        self.run.add_segments(f"{shm_prefix(self.pipeline.name, 'client')}{os.getpid()}-")
         entries = [
             Peer(name, tuple(f"{HOST}:{c.ingress_port}" for c in configs if c.role == name))
             for name in topology.entry_roles
@@ -289,8 +302,7 @@ class LocalPipeline:
         if self._monitor is not None:
             self._monitor.join(timeout=2)
         self._terminate(self.processes)
-        if not self.deaths:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.run.close(keep=bool(self.deaths))
 
     def _terminate(self, processes: list[RoleProcess]) -> None:
         for rp in processes:
@@ -316,13 +328,14 @@ class LocalPipeline:
 
 
 def remove_segments_of(pid: int) -> list[str]:
-    """Unlink shared-memory pools a dead process left (names end in -<pid>-<n>)."""
-    removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}*-{pid}-*")):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed.append(os.path.basename(path))
-    return removed
+    """Unlink shared-memory pools a dead process left (names end in -<pid>-<n>); a live
+    owner's (same pid in another PID namespace) stay."""
+    prefixes = {
+        name[: m.start() + 1] + f"{pid}-"
+        for name in os.listdir(SHM_DIR)
+        if name.startswith(SHM_PREFIX) and (m := re.search(rf"-{pid}-\d+$", name))
+    }
+    return [n for prefix in sorted(prefixes) for n in reclaim_stale(prefix, why=None)]
 
 
 def dump_json(obj: Any, out: IO[str]) -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -20,7 +25,9 @@ from disagg_runtime.pool import (
     PoolError,
     attach_backing,
     read_payload,
+    reclaim_stale,
     shm_name,
+    shm_prefix,
     write_tensors,
 )
 from disagg_runtime.pool import plan as pool_plan
@@ -303,6 +310,119 @@ def test_shm_pool_is_attachable_from_another_process(make_pool: MakePool) -> Non
 def test_attach_refuses_missing_or_foreign_names(name: str) -> None:
     with pytest.raises(PoolError):
         attach_backing(name)
+
+
+# -- ownership: a dead owner's segment is reclaimed, a live owner's is not -------------------
+
+# A real process that owns a pool under a given name until it is killed.
+_OWNER = """
+import sys, time
+from disagg_runtime.pool import MiB, Pool
+pool = Pool.create(MiB, device="shm", name=sys.argv[1])
+pool.backing.tensor[:4].fill_(0xEE)
+print("ready", flush=True)
+time.sleep(600)
+"""
+_names = itertools.count()
+
+
+def our_name(tag: str) -> str:
+    """A segment name ending in this process's pid (the suite's leak check judges it)."""
+    return f"{shm_prefix('pooltest', tag)}{os.getpid()}-{next(_names)}"
+
+
+@pytest.fixture
+def owner() -> Iterator[Callable[[str], subprocess.Popen[str]]]:
+    """Start owner processes of named pools; every one is killed and its pool unlinked."""
+    started: list[tuple[subprocess.Popen[str], str]] = []
+
+    def start(name: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _OWNER, name], stdout=subprocess.PIPE, text=True
+        )
+        started.append((proc, name))
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready", f"owner of {name} did not start"
+        return proc
+
+    yield start
+    for proc, name in started:
+        proc.kill()
+        proc.wait(timeout=30)
+        if os.path.exists(shm_path(name)):
+            reclaim_stale(name.rpartition("-")[0] + "-", why=None)
+
+
+def test_dead_owners_segment_with_the_same_name_is_reclaimed(
+    owner: Callable[[str], subprocess.Popen[str]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a role restarted as PID 1 meets: its own name, left by its killed incarnation."""
+    name = our_name("stale")
+    proc = owner(name)
+    stale = os.stat(shm_path(name)).st_ino
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert os.path.exists(shm_path(name))  # SIGKILL leaves it behind
+    with caplog.at_level(logging.WARNING, logger="disagg_runtime.pool"):
+        pool = Pool.create(MiB, device="shm", name=name)
+    try:
+        assert os.stat(shm_path(name)).st_ino != stale  # a fresh segment, not the old pages
+        assert pool.backing.tensor[:4].tolist() == [0, 0, 0, 0]
+        assert f"reclaimed shared-memory pool {name}" in caplog.text
+    finally:
+        pool.close()
+    assert not os.path.exists(shm_path(name))
+
+
+def test_live_owners_segment_is_refused_naming_the_owner(
+    owner: Callable[[str], subprocess.Popen[str]],
+) -> None:
+    name = our_name("live")
+    proc = owner(name)
+    inode = os.stat(shm_path(name)).st_ino
+    with pytest.raises(PoolError, match=rf"{name}.*owner is alive: pid {proc.pid} \(.*python"):
+        Pool.create(MiB, device="shm", name=name)
+    assert os.stat(shm_path(name)).st_ino == inode  # untouched
+    assert reclaim_stale(shm_prefix("pooltest", "live")) == {}  # a sweep leaves it too
+    peer = attach_backing(name)  # and the owner's memory is as it wrote it
+    try:
+        assert peer.tensor[:4].tolist() == [0xEE] * 4
+    finally:
+        peer.close()
+
+
+def test_reclaim_stale_takes_only_dead_owners_segments_of_the_prefix(
+    owner: Callable[[str], subprocess.Popen[str]],
+) -> None:
+    prefix = shm_prefix("pooltest", f"sweep{os.getpid()}")
+    dead_name, live_name = f"{prefix}111-0", f"{prefix}222-0"
+    dead = owner(dead_name)
+    owner(live_name)
+    other = our_name(f"sweep{os.getpid()}-x")  # same start, not this prefix + digits
+    dead.kill()
+    dead.wait(timeout=30)
+    keep = Pool.create(MiB, device="shm", name=other)
+    try:
+        removed = reclaim_stale(prefix, why=None)
+        assert removed == {dead_name: MiB}
+        assert not os.path.exists(shm_path(dead_name))
+        assert os.path.exists(shm_path(live_name))
+        assert os.path.exists(shm_path(other))
+    finally:
+        keep.close()
+    with pytest.raises(PoolError, match="not a disagg shared-memory prefix"):
+        reclaim_stale("../etc/")
+
+
+def test_closing_a_pool_unlinks_before_releasing_ownership(make_pool: MakePool) -> None:
+    pool = make_pool("shm", size=MiB)
+    assert pool.name is not None
+    with pytest.raises(PoolError, match="owner is alive"):  # this very process owns it
+        Pool.create(MiB, device="shm", name=pool.name)
+    pool.close()
+    again = Pool.create(MiB, device="shm", name=pool.name)  # free now, no reclaim needed
+    again.close()
+    assert not os.path.exists(shm_path(pool.name))
 
 
 # -- errors --------------------------------------------------------------------------------
