@@ -350,9 +350,9 @@ def test_sigkilled_up_is_cleaned_up_by_the_next_run(tmp_path: Path) -> None:
     )
     children: dict[int, dict[str, str]] = {}
     try:
-        wait_until(lambda: len(children.update(role_children(first.pid)) or children) == 2, 60)
-        wait_until(lambda: all(ready(e["DISAGG_METRICS_PORT"]) for e in children.values()), 60)
-        wait_until(lambda: bool(segments(f"itest-up-kill-client-{first.pid}-")), 30)
+        wait_for(lambda: len(children.update(role_children(first.pid)) or children) == 2, 60)
+        wait_for(lambda: all(ready(e["DISAGG_METRICS_PORT"]) for e in children.values()), 60)
+        wait_for(lambda: bool(segments(f"itest-up-kill-client-{first.pid}-")), 30)
         (run,) = runs.iterdir()
         record = json.loads((run / "run.json").read_text())
         assert record["supervisor"] == first.pid
