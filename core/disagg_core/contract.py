@@ -41,6 +41,7 @@ DEFAULT_INGRESS_PORT = 7400
 DEFAULT_LANE_PORT = 7500
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_TOPOLOGY_FILE = "/etc/disagg/topology.json"
+DEFAULT_PEER_KEY_FILE = "/etc/disagg-peer-key/key"
 TOPOLOGY_VERSION = 1
 
 
@@ -186,6 +187,7 @@ class RoleConfig:
     topology_file: str = DEFAULT_TOPOLOGY_FILE
     peers_file: str = ""
     metrics_dump: str = ""
+    peer_key_file: str = ""
 
     @property
     def me(self) -> RoleTopology:
@@ -374,6 +376,15 @@ ENV: Final[tuple[EnvVar, ...]] = (
         "metrics_dump",
         TEXT,
         "the role writes its final metrics to this path on exit",
+        default="",
+        optional=True,
+    ),
+    EnvVar(
+        "PEER_KEY_FILE",
+        "peer_key_file",
+        TEXT,
+        "path of the pipeline's peer key (hex; in pods the Secret <pipeline>-peer-key, "
+        "docs/security.md)",
         default="",
         optional=True,
     ),

@@ -47,6 +47,7 @@ class Placement:
     node_local: bool = False
     topology_file: str = DEFAULT_TOPOLOGY_FILE
     peers_file: str = ""
+    peer_key_file: str = ""  # the pipeline's peer key ("" : none given)
 
 
 def targets(pipeline: Pipeline, role: str) -> tuple[str, ...]:
@@ -86,4 +87,5 @@ def role_config(pipeline: Pipeline, role: str, placement: Placement) -> RoleConf
         request_timeout=pipeline.transport.request_timeout_seconds,
         topology_file=placement.topology_file,
         peers_file=placement.peers_file,
+        peer_key_file=placement.peer_key_file,
     )

@@ -25,6 +25,10 @@ Status: a merge patch of the `status` subresource, skipped when nothing would ch
 pipeline's uid as precondition (a pipeline recreated under the same name is not written to).
 
 Pods (`pipeline_pods`): listed, never written, for the autoscaler (`scaling_loop`).
+
+The peer key Secret (`ensure_created`): read, and created (POST) only when absent; never
+patched, so a key once made stays until someone deletes the Secret (which rotates it: the
+reconciler makes a new one). A create that loses a race (409) reads the winner's.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ PLURALS: Final[Mapping[str, str]] = {
     "Service": "services",
     "StatefulSet": "statefulsets",
     "ResourceClaimTemplate": "resourceclaimtemplates",
+    "NetworkPolicy": "networkpolicies",
+    "Secret": "secrets",
     "Pod": "pods",
     names.PIPELINE_KIND: names.PLURAL,
 }
@@ -206,6 +212,12 @@ class Api:
         return await self.request(
             "PATCH", ref.path(), params=params, body=obj, content_type=APPLY_CONTENT_TYPE
         )
+
+    async def create(self, obj: Mapping[str, Any]) -> JSON:
+        """POST `obj` to its collection; ApiError 409 (AlreadyExists) when the name is taken."""
+        ref = ObjectRef.of(obj)
+        path = collection_path(ref.api_version, ref.kind, ref.namespace)
+        return await self.request("POST", path, body=obj)
 
     async def delete(self, ref: ObjectRef, *, uid: str | None = None) -> bool:
         """Delete (background propagation); False when it was already gone."""
@@ -365,6 +377,24 @@ async def apply_children(
         pruned=tuple(pruned),
         conflicts=tuple(conflicts),
     )
+
+
+async def ensure_created(api: Api, obj: Mapping[str, Any]) -> tuple[JSON, bool]:
+    """The stored object of `obj`'s name, created from `obj` when absent; and whether this
+    call created it. An existing object is returned as it is, never changed."""
+    ref = ObjectRef.of(obj)
+    current = await api.get(ref)
+    if current is not None:
+        return current, False
+    try:
+        return await api.create(obj), True
+    except ApiError as error:
+        if error.status != 409:
+            raise
+    current = await api.get(ref)  # someone else created it meanwhile
+    if current is None:
+        raise ApiError(409, "Conflict", f"{ref} was created and deleted while we created it")
+    return current, False
 
 
 async def owned_statefulsets(api: Api, owner: planner.Owner, namespace: str) -> list[JSON]:

@@ -44,6 +44,7 @@ MAX_PATH_LENGTH: Final = 256
 MAX_ENV_NAME_LENGTH: Final = 256
 MAX_CONDITIONS: Final = 8
 MAX_SCALE_DECISIONS: Final = 50
+MAX_NETWORK_PEERS: Final = 32
 
 DNS_1035_LABEL: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # The parser accepts any Python identifiers; the CRD only their ASCII forms.
@@ -71,6 +72,10 @@ def _integer(description: str, **extra: Any) -> Schema:
 
 def _number(description: str, **extra: Any) -> Schema:
     return {"type": "number", "description": description, **extra}
+
+
+def _boolean(description: str) -> Schema:
+    return {"type": "boolean", "description": description}
 
 
 def _object(
@@ -158,6 +163,7 @@ def transport_schema() -> Schema:
                 "Seconds a request may live from entry to result before it is failed.",
                 minimum=0,
                 exclusiveMinimum=True,
+                maximum=m.MAX_REQUEST_TIMEOUT_SECONDS,
                 default=m.DEFAULT_REQUEST_TIMEOUT_SECONDS,
             ),
         },
@@ -272,8 +278,12 @@ def autoscaling_schema() -> Schema:
         "role's replicas near targetPoolOccupancy and, when set, their mean queue depth near "
         "targetQueuePerReplica (the larger ratio wins), within [minReplicas, maxReplicas].",
         {
-            "minReplicas": _integer("Fewest replicas.", minimum=1, format="int32", default=1),
-            "maxReplicas": _integer("Most replicas.", minimum=1, format="int32"),
+            "minReplicas": _integer(
+                "Fewest replicas.", minimum=1, maximum=m.MAX_REPLICAS, format="int32", default=1
+            ),
+            "maxReplicas": _integer(
+                "Most replicas.", minimum=1, maximum=m.MAX_REPLICAS, format="int32"
+            ),
             "targetPoolOccupancy": _number(
                 "Wanted mean fraction of the receive pool in use, in (0, 1].",
                 minimum=0,
@@ -291,12 +301,14 @@ def autoscaling_schema() -> Schema:
             "scaleUpStabilizationSeconds": _integer(
                 "Seconds of recommendations considered before scaling up (the lowest wins).",
                 minimum=0,
+                maximum=m.MAX_STABILIZATION_SECONDS,
                 format="int32",
                 default=m.DEFAULT_SCALE_UP_STABILIZATION_SECONDS,
             ),
             "scaleDownStabilizationSeconds": _integer(
                 "Seconds of recommendations considered before scaling down (the highest wins).",
                 minimum=0,
+                maximum=m.MAX_STABILIZATION_SECONDS,
                 format="int32",
                 default=m.DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS,
             ),
@@ -336,6 +348,7 @@ def role_schema() -> Schema:
                 "Replicas to run (to start with, when autoscaling). Unset: "
                 "autoscaling.minReplicas, else 1.",
                 minimum=0,
+                maximum=m.MAX_REPLICAS,
                 format="int32",
             ),
             "handler": _string(
@@ -362,6 +375,7 @@ def role_schema() -> Schema:
             "concurrency": _integer(
                 "Requests one replica handles at once.",
                 minimum=1,
+                maximum=m.MAX_CONCURRENCY,
                 format="int32",
                 default=m.DEFAULT_CONCURRENCY,
             ),
@@ -369,7 +383,11 @@ def role_schema() -> Schema:
             "podTemplate": _free_object(
                 "A Kubernetes PodTemplateSpec (metadata, spec) merged last into the role's "
                 "pod template: maps merge, containers/volumes/env merge by name, other lists "
-                "are replaced, null removes a field. Labels and DISAGG_* variables stay."
+                "are replaced, null removes a field. Labels and DISAGG_* variables stay. "
+                "Settings that weaken the pod (privileged, host namespaces, hostPath, root, "
+                "added capabilities, privilege escalation, hardening removed with null) are "
+                f"refused unless the pipeline is annotated {m.ANNOTATION_ALLOW_PRIVILEGED}: "
+                '"true" (docs/security.md).'
             ),
         },
         required=("name", "handler"),
@@ -458,8 +476,14 @@ def ratio_lock_schema() -> Schema:
                 pattern=DNS_1035_LABEL,
                 maxLength=m.MAX_LABEL_LENGTH,
             ),
-            "leaderShare": _integer("Leader's side of the ratio (e.g. 4 in 4:1).", minimum=1),
-            "followerShare": _integer("Follower's side of the ratio (e.g. 1 in 4:1).", minimum=1),
+            "leaderShare": _integer(
+                "Leader's side of the ratio (e.g. 4 in 4:1).", minimum=1, maximum=m.MAX_RATIO_SHARE
+            ),
+            "followerShare": _integer(
+                "Follower's side of the ratio (e.g. 1 in 4:1).",
+                minimum=1,
+                maximum=m.MAX_RATIO_SHARE,
+            ),
             "tolerance": _number(
                 "Relative drift from the ratio that is left alone, in [0, 1).",
                 minimum=0,
@@ -473,6 +497,79 @@ def ratio_lock_schema() -> Schema:
                 _rule("self.leader != self.follower", "a role cannot be locked to itself")
             ]
         },
+    )
+
+
+def _selector(description: str) -> Schema:
+    requirement = _object(
+        "A label selector requirement.",
+        {
+            "key": _string("The label key."),
+            "operator": _string(
+                "In, NotIn, Exists or DoesNotExist.", enum=["In", "NotIn", "Exists", "DoesNotExist"]
+            ),
+            "values": _array("Values (In, NotIn).", {"type": "string", "description": "A value."}),
+        },
+        required=("key", "operator"),
+    )
+    return _object(
+        description + " A Kubernetes LabelSelector; {} selects all.",
+        {
+            "matchLabels": {
+                "type": "object",
+                "description": "Labels that must match exactly.",
+                "additionalProperties": {"type": "string", "description": "A label value."},
+            },
+            "matchExpressions": _array("Label requirements.", requirement),
+        },
+    )
+
+
+def network_peers_schema(description: str) -> Schema:
+    peer = _object(
+        "A Kubernetes NetworkPolicyPeer: pods (of namespaces) or an IP block.",
+        {
+            "podSelector": _selector(
+                "Pods (in the pipeline's namespace unless namespaceSelector)."
+            ),
+            "namespaceSelector": _selector("Namespaces (all their pods unless podSelector)."),
+            "ipBlock": _object(
+                "Addresses outside the cluster's pods.",
+                {
+                    "cidr": _string("A CIDR, e.g. 10.0.0.0/16."),
+                    "except": _array(
+                        "CIDRs within cidr to leave out.",
+                        {"type": "string", "description": "A CIDR."},
+                    ),
+                },
+                required=("cidr",),
+            ),
+        },
+        minProperties=1,
+    )
+    return _array(description, peer, maxItems=MAX_NETWORK_PEERS)
+
+
+def network_policy_schema() -> Schema:
+    return _object(
+        "The pipeline's NetworkPolicy <pipeline>-network: the role ports admit only the "
+        "pipeline's own pods, its gateway and `clients`; the metrics ports the namespace (or "
+        "`metricsFrom`) and the operator. docs/security.md.",
+        {
+            "enabled": {
+                **_boolean("false: no NetworkPolicy (an existing one is deleted)."),
+                "default": True,
+            },
+            "clients": network_peers_schema(
+                "Peers also admitted to the role ports (ingress, lane and the roles' own "
+                "ports): in-cluster clients that are not the pipeline's gateway."
+            ),
+            "metricsFrom": network_peers_schema(
+                "Peers admitted to the metrics ports instead of every pod of the namespace "
+                "(e.g. Prometheus' namespace). The operator's namespace is always admitted."
+            ),
+        },
+        default={},
     )
 
 
@@ -592,6 +689,7 @@ def spec_schema() -> Schema:
                 group_schema(),
                 maxItems=MAX_GROUPS,
             ),
+            "networkPolicy": network_policy_schema(),
             "ratioLocks": _array(
                 "Replica ratios the autoscaler holds between roles (e.g. denoiser:decoder 4:1).",
                 ratio_lock_schema(),

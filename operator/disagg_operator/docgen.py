@@ -256,7 +256,11 @@ rule) puts into each container:
 - ports: relay ingress and `/metrics` `/healthz` `/readyz` (7400 and 9400 for a lone role;
   the next free ones for further containers of a group), named `ingress` and `metrics` on the
   role's Service; probes use them;
-- the role's own `env` after these (the spec forbids `DISAGG_*` names there).
+- the role's own `env` after these (the spec forbids `DISAGG_*` names there);
+- `DISAGG_PEER_KEY_FILE`: `/etc/disagg-peer-key/key`, the `key` of the Secret
+  `P-peer-key` (made by the operator, 32 random bytes as hex), mounted read-only (mode 0440,
+  group 65532); a new key changes the pods' `disagg.dev/peer-key-hash` annotation and so
+  rolls them (docs/security.md).
 
 `disagg up` sets the same variables for local processes, plus `DISAGG_NODE_LOCAL=1` (every
 peer shares this host's `/dev/shm`), `DISAGG_PEERS_FILE` (addresses that change as it scales)

@@ -44,6 +44,13 @@ def add_operator_arguments(op: argparse.ArgumentParser) -> None:
         default=15.0,
         help="seconds between autoscaling decisions (0 turns autoscaling off)",
     )
+    op.add_argument(
+        "--metrics-namespace",
+        action="append",
+        metavar="NS",
+        help="pods of NS may scrape every role's metrics port (repeatable; the chart passes "
+        "the operator's own namespace, whose autoscaler scrapes them)",
+    )
     op.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
 
 

@@ -12,6 +12,10 @@
 - `workload_changed` on every event of a StatefulSet with our labels (also filtered server
   side) whose controller is a pipeline: refreshes that pipeline's status; a deleted one is
   re-created by a full reconcile.
+- `guard_deleted` on the DELETED event of a peer key Secret or a NetworkPolicy with our
+  labels (filtered server side too, so the operator never lists anyone else's Secrets):
+  a full reconcile of the pipeline that controlled it, which makes a new key (a rotation)
+  or puts the policy back.
 
 No finalizer, no delete handler: every child carries a controller ownerReference to the
 pipeline, so the garbage collector deletes them with it, and nothing else (no external
@@ -46,6 +50,7 @@ API_RETRY: Final = 5.0  # ... after a retryable API error
 API_RETRY_SLOW: Final = 30.0  # ... after another API error (e.g. 403: RBAC being fixed)
 STATEFULSET_SELECTOR: Final = f"{names.LABEL_MANAGED_BY}={names.MANAGER},{names.LABEL_PIPELINE}"
 PIPELINE: Final = (names.GROUP, names.VERSION, names.PLURAL)
+GUARDED: Final = (("", "secrets"), ("networking.k8s.io", "networkpolicies"))  # (group, plural)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -58,6 +63,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.posting.reporting_component = names.MANAGER
     settings.watching.label_selectors["apps", "statefulsets"] = STATEFULSET_SELECTOR
+    for group, plural in GUARDED:
+        settings.watching.label_selectors[group, plural] = STATEFULSET_SELECTOR
 
 
 def login(connection: kopf.ConnectionInfo | None, **kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -149,6 +156,23 @@ def register(
             await reconciler.child_deleted(namespace, pipeline)
         else:
             await reconciler.refresh(namespace, pipeline)
+
+    async def guard_deleted(
+        type: str | None, body: kopf.Body, namespace: str | None, **_: Any
+    ) -> None:
+        pipeline = owning_pipeline(body)
+        if type == "DELETED" and pipeline is not None and namespace is not None:
+            await reconciler.child_deleted(namespace, pipeline)
+
+    for group, plural in GUARDED:
+        kopf.on.event(
+            group,
+            "v1",
+            plural,
+            registry=registry,
+            id=f"guard-{plural}",
+            labels={names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_PIPELINE: kopf.PRESENT},
+        )(guard_deleted)
 
     return registry
 

@@ -3,7 +3,7 @@
     disagg operator [--namespace NS ... | --all-namespaces] [--liveness-port 8080]
                     [--metrics-port 9090] [--peering NAME | --standalone] [--priority N]
                     [--cluster-domain D] [--gpu-mode M] [--dra-api-version V]
-                    [--progress-deadline S] [--log-level L]
+                    [--progress-deadline S] [--metrics-namespace NS ...] [--log-level L]
 
 - Scope: the namespaces given (kopf globs like `team-*` work), else the whole cluster.
 - Liveness: kopf's probe endpoint at http://0.0.0.0:PORT/healthz (0 turns it off).
@@ -13,6 +13,8 @@
   highest `--priority` works, the others wait. `--standalone` turns peering off. With
   neither, kopf uses the peering object `default` if it exists and runs alone otherwise.
 - Credentials: in-cluster service account or the kubeconfig (see `handlers.login`).
+- NetworkPolicies: the pods of each `--metrics-namespace` may reach every role's metrics
+  port (the chart passes the operator's own namespace: the autoscaler scrapes from there).
 - Autoscaling: every `autoscale_interval` seconds (default 15; 0 turns it off), the roles
   with `autoscaling` are scaled on their pool occupancy (see `scaling_loop`).
 
@@ -126,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         cluster_domain=args.cluster_domain,
         gpu_mode=args.gpu_mode,
         dra_api_version=args.dra_api_version,
+        metrics_namespaces=tuple(getattr(args, "metrics_namespace", None) or ()),
     )
     return OperatorConfig(
         namespaces=tuple(namespaces),

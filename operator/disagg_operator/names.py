@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from disagg_core.spec.model import API_VERSION, KIND
+from disagg_core.spec.model import ANNOTATION_ALLOW_PRIVILEGED, API_VERSION, KIND
 
 GROUP: Final = "disagg.dev"
 VERSION: Final = "v1alpha1"
@@ -25,6 +25,11 @@ LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_PIPELINE: Final = f"{GROUP}/pipeline"
 LABEL_ROLE: Final = f"{GROUP}/role"
 LABEL_GROUP: Final = f"{GROUP}/group"
+# Well-known namespace label (set by the API server on every namespace since 1.21).
+LABEL_NAMESPACE_NAME: Final = "kubernetes.io/metadata.name"
+# The component label of a pipeline's gateway pods (issue "Front door"); the NetworkPolicy
+# admits them with LABEL_PIPELINE.
+COMPONENT_GATEWAY: Final = "gateway"
 APP_NAME: Final = "disagg"
 MANAGER: Final = "disagg-operator"
 
@@ -36,6 +41,10 @@ ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
 # On the pipeline: roles (or colocation groups) whose StatefulSet replicas someone else owns
 # (an HPA, KEDA), comma-separated; the planner leaves their spec.replicas out.
 ANNOTATION_EXTERNAL_SCALING: Final = f"{GROUP}/external-scaling"
+# On the pipeline: "true" lets role podTemplates weaken the pods (disagg_core.spec.podpolicy).
+ANNOTATION_ALLOW_PRIVILEGED_PODS: Final = ANNOTATION_ALLOW_PRIVILEGED
+# On pod templates: a hash of the peer key, so a rotated key (a recreated Secret) rolls them.
+ANNOTATION_PEER_KEY_HASH: Final = f"{GROUP}/peer-key-hash"
 
 # Status.
 PHASE_PENDING: Final = "Pending"

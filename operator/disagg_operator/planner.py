@@ -12,6 +12,12 @@ Naming (P = metadata.name, at most 40 characters; R = a role; G = a colocation g
     Service (headless)     P-R           one per role, grouped or not
     StatefulSet            P-U           one per workload unit U: a role outside every
                                          group (U = R), or a colocation group (U = G)
+    NetworkPolicy          P-network     unless spec.networkPolicy.enabled is false
+
+and, not planned but ensured by the reconciler (the planner draws no randomness):
+
+    Secret                 P-peer-key    data `key` = 32 random bytes, hex; created when
+                                         absent, never overwritten (`peer_key_secret`)
 
 Placement:
 - A role outside every group runs as StatefulSet P-R; each pod has one container named R.
@@ -49,7 +55,10 @@ target T of R (edge targets, then tensor-reference targets):
                     R reaches only through tensor references
 
 DISAGG_SAME_GPU_PEERS lists the other roles of R's group. The topology file is the ConfigMap,
-mounted read-only at /etc/disagg.
+mounted read-only at /etc/disagg. DISAGG_PEER_KEY_FILE = /etc/disagg-peer-key/key: the
+Secret P-peer-key (its `key` only, mode 0440, group 65532 through the pod's fsGroup),
+mounted read-only at /etc/disagg-peer-key in every role container; roles authenticate each
+other (and clients, gateways) with it (docs/security.md).
 
 Pod template:
 - image: the role's image, else spec.image; command: the role's, else ["disagg", "role"];
@@ -60,14 +69,30 @@ Pod template:
   capabilities dropped, seccomp RuntimeDefault, no service-account token, no service links;
 - volumes: the topology ConfigMap at /etc/disagg, /dev/shm = memory emptyDir with
   sizeLimit = sum(pool size of every role in the pod) + 64Mi, /tmp = emptyDir (writable
-  scratch under a read-only root);
+  scratch under a read-only root), the peer key Secret at /etc/disagg-peer-key;
 - annotation disagg.dev/spec-hash = sha256 of the unit's roles' own entries of topology.json
   (with the pipeline and namespace)[:16]: the one input the pods read from outside their own
   template, so a graph change rolls only the roles whose entries it changes, and a change to
-  one role's image or replicas touches that role's StatefulSet only;
+  one role's image or replicas touches that role's StatefulSet only; and, when the
+  reconciler passes the key's hash (`peer_key_digest`), disagg.dev/peer-key-hash =
+  sha256(key)[:16], so a rotated key (a recreated Secret) rolls every role pod onto it;
 - last, the role's `podTemplate` (a PodTemplateSpec) is deep-merged in (see `merge`; for a
-  group, each member's in the group's order); labels, the spec-hash and DISAGG_* variables
+  group, each member's in the group's order); labels, both hashes and DISAGG_* variables
   are put back afterwards, so a podTemplate cannot break the selector or the contract.
+  Settings that weaken the pods are refused by the spec's checks unless the pipeline opts
+  in (disagg_core.spec.podpolicy); containers a podTemplate adds get no privilege
+  escalation and no capabilities unless they ask.
+
+NetworkPolicy P-network (policyTypes Ingress; egress stays open: DNS, model stores):
+- selects the role pods: {disagg.dev/pipeline: P, app.kubernetes.io/managed-by:
+  disagg-operator} and the label disagg.dev/role present;
+- the ingress and lane ports of every role, and the roles' own ports, admit the role pods,
+  the pipeline's gateway pods ({app.kubernetes.io/component: gateway, disagg.dev/pipeline:
+  P}) and `spec.networkPolicy.clients`, all other sources are dropped;
+- the metrics ports admit `spec.networkPolicy.metricsFrom`, else every pod of the
+  namespace, plus every pod of `options.metrics_namespaces` (the operator's own namespace,
+  whose autoscaler scrapes them; a cluster's Prometheus).
+Ports are numbers (containers of a group share port names).
 
 GPU modes (pipeline annotation disagg.dev/gpu-mode, else `options.gpu_mode`), for
 colocation groups only; lone roles ask for GPUs in their own `resources`:
@@ -93,6 +118,8 @@ role), plus disagg.dev/group: G on everything of a group; the ConfigMap has comp
 
 from __future__ import annotations
 
+import base64
+import copy
 import hashlib
 import json
 import re
@@ -151,6 +178,7 @@ class PlanOptions:
     gpu_mode: GpuMode = "dra"
     dra_api_version: str = DRA_API_VERSIONS[0]
     replicas: Mapping[str, int] = field(default_factory=dict)
+    metrics_namespaces: tuple[str, ...] = ()  # whose pods may scrape every role's metrics
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -364,6 +392,7 @@ def role_config(
         ingress_port=ports[role].ingress,
         lane_port=ports[role].lane,
         metrics_port=ports[role].metrics,
+        peer_key_file=contract.DEFAULT_PEER_KEY_FILE,
     )
     return placement.role_config(pipeline, role, where)
 
@@ -388,9 +417,12 @@ def plan(
     namespace: str,
     owner: Owner | None = None,
     options: PlanOptions | None = None,
+    peer_key_hash: str | None = None,
 ) -> list[dict[str, Any]]:
     """The desired objects, in apply order: the ConfigMap, ResourceClaimTemplates, Services,
-    StatefulSets (each kind in declaration order). Raises SpecError for `check` problems."""
+    the NetworkPolicy, StatefulSets (each kind in declaration order). Raises SpecError for
+    `check` problems. `peer_key_hash`: `peer_key_digest` of the Secret's key (None: no
+    annotation, as in `disagg render`, which knows no key)."""
     options = options or PlanOptions()
     problems = check(pipeline, options)
     if problems:
@@ -406,7 +438,11 @@ def plan(
         ]
     for unit in units:
         objects += [_service(pipeline, unit, role, namespace) for role in unit.roles]
-    objects += [_stateful_set(pipeline, unit, namespace, options, mode) for unit in units]
+    if pipeline.network_policy.enabled:
+        objects.append(_network_policy(pipeline, units, namespace, options))
+    objects += [
+        _stateful_set(pipeline, unit, namespace, options, mode, peer_key_hash) for unit in units
+    ]
     if owner is not None:
         for obj in objects:
             obj["metadata"]["ownerReferences"] = [owner.reference()]
@@ -415,6 +451,38 @@ def plan(
 
 def topology_config_map_name(pipeline: Pipeline) -> str:
     return pipeline.derived_name("topology")
+
+
+def network_policy_name(pipeline: Pipeline) -> str:
+    return pipeline.derived_name("network")
+
+
+def peer_key_secret_name(pipeline: str) -> str:
+    return f"{pipeline}-peer-key"
+
+
+def peer_key_digest(key: str) -> str:
+    """disagg.dev/peer-key-hash of a peer key (the Secret's `key`, as text)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def peer_key_secret(
+    pipeline: str, *, namespace: str, key: str, owner: Owner | None = None
+) -> dict[str, Any]:
+    """The Secret the role pods mount (see the module docstring); `key` comes from the
+    caller (`secrets.token_hex(32)`), so that this stays pure."""
+    secret: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(
+            peer_key_secret_name(pipeline), namespace, common_labels(pipeline, "peer-key")
+        ),
+        "type": "Opaque",
+        "data": {pods.PEER_KEY_KEY: base64.b64encode(key.encode()).decode()},
+    }
+    if owner is not None:
+        secret["metadata"]["ownerReferences"] = [owner.reference()]
+    return secret
 
 
 def claim_template_name(pipeline: Pipeline, group: str) -> str:
@@ -502,8 +570,79 @@ def _service(pipeline: Pipeline, unit: Workload, role: Role, namespace: str) -> 
     }
 
 
+def role_selector(pipeline: str) -> dict[str, Any]:
+    """A LabelSelector of every role pod of the pipeline (not its gateway's)."""
+    return {
+        "matchLabels": {names.LABEL_PIPELINE: pipeline, names.LABEL_MANAGED_BY: names.MANAGER},
+        "matchExpressions": [{"key": names.LABEL_ROLE, "operator": "Exists"}],
+    }
+
+
+def gateway_selector(pipeline: str) -> dict[str, Any]:
+    return {
+        "matchLabels": {
+            names.LABEL_COMPONENT: names.COMPONENT_GATEWAY,
+            names.LABEL_PIPELINE: pipeline,
+        }
+    }
+
+
+def _network_policy(
+    pipeline: Pipeline, units: tuple[Workload, ...], namespace: str, options: PlanOptions
+) -> dict[str, Any]:
+    settings = pipeline.network_policy
+    runtime: set[tuple[str, int]] = set()
+    metrics: set[tuple[str, int]] = set()
+    for unit in units:
+        for role in unit.roles:
+            ports = role_ports(unit)[role.name]
+            runtime |= {("TCP", ports.ingress), ("TCP", ports.lane)}
+            runtime |= {(port.protocol, port.container_port) for port in role.ports}
+            metrics.add(("TCP", ports.metrics))
+    peers: list[dict[str, Any]] = [
+        {"podSelector": role_selector(pipeline.name)},
+        {"podSelector": gateway_selector(pipeline.name)},
+        *(dict(peer) for peer in settings.clients),
+    ]
+    scrapers: list[dict[str, Any]] = [dict(p) for p in settings.metrics_from] or [
+        {"podSelector": {}}
+    ]
+    scrapers += [
+        {
+            "namespaceSelector": {"matchLabels": {names.LABEL_NAMESPACE_NAME: other}},
+            "podSelector": {},
+        }
+        for other in options.metrics_namespaces
+        if other != namespace or settings.metrics_from
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(
+            network_policy_name(pipeline), namespace, common_labels(pipeline.name, "network")
+        ),
+        "spec": {
+            "podSelector": role_selector(pipeline.name),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": copy.deepcopy(peers), "ports": _policy_ports(runtime)},
+                {"from": copy.deepcopy(scrapers), "ports": _policy_ports(metrics)},
+            ],
+        },
+    }
+
+
+def _policy_ports(ports: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    return [{"protocol": protocol, "port": port} for protocol, port in sorted(ports)]
+
+
 def _stateful_set(
-    pipeline: Pipeline, unit: Workload, namespace: str, options: PlanOptions, mode: GpuMode
+    pipeline: Pipeline,
+    unit: Workload,
+    namespace: str,
+    options: PlanOptions,
+    mode: GpuMode,
+    peer_key_hash: str | None,
 ) -> dict[str, Any]:
     configs = {
         role.name: role_config(pipeline, role.name, namespace=namespace, options=options)
@@ -516,6 +655,8 @@ def _stateful_set(
         labels=unit.labels(pipeline),
         spec_hash=spec_hash(pipeline, namespace, tuple(r.name for r in unit.roles)),
         config_map=topology_config_map_name(pipeline),
+        peer_key_secret=peer_key_secret_name(pipeline.name),
+        peer_key_hash=peer_key_hash,
         shared=unit.group is not None,
         gpu=mode if unit.group is not None else "none",
         claim_template=(
@@ -547,5 +688,6 @@ def child_kinds(options: PlanOptions | None = None) -> tuple[tuple[str, str], ..
         ("v1", "ConfigMap"),
         (dra, "ResourceClaimTemplate"),
         ("v1", "Service"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
         ("apps/v1", "StatefulSet"),
     )

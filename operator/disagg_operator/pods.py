@@ -14,6 +14,10 @@ from disagg_operator import merge, names
 
 TOPOLOGY_KEY: Final = os.path.basename(contract.DEFAULT_TOPOLOGY_FILE)  # topology.json
 TOPOLOGY_DIR: Final = os.path.dirname(contract.DEFAULT_TOPOLOGY_FILE)  # /etc/disagg
+PEER_KEY_KEY: Final = os.path.basename(contract.DEFAULT_PEER_KEY_FILE)  # key
+PEER_KEY_DIR: Final = os.path.dirname(contract.DEFAULT_PEER_KEY_FILE)  # /etc/disagg-peer-key
+PEER_KEY_VOLUME: Final = "peer-key"
+PEER_KEY_MODE: Final = 0o440  # owner and group (fsGroup 65532) read; nobody else
 DEFAULT_COMMAND: Final = ("disagg", "role")
 GPU_CLAIM: Final = "gpu"
 DEVICE_PLUGIN_RESOURCE: Final = "nvidia.com/gpu"
@@ -31,6 +35,8 @@ def pod_template(
     labels: Mapping[str, str],
     spec_hash: str,
     config_map: str,
+    peer_key_secret: str,
+    peer_key_hash: str | None = None,
     shared: bool,
     gpu: str,
     claim_template: str | None,
@@ -38,7 +44,8 @@ def pod_template(
     """The PodTemplateSpec of one unit: a container per role of `roles` (in order).
 
     `shared` marks a colocation group (shared process namespace); `gpu` is the GPU mode
-    (`dra` needs `claim_template`), "none" for a lone role.
+    (`dra` needs `claim_template`), "none" for a lone role. `peer_key_hash` (when the key is
+    known) becomes the pod annotation disagg.dev/peer-key-hash.
     """
     containers = [
         _container(pipeline, role, configs[role.name], claim=gpu == "dra") for role in roles
@@ -51,13 +58,13 @@ def pod_template(
         "enableServiceLinks": False,
         "securityContext": _pod_security(),
         "containers": containers,
-        "volumes": _volumes(pipeline, roles, config_map),
+        "volumes": _volumes(pipeline, roles, config_map, peer_key_secret),
     }
     if shared:
         spec["shareProcessNamespace"] = True
     if gpu == "dra" and claim_template is not None:
         spec["resourceClaims"] = [{"name": GPU_CLAIM, "resourceClaimTemplateName": claim_template}]
-    annotations = {names.ANNOTATION_SPEC_HASH: spec_hash}
+    annotations = _pinned(spec_hash, peer_key_hash)
     if len(roles) > 1:
         annotations["kubectl.kubernetes.io/default-container"] = roles[0].name
     template: dict[str, Any] = {
@@ -68,7 +75,15 @@ def pod_template(
         if role.pod_template:
             template = merge.deep_merge(template, role.pod_template)
     ours = {role.name: contract_env(configs[role.name]) for role in roles}
-    return _reassert(template, labels, spec_hash, ours)
+    return _reassert(template, labels, _pinned(spec_hash, peer_key_hash), ours)
+
+
+def _pinned(spec_hash: str, peer_key_hash: str | None) -> dict[str, str]:
+    """The annotations a podTemplate cannot change: what rolls the pods."""
+    result = {names.ANNOTATION_SPEC_HASH: spec_hash}
+    if peer_key_hash is not None:
+        result[names.ANNOTATION_PEER_KEY_HASH] = peer_key_hash
+    return result
 
 
 def contract_env(config: contract.RoleConfig) -> list[dict[str, Any]]:
@@ -123,6 +138,7 @@ def _container(
         {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
+        {"name": PEER_KEY_VOLUME, "mountPath": PEER_KEY_DIR, "readOnly": True},
     ]
     return container
 
@@ -181,32 +197,54 @@ def _container_security() -> dict[str, Any]:
     }
 
 
+def _sidecar_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
 def shm_size(pipeline: Pipeline, roles: Sequence[Role]) -> int:
     """Bytes of the pod's /dev/shm: every role's pool plus a margin."""
     return sum(pipeline.pool_for(role.name).size for role in roles) + SHM_MARGIN
 
 
-def _volumes(pipeline: Pipeline, roles: Sequence[Role], config_map: str) -> list[dict[str, Any]]:
+def _volumes(
+    pipeline: Pipeline, roles: Sequence[Role], config_map: str, peer_key_secret: str
+) -> list[dict[str, Any]]:
     shm = quantity.format_bytes(shm_size(pipeline, roles))
     return [
         {"name": "topology", "configMap": {"name": config_map}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
         {"name": "tmp", "emptyDir": {}},
+        {
+            "name": PEER_KEY_VOLUME,
+            "secret": {
+                "secretName": peer_key_secret,
+                "defaultMode": PEER_KEY_MODE,
+                "items": [{"key": PEER_KEY_KEY, "path": PEER_KEY_KEY}],
+            },
+        },
     ]
 
 
 def _reassert(
     template: dict[str, Any],
     labels: Mapping[str, str],
-    spec_hash: str,
+    pinned: Mapping[str, str],
     planned_env: Mapping[str, list[dict[str, Any]]],
 ) -> dict[str, Any]:
-    """Put back what a podTemplate must not change: labels (the selector), the spec hash,
-    and the DISAGG_* variables of each role container (first, as planned)."""
+    """Put back what a podTemplate must not change: labels (the selector), the pinned
+    annotations, and the DISAGG_* variables of each role container (first, as planned).
+    Containers the podTemplate adds (sidecars, init containers) get no privilege escalation
+    and no capabilities unless they say otherwise (which `podpolicy` then judges)."""
     meta = template.setdefault("metadata", {})
     meta["labels"] = {**(meta.get("labels") or {}), **labels}
-    meta["annotations"] = {**(meta.get("annotations") or {}), names.ANNOTATION_SPEC_HASH: spec_hash}
-    for container in template.get("spec", {}).get("containers", []):
+    meta["annotations"] = {**(meta.get("annotations") or {}), **pinned}
+    spec = template.get("spec") or {}
+    for kind in ("initContainers", "containers"):
+        for container in spec.get(kind) or []:
+            if isinstance(container, dict) and container.get("name") not in planned_env:
+                theirs = container.get("securityContext") or {}
+                container["securityContext"] = merge.deep_merge(_sidecar_security(), theirs)
+    for container in spec.get("containers", []):
         ours = planned_env.get(container.get("name"))
         if ours is None:
             continue

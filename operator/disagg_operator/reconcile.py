@@ -11,12 +11,19 @@ handler never acts on an old spec):
 1. parse and plan. An invalid spec (the validator's problems, or the planner's `check`)
    creates no children and touches none that exist (an invalid edit of a running pipeline
    keeps the last valid workloads running, as a Deployment does with a bad rollout);
-2. apply every planned child, prune the ones the plan dropped (see `apply`);
-3. build the status from the StatefulSets as stored, write it if it differs;
-4. post Events for what changed (see `decision_events`).
+   a podTemplate that weakens the pods is invalid unless the pipeline opted in
+   (disagg_core.spec.podpolicy), and then a Warning Event lists what it weakens;
+2. make sure the peer key Secret exists (`planner.peer_key_secret`, with 32 bytes from
+   `secrets`; created when absent, never overwritten) and plan with its key's hash, so
+   that a new key rolls the role pods; a deleted Secret (watched, like the StatefulSets)
+   triggers a reconcile, which makes a new key: that is how a key is rotated;
+3. apply every planned child, prune the ones the plan dropped (see `apply`);
+4. build the status from the StatefulSets as stored, write it if it differs;
+5. post Events for what changed (see `decision_events`).
 
 A status refresh (`refresh`, on any event of an owned StatefulSet) does steps 1 (no plan) and
-3. A deleted StatefulSet triggers a full reconcile, so a child removed by hand comes back.
+4. A deleted StatefulSet, NetworkPolicy or peer key Secret triggers a full reconcile, so a
+child removed by hand comes back.
 Each pipeline has an `asyncio.Lock`: reconciles and refreshes of one pipeline never overlap
 (the operator is one process; kopf peering keeps other replicas passive), so a status
 computed from older reads never overwrites a newer one. Refreshes requested while one is
@@ -36,8 +43,11 @@ snapping back to spec.roles[].replicas, and drops units that are no longer autos
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import datetime
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,9 +56,10 @@ from typing import Any, Final, cast
 import kopf
 
 from disagg_core import spec
+from disagg_core.spec import podpolicy
 from disagg_core.spec.fields import SpecError
 from disagg_core.spec.model import Pipeline
-from disagg_operator import apply, autoscaling, names, planner, status
+from disagg_operator import apply, autoscaling, names, planner, pods, status
 from disagg_operator.metrics import Metrics
 
 # Degraded reason when a planned child's name is taken by an object this pipeline does not
@@ -64,6 +75,8 @@ EVENT_INVALID: Final = "InvalidSpec"
 EVENT_READY: Final = "PipelineReady"
 EVENT_DEGRADED: Final = "PipelineDegraded"
 EVENT_FAILED: Final = "ReconcileFailed"
+EVENT_PRIVILEGED: Final = "PrivilegedPodTemplate"
+PEER_KEY_BYTES: Final = 32
 MAX_EVENT_MESSAGE: Final = 1024
 
 Key = tuple[str, str]  # namespace, name
@@ -88,6 +101,7 @@ class PipelineState:
     replicas: dict[str, int] = field(default_factory=dict)  # autoscaler decisions, by unit
     scaling: autoscaling.ScalingState | None = None  # the autoscaler's windows
     conflicts: tuple[apply.Conflict, ...] = ()
+    privileged: tuple[str, ...] = ()  # the weakening settings last warned about
     refresh_waiting: bool = False
     recheck: asyncio.TimerHandle | None = None
 
@@ -188,11 +202,17 @@ class Reconciler:
         namespace = body["metadata"]["namespace"]
         owner = planner.Owner.of(body)
         options = self._options_for(state)
-        desired = plan_for(body, namespace=namespace, owner=owner, options=options)
-        if isinstance(desired, SpecError):
+        pipeline = validate(body, options)
+        if isinstance(pipeline, SpecError):
             state.conflicts = ()
-            return await self._finish(body, state, desired, None)
-        pipeline, objects = desired
+            return await self._finish(body, state, pipeline, None)
+        extra = privileged_events(pipeline, state.privileged)
+        state.privileged = tuple(str(p) for p in podpolicy.findings(pipeline))
+        key, created = await self._peer_key(pipeline, namespace, owner)
+        digest = planner.peer_key_digest(peer_key_text(key))
+        objects = planner.plan(
+            pipeline, namespace=namespace, owner=owner, options=options, peer_key_hash=digest
+        )
         result = await apply.apply_children(
             self.api,
             objects,
@@ -200,10 +220,27 @@ class Reconciler:
             namespace=namespace,
             kinds=planner.child_kinds(options),
         )
+        if created:  # reported with the children
+            made = (apply.ObjectRef.of(key), *result.created)
+            result = dataclasses.replace(result, created=made)
         known, state.conflicts = state.conflicts, result.conflicts
         if result.conflicts:
             self.metrics.errors.labels(kind="spec", reason="Conflict").inc()
-        return await self._finish(body, state, pipeline, result, known_conflicts=known)
+        return await self._finish(
+            body, state, pipeline, result, known_conflicts=known, extra_events=extra
+        )
+
+    async def _peer_key(
+        self, pipeline: Pipeline, namespace: str, owner: planner.Owner
+    ) -> tuple[dict[str, Any], bool]:
+        """The pipeline's peer key Secret as stored, and whether it was created now."""
+        wanted = planner.peer_key_secret(
+            pipeline.name,
+            namespace=namespace,
+            key=secrets.token_hex(PEER_KEY_BYTES),
+            owner=owner,
+        )
+        return await apply.ensure_created(self.api, wanted)
 
     async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
         return await self._finish(body, state, validate(body, self._options_for(state)), None)
@@ -216,6 +253,7 @@ class Reconciler:
         result: apply.ApplyResult | None,
         *,
         known_conflicts: Sequence[apply.Conflict] = (),
+        extra_events: Sequence[Event] = (),
     ) -> Outcome:
         now = self.clock()
         before = body.get("status") or {}
@@ -237,7 +275,8 @@ class Reconciler:
         if not isinstance(parsed, SpecError):
             after = with_conflicts(after, state.conflicts, now=now, previous=before)
         written = await apply.write_status(self.api, body, after)
-        events = decision_events(
+        events = [*extra_events]
+        events += decision_events(
             result=result, before=before, after=after, known_conflicts=known_conflicts
         )
         for type_, reason, message in events:
@@ -320,19 +359,26 @@ def validate(body: Mapping[str, Any], options: planner.PlanOptions) -> Pipeline 
     return SpecError(problems) if problems else pipeline
 
 
-def plan_for(
-    body: Mapping[str, Any],
-    *,
-    namespace: str,
-    owner: planner.Owner,
-    options: planner.PlanOptions,
-) -> tuple[Pipeline, list[dict[str, Any]]] | SpecError:
-    """The validated pipeline and its planned children, or why there are none."""
+def peer_key_text(secret: Mapping[str, Any]) -> str:
+    """The `key` of a peer key Secret as stored (base64 in `data`); "" when it has none."""
+    raw = (secret.get("data") or {}).get(pods.PEER_KEY_KEY) or ""
     try:
-        pipeline = spec.parse_pipeline(_plain(body))
-        return pipeline, planner.plan(pipeline, namespace=namespace, owner=owner, options=options)
-    except SpecError as error:
-        return error
+        return base64.b64decode(str(raw), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return ""
+
+
+def privileged_events(pipeline: Pipeline, warned: Sequence[str]) -> list[Event]:
+    """A Warning when the pipeline's opted-in podTemplates weaken its pods in a way not
+    warned about before (by this operator process)."""
+    found = [str(problem) for problem in podpolicy.findings(pipeline)]
+    if not found or tuple(found) == tuple(warned):
+        return []
+    message = (
+        f'{names.ANNOTATION_ALLOW_PRIVILEGED_PODS}: "true" lets these podTemplate settings '
+        "weaken the role pods: " + "; ".join(found)
+    )
+    return [("Warning", EVENT_PRIVILEGED, message)]
 
 
 def with_conflicts(

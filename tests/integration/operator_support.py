@@ -156,6 +156,15 @@ def children(k8s: EmulatorThread, pipeline: str, namespace: str = NS) -> dict[st
     return found
 
 
+GUARDS = {"Secret": "v1/secrets", "NetworkPolicy": "networking.k8s.io/v1/networkpolicies"}
+
+
+def guards(k8s: EmulatorThread, pipeline: str, kind: str, namespace: str = NS) -> list[Obj]:
+    """The pipeline's peer key Secrets or NetworkPolicies (not in `children`, whose counts
+    the older tests rely on)."""
+    return list(k8s.list(GUARDS[kind], namespace, f"{names.LABEL_PIPELINE}={pipeline}"))
+
+
 def versions(objs: Mapping[str, Obj]) -> dict[str, str]:
     return {key: obj["metadata"]["resourceVersion"] for key, obj in objs.items()}
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import helm_python
 import pytest
 import yaml
 
@@ -168,6 +169,32 @@ def test_a_namespaced_install_grants_in_its_namespaces_only():
     assert not granted.allows(("apps", "statefulsets", "watch"), None)
 
 
+def test_namespaced_rbac_grants_roles_in_the_watched_namespaces_only():
+    values = {"watch": {"namespaces": ["ml", "research"]}, "rbac": {"namespaced": True}}
+    objects = install.render(values, release=RELEASE, namespace=NAMESPACE)
+    assert {o["metadata"]["name"] for o in objects if o["kind"] == "ClusterRole"} == {
+        f"{RELEASE}-cluster"
+    }  # only the read-only cluster rules
+    assert sorted(
+        (o["kind"], o["metadata"]["namespace"])
+        for o in objects
+        if o["kind"] in ("Role", "RoleBinding")
+    ) == [("Role", "ml"), ("Role", "research"), ("RoleBinding", "ml"), ("RoleBinding", "research")]
+    granted = chart_grants(values)
+    wanted = (observed() - PEERINGS) | set(ADDITIONS)
+    assert granted.everywhere == {r for r in wanted if cluster_scoped(r)} | NAMESPACE_WATCH
+    assert all(verb in ("list", "watch") for _, _, verb in granted.everywhere)
+    workload = {r for r in wanted if not cluster_scoped(r)}
+    assert granted.namespaces == {"ml": workload, "research": workload}
+    assert not granted.allows(("", "secrets", "create"), "default")
+
+
+@pytest.mark.parametrize("namespaces", [[], ["team-*"]], ids=["cluster", "glob"])
+def test_namespaced_rbac_needs_namespace_names(namespaces: list[str]):
+    with pytest.raises(helm_python.HelmError, match=r"rbac\.namespaced needs watch\.namespaces"):
+        install.render({"watch": {"namespaces": namespaces}, "rbac": {"namespaced": True}})
+
+
 def test_globs_bind_the_workload_rules_cluster_wide():
     granted = chart_grants({"watch": {"namespaces": ["team-*"]}})
     wanted = (observed() - PEERINGS) | set(ADDITIONS) | NAMESPACE_WATCH
@@ -224,6 +251,7 @@ def port(container: Mapping[str, Any], name_or_number: str | int) -> int:
 SCENARIOS = {
     "defaults": {},
     "namespaced-ha": {"watch": {"namespaces": ["default"]}, "peering": {"enabled": True}},
+    "namespaced-roles": {"watch": {"namespaces": ["default"]}, "rbac": {"namespaced": True}},
 }
 
 
@@ -246,7 +274,9 @@ def test_the_chart_installs_and_runs_the_operator(
     deployment = kubectl.json("get", "deployment", RELEASE, "-n", NAMESPACE)
     pod_spec = deployment["spec"]["template"]["spec"]
     (container,) = pod_spec["containers"]
-    stored = kubectl.json("get", "clusterroles,clusterrolebindings,rolebindings", "-A")["items"]
+    stored = kubectl.json("get", "clusterroles,clusterrolebindings,roles,rolebindings", "-A")[
+        "items"
+    ]
     allowed = grants(stored, pod_spec["serviceAccountName"], NAMESPACE)
     kubectl("get", "serviceaccount", pod_spec["serviceAccountName"], "-n", NAMESPACE)
 

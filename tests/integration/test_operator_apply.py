@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from disagg_core import spec
-from disagg_operator import apply, names, planner
+from disagg_operator import apply, names, planner, reconcile
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 
@@ -41,13 +41,13 @@ async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: apply.Ap
     stored, pipeline, owner = await make_pipeline(k8s)
     plan = planner.plan(pipeline, namespace=NS, owner=owner)
     first = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
-    assert len(first.created) == len(plan) == 7
+    assert len(first.created) == len(plan) == 8  # 7 + the NetworkPolicy
     assert not (first.updated or first.unchanged or first.pruned or first.conflicts)
     before = s.versions(s.children(k8s, stored["metadata"]["name"]))
     k8s.clear_calls()
 
     second = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
-    assert len(second.unchanged) == 7 and not second.changed
+    assert len(second.unchanged) == 8 and not second.changed
     assert s.versions(s.children(k8s, stored["metadata"]["name"])) == before
     verbs = sorted({(c.verb, c.resource) for c in k8s.calls})
     assert ("patch", "statefulsets") in verbs, "the applies were sent"
@@ -77,7 +77,7 @@ async def test_another_pipelines_object_is_a_conflict(k8s: EmulatorThread, api: 
     result = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
     assert [str(c.ref) for c in result.conflicts] == ["StatefulSet/text-to-video-encoder"]
     assert stranger.uid in str(result.conflicts[0])
-    assert len(result.created) == 6
+    assert len(result.created) == 7
     now = k8s.get(s.STS, "text-to-video-encoder", NS)
     assert now is not None
     assert now["metadata"]["resourceVersion"] == held["metadata"]["resourceVersion"]
@@ -172,3 +172,18 @@ async def test_a_kind_the_server_does_not_serve_lists_as_empty(k8s: EmulatorThre
     k8s.call(lambda: k8s.emulator[f"get {path}"] << 404)
     assert await api.list("resource.k8s.io/v1", "ResourceClaimTemplate", NS, "a=b") == []
     assert apply.PLURALS[names.PIPELINE_KIND] == names.PLURAL
+
+
+async def test_ensure_created_creates_once_and_never_overwrites(
+    k8s: EmulatorThread, api: apply.Api
+):
+    _, pipeline, owner = await make_pipeline(k8s)
+    first = planner.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
+    stored, created = await apply.ensure_created(api, first)
+    assert created and reconcile.peer_key_text(stored) == "a" * 64
+    second = planner.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
+    k8s.clear_calls()
+    again, created = await apply.ensure_created(api, second)
+    assert not created and reconcile.peer_key_text(again) == "a" * 64
+    assert again["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
+    assert {c.verb for c in k8s.calls if c.resource == "secrets"} == {"get"}  # no writes

@@ -55,7 +55,7 @@ def leftovers(k8s: EmulatorThread) -> dict[str, list[str]]:
 
 
 def check_report(result: dict[str, Any], *, samples: int, pipelines: int) -> None:
-    assert result["roles"] == 3 and result["children_per_pipeline"] == 7
+    assert result["roles"] == 3 and result["children_per_pipeline"] == 8
     assert result["kubernetes_version"]
     latency = result["latency"]
     assert latency["samples"] == samples == len(latency["values_s"])
@@ -157,12 +157,14 @@ def test_the_default_pipeline_is_the_text_to_video_example():
     assert doc["metadata"]["labels"] == {bench.LABEL_RUN: "run"}
     assert sorted(bench.expected_children(doc, "ns")) == [
         ("ConfigMap", "x-topology"),
+        ("NetworkPolicy", "x-network"),
         *(("Service", f"x-{r}") for r in ("decoder", "denoiser", "encoder")),
         *(("StatefulSet", f"x-{r}") for r in ("decoder", "denoiser", "encoder")),
     ]
     assert bench.child_kinds(bench.expected_children(doc, "ns")) == [
         ("v1", "ConfigMap"),
         ("v1", "Service"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
         ("apps/v1", "StatefulSet"),
     ]
 

@@ -58,9 +58,15 @@ def test_the_operator_process(k8s: EmulatorThread, kubeconfig: pathlib.Path, tmp
         k8s.create(s.example(), s.NS)
         k8s.wait_for(lambda: len(s.children(k8s, NAME)) == 7, s.WAIT, message="children")
         k8s.wait_for(lambda: s.pipeline_status(k8s, NAME).get("phase"), s.WAIT, message="status")
+        # the duration is observed when the reconcile returns, just after the status write
+        spec_count = 'disagg_operator_reconcile_duration_seconds_count{kind="spec"}'
+        k8s.wait_for(
+            lambda: spec_count in (fetch(f"http://127.0.0.1:{metrics}/metrics") or ""),
+            s.WAIT,
+            message="the reconcile's duration",
+        )
         text = fetch(f"http://127.0.0.1:{metrics}/metrics") or ""
         assert "disagg_operator_pipelines_managed 1.0" in text
-        assert 'disagg_operator_reconcile_duration_seconds_count{kind="spec"}' in text
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:

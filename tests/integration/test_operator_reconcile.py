@@ -58,10 +58,15 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
         kids = s.children(k8s, NAME)
         status = s.pipeline_status(k8s, NAME)
 
-        # the same objects as `disagg render` plans (server-set metadata aside)
+        # the same objects as `disagg render` plans (server-set metadata aside), with the
+        # hash of the peer key the operator made
+        (policy,) = s.guards(k8s, NAME, "NetworkPolicy")
+        kids[f"NetworkPolicy/{policy['metadata']['name']}"] = policy
+        (secret,) = s.guards(k8s, NAME, "Secret")
+        digest = planner.peer_key_digest(reconcile.peer_key_text(secret))
         pipeline = spec.parse_pipeline(s.example())
         owner = planner.Owner.of(pipeline_obj)
-        for planned in planner.plan(pipeline, namespace=NS, owner=owner):
+        for planned in planner.plan(pipeline, namespace=NS, owner=owner, peer_key_hash=digest):
             stored = kids[f"{planned['kind']}/{planned['metadata']['name']}"]
             assert {k: v for k, v in stored.items() if k not in ("metadata", "status")} == {
                 k: v for k, v in planned.items() if k != "metadata"
@@ -83,7 +88,7 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
             ], key
             assert meta["labels"][names.LABEL_PIPELINE] == NAME
             assert meta["labels"][names.LABEL_MANAGED_BY] == names.MANAGER
-            if child["kind"] != "ConfigMap":
+            if child["kind"] not in ("ConfigMap", "NetworkPolicy"):
                 assert meta["labels"][names.LABEL_ROLE] in UNITS
 
         topology = contract.Topology.from_json(
@@ -188,7 +193,9 @@ async def test_editing_one_role_changes_only_its_statefulset(k8s_crd: EmulatorTh
         after = s.versions(s.children(k8s, NAME))
         changed = {key for key in before if before[key] != after[key]}
         assert changed == {f"StatefulSet/{NAME}-denoiser"}
-        assert ("Normal", "Updated", f"updated StatefulSet/{NAME}-denoiser") in events
+        # Events are posted right after the status write that the wait above saw
+        updated = ("Normal", "Updated", f"updated StatefulSet/{NAME}-denoiser")
+        await s.until(k8s, lambda: updated in events, "the Updated Event")
         # the rollout shows: the StatefulSet's generation moved past its observedGeneration
         status = s.pipeline_status(k8s, NAME)
         assert status["phase"] == names.PHASE_PROGRESSING

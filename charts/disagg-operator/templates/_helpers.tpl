@@ -99,6 +99,10 @@ Both print "true" or nothing.
 - --gpu-mode={{ .Values.operator.gpuMode }}
 - --dra-api-version={{ .Values.operator.draApiVersion }}
 - --progress-deadline={{ .Values.operator.progressDeadlineSeconds }}
+- --metrics-namespace={{ .Release.Namespace }}
+{{- range .Values.networkPolicy.metricsNamespaces }}
+- --metrics-namespace={{ . }}
+{{- end }}
 - --autoscale-interval={{ .Values.operator.autoscaleIntervalSeconds }}
 - --log-level={{ .Values.logLevel }}
 {{- end }}
@@ -115,4 +119,53 @@ Both print "true" or nothing.
 - kind: ServiceAccount
   name: {{ include "disagg-operator.serviceAccountName" . }}
   namespace: {{ .Release.Namespace }}
+{{- end }}
+
+{{/* The rules of what the operator does where it works (a ClusterRole, or a Role per
+namespace with rbac.namespaced). */}}
+{{- define "disagg-operator.workloadRules" -}}
+  # The pipelines: watched, annotated by kopf (handler progress), their status written.
+  - apiGroups: ["disagg.dev"]
+    resources: ["disaggregatedpipelines"]
+    verbs: ["get", "list", "watch", "patch"]
+  - apiGroups: ["disagg.dev"]
+    resources: ["disaggregatedpipelines/status"]
+    verbs: ["patch"]
+  # Their children: server-side applied, listed by label, pruned when the plan drops them.
+  - apiGroups: ["apps"]
+    resources: ["statefulsets"]
+    verbs: ["get", "list", "watch", "patch", "delete"]
+  - apiGroups: [""]
+    resources: ["services", "configmaps"]
+    verbs: ["get", "list", "patch", "delete"]
+  - apiGroups: ["resource.k8s.io"]
+    resources: ["resourceclaimtemplates"]
+    verbs: ["get", "list", "patch", "delete"]
+  # The pipelines' NetworkPolicies; watched (by label) so that a deleted one comes back.
+  - apiGroups: ["networking.k8s.io"]
+    resources: ["networkpolicies"]
+    verbs: ["get", "list", "watch", "patch", "delete"]
+  # The peer key Secrets: read and created, never changed; watched (by label: the operator
+  # lists no one else's) so that deleting one rotates the key.
+  - apiGroups: [""]
+    resources: ["secrets"]
+    verbs: ["get", "list", "watch", "create"]
+  # The autoscaler lists a pipeline's pods to scrape their receive-pool occupancy.
+  - apiGroups: [""]
+    resources: ["pods"]
+    verbs: ["list"]
+  # Events about the pipelines.
+  - apiGroups: [""]
+    resources: ["events"]
+    verbs: ["create"]
+  {{- if and .Values.peering.enabled (not (include "disagg-operator.clusterWide" .)) }}
+  # Peering in each watched namespace (kopf writes its liveness into the object; into its
+  # status subresource where the CRD has one).
+  - apiGroups: ["kopf.dev"]
+    resources: ["kopfpeerings"]
+    verbs: ["list", "watch", "patch"]
+  - apiGroups: ["kopf.dev"]
+    resources: ["kopfpeerings/status"]
+    verbs: ["patch"]
+  {{- end }}
 {{- end }}

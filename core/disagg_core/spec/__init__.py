@@ -78,6 +78,10 @@ __all__ = [
 ]
 
 MAX_FILE_BYTES = 4 * 2**20  # far above any real pipeline; Kubernetes objects stop at ~1.5 MiB
+# YAML nodes that aliases (`*name`) may add beyond those written: a few anchors for repeated
+# env lists fit; an "anchor bomb" (aliases of aliases, a billion nodes) stops here, before
+# anything walks the expanded tree.
+MAX_ALIAS_EXPANSION = 10_000
 
 
 def parse_pipeline(doc: object) -> Pipeline:
@@ -143,18 +147,68 @@ def validate_cli(files: Sequence[str], *, out: TextIO) -> int:
     return status
 
 
+class _AliasError(yaml.composer.ComposerError):
+    """Aliases that expand too far, or into themselves."""
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Raise a ComposerError when aliases make the document's tree much larger than its text
+    (or cyclic). Node sizes are memoized, so this costs one pass over the written nodes."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    written = 0
+
+    def size(node: yaml.Node) -> int:
+        nonlocal written
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise _AliasError(
+                None, None, "an alias refers to a node that contains it (a cycle)", node.start_mark
+            )
+        open_nodes.add(key)
+        written += 1
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(item) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in node.value)
+        open_nodes.discard(key)
+        sizes[key] = total
+        if total - written > MAX_ALIAS_EXPANSION:
+            raise _AliasError(
+                None,
+                None,
+                f"aliases expand this document by more than {MAX_ALIAS_EXPANSION} nodes "
+                "(an anchor bomb?)",
+                node.start_mark,
+            )
+        return total
+
+    size(root)
+
+
 def _yaml_reason(error: yaml.YAMLError) -> str:
     mark = getattr(error, "problem_mark", None)
     problem = getattr(error, "problem", None) or str(error)
+    what = "YAML alias error" if isinstance(error, _AliasError) else "YAML syntax error"
     if mark is None:
-        return f"YAML syntax error: {problem}"
-    return f"YAML syntax error at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+        return f"{what}: {problem}"
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that rejects a key repeated in one mapping (PyYAML keeps the last one
-    silently, so a second `replicas:` would quietly win). Merge keys (`<<`) may still be
-    overridden, as YAML intends."""
+    silently, so a second `replicas:` would quietly win), and documents whose aliases expand
+    to more than MAX_ALIAS_EXPANSION extra nodes, or refer to themselves. Merge keys (`<<`)
+    may still be overridden, as YAML intends."""
+
+    def compose_document(self) -> yaml.Node | None:
+        node = super().compose_document()
+        if node is not None:
+            _check_expansion(node)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
         seen: set[tuple[str, str]] = set()

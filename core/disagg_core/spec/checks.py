@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from disagg_core import quantity
 from disagg_core.spec import model as m
+from disagg_core.spec import podpolicy
 from disagg_core.spec.fields import Collector
 
 
@@ -42,6 +43,18 @@ def check(pipeline: m.Pipeline, out: Collector) -> None:
     _check_groups_share_pods(pipeline, roles, out)
     _check_cuda_ipc(pipeline, links, members, out)
     _check_ratio_locks(pipeline, roles, out)
+    _check_pod_policy(pipeline, out)
+
+
+def _check_pod_policy(pipeline: m.Pipeline, out: Collector) -> None:
+    """podTemplates that weaken the pods' isolation, unless the pipeline opted in."""
+    out.problems += podpolicy.annotation_problems(pipeline)
+    if podpolicy.allowed(pipeline):
+        return
+    for problem in podpolicy.findings(pipeline):
+        reason = f"{problem.reason}; refused unless the pipeline is annotated "
+        reason += f'{m.ANNOTATION_ALLOW_PRIVILEGED}: "true" (docs/security.md)'
+        out.add(problem.path, reason)
 
 
 def _check_ratio_locks(pipeline: m.Pipeline, roles: dict[str, int], out: Collector) -> None:

@@ -125,7 +125,13 @@ def text(out: Collector, m: dict[str, object], key: str, path: str) -> str | Non
 
 
 def integer(
-    out: Collector, m: dict[str, object], key: str, path: str, *, minimum: int | None = None
+    out: Collector,
+    m: dict[str, object],
+    key: str,
+    path: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
 ) -> int | None:
     """An integer field (booleans are not integers here); None when absent or invalid."""
     if key not in m:
@@ -136,6 +142,20 @@ def integer(
         return None
     if minimum is not None and value < minimum:
         out.add(child(path, key), f"must be at least {minimum}, got {value}")
+        return None
+    if maximum is not None and value > maximum:
+        out.add(child(path, key), f"must be at most {maximum}, got {value}")
+        return None
+    return value
+
+
+def boolean(out: Collector, m: dict[str, object], key: str, path: str) -> bool | None:
+    """A true/false field; None when absent or invalid."""
+    if key not in m:
+        return None
+    value = m[key]
+    if not isinstance(value, bool):
+        out.add(child(path, key), f"expected true or false, got {kind_of(value)}")
         return None
     return value
 

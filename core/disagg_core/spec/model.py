@@ -50,6 +50,19 @@ DEFAULT_SCALE_UP_STABILIZATION_SECONDS = 0  # the HorizontalPodAutoscaler defaul
 DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS = 300
 DEFAULT_TOLERANCE = 0.1
 
+# Maxima: far above any real pipeline, low enough that a typo (or a hostile spec) cannot ask
+# the cluster for a billion pods or an exabyte of shared memory. The CRD carries the same.
+MAX_REPLICAS = 1000
+MAX_CONCURRENCY = 1024
+MAX_POOL_SIZE = 2**40  # 1 TiB per role replica
+MAX_REQUEST_TIMEOUT_SECONDS = 86400.0
+MAX_STABILIZATION_SECONDS = 86400
+MAX_RATIO_SHARE = 1000
+
+# The pipeline annotation that lets role podTemplates weaken the pods' isolation (privileged,
+# host namespaces, hostPath, root, added capabilities; see `podpolicy`). Only "true" opts in.
+ANNOTATION_ALLOW_PRIVILEGED = "disagg.dev/allow-privileged"
+
 _PATH_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _PATH_INDEX = re.compile(r"\[(0|[1-9][0-9]*)\]")
 PathStep = str | int
@@ -229,6 +242,18 @@ class RatioLock:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NetworkPolicy:
+    """`spec.networkPolicy`: whether the operator renders the pipeline's NetworkPolicy, and
+    which peers (Kubernetes NetworkPolicyPeers, kept as written) it admits besides the
+    pipeline's own pods and gateway: `clients` to the role ports, `metrics_from` to the
+    metrics ports (else the pipeline's namespace)."""
+
+    enabled: bool = True
+    clients: tuple[Mapping[str, Any], ...] = ()
+    metrics_from: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class Pipeline:
     """A validated DisaggregatedPipeline. Queries take and return role names; an unknown name
     raises KeyError."""
@@ -243,6 +268,7 @@ class Pipeline:
     edges: tuple[Edge, ...] = ()
     colocation: tuple[ColocationGroup, ...] = ()
     ratio_locks: tuple[RatioLock, ...] = ()
+    network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
 
     @property
     def role_names(self) -> tuple[str, ...]:

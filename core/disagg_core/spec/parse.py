@@ -25,7 +25,11 @@ METADATA_KEYS = (
     "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "finalizers",
     "managedFields", "ownerReferences", "generateName", "selfLink",
 )  # fmt: skip
-SPEC_KEYS = ("image", "transport", "roles", "edges", "colocation", "ratioLocks")
+SPEC_KEYS = ("image", "transport", "roles", "edges", "colocation", "ratioLocks", "networkPolicy")
+NETWORK_POLICY_KEYS = ("enabled", "clients", "metricsFrom")
+PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
+SELECTOR_KEYS = ("matchLabels", "matchExpressions")
+SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 RATIO_LOCK_KEYS = ("leader", "follower", "leaderShare", "followerShare", "tolerance")
 TRANSPORT_KEYS = ("relay", "poolSize", "minBlock", "poolDevice", "requestTimeoutSeconds")
 POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
@@ -80,6 +84,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
     edges = tuple(_edge(out, raw, path) for path, raw in f.items(out, spec, "edges", "spec"))
     groups = [_group(out, raw, path) for path, raw in f.items(out, spec, "colocation", "spec")]
     locks = [_ratio_lock(out, raw, path) for path, raw in f.items(out, spec, "ratioLocks", "spec")]
+    network = _network_policy(out, spec.get("networkPolicy", {}), "spec.networkPolicy")
     pipeline = m.Pipeline(
         name=name,
         namespace=namespace,
@@ -91,6 +96,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
         edges=edges,
         colocation=tuple(groups),
         ratio_locks=tuple(lock for lock in locks if lock is not None),
+        network_policy=network,
     )
     return pipeline, out
 
@@ -150,12 +156,16 @@ def _image(out: Collector, raw: dict[str, object], path: str) -> str | None:
 def _transport(out: Collector, raw: object, path: str) -> m.Transport:
     t = f.fields(out, raw, path, known=TRANSPORT_KEYS) or {}
     timeout = f.number(out, t, "requestTimeoutSeconds", path)
-    if timeout is not None and timeout <= 0:
-        out.add(child(path, "requestTimeoutSeconds"), f"must be positive, got {timeout}")
+    if timeout is not None and not 0 < timeout <= m.MAX_REQUEST_TIMEOUT_SECONDS:
+        out.add(
+            child(path, "requestTimeoutSeconds"),
+            f"must be positive and at most {m.MAX_REQUEST_TIMEOUT_SECONDS:g}, got {timeout:g}",
+        )
+        timeout = None
     default = m.Transport()
     return m.Transport(
         relay=f.choice(out, t, "relay", path, m.RELAYS) or default.relay,
-        pool_size=_or(f.size(out, t, "poolSize", path), default.pool_size),
+        pool_size=_or(_pool_size(out, t, path), default.pool_size),
         min_block=_or(_min_block(out, t, path), default.min_block),
         pool_device=f.choice(out, t, "poolDevice", path, m.POOL_DEVICES) or default.pool_device,
         request_timeout_seconds=_or(timeout, default.request_timeout_seconds),
@@ -165,10 +175,22 @@ def _transport(out: Collector, raw: object, path: str) -> m.Transport:
 def _pool_override(out: Collector, raw: object, path: str) -> m.PoolOverride:
     t = f.fields(out, raw, path, known=POOL_OVERRIDE_KEYS) or {}
     return m.PoolOverride(
-        pool_size=f.size(out, t, "poolSize", path),
+        pool_size=_pool_size(out, t, path),
         min_block=_min_block(out, t, path),
         pool_device=f.choice(out, t, "poolDevice", path, m.POOL_DEVICES),
     )
+
+
+def _pool_size(out: Collector, t: dict[str, object], path: str) -> int | None:
+    size = f.size(out, t, "poolSize", path)
+    if size is not None and size > m.MAX_POOL_SIZE:
+        out.add(
+            child(path, "poolSize"),
+            f"must be at most {quantity.format_bytes(m.MAX_POOL_SIZE)}, "
+            f"got {quantity.format_bytes(size)}",
+        )
+        return None
+    return size
 
 
 def _min_block(out: Collector, t: dict[str, object], path: str) -> int | None:
@@ -188,7 +210,7 @@ def _role(out: Collector, raw: object, path: str) -> m.Role:
     autoscaling = None
     if "autoscaling" in r:
         autoscaling = _autoscaling(out, r["autoscaling"], child(path, "autoscaling"))
-    replicas = f.integer(out, r, "replicas", path, minimum=0)
+    replicas = f.integer(out, r, "replicas", path, minimum=0, maximum=m.MAX_REPLICAS)
     default_replicas = m.DEFAULT_REPLICAS if autoscaling is None else autoscaling.min_replicas
     return m.Role(
         name=_dns_label(out, r, "name", path, DNS_1035_LABEL) or "",
@@ -201,7 +223,10 @@ def _role(out: Collector, raw: object, path: str) -> m.Role:
         resources=_resources(out, r, path),
         ports=_ports(out, r, path),
         transport=_pool_override(out, r.get("transport", {}), child(path, "transport")),
-        concurrency=_or(f.integer(out, r, "concurrency", path, minimum=1), m.DEFAULT_CONCURRENCY),
+        concurrency=_or(
+            f.integer(out, r, "concurrency", path, minimum=1, maximum=m.MAX_CONCURRENCY),
+            m.DEFAULT_CONCURRENCY,
+        ),
         autoscaling=autoscaling,
         pod_template=copy.deepcopy(f.free_mapping(out, r, "podTemplate", path)),
     )
@@ -359,8 +384,8 @@ def _autoscaling(out: Collector, raw: object, path: str) -> m.Autoscaling | None
     a = f.fields(out, raw, path, known=AUTOSCALING_KEYS, required=("maxReplicas",))
     if a is None:
         return None
-    low = f.integer(out, a, "minReplicas", path, minimum=1)
-    high = f.integer(out, a, "maxReplicas", path, minimum=1)
+    low = f.integer(out, a, "minReplicas", path, minimum=1, maximum=m.MAX_REPLICAS)
+    high = f.integer(out, a, "maxReplicas", path, minimum=1, maximum=m.MAX_REPLICAS)
     if low is not None and high is not None and low > high:
         out.add(child(path, "minReplicas"), f"minReplicas {low} is greater than maxReplicas {high}")
     target = f.number(out, a, "targetPoolOccupancy", path)
@@ -374,8 +399,9 @@ def _autoscaling(out: Collector, raw: object, path: str) -> m.Autoscaling | None
         out.add(
             child(path, "targetQueuePerReplica"), f"must be in (0, {MAX_TARGET_QUEUE}], got {queue}"
         )
-    up = f.integer(out, a, "scaleUpStabilizationSeconds", path, minimum=0)
-    down = f.integer(out, a, "scaleDownStabilizationSeconds", path, minimum=0)
+    most = m.MAX_STABILIZATION_SECONDS
+    up = f.integer(out, a, "scaleUpStabilizationSeconds", path, minimum=0, maximum=most)
+    down = f.integer(out, a, "scaleDownStabilizationSeconds", path, minimum=0, maximum=most)
     return m.Autoscaling(
         min_replicas=_or(low, 1),
         max_replicas=_or(high, max(1, low or 1)),
@@ -465,10 +491,72 @@ def _ratio_lock(out: Collector, raw: object, path: str) -> m.RatioLock | None:
     return m.RatioLock(
         leader=leader or "",
         follower=follower or "",
-        leader_share=_or(f.integer(out, r, "leaderShare", path, minimum=1), 1),
-        follower_share=_or(f.integer(out, r, "followerShare", path, minimum=1), 1),
+        leader_share=_or(_share(out, r, "leaderShare", path), 1),
+        follower_share=_or(_share(out, r, "followerShare", path), 1),
         tolerance=_or(tolerance, 0.0),
     )
+
+
+def _share(out: Collector, r: dict[str, object], key: str, path: str) -> int | None:
+    return f.integer(out, r, key, path, minimum=1, maximum=m.MAX_RATIO_SHARE)
+
+
+def _network_policy(out: Collector, raw: object, path: str) -> m.NetworkPolicy:
+    n = f.fields(out, raw, path, known=NETWORK_POLICY_KEYS) or {}
+    enabled = f.boolean(out, n, "enabled", path)
+    return m.NetworkPolicy(
+        enabled=_or(enabled, True),
+        clients=_peers(out, n, "clients", path),
+        metrics_from=_peers(out, n, "metricsFrom", path),
+    )
+
+
+def _peers(
+    out: Collector, n: dict[str, object], key: str, path: str
+) -> tuple[dict[str, object], ...]:
+    """NetworkPolicyPeers: their shape only (the API server checks the rest)."""
+    result: list[dict[str, object]] = []
+    for item_path, raw in f.items(out, n, key, path):
+        peer = f.fields(out, raw, item_path, known=PEER_KEYS)
+        if peer is None:
+            continue
+        if not peer:
+            out.add(
+                item_path,
+                f"name at least one of {', '.join(PEER_KEYS)} (an empty peer admits everyone)",
+            )
+            continue
+        for selector in ("podSelector", "namespaceSelector"):
+            if selector in peer:
+                _selector(out, peer[selector], child(item_path, selector))
+        if "ipBlock" in peer:
+            block = (
+                f.fields(
+                    out,
+                    peer["ipBlock"],
+                    child(item_path, "ipBlock"),
+                    known=("cidr", "except"),
+                    required=("cidr",),
+                )
+                or {}
+            )
+            f.text(out, block, "cidr", child(item_path, "ipBlock"))
+            f.texts(out, block, "except", child(item_path, "ipBlock"))
+        result.append(copy.deepcopy(peer))
+    return tuple(result)
+
+
+def _selector(out: Collector, raw: object, path: str) -> None:
+    s = f.fields(out, raw, path, known=SELECTOR_KEYS) or {}
+    f.string_map(out, s, "matchLabels", path)
+    for item_path, item in f.items(out, s, "matchExpressions", path):
+        e = f.fields(
+            out, item, item_path, known=("key", "operator", "values"), required=("key", "operator")
+        )
+        if e is not None:
+            f.text(out, e, "key", item_path)
+            f.choice(out, e, "operator", item_path, SELECTOR_OPERATORS)
+            f.texts(out, e, "values", item_path)
 
 
 def _or(value: T | None, default: T) -> T:

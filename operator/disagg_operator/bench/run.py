@@ -16,7 +16,7 @@ In order (what it creates is removed at the end, also after a failure or ^C):
    measured). `--external-operator` starts none and measures whichever operator watches NS
    (e.g. the Helm release); there is no RSS then.
 4. Latency: `--samples` times in a row, one pipeline (by default the spec of
-   examples/text-to-video.yaml: 3 roles, 7 children) is created. One sample is the time
+   examples/text-to-video.yaml: 3 roles, 8 children) is created. One sample is the time
    from just before the create request until the last child the planner says it should
    have has been seen (p50, p90, max). Before the next sample the bench also waits for its
    status (`observedGeneration`).

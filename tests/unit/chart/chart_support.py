@@ -75,6 +75,8 @@ FULL: Obj = {
         }
     },
     "podDisruptionBudget": {"enabled": True, "minAvailable": 1},
+    "rbac": {"namespaced": True},
+    "networkPolicy": {"metricsNamespaces": ["monitoring"]},
 }
 GLOBS: Obj = {"watch": {"namespaces": ["team-*", "ml"]}, "peering": {"enabled": True}}
 CLUSTER_HA: Obj = {

@@ -5,6 +5,7 @@ the operator really listens on, and its arguments are ones `disagg operator` acc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -105,7 +106,10 @@ def _parse(args: list[str]) -> main.OperatorConfig:
 
 def test_the_arguments_are_the_operators(rendered: dict[str, list[c.Obj]]) -> None:
     config = _parse(c.container(rendered["defaults"])["args"])
-    assert config == main.OperatorConfig(standalone=True)  # the chart's defaults are the CLI's
+    assert config.options.metrics_namespaces == ("ops",)  # the operator's own: it scrapes
+    # otherwise the chart's defaults are the CLI's
+    bare_options = dataclasses.replace(config.options, metrics_namespaces=())
+    assert dataclasses.replace(config, options=bare_options) == main.OperatorConfig(standalone=True)
 
     config = _parse(c.container(rendered["full"])["args"])
     assert config.namespaces == ("ml", "research")
@@ -115,6 +119,7 @@ def test_the_arguments_are_the_operators(rendered: dict[str, list[c.Obj]]) -> No
     assert config.options.gpu_mode == "device-plugin"
     assert config.options.dra_api_version == "resource.k8s.io/v1beta2"
     assert config.progress_deadline == 120
+    assert config.options.metrics_namespaces == ("ops", "monitoring")
 
     assert _parse(c.container(rendered["globs"])["args"]).namespaces == ("team-*", "ml")
     assert _parse(c.container(rendered["bare"])["args"]).metrics_port == 0

@@ -27,7 +27,7 @@ Schema = dict[str, Any]
 
 _COPIED = (
     "type", "enum", "pattern", "minLength", "maxLength", "minItems", "maxItems", "minimum",
-    "maximum", "required",
+    "maximum", "required", "minProperties",
 )  # fmt: skip
 
 

@@ -279,6 +279,34 @@ BOTH_REJECT: list[tuple[str, Mutation, str]] = [
     ),
     ("group name too long", _set("spec.colocation[0].name", "g" * 48), "colocation[0].name"),
     ("group name invalid", _set("spec.colocation[0].name", "G"), "colocation[0].name"),
+    ("a billion replicas", _set(f"{ROLE}.replicas", 10**9), f"{ROLE}.replicas"),
+    ("huge concurrency", _set(f"{ROLE}.concurrency", 10**6), f"{ROLE}.concurrency"),
+    (
+        "huge max replicas",
+        _set("spec.roles[1].autoscaling", {"maxReplicas": 10**6}),
+        "autoscaling.maxReplicas",
+    ),
+    (
+        "week-long timeout",
+        _set("spec.transport.requestTimeoutSeconds", 7 * 86400),
+        "requestTimeoutSeconds",
+    ),
+    ("huge ratio share", _set("spec.ratioLocks[0].leaderShare", 10**6), "leaderShare"),
+    ("network policy flag as text", _set("spec.networkPolicy.enabled", "no"), "enabled"),
+    ("empty network peer", _set("spec.networkPolicy.clients", [{}]), "clients[0]"),
+    (
+        "unknown network peer field",
+        _set("spec.networkPolicy.clients", [{"pods": {}}]),
+        "clients[0].pods",
+    ),
+    (
+        "bad selector operator",
+        _set(
+            "spec.networkPolicy.metricsFrom",
+            [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}],
+        ),
+        "operator",
+    ),
 ]
 
 # Rules only the validator checks (reported in the pipeline's status): the CRD accepts these.
@@ -299,6 +327,15 @@ ONLY_VALIDATOR: list[tuple[str, Mutation, str]] = [
         "ref not downstream",
         _ref_to_side_branch,
         "spec.edges[0].tensorRefs[0].to",
+    ),
+    # a quantity's maximum is beyond what cel-python evaluates (no quantity library)
+    ("an exabyte pool", _set("spec.transport.poolSize", "1Ei"), "spec.transport.poolSize"),
+    ("a role's petabyte pool", _set(f"{ROLE}.transport.poolSize", "1Pi"), "transport.poolSize"),
+    # podTemplate is free-form in the schema: the policy on pods is the validator's
+    (
+        "privileged pod template",
+        _set(f"{ROLE}.podTemplate", {"spec": {"hostPID": True}}),
+        "podTemplate.spec.hostPID",
     ),
 ]
 

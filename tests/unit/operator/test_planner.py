@@ -52,6 +52,7 @@ def test_names_kinds_and_order(examples: dict[str, Pipeline]) -> None:
         ("Service", "fan-out-vision"),
         ("Service", "fan-out-audio"),
         ("Service", "fan-out-fuse"),
+        ("NetworkPolicy", "fan-out-network"),
         ("StatefulSet", "fan-out-ingest"),
         ("StatefulSet", "fan-out-encoders"),
         ("StatefulSet", "fan-out-fuse"),
@@ -406,7 +407,7 @@ def test_labels_and_owner_references(full_doc: Obj) -> None:
         assert labels[names.LABEL_MANAGED_BY] == "disagg-operator"
         assert labels[names.LABEL_PIPELINE] == "full"
         assert planner.child_selector("full").items() <= labels.items()
-        if obj["kind"] != "ConfigMap":
+        if obj["kind"] not in ("ConfigMap", "NetworkPolicy"):
             assert names.LABEL_ROLE in labels
         assert obj["metadata"]["ownerReferences"] == [
             {

@@ -70,7 +70,13 @@ def test_every_object_is_valid_kubernetes(
         for obj in planner.plan(pipeline, namespace="ml", owner=owner, options=options):
             kubernetes_validate.validate(obj, version, strict=True)
             seen_kinds.add(obj["kind"])
-    assert seen_kinds == {"ConfigMap", "Service", "StatefulSet", "ResourceClaimTemplate"}
+    assert seen_kinds == {
+        "ConfigMap",
+        "Service",
+        "StatefulSet",
+        "ResourceClaimTemplate",
+        "NetworkPolicy",
+    }
 
 
 @pytest.mark.parametrize("mode", ["device-plugin", "none"])
