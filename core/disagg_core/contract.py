@@ -383,7 +383,7 @@ ENV: Final[tuple[EnvVar, ...]] = (
         "PEER_KEY_FILE",
         "peer_key_file",
         TEXT,
-        "path of the pipeline's peer key (hex; in pods the Secret <pipeline>-peer-key, "
+        "path of the pipeline's peer key (hex; in pods the `key` of the Secret P-peer-key, "
         "docs/security.md)",
         default="",
         optional=True,

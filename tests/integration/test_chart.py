@@ -171,7 +171,7 @@ def test_a_namespaced_install_grants_in_its_namespaces_only():
 
 def test_namespaced_rbac_grants_roles_in_the_watched_namespaces_only():
     values = {"watch": {"namespaces": ["ml", "research"]}, "rbac": {"namespaced": True}}
-    objects = install.render(values, release=RELEASE, namespace=NAMESPACE)
+    objects = install.render(CHART, values, release=RELEASE, namespace=NAMESPACE)
     assert {o["metadata"]["name"] for o in objects if o["kind"] == "ClusterRole"} == {
         f"{RELEASE}-cluster"
     }  # only the read-only cluster rules
@@ -192,7 +192,7 @@ def test_namespaced_rbac_grants_roles_in_the_watched_namespaces_only():
 @pytest.mark.parametrize("namespaces", [[], ["team-*"]], ids=["cluster", "glob"])
 def test_namespaced_rbac_needs_namespace_names(namespaces: list[str]):
     with pytest.raises(helm_python.HelmError, match=r"rbac\.namespaced needs watch\.namespaces"):
-        install.render({"watch": {"namespaces": namespaces}, "rbac": {"namespaced": True}})
+        install.render(CHART, {"watch": {"namespaces": namespaces}, "rbac": {"namespaced": True}})
 
 
 def test_globs_bind_the_workload_rules_cluster_wide():

@@ -63,8 +63,9 @@ async def test_with_peering_one_replica_works_and_the_next_takes_over(
             await asyncio.sleep(1.0)  # the peers see each other; the lower one pauses
             await s.call(k8s.create, in_namespace(s.example(), s.NS, "first"))
             await s.until(k8s, lambda: len(s.children(k8s, "first")) == 7, "first")
-            assert reconciles(high) >= 1
+            # counted when the reconcile returns, after its last child and status write
+            await s.until(k8s, lambda: reconciles(high) >= 1, "the high one's reconcile")
             assert reconciles(low) == 0
         await s.call(k8s.create, in_namespace(s.example(), s.NS, "second"))
         await s.until(k8s, lambda: len(s.children(k8s, "second")) == 7, "taken over", 20)
-        assert reconciles(low) >= 1
+        await s.until(k8s, lambda: reconciles(low) >= 1, "the low one's reconcile")

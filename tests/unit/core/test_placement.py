@@ -57,6 +57,7 @@ def _where_it_runs_removed(config: RoleConfig) -> RoleConfig:
         metrics_port=0,
         topology_file="",
         peers_file="",
+        peer_key_file="",  # a mounted Secret in pods, a per-run file locally
     )
 
 
