@@ -66,7 +66,8 @@ def pipelines(cluster: e.Cluster) -> Iterator[Pipelines]:
 def planned_children(doc: dict[str, Any], namespace: str) -> dict[str, dict[str, Any]]:
     parsed = spec.parse_pipeline(doc)
     objects = planner.plan(parsed, namespace=namespace, options=options())
-    return {f"{o['kind']}/{o['metadata']['name']}": o for o in objects}
+    listed = ("ConfigMap", "Service", "StatefulSet")  # the kinds `Cluster.children` lists
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in objects if o["kind"] in listed}
 
 
 def children_if(cluster: e.Cluster, name: str, keys: set[str]) -> dict[str, Any] | None:
