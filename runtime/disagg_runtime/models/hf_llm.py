@@ -164,16 +164,28 @@ def flatten_cache(cache: Any, row: int, start: int, dtype: torch.dtype) -> dict[
 
 
 def rebuild_cache(config: Any, keys: Sequence[Any], values: Sequence[Any], dtype: Any) -> Any:
-    """The model's DynamicCache from per-layer tensors (copied: pool memory is released)."""
+    """The model's DynamicCache from per-layer tensors. Zero-copy where the dtype and device
+    already match: plain layers adopt the tensors (views of the receive pool, valid until the
+    request's messages are released after decode), and the first decode step's `torch.cat`
+    makes the cache its own, as every step of `generate` does. Other layer kinds (sliding
+    windows) are filled through `update`, which copies."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     if len(keys) != len(values) or len(keys) != config.num_hidden_layers:
         raise RequestError(
             f"kv: expected {config.num_hidden_layers} layers of keys and values, "
             f"got {len(keys)} and {len(values)}"
         )
-    data = [(k.to(dtype, copy=True), v.to(dtype, copy=True)) for k, v in zip(keys, values, strict=True)]
-    return DynamicCache(ddp_cache_data=data, config=config)
+    cache = DynamicCache(config=config)
+    for layer, key, value in zip(cache.layers, keys, values, strict=True):
+        key, value = key.to(dtype), value.to(dtype)
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(key, value)
+            layer.keys, layer.values = key, value
+        else:
+            layer.update(key, value)
+    return cache
 
 
 # ---- roles -------------------------------------------------------------------------------------
@@ -284,9 +296,9 @@ class Decode(_Model):
         if not isinstance(payload, dict) or "keys" not in payload:
             raise RequestError("expected a prefill output (keys, values, first_token, params)")
         params = parse_params(payload.get("params") or {})
-        cache = rebuild_cache(
-            self.model.config, payload["keys"], payload["values"], self.dtype
-        )
+        keys = [k.to(self.device) for k in payload["keys"]]
+        values = [v.to(self.device) for v in payload["values"]]
+        cache = rebuild_cache(self.model.config, keys, values, self.dtype)
         generator = None
         if not params.greedy:
             generator = torch.Generator()

@@ -12,7 +12,6 @@ the weights are random (seeded, so two builds are equal), and everything is writ
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 from typing import Any
 
@@ -134,13 +133,3 @@ def t2v(out: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
     pipe.save_pretrained(out)
     return out
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`disagg models tiny {llm,t2v} --out DIR`."""
-    parser = argparse.ArgumentParser(prog="disagg models tiny")
-    parser.add_argument("kind", choices=("llm", "t2v"))
-    parser.add_argument("--out", required=True, help="directory to write (created)")
-    args = parser.parse_args(argv)
-    build = llm if args.kind == "llm" else t2v
-    print(build(args.out))
-    return 0
