@@ -35,15 +35,16 @@ from disagg_core.contract import RoleConfig
 from disagg_runtime import envelope
 from disagg_runtime.batching import BatchCancelled, BatchTimeout
 from disagg_runtime.envelope import Meta
-from disagg_runtime.handler import Handler, HandlerError, Runner, SetupContext, default_device, load
+from disagg_runtime.handler import Handler as LoadedHandler
+from disagg_runtime.handler import HandlerError, Runner, SetupContext, default_device, load
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_prefix
 from disagg_runtime.relay import Ingress, Message, RelayError
 
 log = logging.getLogger(__name__)
+Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)
 ABORT_MEMORY_S = 120.0
-__all__ = ["HandlerError", "Role", "main", "relay_kind"]
 
 
 def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
@@ -94,7 +95,7 @@ class RoleRuntime:
         self,
         config: RoleConfig,
         *,
-        handler: Callable[[Any], Any] | Handler | None = None,
+        handler: Handler | LoadedHandler | None = None,
         resolver: Resolver = resolve_dns,
         grace_s: float = 30.0,
     ) -> None:
@@ -103,8 +104,8 @@ class RoleRuntime:
         self.me = config.me
         if handler is None:
             handler = load(config.handler)
-        elif not isinstance(handler, Handler):
-            handler = Handler(handler)
+        elif not isinstance(handler, LoadedHandler):
+            handler = LoadedHandler(handler)
         self.handler = handler
         self.grace_s = grace_s
         # relay choices first: one that cannot work fails start-up before memory is taken

@@ -26,10 +26,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
-from disagg_core import spec  # noqa: E402
-from disagg_runtime.client import Client  # noqa: E402
-from disagg_runtime.local.supervisor import LocalPipeline  # noqa: E402
-from disagg_runtime.models import diffusers_t2v, tiny  # noqa: E402
+from disagg_core import spec
+from disagg_runtime.client import Client
+from disagg_runtime.local.supervisor import LocalPipeline
+from disagg_runtime.models import diffusers_t2v, tiny
 
 READY_S = 240.0  # role processes import transformers/diffusers: slow on a busy machine
 PROMPTS = [

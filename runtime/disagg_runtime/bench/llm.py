@@ -38,9 +38,8 @@ from disagg_runtime.bench.transport import format_size, parse_size, pool_size_fo
 from disagg_runtime.local.supervisor import LocalPipeline
 from disagg_runtime.pool import Pool, shm_name
 from disagg_runtime.relay import Ingress, Message, connect
-from disagg_runtime.relay.sender import RELAYS
 
-LARGE = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": torch.bfloat16}
+LARGE_LAYERS, LARGE_KV_HEADS, LARGE_HEAD_DIM, LARGE_DTYPE = 32, 8, 128, torch.bfloat16
 
 
 def _receiver(control: Connection, pool_size: int, config: dict[str, Any]) -> None:
@@ -79,19 +78,19 @@ def _receiver(control: Connection, pool_size: int, config: dict[str, Any]) -> No
 def _large_cache(kv_bytes: int) -> tuple[Any, dict[str, Any]]:
     from transformers import DynamicCache
 
-    per_token = 2 * LARGE["layers"] * LARGE["kv_heads"] * LARGE["head_dim"] * 2
+    per_token = 2 * LARGE_LAYERS * LARGE_KV_HEADS * LARGE_HEAD_DIM * 2
     tokens = max(1, kv_bytes // per_token)
     config = {
-        "num_hidden_layers": LARGE["layers"],
+        "num_hidden_layers": LARGE_LAYERS,
         "num_attention_heads": 32,
-        "num_key_value_heads": LARGE["kv_heads"],
-        "hidden_size": 32 * LARGE["head_dim"],
+        "num_key_value_heads": LARGE_KV_HEADS,
+        "hidden_size": 32 * LARGE_HEAD_DIM,
         "vocab_size": 32000,
     }
-    shape = (1, LARGE["kv_heads"], tokens, LARGE["head_dim"])
+    shape = (1, LARGE_KV_HEADS, tokens, LARGE_HEAD_DIM)
     data = [
-        (torch.randn(shape, dtype=LARGE["dtype"]), torch.randn(shape, dtype=LARGE["dtype"]))
-        for _ in range(LARGE["layers"])
+        (torch.randn(shape, dtype=LARGE_DTYPE), torch.randn(shape, dtype=LARGE_DTYPE))
+        for _ in range(LARGE_LAYERS)
     ]
     return DynamicCache(ddp_cache_data=data), config
 
@@ -131,7 +130,7 @@ def handoff(cache: Any, config: dict[str, Any], repeats: int) -> dict[str, Any]:
         parent.send(replies.getsockopt_string(zmq.LAST_ENDPOINT))
         if not parent.poll(120):
             raise RuntimeError("the receiver did not start")
-        relay = connect(RELAYS["shm"], parent.recv(), context=ctx, timeout=60.0)
+        relay = connect("shm", parent.recv(), context=ctx, timeout=60.0)
         for i in range(repeats + 1):
             for kind in ("bare", "kv"):
                 t0 = time.perf_counter()
@@ -207,11 +206,15 @@ def batching(model_dir: str, requests: int, concurrency: int) -> list[dict[str, 
                     client.submit(sample_input("", i))
                 slots = threading.Semaphore(concurrency)
                 futures: list[Future[Any]] = []
+
+                def release(_: Future[Any], slots: threading.Semaphore = slots) -> None:
+                    slots.release()
+
                 t0 = time.perf_counter()
                 for i in range(requests):
                     slots.acquire()
                     future = client.submit_async(sample_input("", i))
-                    future.add_done_callback(lambda _: slots.release())
+                    future.add_done_callback(release)
                     futures.append(future)
                 for future in futures:
                     future.result(timeout=120)

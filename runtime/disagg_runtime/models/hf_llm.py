@@ -119,7 +119,9 @@ def prompt_ids(tokenizer: Any, payload: Mapping[str, Any]) -> list[int]:
         ):
             raise RequestError("messages: expected a list of {role, content} objects")
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
         else:  # no template: a plain transcript
             lines = [f"{m.get('role', 'user')}: {m['content']}" for m in messages]
             text = "\n".join([*lines, "assistant:"])
@@ -375,7 +377,7 @@ class _Text:
         end = max(self.sent, len(self._full) - self.holdback)
         if end == self.sent:
             return None
-        chunk = {"text": self._full[self.sent : end], "token_ids": self.pending}
+        chunk: dict[str, Any] = {"text": self._full[self.sent : end], "token_ids": self.pending}
         chunk["finish_reason"] = None
         self.sent, self.pending = end, []
         return chunk

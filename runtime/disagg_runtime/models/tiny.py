@@ -124,7 +124,11 @@ def t2v(out: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
         rope_max_seq_len=32,
     ).eval()
     vae = AutoencoderKLWan(
-        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
     ).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     pipe = WanPipeline(
@@ -132,4 +136,3 @@ def t2v(out: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
     )
     pipe.save_pretrained(out)
     return out
-

@@ -1073,7 +1073,11 @@ def test_handler_args_batching_and_startup_parse() -> None:
         ({"batching": {"maxBatchSize": 32}}, "batching.maxBatchSize", "exceeds concurrency 16"),
         ({"batching": {}}, "batching.maxBatchSize", "required"),
         ({"batching": {"maxBatchSize": 2, "wait": 1}}, "batching.wait", "unknown field"),
-        ({"batching": {"maxBatchSize": 2, "maxWaitMilliseconds": -1}}, "batching.maxWaitMilliseconds", "[0, 60000]"),
+        (
+            {"batching": {"maxBatchSize": 2, "maxWaitMilliseconds": -1}},
+            "batching.maxWaitMilliseconds",
+            "[0, 60000]",
+        ),
         ({"startupSeconds": 0}, "startupSeconds", "at least 1"),
     ],
 )

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from disagg_runtime.models import hf_llm, tiny  # noqa: E402
+from disagg_runtime.models import hf_llm, tiny
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def test_params_defaults_and_checks() -> None:
     p = hf_llm.parse_params({"max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 1})
     assert (p.max_tokens, p.greedy, p.top_p, p.seed) == (3, False, 0.9, 1)
     assert hf_llm.parse_params({"stop": "x"}).stop == ("x",)
-    for bad, field in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
         ({"temperature": "hot"}, "temperature"),
@@ -33,7 +33,8 @@ def test_params_defaults_and_checks() -> None:
         ({"seed": -2}, "seed"),
         ({"stop": ["a", ""]}, "stop"),
         ({"stop": ["a"] * 5}, "stop"),
-    ]:
+    ]
+    for bad, field in cases:
         with pytest.raises(hf_llm.RequestError, match=field):
             hf_llm.parse_params(bad)
 
