@@ -89,6 +89,7 @@ def _build_parser() -> argparse.ArgumentParser:
     llm.add_argument("--repeats", type=int, default=5, help="repetitions per size (default 5)")
     llm.add_argument("--requests", type=int, default=64, help="prefill requests per run (64)")
     llm.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
+    llm.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     llm.add_argument("--skip-batching", action="store_true", help="only the hand-off part")
     llm.add_argument("--json", action="store_true", help="print JSON")
     bench_operator = bench_sub.add_parser(

@@ -11,9 +11,14 @@ random model's (32 layers, 8 KV heads of 128, bf16: 128 KiB per token) filled wi
 tensors of exactly the shapes its prefill would produce (running a model of that size on a
 CPU would measure the model, not the hand-off).
 
+Both sides copy on one thread, as in `bench transport` (with several intra-op threads each
+tensor's copy pays a thread fork/join, which on a loaded machine costs milliseconds: a
+32-layer cache is 64 tensors).
+
 Batching. The prefill role alone (the client receives its output), `concurrency` requests
-in flight, once with `maxBatchSize` 1 and once with `maxBatchSize` = concurrency:
-requests/s side by side, and the handler calls each made.
+in flight, with `maxBatchSize` 1 and with `maxBatchSize` = concurrency: both pipelines run
+side by side, driven in alternating rounds; requests/s (median of the rounds) and the
+handler calls each made.
 """
 
 from __future__ import annotations
@@ -190,54 +195,74 @@ def _prefill_only(model_dir: str, batch: int, concurrency: int) -> Any:
     )
 
 
-def batching(model_dir: str, requests: int, concurrency: int) -> list[dict[str, Any]]:
-    """Prefill throughput with maxBatchSize 1 and = concurrency, one after the other."""
-    import threading
+def batching(model_dir: str, requests: int, concurrency: int, rounds: int) -> list[dict[str, Any]]:
+    """Prefill throughput with maxBatchSize 1 and = concurrency: both pipelines run side by
+    side and are driven in alternating rounds (this machine's load drifts), median of rounds."""
+    import contextlib
 
     from disagg_runtime.models.hf_llm import sample_input
 
-    rows = []
-    for batch in (1, concurrency):
-        with LocalPipeline(_prefill_only(model_dir, batch, concurrency), grace_s=5) as local:
+    sizes = (1, concurrency)
+    with contextlib.ExitStack() as stack:
+        locals_ = [
+            stack.enter_context(
+                LocalPipeline(_prefill_only(model_dir, size, concurrency), grace_s=5)
+            )
+            for size in sizes
+        ]
+        clients = []
+        for local in locals_:
             local.wait_ready(timeout=300)
             client = local.client(timeout=120)
-            try:
-                for i in range(concurrency):  # warm-up
-                    client.submit(sample_input("", i))
-                slots = threading.Semaphore(concurrency)
-                futures: list[Future[Any]] = []
-
-                def release(_: Future[Any], slots: threading.Semaphore = slots) -> None:
-                    slots.release()
-
-                t0 = time.perf_counter()
-                for i in range(requests):
-                    slots.acquire()
-                    future = client.submit_async(sample_input("", i))
-                    future.add_done_callback(release)
-                    futures.append(future)
-                for future in futures:
-                    future.result(timeout=120)
-                elapsed = time.perf_counter() - t0
-                metrics = local.metrics()["prefill/0"]
-            finally:
-                client.close()
-        rows.append(
-            {
-                "max_batch_size": batch,
-                "requests": requests,
-                "concurrency": concurrency,
-                "requests_per_s": requests / elapsed,
-                "handler_calls": int(metrics["disagg_handler_calls_total"]),
-                "handled": int(metrics['disagg_requests_total{outcome="done"}']),
-            }
-        )
+            stack.callback(client.close)
+            clients.append(client)
+        rates: dict[int, list[float]] = {size: [] for size in sizes}
+        for _ in range(rounds):
+            for size, client in zip(sizes, clients, strict=True):
+                rates[size].append(_drive(client, requests, concurrency, sample_input))
+        rows = []
+        for size, local in zip(sizes, locals_, strict=True):
+            metrics = local.metrics()["prefill/0"]
+            rows.append(
+                {
+                    "max_batch_size": size,
+                    "requests": requests,
+                    "concurrency": concurrency,
+                    "rounds": rounds,
+                    "requests_per_s": statistics.median(rates[size]),
+                    "requests_per_s_rounds": rates[size],
+                    "handler_calls": int(metrics["disagg_handler_calls_total"]),
+                    "handled": int(metrics['disagg_requests_total{outcome="done"}']),
+                }
+            )
     return rows
+
+
+def _drive(client: Any, requests: int, concurrency: int, make: Any) -> float:
+    """Requests/s of `requests` requests with at most `concurrency` in flight."""
+    import threading
+
+    slots = threading.Semaphore(concurrency)
+    futures: list[Future[Any]] = []
+
+    def release(_: Future[Any]) -> None:
+        slots.release()
+
+    t0 = time.perf_counter()
+    for i in range(requests):
+        slots.acquire()
+        future = client.submit_async(make("", i))
+        future.add_done_callback(release)
+        futures.append(future)
+    for future in futures:
+        future.result(timeout=120)
+    return requests / (time.perf_counter() - t0)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from disagg_runtime.models import tiny
 
+    torch.set_num_threads(1)  # as the relay benchmarks: the sender copies on one thread
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(tiny.llm(f"{tmp}/llm"))
         result: dict[str, Any] = {"handoff": []}
@@ -247,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["handoff"].append({"model": "large", **handoff(cache, config, args.repeats)})
         del cache
         if not args.skip_batching:
-            result["batching"] = batching(model_dir, args.requests, args.concurrency)
+            result["batching"] = batching(model_dir, args.requests, args.concurrency, args.rounds)
     return result
 
 
@@ -266,7 +291,8 @@ def render(result: dict[str, Any]) -> str:
         for b in result["batching"]:
             lines.append(
                 f"  maxBatchSize {b['max_batch_size']:>3}: {b['requests_per_s']:7.1f} req/s "
-                f"({b['requests']} requests at concurrency {b['concurrency']}; "
+                f"(median of {b['rounds']} rounds of {b['requests']} requests at concurrency "
+                f"{b['concurrency']}; "
                 f"{b['handler_calls']} handler calls for {b['handled']} requests)"
             )
         one, many = result["batching"][0], result["batching"][-1]
