@@ -20,7 +20,7 @@ from disagg_runtime.client import Client, RequestFailed
 from disagg_runtime.handler import Handler, SetupContext
 from disagg_runtime.local import supervisor
 from disagg_runtime.metrics import fetch, scrape
-from disagg_runtime.role import Role
+from disagg_runtime.role import RoleRuntime
 
 
 class Scaler:
@@ -80,7 +80,7 @@ def role() -> Any:
     [config] = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
     contract.write_topology(config.topology, topology_file)
     handler = Handler(Scaler)
-    running = Role(config, handler=handler, grace_s=2.0)
+    running = RoleRuntime(config, handler=handler, grace_s=2.0)
     yield running, handler.target
     running.stop(grace_s=0)
 

@@ -120,7 +120,7 @@ def test_quantities_and_relays_parse(tmp_path, t2v):
         ({"DISAGG_TOPOLOGY_FILE": "/nonexistent/t.json"}, "cannot read topology"),
         ({"DISAGG_HANDLER_ARGS": "{model"}, "HANDLER_ARGS is not JSON"),
         ({"DISAGG_HANDLER_ARGS": "[1]"}, "HANDLER_ARGS must be a JSON object"),
-        ({"DISAGG_MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE=0"),
+        ({"DISAGG_MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE='0' must be at least 1"),
         ({"DISAGG_MAX_BATCH_WAIT_MS": "soon"}, "MAX_BATCH_WAIT_MS='soon' is not a number"),
     ],
 )
