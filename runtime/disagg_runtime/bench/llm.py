@@ -16,9 +16,9 @@ tensor's copy pays a thread fork/join, which on a loaded machine costs milliseco
 32-layer cache is 64 tensors).
 
 Batching. The prefill role alone (the client receives its output), `concurrency` requests
-in flight, with `maxBatchSize` 1 and with `maxBatchSize` = concurrency: both pipelines run
-side by side, driven in alternating rounds; requests/s (median of the rounds) and the
-handler calls each made.
+in flight, with `maxBatchSize` 1 and with `maxBatchSize` = concurrency, both with one
+intra-op thread (`handlerArgs.threads`): both pipelines run side by side, driven in
+alternating rounds; requests/s (median of the rounds) and the handler calls each made.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def _prefill_only(model_dir: str, batch: int, concurrency: int) -> Any:
     role: dict[str, Any] = {
         "name": "prefill",
         "handler": "disagg_runtime.models.hf_llm:Prefill",
-        "handlerArgs": {"model": model_dir},
+        "handlerArgs": {"model": model_dir, "threads": 1},
         "concurrency": concurrency,
     }
     if batch > 1:

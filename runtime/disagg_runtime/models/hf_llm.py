@@ -10,7 +10,9 @@
 
 `handlerArgs`: `model` (a directory `from_pretrained` loads: weights and tokenizer),
 `dtype` (compute dtype: float32 (default), bfloat16, float16), `kvDtype` (the cache on the
-wire; default the compute dtype), `maxPromptTokens` (default 4096).
+wire; default the compute dtype), `maxPromptTokens` (default 4096), `threads` (torch's
+intra-op threads in this process; default torch's own: on a busy CPU, 1 avoids paying a
+thread fork/join per operator).
 
 Sampling: `temperature` absent or 0 is greedy; otherwise the logits go through
 transformers' own temperature and top-p warpers and `torch.multinomial` with a generator
@@ -211,6 +213,8 @@ class _Model:
         self.dtype = _dtype(ctx.args, "dtype", torch.float32)
         self.kv_dtype = _dtype(ctx.args, "kvDtype", self.dtype)
         self.max_prompt = int(ctx.args.get("maxPromptTokens", 4096))
+        if "threads" in ctx.args:
+            torch.set_num_threads(int(ctx.args["threads"]))
         self.device = torch.device(ctx.device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
