@@ -19,7 +19,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from disagg_core.quantity import format_bytes, parse_bytes
@@ -188,6 +188,9 @@ class RoleConfig:
     peers_file: str = ""
     metrics_dump: str = ""
     peer_key_file: str = ""
+    handler_args: Mapping[str, Any] = field(default_factory=dict)
+    max_batch_size: int = 1
+    max_batch_wait_ms: float = 0.0
 
     @property
     def me(self) -> RoleTopology:
@@ -241,6 +244,33 @@ def _parse_device(name: str, raw: str) -> PoolDevice:
     return raw
 
 
+def _parse_json_object(name: str, raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ContractError(f"{name} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ContractError(f"{name} must be a JSON object, got {raw[:40]!r}")
+    return value
+
+
+def _parse_batch_size(name: str, raw: str) -> int:
+    value = _parse_int(name, raw)
+    if value < 1:
+        raise ContractError(f"{name}={raw!r} must be at least 1")
+    return value
+
+
+def _parse_millis(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ContractError(f"{name}={raw!r} is not a number of milliseconds") from None
+    if not 0 <= value <= 60_000:
+        raise ContractError(f"{name}={raw!r} must be in 0..60000 milliseconds")
+    return value
+
+
 TEXT = Kind(str, lambda name, raw: raw)
 INT = Kind(str, _parse_int)
 ORDINAL = Kind(str, lambda name, raw: _parse_int(name, raw) if raw else None)
@@ -251,6 +281,12 @@ DEVICE = Kind(str, _parse_device)
 ROLES = Kind(
     lambda v: ",".join(sorted(v)), lambda name, raw: frozenset(filter(None, raw.split(",")))
 )
+JSON_OBJECT = Kind(
+    lambda v: json.dumps(v, sort_keys=True, separators=(",", ":")) if v else "",
+    _parse_json_object,
+)
+BATCH_SIZE = Kind(lambda v: str(v) if v > 1 else "", _parse_batch_size)
+MILLIS = Kind(lambda v: f"{v:g}" if v else "", _parse_millis)
 PEERS = Kind(lambda v: ",".join(p.render() for p in v), lambda name, raw: parse_downstream(raw))
 
 
@@ -292,6 +328,30 @@ ENV: Final[tuple[EnvVar, ...]] = (
         optional=True,
     ),
     EnvVar("HANDLER", "handler", TEXT, "module.path:function (or :Class) of the handler"),
+    EnvVar(
+        "HANDLER_ARGS",
+        "handler_args",
+        JSON_OBJECT,
+        "JSON object handed to the handler's setup(ctx) as ctx.args (roles[].handlerArgs)",
+        default="{}",
+        optional=True,
+    ),
+    EnvVar(
+        "MAX_BATCH_SIZE",
+        "max_batch_size",
+        BATCH_SIZE,
+        "requests gathered into one batch() call of the handler (roles[].batching; 1: none)",
+        default="1",
+        optional=True,
+    ),
+    EnvVar(
+        "MAX_BATCH_WAIT_MS",
+        "max_batch_wait_ms",
+        MILLIS,
+        "how long a batch may wait to fill after its first request, milliseconds",
+        default="0",
+        optional=True,
+    ),
     EnvVar("BIND_HOST", "bind_host", TEXT, "ingress/lane/metrics bind address", "0.0.0.0"),
     EnvVar("INGRESS_PORT", "ingress_port", INT, "relay ingress port", str(DEFAULT_INGRESS_PORT)),
     EnvVar(

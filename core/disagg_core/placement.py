@@ -65,6 +65,7 @@ def relays(pipeline: Pipeline, role: str) -> dict[str, RelayKind]:
 def role_config(pipeline: Pipeline, role: str, placement: Placement) -> RoleConfig:
     """The contract of one replica of `role` placed by `placement`."""
     group = pipeline.colocation_group_of(role)
+    me = pipeline.role(role)
     return RoleConfig(
         pipeline=pipeline.name,
         namespace=placement.namespace,
@@ -88,4 +89,7 @@ def role_config(pipeline: Pipeline, role: str, placement: Placement) -> RoleConf
         topology_file=placement.topology_file,
         peers_file=placement.peers_file,
         peer_key_file=placement.peer_key_file,
+        handler_args=me.handler_args,
+        max_batch_size=me.batching.max_batch_size if me.batching else 1,
+        max_batch_wait_ms=me.batching.max_wait_milliseconds if me.batching else 0.0,
     )

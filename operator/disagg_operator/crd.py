@@ -352,7 +352,9 @@ def role_schema() -> Schema:
                 format="int32",
             ),
             "handler": _string(
-                "The Python function each request is handed to: 'package.module:function'.",
+                "What each request is handed to: 'package.module:function', or "
+                "'package.module:Class' with setup(ctx), __call__ or batch(payloads), close() "
+                "(docs/handlers.md).",
                 pattern=HANDLER_PATTERN,
                 maxLength=MAX_HANDLER_LENGTH,
             ),
@@ -380,6 +382,33 @@ def role_schema() -> Schema:
                 default=m.DEFAULT_CONCURRENCY,
             ),
             "autoscaling": autoscaling_schema(),
+            "handlerArgs": _free_object(
+                "Free-form JSON object handed to the handler class's setup(ctx) as ctx.args "
+                "(model directory, dtype, ...); reaches the pod as DISAGG_HANDLER_ARGS."
+            ),
+            "batching": _object(
+                "Gather waiting requests into one batch() call of the handler class.",
+                {
+                    "maxBatchSize": _integer(
+                        "Most requests in one batch; at most the role's concurrency.",
+                        minimum=1,
+                        format="int32",
+                    ),
+                    "maxWaitMilliseconds": _number(
+                        "How long a batch waits to fill after its first request.",
+                        minimum=0,
+                        maximum=60000,
+                        default=m.DEFAULT_MAX_BATCH_WAIT_MILLISECONDS,
+                    ),
+                },
+                required=("maxBatchSize",),
+            ),
+            "startupSeconds": _integer(
+                "How long the startup probe allows the handler's setup (model loading).",
+                minimum=1,
+                format="int32",
+                default=m.DEFAULT_STARTUP_SECONDS,
+            ),
             "podTemplate": _free_object(
                 "A Kubernetes PodTemplateSpec (metadata, spec) merged last into the role's "
                 "pod template: maps merge, containers/volumes/env merge by name, other lists "
@@ -391,6 +420,19 @@ def role_schema() -> Schema:
             ),
         },
         required=("name", "handler"),
+        **{
+            "x-kubernetes-validations": [
+                _rule(
+                    _given(
+                        "self.batching",
+                        "self.batching.maxBatchSize <= "
+                        f"(has(self.concurrency) ? self.concurrency : {m.DEFAULT_CONCURRENCY})",
+                    ),
+                    "batching.maxBatchSize exceeds concurrency: larger batches never form",
+                    ".batching.maxBatchSize",
+                )
+            ]
+        },
     )
 
 

@@ -64,7 +64,8 @@ Pod template:
 - image: the role's image, else spec.image; command: the role's, else ["disagg", "role"];
   args, resources, ports as in the spec;
 - probes on metrics_k: readiness GET /readyz, liveness GET /healthz, and a startup probe on
-  /healthz that allows ten minutes for loading models;
+  /healthz (which fails until the handler's setup is done) that allows the role's
+  startupSeconds (default 600) for loading models: failureThreshold = ceil(startupSeconds / 5);
 - hardened: non-root uid/gid 65532, read-only root filesystem, no privilege escalation, all
   capabilities dropped, seccomp RuntimeDefault, no service-account token, no service links;
 - volumes: the topology ConfigMap at /etc/disagg, /dev/shm = memory emptyDir with

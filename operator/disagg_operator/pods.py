@@ -23,7 +23,6 @@ GPU_CLAIM: Final = "gpu"
 DEVICE_PLUGIN_RESOURCE: Final = "nvidia.com/gpu"
 SHM_MARGIN: Final = 64 * 2**20
 NONROOT_ID: Final = 65532
-STARTUP_SECONDS: Final = 600  # model loading may be slow; liveness starts after it
 _DROPPED_ENV: Final = (contract.PREFIX + "REPLICA",)  # the ordinal of DISAGG_POD_NAME instead
 
 
@@ -132,7 +131,7 @@ def _container(
         resources["claims"] = [{"name": GPU_CLAIM}]
     if resources:
         container["resources"] = resources
-    container.update(_probes(config.metrics_port))
+    container.update(_probes(config.metrics_port, role.startup_seconds))
     container["securityContext"] = _container_security()
     container["volumeMounts"] = [
         {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
@@ -149,7 +148,10 @@ def _user_env(var: EnvVar) -> dict[str, Any]:
     return {"name": var.name, "value": var.value}
 
 
-def _probes(port: int) -> dict[str, Any]:
+def _probes(port: int, startup_seconds: int) -> dict[str, Any]:
+    """/healthz fails until the handler's setup is done: the startup probe gives it
+    `startupSeconds` (liveness starts after it), readiness gates traffic."""
+
     def get(path: str) -> dict[str, Any]:
         return {"path": path, "port": port}
 
@@ -157,7 +159,7 @@ def _probes(port: int) -> dict[str, Any]:
         "startupProbe": {
             "httpGet": get("/healthz"),
             "periodSeconds": 5,
-            "failureThreshold": STARTUP_SECONDS // 5,
+            "failureThreshold": max(1, -(-startup_seconds // 5)),
         },
         "readinessProbe": {
             "httpGet": get("/readyz"),

@@ -52,6 +52,12 @@ def _build_parser() -> argparse.ArgumentParser:
     operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     operator_flags.add_operator_arguments(operator)
 
+    models = sub.add_parser("models", help="Hugging Face model tools (the models extra)")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    tiny = models_sub.add_parser("tiny", help="save a random tiny model (no download)")
+    tiny.add_argument("kind", choices=("llm", "t2v"), help="llm: Llama; t2v: Wan text-to-video")
+    tiny.add_argument("--out", required=True, help="directory to write")
+
     bench = sub.add_parser("bench", help="measure transports")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     transport = bench_sub.add_parser("transport", help="relays vs memcpy and naive baselines")
@@ -77,6 +83,15 @@ def _build_parser() -> argparse.ArgumentParser:
     chain.add_argument("--hops", type=int, default=2, help="full-size hops (default 2)")
     chain.add_argument("--repeats", type=int, default=9, help="repetitions (default 9)")
     chain.add_argument("--json", action="store_true", help="print JSON")
+    llm = bench_sub.add_parser("llm", help="KV-cache hand-off vs the bare relay; batched prefill")
+    llm.add_argument("--model", help="tiny LLM directory (default: build one in a temp dir)")
+    llm.add_argument("--large-kv", default="256MiB", help="KV of the larger random model")
+    llm.add_argument("--repeats", type=int, default=5, help="repetitions per size (default 5)")
+    llm.add_argument("--requests", type=int, default=64, help="prefill requests per run (64)")
+    llm.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
+    llm.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    llm.add_argument("--skip-batching", action="store_true", help="only the hand-off part")
+    llm.add_argument("--json", action="store_true", help="print JSON")
     bench_operator = bench_sub.add_parser(
         "operator", help="operator latency, throughput and memory against an API server"
     )
@@ -116,6 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime.bench import pipeline
 
         return pipeline.run_cli(args)
+    if args.command == "models":
+        from disagg_runtime.models import tiny
+
+        print(tiny.llm(args.out) if args.kind == "llm" else tiny.t2v(args.out))
+        return 0
+    if args.command == "bench" and args.bench_command == "llm":
+        from disagg_runtime.bench import llm
+
+        return llm.run_cli(args)
     if args.command == "bench" and args.bench_command == "operator":
         from disagg_operator.bench import run as operator_bench
 

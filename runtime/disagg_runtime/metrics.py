@@ -32,6 +32,11 @@ name                                type       extra labels           meaning
 ``disagg_request_seconds``          histogram  -                      receive-to-done latency of
                                                                       requests that completed
 ``disagg_handler_seconds``          histogram  -                      time inside the user handler
+``disagg_handler_calls_total``      counter    -                      calls into the handler (one
+                                                                      per batch when batching)
+``disagg_handler_batch_size``       histogram  -                      requests per handler call
+``disagg_role_setup_seconds``       gauge      -                      how long the handler's
+                                                                      setup took (model loading)
 ``disagg_edge_bytes_total``         counter    ``edge``,              payload bytes per edge;
                                                ``direction``          direction is in|out
 ``disagg_edge_messages_total``      counter    ``edge``, ``relay``    messages sent per edge and
@@ -75,7 +80,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -96,6 +101,7 @@ EDGE_BUCKETS: Final = (
     0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Requests and handlers: 1 ms .. 2 min (a video denoise step may take tens of seconds).
 LATENCY_BUCKETS: Final = (
     0.001, 0.0025, 0.005,
@@ -218,6 +224,22 @@ class RoleMetrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        self._handler_calls = Counter(
+            "disagg_handler_calls", "Calls into the handler.", CONST_LABELS, registry=reg
+        )
+        self._batch_size = Histogram(
+            "disagg_handler_batch_size",
+            "Requests per handler call.",
+            CONST_LABELS,
+            buckets=BATCH_BUCKETS,
+            registry=reg,
+        )
+        self._setup_seconds = Gauge(
+            "disagg_role_setup_seconds",
+            "Seconds the handler's setup took (model loading).",
+            CONST_LABELS,
+            registry=reg,
+        )
         self._edge_bytes = Counter(
             "disagg_edge_bytes",
             "Payload bytes per edge and direction.",
@@ -243,6 +265,9 @@ class RoleMetrics:
             self._failures.labels(*self._const, reason)
         self._request_seconds.labels(*self._const)
         self._handler_seconds.labels(*self._const)
+        self._handler_calls.labels(*self._const)
+        self._batch_size.labels(*self._const)
+        self._setup_seconds.labels(*self._const)
 
     def request_done(self, seconds: float) -> None:
         self._requests.labels(*self._const, "done").inc()
@@ -266,6 +291,14 @@ class RoleMetrics:
 
     def handler_seconds(self, seconds: float) -> None:
         self._handler_seconds.labels(*self._const).observe(seconds)
+
+    def handler_call(self, requests: int) -> None:
+        """One call into the handler carrying `requests` requests (a batch, or 1)."""
+        self._handler_calls.labels(*self._const).inc()
+        self._batch_size.labels(*self._const).observe(requests)
+
+    def setup_seconds(self, seconds: float) -> None:
+        self._setup_seconds.labels(*self._const).set(seconds)
 
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format, without ``*_created``."""

@@ -11,14 +11,16 @@
   that is not complete by the request's deadline fails the request and frees its slots.
 - A handler that raises fails only its request: the client gets the role, replica and
   exception, and downstream roles get an `abort` so their joins let go at once.
-- SIGTERM: readiness drops, in-flight work drains for the grace period, then every slot,
-  socket and the shared-memory pool is released.
+- The handler (handler.py: a function, or a class with setup/batch/close) is set up in
+  `start()` before the role reports live or ready; `roles[].batching` sends requests through
+  a `Batcher` whose timeouts and aborts still apply to each request alone.
+- SIGTERM: readiness drops, in-flight work drains for the grace period, then the handler is
+  closed and every slot, socket and the shared-memory pool is released.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
 import inspect
 import logging
 import queue
@@ -31,31 +33,18 @@ from typing import Any
 
 from disagg_core.contract import RoleConfig
 from disagg_runtime import envelope
+from disagg_runtime.batching import BatchCancelled, BatchTimeout
 from disagg_runtime.envelope import Meta
+from disagg_runtime.handler import Handler as LoadedHandler
+from disagg_runtime.handler import HandlerError, Runner, SetupContext, default_device, load
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_prefix
 from disagg_runtime.relay import Ingress, Message, RelayError
 
 log = logging.getLogger(__name__)
-Handler = Callable[[Any], Any]
+Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)
 ABORT_MEMORY_S = 120.0
-
-
-class HandlerError(ValueError):
-    """The handler string does not name a callable."""
-
-
-def load_handler(spec: str) -> Handler:
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise HandlerError(f"handler {spec!r}: cannot import {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise HandlerError(f"handler {spec!r}: {module_name} has no callable {attr!r}")
-    return fn  # type: ignore[no-any-return]
 
 
 def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
@@ -106,14 +95,18 @@ class RoleRuntime:
         self,
         config: RoleConfig,
         *,
-        handler: Handler | None = None,
+        handler: Handler | LoadedHandler | None = None,
         resolver: Resolver = resolve_dns,
         grace_s: float = 30.0,
     ) -> None:
         self.config = config
         self.name = config.role
         self.me = config.me
-        self.handler = handler or load_handler(config.handler)
+        if handler is None:
+            handler = load(config.handler)
+        elif not isinstance(handler, LoadedHandler):
+            handler = LoadedHandler(handler)
+        self.handler = handler
         self.grace_s = grace_s
         # relay choices first: one that cannot work fails start-up before memory is taken
         peers_file = PeersFile(config.peers_file) if config.peers_file else None
@@ -140,6 +133,12 @@ class RoleRuntime:
         self._control: queue.SimpleQueue[Meta] = queue.SimpleQueue()  # aborts to pass on
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
+        )
+        self.runner = Runner(
+            handler,
+            max_batch_size=config.max_batch_size,
+            max_batch_wait_ms=config.max_batch_wait_ms,
+            on_call=self.metrics.handler_call,
         )
         device = "shm" if config.pool.device == "cpu" else config.pool.device
         me = f"{config.role}-{config.replica}"
@@ -173,7 +172,19 @@ class RoleRuntime:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        """Serve /healthz (503 until set up), set the handler up, then start the workers.
+        A failing setup raises HandlerError; `stop()` still releases everything."""
         self.health.start()
+        ctx = SetupContext(
+            role=self.name,
+            replica=self.config.replica,
+            device=default_device(),
+            args=self.config.handler_args,
+            log=logging.getLogger(f"disagg.handler.{self.name}"),
+        )
+        seconds = self.runner.setup(ctx)
+        self.metrics.setup_seconds(seconds)
+        log.info("role %s/%d: handler set up in %.2f s", self.name, self.config.replica, seconds)
         for name, target in [("control", self._control_loop)] + [
             (f"worker-{i}", self._worker) for i in range(self.config.concurrency)
         ]:
@@ -207,8 +218,14 @@ class RoleRuntime:
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
+        self.runner.stop_batching()  # workers waiting for a batch let go
         for thread in self._threads:
             thread.join(timeout=5)
+        if self._started:
+            try:
+                self.runner.close()
+            except Exception:
+                log.exception("role %s: handler close() failed", self.name)
         self.ingress.close()  # no more deliveries: what is queued now is all there is
         with self._cond:
             leftovers = [m for q in self._work.values() for _, _, m in q]
@@ -229,14 +246,20 @@ class RoleRuntime:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
         while not stop.wait(0.5):
             pass
         log.info("role %s/%d draining", self.name, self.config.replica)
         self.stop()
 
     def _live(self) -> bool:
-        return all(t.is_alive() for t in self._threads) or self._stopping.is_set()
+        """False while the handler sets up (the startup probe waits), then the threads."""
+        alive = self._started and all(t.is_alive() for t in self._threads)
+        return alive or self._stopping.is_set()
 
     def _sample(self) -> RoleSample:
         stats = self.pool.stats()
@@ -398,7 +421,11 @@ class RoleRuntime:
         if streaming_input:
             self._stream_started.setdefault(meta.rid, started)
         try:
-            result = self.handler(data)
+            result = self.runner.invoke(
+                data,
+                timeout=self._remaining(meta),
+                cancelled=lambda: meta.rid in self._aborted or self._stopping.is_set(),
+            )
             if inspect.isgenerator(result):
                 for chunk in result:
                     self._emit(meta, "chunk", chunk)
@@ -408,6 +435,11 @@ class RoleRuntime:
                 self._emit(meta, "chunk" if streaming_input else "data", result)
         except RelayError as exc:
             self._fail(meta, "transport", f"role {self.name} could not send on: {exc}")
+        except BatchTimeout as exc:
+            self._fail(meta, "timeout", f"request timed out at role {self.name}: {exc}")
+        except BatchCancelled as exc:
+            if meta.rid not in self._aborted:
+                self._fail(meta, "other", f"role {self.name}: {exc}")
         except Exception as exc:
             self._fail(meta, "handler", f"{type(exc).__name__}: {exc}", exc_type=type(exc).__name__)
         else:
@@ -538,8 +570,8 @@ def main() -> int:
     try:
         config = from_environ()
         role = RoleRuntime(config)
+        role.run()
     except (ContractError, HandlerError, PoolError) as exc:
         log.error("cannot start role: %s", exc)
         return 2
-    role.run()
     return 0

@@ -34,6 +34,7 @@ def check(pipeline: m.Pipeline, out: Collector) -> None:
     _check_derived_names(pipeline, out)
     _check_image(pipeline, out)
     _check_pools(pipeline, out)
+    _check_batching(pipeline, out)
     links = _links(pipeline, roles, out)
     acyclic = _check_cycles(roles, links, out)
     _check_entry(roles, links, out)
@@ -157,6 +158,22 @@ def _check_pools(pipeline: m.Pipeline, out: Collector) -> None:
         block = default.min_block if own.min_block is None else own.min_block
         key = "minBlock" if own.pool_size is None else "poolSize"
         _pool_fits(size, block, f"{path}.{key}", out)
+
+
+def _check_batching(pipeline: m.Pipeline, out: Collector) -> None:
+    """A batch gathers requests that workers hold: more than `concurrency` never meet."""
+    for i, role in enumerate(pipeline.roles):
+        path = f"spec.roles[{i}].batching.maxBatchSize"
+        batching = role.batching
+        if batching is None or out.flawed(path) or out.flawed(f"spec.roles[{i}].concurrency"):
+            continue
+        if batching.max_batch_size > role.concurrency:
+            out.add(
+                path,
+                f"{batching.max_batch_size} exceeds concurrency {role.concurrency}: a replica "
+                "handles at most `concurrency` requests at once, so larger batches never form "
+                "(raise concurrency)",
+            )
 
 
 def _pool_fits(size: int, block: int, path: str, out: Collector) -> None:

@@ -49,6 +49,8 @@ DEFAULT_TARGET_POOL_OCCUPANCY = 0.7
 DEFAULT_SCALE_UP_STABILIZATION_SECONDS = 0  # the HorizontalPodAutoscaler defaults
 DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS = 300
 DEFAULT_TOLERANCE = 0.1
+DEFAULT_MAX_BATCH_WAIT_MILLISECONDS = 5.0
+DEFAULT_STARTUP_SECONDS = 600  # model loading may be slow; the startup probe allows this long
 
 # Maxima: far above any real pipeline, low enough that a typo (or a hostile spec) cannot ask
 # the cluster for a billion pods or an exabyte of shared memory. The CRD carries the same.
@@ -173,8 +175,18 @@ class Autoscaling:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Batching:
+    """Gather up to `max_batch_size` waiting requests into one `batch()` call of the handler,
+    waiting at most `max_wait_milliseconds` after the first for the batch to fill."""
+
+    max_batch_size: int
+    max_wait_milliseconds: float = DEFAULT_MAX_BATCH_WAIT_MILLISECONDS
+
+
+@dataclass(frozen=True, kw_only=True)
 class Role:
-    """One stage: `replicas` processes running `handler` (`module.path:function`)."""
+    """One stage: `replicas` processes running `handler` (`module.path:function` or a class
+    with setup/batch/close), `handler_args` (free-form JSON) handed to its `setup`."""
 
     name: str
     handler: str
@@ -189,6 +201,9 @@ class Role:
     concurrency: int = DEFAULT_CONCURRENCY
     autoscaling: Autoscaling | None = None
     pod_template: dict[str, Any] | None = None  # free-form; the operator merges it
+    handler_args: Mapping[str, Any] = field(default_factory=dict)  # JSON, given to setup()
+    batching: Batching | None = None
+    startup_seconds: int = DEFAULT_STARTUP_SECONDS
 
     @property
     def handler_module(self) -> str:

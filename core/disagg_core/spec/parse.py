@@ -10,6 +10,7 @@ later checks skip: its own problem has already been reported.
 from __future__ import annotations
 
 import copy
+import json
 import keyword
 import re
 from typing import TypeVar
@@ -35,8 +36,10 @@ TRANSPORT_KEYS = ("relay", "poolSize", "minBlock", "poolDevice", "requestTimeout
 POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
 ROLE_KEYS = (
     "name", "replicas", "handler", "image", "command", "args", "env", "resources", "ports",
-    "transport", "concurrency", "autoscaling", "podTemplate",
+    "transport", "concurrency", "autoscaling", "podTemplate", "handlerArgs", "batching",
+    "startupSeconds",
 )  # fmt: skip
+BATCHING_KEYS = ("maxBatchSize", "maxWaitMilliseconds")
 PORT_KEYS = ("name", "containerPort", "protocol")
 AUTOSCALING_KEYS = (
     "minReplicas", "maxReplicas", "targetPoolOccupancy", "scaleUpStabilizationSeconds",
@@ -229,6 +232,41 @@ def _role(out: Collector, raw: object, path: str) -> m.Role:
         ),
         autoscaling=autoscaling,
         pod_template=copy.deepcopy(f.free_mapping(out, r, "podTemplate", path)),
+        handler_args=_handler_args(out, r, path),
+        batching=_batching(out, r, path),
+        startup_seconds=_or(
+            f.integer(out, r, "startupSeconds", path, minimum=1), m.DEFAULT_STARTUP_SECONDS
+        ),
+    )
+
+
+def _handler_args(out: Collector, r: dict[str, object], path: str) -> dict[str, object]:
+    """`handlerArgs`: a mapping that is plain JSON (it reaches the role as JSON text)."""
+    value = f.free_mapping(out, r, "handlerArgs", path)
+    if value is None:
+        return {}
+    try:
+        return dict(json.loads(json.dumps(value, allow_nan=False)))
+    except (TypeError, ValueError) as error:
+        out.add(child(path, "handlerArgs"), f"must be plain JSON (strings, numbers, ...): {error}")
+        return {}
+
+
+def _batching(out: Collector, r: dict[str, object], path: str) -> m.Batching | None:
+    if "batching" not in r:
+        return None
+    path = child(path, "batching")
+    b = f.fields(out, r["batching"], path, known=BATCHING_KEYS, required=("maxBatchSize",))
+    if b is None:
+        return None
+    size = f.integer(out, b, "maxBatchSize", path, minimum=1)
+    wait = f.number(out, b, "maxWaitMilliseconds", path)
+    if wait is not None and not 0 <= wait <= 60_000:
+        out.add(child(path, "maxWaitMilliseconds"), f"must be in [0, 60000], got {wait:g}")
+        wait = None
+    return m.Batching(
+        max_batch_size=_or(size, 1),
+        max_wait_milliseconds=_or(wait, m.DEFAULT_MAX_BATCH_WAIT_MILLISECONDS),
     )
 
 

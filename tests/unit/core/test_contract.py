@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from disagg_core import contract
 from disagg_core.contract import ContractError, Peer, RoleConfig, Topology
-from disagg_core.spec import load_pipeline_file
+from disagg_core.spec import load_pipeline_file, parse_pipeline
 from disagg_runtime.local.supervisor import plan_local
 from tests.support import EXAMPLES
 
@@ -117,6 +118,10 @@ def test_quantities_and_relays_parse(tmp_path, t2v):
         ({"DISAGG_DOWNSTREAM": "decoder=host"}, "not host:port"),
         ({"DISAGG_DOWNSTREAM": "decoder=h:1@carrier-pigeon"}, "unknown relay"),
         ({"DISAGG_TOPOLOGY_FILE": "/nonexistent/t.json"}, "cannot read topology"),
+        ({"DISAGG_HANDLER_ARGS": "{model"}, "HANDLER_ARGS is not JSON"),
+        ({"DISAGG_HANDLER_ARGS": "[1]"}, "HANDLER_ARGS must be a JSON object"),
+        ({"DISAGG_MAX_BATCH_SIZE": "0"}, "MAX_BATCH_SIZE='0' must be at least 1"),
+        ({"DISAGG_MAX_BATCH_WAIT_MS": "soon"}, "MAX_BATCH_WAIT_MS='soon' is not a number"),
     ],
 )
 def test_bad_environment_names_the_variable(tmp_path, t2v, override, message):
@@ -129,3 +134,20 @@ def test_role_config_is_frozen(tmp_path, t2v):
     assert isinstance(config, RoleConfig)
     with pytest.raises(AttributeError):
         config.role = "x"  # type: ignore[misc]
+
+
+def test_handler_args_and_batching_reach_the_role(tmp_path):
+    doc = yaml.safe_load((EXAMPLES / "hf-llm.yaml").read_text())
+    doc["spec"]["roles"][0]["handlerArgs"]["nested"] = {"layers": [0, 1], "on": True}
+    pipeline = parse_pipeline(doc)
+    configs = plan_local(pipeline, iter(range(20000, 20100)), str(tmp_path / "t.json"))
+    contract.write_topology(configs[0].topology, str(tmp_path / "t.json"))
+    prefill, decode = configs[0], configs[1]
+    env = contract.render_env(prefill)
+    assert json.loads(env["DISAGG_HANDLER_ARGS"])["nested"] == {"layers": [0, 1], "on": True}
+    assert (env["DISAGG_MAX_BATCH_SIZE"], env["DISAGG_MAX_BATCH_WAIT_MS"]) == ("8", "5")
+    again = contract.parse_env(env)
+    assert again.handler_args == prefill.handler_args
+    assert (again.max_batch_size, again.max_batch_wait_ms) == (8, 5.0)
+    plain = contract.parse_env(contract.render_env(decode))
+    assert plain.max_batch_size == 1 and "DISAGG_MAX_BATCH_SIZE" not in contract.render_env(decode)

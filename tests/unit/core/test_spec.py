@@ -1040,3 +1040,51 @@ def test_ratio_lock_inside_a_colocation_group_must_be_one_to_one() -> None:
     assert_problem(doc, "spec.ratioLocks[0]", "always equal")
     doc["spec"]["ratioLocks"] = [{"leader": "b", "follower": "c"}]
     parse_pipeline(doc)
+
+
+# ---------------------------------------------------------------- handler lifecycle fields
+
+
+def _llm_doc() -> dict[str, Any]:
+    doc = yaml.safe_load((EXAMPLES / "hf-llm.yaml").read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_handler_args_batching_and_startup_parse() -> None:
+    prefill, decode = spec.parse_pipeline(_llm_doc()).roles
+    assert prefill.handler_args == {"model": "/tmp/disagg-tiny-llm", "dtype": "float32"}
+    assert prefill.batching == spec.model.Batching(max_batch_size=8, max_wait_milliseconds=5.0)
+    assert prefill.startup_seconds == 900
+    assert decode.batching is None and decode.startup_seconds == 900
+    doc = _llm_doc()
+    doc["spec"]["roles"][1].pop("startupSeconds")
+    doc["spec"]["roles"][1].pop("handlerArgs")
+    bare = spec.parse_pipeline(doc).roles[1]
+    assert (bare.handler_args, bare.batching) == ({}, None)
+    assert bare.startup_seconds == spec.model.DEFAULT_STARTUP_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("role", "where", "reason"),
+    [
+        ({"handlerArgs": "m"}, "handlerArgs", "expected a mapping"),
+        ({"handlerArgs": {"x": float("inf")}}, "handlerArgs", "plain JSON"),
+        ({"batching": {"maxBatchSize": 32}}, "batching.maxBatchSize", "exceeds concurrency 16"),
+        ({"batching": {}}, "batching.maxBatchSize", "required"),
+        ({"batching": {"maxBatchSize": 2, "wait": 1}}, "batching.wait", "unknown field"),
+        (
+            {"batching": {"maxBatchSize": 2, "maxWaitMilliseconds": -1}},
+            "batching.maxWaitMilliseconds",
+            "[0, 60000]",
+        ),
+        ({"startupSeconds": 0}, "startupSeconds", "at least 1"),
+    ],
+)
+def test_handler_field_problems_are_named(role: dict[str, Any], where: str, reason: str) -> None:
+    doc = _llm_doc()
+    doc["spec"]["roles"][0].update(role)
+    with pytest.raises(spec.SpecError) as caught:
+        spec.parse_pipeline(doc)
+    [problem] = caught.value.problems
+    assert problem.path == f"spec.roles[0].{where}" and reason in problem.reason

@@ -192,6 +192,12 @@ BOTH_REJECT: list[tuple[str, Mutation, str]] = [
     ("negative replicas", _set(f"{ROLE}.replicas", -1), f"{ROLE}.replicas"),
     ("replicas as text", _set(f"{ROLE}.replicas", "2"), f"{ROLE}.replicas"),
     ("zero concurrency", _set(f"{ROLE}.concurrency", 0), f"{ROLE}.concurrency"),
+    ("batch over concurrency", _set(f"{ROLE}.batching.maxBatchSize", 9), f"{ROLE}.batching"),
+    ("zero batch", _set(f"{ROLE}.batching.maxBatchSize", 0), f"{ROLE}.batching.maxBatchSize"),
+    ("batch without size", _set(f"{ROLE}.batching", {}), f"{ROLE}.batching.maxBatchSize"),
+    ("negative batch wait", _set(f"{ROLE}.batching.maxWaitMilliseconds", -1), "maxWaitMilli"),
+    ("zero startup", _set(f"{ROLE}.startupSeconds", 0), f"{ROLE}.startupSeconds"),
+    ("handler args a list", _set(f"{ROLE}.handlerArgs", [1]), f"{ROLE}.handlerArgs"),
     ("command not a list", _set(f"{ROLE}.command", "python"), f"{ROLE}.command"),
     ("reserved env", _append(f"{ROLE}.env", {"name": "DISAGG_ROLE", "value": "x"}), "env[2]"),
     ("bad env name", _append(f"{ROLE}.env", {"name": "1X", "value": "x"}), "env[2].name"),
@@ -428,6 +434,7 @@ def test_full_document_uses_every_field(crd_checker: Any, full_doc: Doc) -> None
         and not path.startswith(("status", "metadata."))
         and ".*" not in path
         and ".podTemplate." not in path
+        and ".handlerArgs." not in path
         and ".valueFrom." not in path
     }
     assert declared - used == set()

@@ -540,3 +540,22 @@ def test_the_lane_port_name_is_reserved_too(full_doc: Obj) -> None:
     assert [(p.path, p.reason) for p in caught.value.problems] == [
         ("spec.roles[0].ports[0].name", "'lane' is reserved for the runtime's own port")
     ]
+
+
+def test_handler_args_batching_and_startup_allowance_reach_the_container(full_doc: Obj) -> None:
+    found = _by_kind(planner.plan(_pipeline(full_doc), namespace=NS))
+    containers = _containers(found["StatefulSet"]["full-encoder"])
+    env = {e["name"]: e.get("value") for e in containers["encoder"]["env"]}
+    assert json.loads(env["DISAGG_HANDLER_ARGS"]) == {
+        "model": "/models/t5",
+        "dtype": "bfloat16",
+        "layers": [0, 1],
+        "opts": {"cache": True},
+    }
+    assert (env["DISAGG_MAX_BATCH_SIZE"], env["DISAGG_MAX_BATCH_WAIT_MS"]) == ("8", "2.5")
+    startup = containers["encoder"]["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 900  # startupSeconds
+    denoiser = _containers(found["StatefulSet"]["full-diffusion"])["denoiser"]
+    denoiser_env = {e["name"] for e in denoiser["env"]}
+    assert "DISAGG_HANDLER_ARGS" not in denoiser_env and "DISAGG_MAX_BATCH_SIZE" not in denoiser_env
+    assert denoiser["startupProbe"]["failureThreshold"] == 120  # the default 600 s

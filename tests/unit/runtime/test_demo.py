@@ -243,6 +243,8 @@ def test_examples_reference_demo_handlers() -> None:
         targets = {e["to"] for e in doc["spec"]["edges"]}
         for role in roles:
             module, _, attr = role["handler"].partition(":")
+            if module.startswith("disagg_runtime.models."):  # real models (tests/integration)
+                continue
             assert module == "disagg_runtime.demo", path.name
             assert callable(getattr(demo, attr, None)), f"{path.name}: {attr}"
             assert demo.ROLE_NAMES[attr] == role["name"], path.name
