@@ -1,0 +1,116 @@
+"""The coordinated rollout's stepping (operator/disagg_operator/rollout.py), driven by a
+simulated StatefulSet controller that moves one pod at a time, as the real one does."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg_operator.rollout import Policy, Step, Unit, coupled, step
+
+
+def fresh(replicas: int) -> Unit:
+    """A unit whose template just changed: no pod at the new revision, partition = n."""
+    return Unit(replicas=replicas, updated=0, ready=replicas, rolling=True, target=0)
+
+
+def simulate(
+    policy: Policy, replicas: dict[str, int], groups: list[list[str]], max_steps: int = 500
+) -> tuple[list[dict[str, float]], Step]:
+    """Roll to the end; return every observed {unit: updated fraction} (one pod at a time)."""
+    units = {n: fresh(r) for n, r in replicas.items()}
+    seen = [{n: u.fraction for n, u in units.items()}]
+    for _ in range(max_steps):
+        decision = step(policy, units, groups)
+        if decision.complete:
+            return seen, decision
+        assert not decision.held, decision
+        units = {
+            n: Unit(u.replicas, u.updated, u.ready, u.rolling, decision.targets[n])
+            for n, u in units.items()
+        }
+        # the controller moves one pod at a time, in any interleaving across units
+        while any(u.updated < u.target for u in units.values()):
+            for n, u in units.items():
+                if u.updated < u.target:
+                    units[n] = Unit(u.replicas, u.updated + 1, u.replicas, True, u.target)
+                    seen.append({m: v.fraction for m, v in units.items()})
+    raise AssertionError("the rollout did not finish")
+
+
+def test_coupled_units_advance_together_within_max_skew():
+    seen, last = simulate(
+        Policy(max_skew=0.25), {"prefill": 4, "decode": 8}, [["prefill", "decode"]]
+    )
+    assert last.complete and last.partitions == {"prefill": 0, "decode": 0}
+    assert all(max(f.values()) - min(f.values()) <= 0.25 + 1e-9 for f in seen)
+    assert seen[-1] == {"prefill": 1.0, "decode": 1.0}
+
+
+def test_uncoupled_units_roll_independently():
+    first = step(Policy(max_skew=0.25, max_unavailable=4), {"a": fresh(4), "b": fresh(4)})
+    assert first.targets == {"a": 4, "b": 4}
+
+
+def test_a_skew_smaller_than_one_pod_still_progresses():
+    _, last = simulate(Policy(max_skew=0.1), {"a": 2, "b": 3}, [["a", "b"]])
+    assert last.complete
+
+
+def test_an_unfinished_step_holds_every_unit_and_stalls_after_the_deadline():
+    policy = Policy(step_deadline_s=60)
+    units = {
+        "a": Unit(replicas=2, updated=1, ready=1, rolling=True, target=1),  # new pod not ready
+        "b": Unit(replicas=2, updated=1, ready=2, rolling=True, target=1),
+    }
+    held = step(policy, units, [["a", "b"]], step_age_s=10)
+    assert held.held and held.waiting == ("a",) and held.stalled == ()
+    assert held.partitions == {"a": 1, "b": 1}
+    assert step(policy, units, [["a", "b"]], step_age_s=61).stalled == ("a",)
+
+
+def test_paused_holds_and_partition_keeps_pods_back():
+    units = {"a": fresh(4)}
+    assert step(Policy(paused=True), units).partitions == {"a": 4}
+    _, last = simulate(Policy(partition=1, max_unavailable=2), {"a": 4}, [])
+    assert last.partitions == {"a": 1} and last.complete
+
+
+def test_units_without_a_new_revision_stay_as_they_are():
+    units = {"a": fresh(2), "b": Unit(replicas=3, updated=3, ready=3, rolling=False, target=3)}
+    decision = step(Policy(max_skew=0.5), units, [["a", "b"]])
+    assert decision.partitions["b"] == 0 and decision.targets["a"] == 1
+
+
+def test_coupling_is_transitive():
+    groups = coupled(["a", "b", "c", "d"], [["a", "b"], ["b", "c"]])
+    assert sorted(sorted(g) for g in groups) == [["a", "b", "c"], ["d"]]
+
+
+def test_policy_bounds():
+    for bad in ({"max_unavailable": 0}, {"max_skew": 0}, {"max_skew": 1.5}, {"partition": -1}):
+        with pytest.raises(ValueError):
+            Policy(**bad)  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    replicas=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    skew=st.sampled_from([0.1, 0.25, 0.34, 0.5, 1.0]),
+    unavailable=st.integers(1, 3),
+)
+def test_any_coupled_rollout_finishes_and_never_exceeds_the_skew(replicas, skew, unavailable):
+    names = [f"u{i}" for i in range(len(replicas))]
+    seen, last = simulate(
+        Policy(max_skew=skew, max_unavailable=unavailable),
+        dict(zip(names, replicas, strict=True)),
+        [names],
+    )
+    assert last.complete
+    one_pod = max(1 / r for r in replicas)  # the documented rounding of a tiny maxSkew
+    for fractions in seen:
+        assert max(fractions.values()) - min(fractions.values()) <= max(skew, one_pod) + 1e-9
+    assert list(itertools.islice(seen, 1)) == [dict.fromkeys(names, 0.0)]
