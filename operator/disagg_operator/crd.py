@@ -25,7 +25,7 @@ import yaml
 
 from disagg_core import autoscale, quantity
 from disagg_core.spec import model as m
-from disagg_core.spec.parse import MAX_TARGET_QUEUE
+from disagg_core.spec.parse import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE
 from disagg_operator import names
 
 Schema = dict[str, Any]
@@ -503,6 +503,45 @@ def group_schema() -> Schema:
     )
 
 
+def rollout_schema() -> Schema:
+    role = _string("A role.", pattern=DNS_1035_LABEL, maxLength=m.MAX_LABEL_LENGTH)
+    return _object(
+        "How a change of the pod templates rolls across roles: step by step through each "
+        "StatefulSet's rolling-update partition, coupled roles (ratio locks and groups) "
+        "keeping their updated fractions within maxSkew of each other.",
+        {
+            "maxUnavailable": _integer(
+                "Pods of one role moved to the new revision per step.", minimum=1, default=1
+            ),
+            "maxSkew": _number(
+                "Largest difference between the updated fractions of coupled roles, in (0, 1] "
+                "(1: they roll independently; a value below one pod's share is rounded up "
+                "to one pod).",
+                minimum=0,
+                exclusiveMinimum=True,
+                maximum=1,
+                default=1,
+            ),
+            "partition": _integer(
+                "Pods per role kept on the old revision (a canary hold).", minimum=0, default=0
+            ),
+            "paused": {"type": "boolean", "description": "Hold the rollout where it is."},
+            "stepDeadlineSeconds": _integer(
+                "Seconds a step may take to get every pod ready before the rollout stops "
+                "with the RolloutStalled condition.",
+                minimum=1,
+                maximum=MAX_ROLLOUT_STEP_DEADLINE_SECONDS,
+                default=m.DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS,
+            ),
+            "groups": _array(
+                "Roles that roll together besides those bound by a ratio lock.",
+                _array("Roles of one rollout group.", role, minItems=2, maxItems=MAX_ROLES),
+                maxItems=MAX_ROLES,
+            ),
+        },
+    )
+
+
 def ratio_lock_schema() -> Schema:
     return _object(
         "Hold two roles' replica counts in proportion: follower = ceil(leader * "
@@ -738,6 +777,7 @@ def spec_schema() -> Schema:
                 maxItems=MAX_ROLES,
                 **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["follower"]},
             ),
+            "rollout": rollout_schema(),
         },
         required=("roles",),
         **{"x-kubernetes-validations": _spec_rules()},

@@ -56,6 +56,14 @@ def _check_pod_policy(pipeline: m.Pipeline, out: Collector) -> None:
         reason = f"{problem.reason}; refused unless the pipeline is annotated "
         reason += f'{m.ANNOTATION_ALLOW_PRIVILEGED}: "true" (docs/security.md)'
         out.add(problem.path, reason)
+    _check_rollout_groups(pipeline, roles, out)
+
+
+def _check_rollout_groups(pipeline: m.Pipeline, roles: dict[str, int], out: Collector) -> None:
+    for i, group in enumerate(pipeline.rollout.groups):
+        for name in group:
+            if name not in roles:
+                out.add(f"spec.rollout.groups[{i}]", f"unknown role {name!r}")
 
 
 def _check_ratio_locks(pipeline: m.Pipeline, roles: dict[str, int], out: Collector) -> None:

@@ -256,6 +256,25 @@ class RatioLock:
     tolerance: float = 0.0
 
 
+DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS = 600
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """How a template change rolls across roles (operator/disagg_operator/rollout.py): at most
+    `max_unavailable` pods of a role per step; roles bound by a ratio lock or listed together
+    in `groups` keep their updated fractions within `max_skew` of each other; `partition`
+    pods per role stay on the old revision; `paused` holds; a step that is not ready within
+    `step_deadline_seconds` stops the rollout."""
+
+    max_unavailable: int = 1
+    max_skew: float = 1.0
+    partition: int = 0
+    paused: bool = False
+    step_deadline_seconds: int = DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS
+    groups: tuple[tuple[str, ...], ...] = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class NetworkPolicy:
     """`spec.networkPolicy`: whether the operator renders the pipeline's NetworkPolicy, and
@@ -284,6 +303,7 @@ class Pipeline:
     colocation: tuple[ColocationGroup, ...] = ()
     ratio_locks: tuple[RatioLock, ...] = ()
     network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
+    rollout: Rollout = field(default_factory=Rollout)
 
     @property
     def role_names(self) -> tuple[str, ...]:

@@ -26,11 +26,18 @@ METADATA_KEYS = (
     "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "finalizers",
     "managedFields", "ownerReferences", "generateName", "selfLink",
 )  # fmt: skip
-SPEC_KEYS = ("image", "transport", "roles", "edges", "colocation", "ratioLocks", "networkPolicy")
 NETWORK_POLICY_KEYS = ("enabled", "clients", "metricsFrom")
 PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
 SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+SPEC_KEYS = (
+    "image", "transport", "roles", "edges", "colocation", "ratioLocks", "networkPolicy",
+    "rollout",
+)  # fmt: skip
+ROLLOUT_KEYS = (
+    "maxUnavailable", "maxSkew", "partition", "paused", "stepDeadlineSeconds", "groups",
+)  # fmt: skip
+MAX_ROLLOUT_STEP_DEADLINE_SECONDS = 86_400
 RATIO_LOCK_KEYS = ("leader", "follower", "leaderShare", "followerShare", "tolerance")
 TRANSPORT_KEYS = ("relay", "poolSize", "minBlock", "poolDevice", "requestTimeoutSeconds")
 POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
@@ -88,6 +95,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
     groups = [_group(out, raw, path) for path, raw in f.items(out, spec, "colocation", "spec")]
     locks = [_ratio_lock(out, raw, path) for path, raw in f.items(out, spec, "ratioLocks", "spec")]
     network = _network_policy(out, spec.get("networkPolicy", {}), "spec.networkPolicy")
+    rollout = _rollout(out, spec.get("rollout", {}), "spec.rollout")
     pipeline = m.Pipeline(
         name=name,
         namespace=namespace,
@@ -100,6 +108,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
         colocation=tuple(groups),
         ratio_locks=tuple(lock for lock in locks if lock is not None),
         network_policy=network,
+        rollout=rollout,
     )
     return pipeline, out
 
@@ -172,6 +181,38 @@ def _transport(out: Collector, raw: object, path: str) -> m.Transport:
         min_block=_or(_min_block(out, t, path), default.min_block),
         pool_device=f.choice(out, t, "poolDevice", path, m.POOL_DEVICES) or default.pool_device,
         request_timeout_seconds=_or(timeout, default.request_timeout_seconds),
+    )
+
+
+def _rollout(out: Collector, raw: object, path: str) -> m.Rollout:
+    r = f.fields(out, raw, path, known=ROLLOUT_KEYS) or {}
+    default = m.Rollout()
+    skew = f.number(out, r, "maxSkew", path)
+    if skew is not None and not 0 < skew <= 1:
+        out.add(child(path, "maxSkew"), f"must be in (0, 1], got {skew}")
+        skew = None
+    deadline = f.integer(out, r, "stepDeadlineSeconds", path, minimum=1)
+    if deadline is not None and deadline > MAX_ROLLOUT_STEP_DEADLINE_SECONDS:
+        out.add(
+            child(path, "stepDeadlineSeconds"),
+            f"must be at most {MAX_ROLLOUT_STEP_DEADLINE_SECONDS}, got {deadline}",
+        )
+        deadline = None
+    groups = []
+    for group_path, group in f.items(out, r, "groups", path):
+        if not isinstance(group, list) or not all(isinstance(x, str) and x for x in group):
+            out.add(group_path, "expected a list of role names")
+        elif len(group) < 2:
+            out.add(group_path, f"a rollout group needs at least 2 roles, got {len(group)}")
+        else:
+            groups.append(tuple(group))
+    return m.Rollout(
+        max_unavailable=_or(f.integer(out, r, "maxUnavailable", path, minimum=1), 1),
+        max_skew=_or(skew, default.max_skew),
+        partition=_or(f.integer(out, r, "partition", path, minimum=0), 0),
+        paused=_or(f.flag(out, r, "paused", path), False),
+        step_deadline_seconds=_or(deadline, default.step_deadline_seconds),
+        groups=tuple(groups),
     )
 
 

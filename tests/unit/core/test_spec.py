@@ -1088,3 +1088,51 @@ def test_handler_field_problems_are_named(role: dict[str, Any], where: str, reas
         spec.parse_pipeline(doc)
     [problem] = caught.value.problems
     assert problem.path == f"spec.roles[0].{where}" and reason in problem.reason
+
+
+# -- spec.rollout --------------------------------------------------------------------------
+
+
+def _with_rollout(rollout: object) -> dict[str, Any]:
+    return {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedPipeline",
+        "metadata": {"name": "p"},
+        "spec": {
+            "image": "img",
+            "roles": [{"name": "a", "handler": "m:f"}, {"name": "b", "handler": "m:f"}],
+            "edges": [{"from": "a", "to": "b"}],
+            "rollout": rollout,
+        },
+    }
+
+
+def test_rollout_defaults_and_values():
+    assert spec.parse_pipeline(_with_rollout({})).rollout == spec.model.Rollout()
+    parsed = spec.parse_pipeline(
+        _with_rollout(
+            {"maxSkew": 0.25, "maxUnavailable": 2, "paused": True, "groups": [["a", "b"]]}
+        )
+    ).rollout
+    assert (parsed.max_skew, parsed.max_unavailable, parsed.paused) == (0.25, 2, True)
+    assert parsed.groups == (("a", "b"),)
+
+
+@pytest.mark.parametrize(
+    ("rollout", "where"),
+    [
+        ({"maxSkew": 0}, "spec.rollout.maxSkew"),
+        ({"maxSkew": 1.5}, "spec.rollout.maxSkew"),
+        ({"maxUnavailable": 0}, "spec.rollout.maxUnavailable"),
+        ({"partition": -1}, "spec.rollout.partition"),
+        ({"paused": "yes"}, "spec.rollout.paused"),
+        ({"stepDeadlineSeconds": 10**9}, "spec.rollout.stepDeadlineSeconds"),
+        ({"groups": [["a"]]}, "spec.rollout.groups[0]"),
+        ({"groups": [["a", "nope"]]}, "spec.rollout.groups[0]"),
+        ({"speed": 3}, "spec.rollout.speed"),
+    ],
+)
+def test_bad_rollouts_name_the_field(rollout, where):
+    with pytest.raises(spec.SpecError) as info:
+        spec.parse_pipeline(_with_rollout(rollout))
+    assert where in {p.path for p in info.value.problems}, info.value.problems

@@ -93,7 +93,7 @@ def test_coupling_is_transitive():
 def test_policy_bounds():
     for bad in ({"max_unavailable": 0}, {"max_skew": 0}, {"max_skew": 1.5}, {"partition": -1}):
         with pytest.raises(ValueError):
-            Policy(**bad)  # type: ignore[arg-type]
+            Policy(**bad)
 
 
 @settings(max_examples=150, deadline=None)
