@@ -891,6 +891,38 @@ def status_schema() -> Schema:
                 "additionalProperties": _integer("Replicas.", **count),
                 "maxProperties": MAX_ROLES,
             },
+            "rollout": _object(
+                "The coordinated rollout of a pod-template change (spec.rollout).",
+                {
+                    "phase": _string(
+                        "Rolling, Paused, Stalled (a step's pods not ready within "
+                        "stepDeadlineSeconds) or Complete.",
+                        enum=["Rolling", "Paused", "Stalled", "Complete"],
+                    ),
+                    "summary": _string("Pods at the new revision, of the rolling workloads."),
+                    "units": _array(
+                        "Per rolling workload (role or colocation group).",
+                        _object(
+                            "One workload's progress.",
+                            {
+                                "name": _string("The role or colocation group."),
+                                "replicas": _integer("Its replicas.", **count),
+                                "updated": _integer("Pods at the new revision.", **count),
+                                "ready": _integer("Ready pods.", **count),
+                                "target": _integer(
+                                    "Pods the current step lets run the new revision.", **count
+                                ),
+                            },
+                        ),
+                        maxItems=MAX_ROLES,
+                    ),
+                    "stalled": _array(
+                        "Workloads whose step missed its deadline.",
+                        _string("A role or colocation group."),
+                        maxItems=MAX_ROLES,
+                    ),
+                },
+            ),
         },
     )
 
@@ -936,6 +968,12 @@ def printer_columns() -> list[Schema]:
             "type": "string",
             "description": "Pending, Progressing, Ready, Degraded or Invalid.",
             "jsonPath": ".status.phase",
+        },
+        {
+            "name": "Rollout",
+            "type": "string",
+            "description": "Rollout progress: phase and pods at the new revision.",
+            "jsonPath": ".status.rollout.summary",
         },
         {
             "name": "Reason",

@@ -38,6 +38,7 @@ ANNOTATION_GPU_MODE: Final = f"{GROUP}/gpu-mode"
 ANNOTATION_GPU_DEVICE_CLASS: Final = f"{GROUP}/gpu-device-class"
 # On pod templates: a hash of what the pods read from outside their template.
 ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
+ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"  # on StatefulSets (rollout.py)
 # On the pipeline: roles (or colocation groups) whose StatefulSet replicas someone else owns
 # (an HPA, KEDA), comma-separated; the planner leaves their spec.replicas out.
 ANNOTATION_EXTERNAL_SCALING: Final = f"{GROUP}/external-scaling"

@@ -105,6 +105,12 @@ colocation groups only; lone roles ask for GPUs in their own `resources`:
   do not see the GPU, so CUDA IPC is not available to them; shared memory still is;
 - `none`: no GPU (clusters without GPUs, kind; shared memory between the containers).
 
+Rollouts: every StatefulSet has `updateStrategy: RollingUpdate` with `partition` =
+`options.partitions[U]` (0 when absent: always written, so that dropping it never lets a
+half-done rollout run away), and the annotation disagg.dev/template-hash = sha256 of its pod
+template[:16]; the reconciler compares that with the live StatefulSet's to step coordinated
+rollouts (rollout.py).
+
 Why StatefulSets: stable ordinals give each pod its replica index (DISAGG_REPLICA from the
 pod name) for metrics and shared-memory names, and stable per-pod DNS names under the
 governing Service; `podManagementPolicy: Parallel` starts and stops pods at once, so
@@ -180,6 +186,8 @@ class PlanOptions:
     dra_api_version: str = DRA_API_VERSIONS[0]
     replicas: Mapping[str, int] = field(default_factory=dict)
     metrics_namespaces: tuple[str, ...] = ()  # whose pods may scrape every role's metrics
+    # the rollout's partition per unit (operator/disagg_operator/rollout.py); 0 when absent
+    partitions: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -668,18 +676,25 @@ def _stateful_set(
         "serviceName": pipeline.derived_name(unit.roles[0].name),
         "replicas": unit.replicas,
         "podManagementPolicy": "Parallel",
-        "updateStrategy": {"type": "RollingUpdate"},
+        "updateStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"partition": options.partitions.get(unit.unit, 0)},
+        },
         "selector": {"matchLabels": unit.selector(pipeline)},
         "template": template,
     }
     if unit.unit in external_units(pipeline):
         del spec["replicas"]  # the HPA's (or KEDA's) field
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": _meta(unit.name, namespace, unit.labels(pipeline)),
-        "spec": spec,
-    }
+    meta = _meta(unit.name, namespace, unit.labels(pipeline))
+    meta["annotations"] = {names.ANNOTATION_TEMPLATE_HASH: template_hash(template)}
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": spec}
+
+
+def template_hash(template: Mapping[str, Any]) -> str:
+    """A unit's pod template, hashed: the live StatefulSet's copy of it tells the rollout
+    whether its pods still have to move to a new revision."""
+    text = json.dumps(template, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def child_kinds(options: PlanOptions | None = None) -> tuple[tuple[str, str], ...]:

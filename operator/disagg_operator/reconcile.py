@@ -47,6 +47,7 @@ import base64
 import binascii
 import dataclasses
 import datetime
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -59,12 +60,13 @@ from disagg_core import spec
 from disagg_core.spec import podpolicy
 from disagg_core.spec.fields import SpecError
 from disagg_core.spec.model import Pipeline
-from disagg_operator import apply, autoscaling, names, planner, pods, status
+from disagg_operator import apply, autoscaling, names, planner, pods, rollout_state, status
 from disagg_operator.metrics import Metrics
 
 # Degraded reason when a planned child's name is taken by an object this pipeline does not
 # control. (Not in names.REASONS: that tuple feeds the generated CRD's descriptions.)
 REASON_CHILD_CONFLICT: Final = "ChildConflict"
+log = logging.getLogger(__name__)
 
 # Event reasons.
 EVENT_CREATED: Final = "Created"
@@ -77,6 +79,7 @@ EVENT_DEGRADED: Final = "PipelineDegraded"
 EVENT_FAILED: Final = "ReconcileFailed"
 EVENT_PRIVILEGED: Final = "PrivilegedPodTemplate"
 PEER_KEY_BYTES: Final = 32
+EVENT_ROLLOUT_STALLED: Final = "RolloutStalled"
 MAX_EVENT_MESSAGE: Final = 1024
 
 Key = tuple[str, str]  # namespace, name
@@ -104,6 +107,12 @@ class PipelineState:
     privileged: tuple[str, ...] = ()  # the weakening settings last warned about
     refresh_waiting: bool = False
     recheck: asyncio.TimerHandle | None = None
+    partitions: dict[str, int] = field(default_factory=dict)  # the rollout's, by unit
+    step_targets: dict[str, int] = field(default_factory=dict)  # the current rollout step
+    step_started: float = 0.0  # monotonic seconds
+    stalled: tuple[str, ...] = ()  # units whose step missed its deadline (Event once)
+    step_recheck: asyncio.TimerHandle | None = None  # a refresh when the step deadline passes
+    peer_key_hash: str | None = None  # of the key last reconciled: templates carry it
 
 
 @dataclass(frozen=True)
@@ -213,6 +222,14 @@ class Reconciler:
         objects = planner.plan(
             pipeline, namespace=namespace, owner=owner, options=options, peer_key_hash=digest
         )
+        state.peer_key_hash = digest
+        live = await apply.owned_statefulsets(self.api, owner, namespace)
+        self._step_rollout(pipeline, objects, live, state)
+        if self._options_for(state) != options:  # the rollout moved a partition
+            options = self._options_for(state)
+            objects = planner.plan(
+                pipeline, namespace=namespace, owner=owner, options=options, peer_key_hash=digest
+            )
         result = await apply.apply_children(
             self.api,
             objects,
@@ -274,6 +291,7 @@ class Reconciler:
         )
         if not isinstance(parsed, SpecError):
             after = with_conflicts(after, state.conflicts, now=now, previous=before)
+            after = self._rollout_status(body, parsed, statefulsets, state, after)
         written = await apply.write_status(self.api, body, after)
         events = [*extra_events]
         events += decision_events(
@@ -291,11 +309,100 @@ class Reconciler:
         )
 
     def _options_for(self, state: PipelineState) -> planner.PlanOptions:
-        if not state.replicas:
+        if not state.replicas and not state.partitions:
             return self.options
         return dataclasses.replace(
-            self.options, replicas={**self.options.replicas, **state.replicas}
+            self.options,
+            replicas={**self.options.replicas, **state.replicas},
+            partitions=dict(state.partitions),
         )
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _step_rollout(
+        self,
+        pipeline: Pipeline,
+        planned: Sequence[Mapping[str, Any]],
+        live: Sequence[Mapping[str, Any]],
+        state: PipelineState,
+    ) -> rollout_state.Decision:
+        """Decide the rollout's partitions (rollout.py) and keep them in `state`."""
+        now = time.monotonic()
+        decision = rollout_state.decide(
+            pipeline, planned, live, step_age_s=now - state.step_started
+        )
+        targets = dict(decision.step.targets)
+        if targets != state.step_targets:
+            state.step_targets, state.step_started = targets, now
+        state.partitions = {unit: p for unit, p in decision.step.partitions.items() if p}
+        return decision
+
+    def _rollout_status(
+        self,
+        body: Mapping[str, Any],
+        pipeline: Pipeline,
+        statefulsets: Sequence[Mapping[str, Any]],
+        state: PipelineState,
+        built: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """`built` with `rollout`; an Event when a step stalls; a reconcile scheduled when the
+        observed StatefulSets finished the current step (the next one lowers partitions)."""
+        meta = body["metadata"]
+        planned = planner.plan(
+            pipeline,
+            namespace=meta["namespace"],
+            owner=planner.Owner.of(body),
+            options=self._options_for(state),
+            peer_key_hash=state.peer_key_hash,
+        )
+        decision = rollout_state.decide(
+            pipeline, planned, statefulsets, step_age_s=time.monotonic() - state.step_started
+        )
+        stalled = decision.step.stalled
+        if stalled and stalled != state.stalled:
+            units = ", ".join(stalled)
+            self.post_event(
+                body,
+                "Warning",
+                EVENT_ROLLOUT_STALLED,
+                f"rollout stopped: {units} not ready within "
+                f"{pipeline.rollout.step_deadline_seconds}s of the step's start",
+            )
+        state.stalled = stalled
+        self._schedule_step_deadline(body, state, decision, pipeline)
+        in_effect = {unit: state.partitions.get(unit, 0) for unit in decision.step.partitions}
+        if decision.active and dict(decision.step.partitions) != in_effect:
+            self._spawn_reconcile((meta["namespace"], meta["name"]))
+        return {**built, "rollout": rollout_state.status(decision, pipeline.rollout.paused)}
+
+    def _schedule_step_deadline(
+        self,
+        body: Mapping[str, Any],
+        state: PipelineState,
+        decision: rollout_state.Decision,
+        pipeline: Pipeline,
+    ) -> None:
+        """While a step waits, refresh once its deadline passes (a stuck pod sends no event)."""
+        if state.step_recheck is not None:
+            state.step_recheck.cancel()
+            state.step_recheck = None
+        if not decision.step.waiting or decision.step.stalled:
+            return
+        age = time.monotonic() - state.step_started
+        delay = max(0.0, pipeline.rollout.step_deadline_seconds - age) + 0.1
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        state.step_recheck = asyncio.get_running_loop().call_later(delay, self._spawn_refresh, key)
+
+    def _spawn_reconcile(self, key: Key) -> None:
+        task = asyncio.create_task(self._reconcile_logged(key), name=f"disagg-step-{key[1]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reconcile_logged(self, key: Key) -> None:
+        try:
+            await self.reconcile(*key)
+        except Exception:  # kopf's own retries take over on the next event
+            log.exception("rollout step of %s/%s failed", *key)
 
     def _schedule_recheck(
         self,

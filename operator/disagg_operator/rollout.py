@@ -9,7 +9,8 @@ rules:
 
     n        = the unit's replicas, u = its pods at the update revision, f = u / n
     cap      = n - policy.partition            (pods kept back: a canary hold)
-    a step is done when every rolling unit has u >= its target and all n pods ready
+    a step is done when every rolling unit has u >= its target and all n pods ready, and
+    no unit's controller is behind its latest spec (`stale`)
     while a step is not done:        hold every target (no unit advances)
     paused:                           hold every target
     next(unit) = min(cap, u + maxUnavailable,
@@ -67,6 +68,7 @@ class Unit:
     ready: int
     rolling: bool
     target: int
+    stale: bool = False  # the controller has not observed the latest spec: wait for it
 
     @property
     def fraction(self) -> float:
@@ -74,6 +76,8 @@ class Unit:
 
     @property
     def step_done(self) -> bool:
+        if self.stale:
+            return False
         return not self.rolling or (self.updated >= self.target and self.ready >= self.replicas)
 
 

@@ -45,6 +45,7 @@ def check(pipeline: m.Pipeline, out: Collector) -> None:
     _check_cuda_ipc(pipeline, links, members, out)
     _check_ratio_locks(pipeline, roles, out)
     _check_pod_policy(pipeline, out)
+    _check_rollout_groups(pipeline, roles, out)
 
 
 def _check_pod_policy(pipeline: m.Pipeline, out: Collector) -> None:
@@ -56,7 +57,6 @@ def _check_pod_policy(pipeline: m.Pipeline, out: Collector) -> None:
         reason = f"{problem.reason}; refused unless the pipeline is annotated "
         reason += f'{m.ANNOTATION_ALLOW_PRIVILEGED}: "true" (docs/security.md)'
         out.add(problem.path, reason)
-    _check_rollout_groups(pipeline, roles, out)
 
 
 def _check_rollout_groups(pipeline: m.Pipeline, roles: dict[str, int], out: Collector) -> None:
