@@ -347,6 +347,8 @@ class Reconciler:
     ) -> dict[str, Any]:
         """`built` with `rollout`; an Event when a step stalls; a reconcile scheduled when the
         observed StatefulSets finished the current step (the next one lowers partitions)."""
+        if state.peer_key_hash is None:  # no reconcile since start: the plan is not known yet
+            return dict(built)
         meta = body["metadata"]
         planned = planner.plan(
             pipeline,

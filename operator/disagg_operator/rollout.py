@@ -13,8 +13,10 @@ rules:
     no unit's controller is behind its latest spec (`stale`)
     while a step is not done:        hold every target (no unit advances)
     paused:                           hold every target
-    next(unit) = min(cap, u + maxUnavailable,
-                     floor((min f over its coupled units + maxSkew) * n))
+    uncoupled (alone, or maxSkew 1): next(unit) = cap at once: the StatefulSet controller
+               rolls it natively, one pod at a time, each ready before the next
+    coupled:   next(unit) = min(cap, u + maxUnavailable,
+                                floor((min f over its coupled units + maxSkew) * n))
                but at least u + 1 for the units at the minimum f (progress: a maxSkew
                smaller than one pod's share is rounded up to one pod), never above cap
     partition = n - next
@@ -142,7 +144,10 @@ def step(
     targets = dict(current)
     for component in components:
         rolling = [n for n in component if units[n].rolling]
-        if not rolling:
+        if len(rolling) < 2 or policy.max_skew >= 1:
+            # nothing to coordinate: the StatefulSet controller rolls on its own (one pod at
+            # a time, each ready before the next), down to the partition hold
+            targets.update({name: max(units[name].updated, caps[name]) for name in rolling})
             continue
         lowest = min(units[n].fraction for n in rolling)
         for name in rolling:

@@ -82,7 +82,15 @@ def test_paused_holds_and_partition_keeps_pods_back():
 def test_units_without_a_new_revision_stay_as_they_are():
     units = {"a": fresh(2), "b": Unit(replicas=3, updated=3, ready=3, rolling=False, target=3)}
     decision = step(Policy(max_skew=0.5), units, [["a", "b"]])
-    assert decision.partitions["b"] == 0 and decision.targets["a"] == 1
+    # b has nothing to roll, so it does not hold a back: a rolls natively (partition 0)
+    assert decision.partitions == {"a": 0, "b": 0}
+
+
+def test_without_coupling_the_statefulset_controller_rolls_natively():
+    units = {"a": fresh(4), "b": fresh(3)}
+    assert step(Policy(), units, [["a", "b"]]).partitions == {"a": 0, "b": 0}  # maxSkew 1
+    assert step(Policy(max_skew=0.5), units).partitions == {"a": 0, "b": 0}  # no group
+    assert step(Policy(max_skew=0.5, partition=1), units).partitions == {"a": 1, "b": 1}
 
 
 def test_coupling_is_transitive():
