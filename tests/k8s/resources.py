@@ -151,6 +151,8 @@ BUILTIN: tuple[ResourceType, ...] = (
     _r("events.k8s.io", "v1", "events", "Event", short=("ev",), storage=("", "events")),
     # policy/v1
     _r("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short=("pdb",), status=True),
+    # discovery.k8s.io/v1 (written by the test node's endpoints controller)
+    _r("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice"),
     # networking.k8s.io/v1
     _r("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short=("netpol",)),
     _r("networking.k8s.io", "v1", "ingresses", "Ingress", short=("ing",), status=True),

@@ -1,0 +1,203 @@
+"""A node beside the API emulator: controllers, kubelet and cluster DNS in one thread with its
+own event loop, talking to the API over HTTP (watches), running pods as sandboxed
+processes (see the package docstring).
+
+    node = Node(k8s.url).start()      # needs root: network.can_create_namespaces()
+    ...
+    node.stop()                       # every pod terminated, bridge and netns gone
+    assert not node.leftovers()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from . import network, sandbox
+from .api import Api, Obj
+from .controllers import Controllers
+from .dns import ClusterDns, ClusterResolver
+from .informer import Informer, Key
+from .kubelet import Config, Kubelet, PodWorker
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+RESOURCES = ("pods", "services", "endpoints", "endpointslices", "statefulsets", "deployments")
+ROOT = "/run/disagg-node"
+
+
+class Node:
+    def __init__(
+        self,
+        url: str,
+        *,
+        backoff: float = 10.0,
+        pythonpath: str | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.tag = secrets.token_hex(2)
+        self.root = f"{ROOT}/{self.tag}"
+        self.url = url
+        self.bridge = network.Bridge(self.tag)
+        self.config = Config(
+            venv_bin=os.path.dirname(sys.executable),
+            pythonpath=os.environ.get("PYTHONPATH", "") if pythonpath is None else pythonpath,
+            root=self.root,
+            backoff=backoff,
+            extra_env=dict(extra_env or {}),
+        )
+        self._pods = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.api: Api | None = None
+        self.informers: dict[str, Informer] = {}
+        self.kubelet: Kubelet | None = None
+        self.dns: ClusterDns | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Node:
+        os.makedirs(self.root, mode=0o755)
+        os.chmod(ROOT, 0o755)
+        self.bridge.create()
+        ready = threading.Event()
+
+        def main() -> None:
+            self._loop = asyncio.new_event_loop()
+            self._loop.call_soon(ready.set)
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=main, name=f"test-node-{self.tag}", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        self.call(self._start())
+        return self
+
+    async def _start(self) -> None:
+        self.api = Api(self.url)
+        self.informers = {r: Informer(self.api, r) for r in RESOURCES}
+        controllers = Controllers(self.api, self.informers)
+        self.kubelet = Kubelet(self.api, self.config, self._sandbox)
+        self.informers["pods"].handlers.append(self._pod_event)
+        for informer in self.informers.values():
+            self._tasks.append(asyncio.create_task(informer.run()))
+        for coro in controllers.tasks():
+            self._tasks.append(asyncio.ensure_future(coro))
+        await asyncio.gather(*(i.synced.wait() for i in self.informers.values()))
+        resolver = ClusterResolver(self.informers["services"], self.informers["endpointslices"])
+        self.dns = ClusterDns(resolver, self.bridge.gateway)
+        self.dns.start()
+
+    def _sandbox(self, pod: Obj) -> sandbox.Sandbox:
+        meta, spec = pod["metadata"], pod.get("spec") or {}
+        hostname = str(spec.get("hostname") or meta["name"])
+        fqdn = ""
+        if spec.get("subdomain"):
+            fqdn = f"{hostname}.{spec['subdomain']}.{meta['namespace']}.svc.{sandbox.CLUSTER_DOMAIN}"
+        n = next(self._pods)
+        return sandbox.Sandbox(
+            bridge=self.bridge,
+            pod_dir=f"{self.root}/pods/{meta['namespace']}_{meta['name']}_{meta['uid']}",
+            netns=f"{network.NAME_PREFIX}{self.tag}p{n}",
+            hostname=hostname[:63],
+            fqdn=fqdn,
+            namespace=str(meta["namespace"]),
+        )
+
+    def _pod_event(self, key: Key) -> None:
+        if self.kubelet is not None:
+            self.kubelet.sync(self.informers["pods"].items())
+
+    def stop(self) -> None:
+        """Terminate every pod (grace periods honoured), stop DNS and the loop, remove the
+        bridge and the node's files."""
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                self.call(self._stop(), timeout=120)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(10)
+        if self.dns is not None:
+            self.dns.stop()
+        network.sweep(self.tag)
+        self.bridge.delete()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    async def _stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kubelet is not None:
+            await self.kubelet.shutdown()
+        if self.api is not None:
+            await self.api.close()
+
+    def leftovers(self) -> list[str]:
+        """What of this node still exists (empty after `stop`)."""
+        found = network.leftovers(self.tag)
+        if os.path.exists(self.root):
+            found.append(f"dir {self.root}")
+        return found
+
+    # ------------------------------------------------------------------ for tests
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        if self._loop is None:
+            raise RuntimeError("the node is not running")
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(timeout)
+
+    def worker(self, namespace: str, name: str) -> PodWorker:
+        assert self.kubelet is not None
+        worker = self.kubelet.worker(namespace, name)
+        if worker is None:
+            raise KeyError(f"no pod {namespace}/{name} on this node")
+        return worker
+
+    def logs(self, namespace: str, pod: str, container: str | None = None) -> str:
+        """Every log of a container (all restarts, oldest first)."""
+        worker = self.worker(namespace, pod)
+        name = container or worker.containers[0].name
+        c = next(c for c in worker.containers if c.name == name)
+        out = []
+        for restart in range(c.restarts + 1):
+            with contextlib.suppress(OSError):
+                with open(worker.sandbox.log_path(name, restart), errors="replace") as f:
+                    out.append(f.read())
+        return "".join(out)
+
+    def kill(self, namespace: str, pod: str, container: str, sig: int = signal.SIGKILL) -> int:
+        """Signal a container's main process (e.g. kill -9); returns its pid."""
+        worker = self.worker(namespace, pod)
+        c = next(c for c in worker.containers if c.name == container)
+        if c.process is None or c.process.returncode is not None:
+            raise RuntimeError(f"container {container} of {pod} is not running")
+        os.kill(c.process.pid, sig)
+        return c.process.pid
+
+    def cut(self, namespace: str, pod: str) -> None:
+        network.cut(self.worker(namespace, pod).sandbox.netns)
+
+    def restore(self, namespace: str, pod: str) -> None:
+        network.restore(self.worker(namespace, pod).sandbox.netns)
+
+    def pod_processes(self) -> list[int]:
+        """Every process in any of this node's pod network namespaces."""
+        pids = []
+        for line in network.ip("netns", "list").stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            if name.startswith(network.NAME_PREFIX + self.tag):
+                pids.extend(sandbox.processes_in(f"/run/netns/{name}"))
+        return pids

@@ -1,0 +1,192 @@
+"""Enter a pod's namespaces: the pod sandbox ("pause") and each container start through this
+script, run as root by the kubelet with ``python -I nsexec.py pause|container SPEC.json``.
+
+Standard library only (it runs before anything of the "image" is on the path), one process,
+no threads: ``setns`` of a mount namespace refuses multi-threaded callers.
+
+pause      join the pod's network namespace (``/run/netns/<name>``), unshare IPC, mount and
+           UTS namespaces, set the hostname to the pod name, mount every memory emptyDir
+           as a tmpfs of its sizeLimit (mode 1777), print "ready", then wait for SIGTERM.
+           The pod's namespaces live as long as this process (and its containers).
+container  join the pause process's network, IPC, UTS and mount namespaces, unshare a
+           mount namespace of its own (propagation private: nothing reaches the host),
+           bind every volume at its mountPath (a missing mount point is made inside an
+           overlay of its nearest existing parent, so the host's tree is never written),
+           optionally remount / read-only, make the "image" (the interpreter's prefix)
+           reachable when it sits under a private directory, drop to runAsUser/runAsGroup, exec the command.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    _check(
+        _libc.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {source} on {target}",
+    )
+
+
+def setns(path: str, kind: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check(_libc.setns(fd, kind), f"setns {path}")
+    finally:
+        os.close(fd)
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def private_root() -> None:
+    mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+
+
+def pause(spec: dict[str, Any]) -> None:
+    setns(spec["netns"], CLONE_NEWNET)
+    unshare(CLONE_NEWIPC | CLONE_NEWNS | CLONE_NEWUTS)
+    private_root()
+    socket.sethostname(spec["hostname"])
+    for tmpfs in spec.get("tmpfs", []):
+        options = "mode=1777" + (f",size={tmpfs['size']}" if tmpfs.get("size") else "")
+        mount("tmpfs", tmpfs["path"], "tmpfs", MS_NOSUID | MS_NODEV, options)
+    stop = False
+
+    def on_term(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    print("ready", flush=True)
+    while not stop:
+        signal.pause()
+
+
+def _ensure_target(target: str, is_file: bool, scratch: str, overlays: list[str]) -> None:
+    """Make `target` exist without writing to the host: overlay its nearest existing
+    parent (lower = that parent, upper in the container's scratch tmpfs) and create it."""
+    if os.path.lexists(target):
+        return
+    parent = os.path.dirname(target)
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    if parent == "/":
+        raise OSError(f"cannot create mount point {target} under /")
+    if parent not in overlays:
+        n = len(overlays)
+        upper, work = f"{scratch}/upper{n}", f"{scratch}/work{n}"
+        os.makedirs(upper)
+        os.makedirs(work)
+        mount("overlay", parent, "overlay", 0, f"lowerdir={parent},upperdir={upper},workdir={work}")
+        overlays.append(parent)
+    if is_file:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w"):
+            pass
+    else:
+        os.makedirs(target, exist_ok=True)
+
+
+def reveal(path: str, scratch: str, n: int) -> None:
+    """Make `path` reachable for any user although an ancestor is private (e.g. an
+    interpreter under /root, mode 0700): keep it aside, cover the first closed ancestor with
+    an empty tmpfs (mode 0755) and bind it back at its own path."""
+    parts = path.strip("/").split("/")
+    closed = None
+    for i in range(1, len(parts)):
+        ancestor = "/" + "/".join(parts[:i])
+        if not os.stat(ancestor).st_mode & 0o001:
+            closed = ancestor
+            break
+    if closed is None:
+        return
+    aside = f"{scratch}/reveal{n}"
+    os.makedirs(aside)
+    mount(path, aside, None, MS_BIND | MS_REC, None)
+    mount("tmpfs", closed, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    os.makedirs(path)
+    mount(aside, path, None, MS_BIND | MS_REC, None)
+
+
+def container(spec: dict[str, Any]) -> None:
+    pid = spec["pid"]
+    for name, kind in (("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)):
+        setns(f"/proc/{pid}/ns/{name}", kind)
+    setns(f"/proc/{pid}/ns/mnt", CLONE_NEWNS)
+    unshare(CLONE_NEWNS)
+    private_root()
+    scratch = spec["scratch"]
+    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,size=16m")
+    for n, path in enumerate(spec.get("reveal", [])):
+        reveal(path, scratch, n)
+    overlays: list[str] = []
+    for m in spec["mounts"]:
+        _ensure_target(m["target"], os.path.isfile(m["source"]), scratch, overlays)
+    for m in spec["mounts"]:
+        mount(m["source"], m["target"], None, MS_BIND | MS_REC, None)
+        if m.get("readOnly"):
+            mount("none", m["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+    if spec.get("readOnlyRoot"):
+        mount("none", "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+        for parent in overlays:
+            mount("none", parent, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+    uid, gid = spec.get("uid"), spec.get("gid")
+    if gid is not None:
+        os.setgroups([int(g) for g in spec.get("groups", [])])
+        os.setgid(int(gid))
+    if uid is not None:
+        os.setuid(int(uid))
+    os.chdir(spec.get("workingDir") or "/")
+    argv = [str(a) for a in spec["argv"]]
+    env = {str(k): str(v) for k, v in spec["env"].items()}
+    os.execvpe(argv[0], argv, env)
+
+
+def main() -> None:
+    mode, path = sys.argv[1], sys.argv[2]
+    with open(path) as f:
+        spec = json.load(f)
+    try:
+        {"pause": pause, "container": container}[mode](spec)
+    except OSError as exc:
+        print(f"nsexec {mode}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(128)
+
+
+if __name__ == "__main__":
+    main()

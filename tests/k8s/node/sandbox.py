@@ -1,0 +1,197 @@
+"""A pod sandbox and its containers as processes.
+
+Sandbox = a network namespace on the node's bridge (`network.Bridge.attach`) plus a "pause"
+process (`nsexec.py pause`) that holds the pod's IPC, mount and UTS namespaces, its
+hostname and its memory emptyDirs (tmpfs). Container = `nsexec.py container`: it joins the
+pause process's namespaces, takes a mount namespace of its own with the pod's volumes and
+/etc/hosts, /etc/resolv.conf, /etc/hostname bound in, drops to the pod's user and execs the
+command with stdout and stderr to `<pod dir>/logs/<container>/<restart>.log`.
+
+Containers of one pod share network (peers on 127.0.0.1), IPC and /dev/shm (the same
+tmpfs); pods share nothing but the bridge. Every process of a pod is found through its
+network namespace (`processes_in`), so teardown also reaps what a container spawned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .network import Bridge
+
+NSEXEC = str(Path(__file__).with_name("nsexec.py"))
+CLUSTER_DOMAIN = "cluster.local"
+
+
+def netns_inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def processes_in(netns_path: str) -> list[int]:
+    """PIDs whose network namespace is the one at `netns_path`."""
+    inode = netns_inode(netns_path)
+    if inode is None:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
+                    found.append(int(entry))
+    return found
+
+
+@dataclass
+class Sandbox:
+    bridge: Bridge
+    pod_dir: str
+    netns: str
+    hostname: str
+    fqdn: str  # <hostname>.<subdomain>.<ns>.svc.cluster.local, or ""
+    namespace: str
+    ip: str = ""
+    veth: str = ""
+    pause: asyncio.subprocess.Process | None = None
+    netns_ino: int | None = None
+    etc: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def netns_path(self) -> str:
+        return f"/run/netns/{self.netns}"
+
+    async def create(self, tmpfs: list[dict[str, object]]) -> None:
+        os.makedirs(self.pod_dir, mode=0o755, exist_ok=True)
+        self.ip, self.veth = await asyncio.to_thread(self.bridge.attach, self.netns)
+        self.netns_ino = netns_inode(self.netns_path)
+        self._write_etc()
+        spec = os.path.join(self.pod_dir, "pause.json")
+        Path(spec).write_text(
+            json.dumps({"netns": self.netns_path, "hostname": self.hostname, "tmpfs": tmpfs})
+        )
+        self.pause = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-I",
+            NSEXEC,
+            "pause",
+            spec,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert self.pause.stdout is not None
+        line = await asyncio.wait_for(self.pause.stdout.readline(), 10)
+        if line.strip() != b"ready":
+            err = await self.pause.stderr.read() if self.pause.stderr else b""
+            raise RuntimeError(f"pod sandbox failed: {err.decode(errors='replace').strip()}")
+
+    def _write_etc(self) -> None:
+        etc = os.path.join(self.pod_dir, "etc")
+        os.makedirs(etc, exist_ok=True)
+        names = f"{self.fqdn} {self.hostname}" if self.fqdn else self.hostname
+        files = {
+            "hosts": (
+                "# Kubernetes-managed hosts file (test node).\n127.0.0.1\tlocalhost\n"
+                f"::1\tlocalhost ip6-localhost ip6-loopback\n{self.ip}\t{names}\n"
+            ),
+            "resolv.conf": (
+                f"search {self.namespace}.svc.{CLUSTER_DOMAIN} svc.{CLUSTER_DOMAIN} "
+                f"{CLUSTER_DOMAIN}\nnameserver {self.bridge.gateway}\noptions ndots:5\n"
+            ),
+            "hostname": self.hostname + "\n",
+        }
+        for name, text in files.items():
+            path = os.path.join(etc, name)
+            Path(path).write_text(text)
+            os.chmod(path, 0o644)
+            self.etc[f"/etc/{name}"] = path
+
+    async def start_container(
+        self,
+        name: str,
+        restart: int,
+        *,
+        argv: list[str],
+        env: dict[str, str],
+        mounts: list[dict[str, object]],
+        uid: int | None,
+        gid: int | None,
+        groups: list[int],
+        read_only_root: bool,
+        working_dir: str,
+    ) -> asyncio.subprocess.Process:
+        if self.pause is None:
+            raise RuntimeError("the sandbox is not running")
+        cdir = os.path.join(self.pod_dir, "containers", f"{name}-{restart}")
+        scratch = os.path.join(cdir, "scratch")
+        os.makedirs(scratch, exist_ok=True)
+        logs = os.path.join(self.pod_dir, "logs", name)
+        os.makedirs(logs, exist_ok=True)
+        etc = [{"source": src, "target": dst} for dst, src in sorted(self.etc.items())]
+        spec = {
+            "pid": self.pause.pid,
+            "reveal": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
+            "scratch": scratch,
+            "mounts": etc + mounts,
+            "uid": uid,
+            "gid": gid,
+            "groups": groups,
+            "readOnlyRoot": read_only_root,
+            "workingDir": working_dir,
+            "argv": argv,
+            "env": env,
+        }
+        spec_path = os.path.join(cdir, "spec.json")
+        Path(spec_path).write_text(json.dumps(spec))
+        with open(os.path.join(logs, f"{restart}.log"), "ab") as log:
+            return await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                NSEXEC,
+                "container",
+                spec_path,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+
+    def log_path(self, name: str, restart: int) -> str:
+        return os.path.join(self.pod_dir, "logs", name, f"{restart}.log")
+
+    async def destroy(self) -> None:
+        """Kill whatever still runs in the pod, then remove its network namespace."""
+        if self.pause is not None and self.pause.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.pause.terminate()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.pause.wait(), 5)
+        deadline = time.monotonic() + 5
+        while self.ip and time.monotonic() < deadline:
+            pids = processes_in(self.netns_path)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.05)
+        if self.pause is not None and self.pause.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.pause.kill()
+            await self.pause.wait()
+        if self.ip:
+            await asyncio.to_thread(self.bridge.detach, self.netns, self.veth, self.ip)
+            self.ip = ""
+
+    def remove_files(self) -> None:
+        shutil.rmtree(self.pod_dir, ignore_errors=True)
