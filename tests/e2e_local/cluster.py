@@ -1,0 +1,237 @@
+"""The local cluster of the e2e_local scenarios: the API emulator, the test node (pods as
+sandboxed processes) and the operator as its own process (`disagg operator`, credentials
+from a kubeconfig, GPU mode `none` as on a cluster without GPUs), driven with the real
+kubectl.
+
+Every wait has a deadline; `LocalCluster.close` stops the operator, terminates every pod and
+removes the node's network, and says what was left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import yaml
+
+if TYPE_CHECKING:
+    from tests.k8s.fixtures import Kubectl
+    from tests.k8s.node import Node
+    from tests.k8s.server import EmulatorThread
+else:
+    from k8s.fixtures import Kubectl
+    from k8s.node import Node
+    from k8s.server import EmulatorThread
+
+T = TypeVar("T")
+Obj = dict[str, Any]
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
+SAMPLES = REPO / "manifests" / "samples"
+CLIENT = pathlib.Path(__file__).with_name("client_pod.py")
+NS = "default"
+PIPELINES = "disagg.dev/v1alpha1/disaggregatedpipelines"
+LABEL_PIPELINE = "disagg.dev/pipeline"
+
+
+def wait_for(predicate: Callable[[], T | None], message: str, timeout: float) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {message}")
+        time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def sample(name: str) -> Obj:
+    doc = yaml.safe_load((SAMPLES / f"{name}.yaml").read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def entries_and_exits(doc: Obj) -> tuple[list[Obj], list[str]]:
+    """Entry roles (no incoming edge) and exit roles (no outgoing edge) of a pipeline."""
+    roles = doc["spec"]["roles"]
+    edges = doc["spec"].get("edges") or []
+    targets = {e["to"] for e in edges}
+    sources = {e["from"] for e in edges}
+    entries = [r for r in roles if r["name"] not in targets]
+    exits = [r["name"] for r in roles if r["name"] not in sources]
+    return entries, exits
+
+
+class LocalCluster:
+    def __init__(self, workdir: pathlib.Path, *, backoff: float = 1.0) -> None:
+        self.workdir = workdir
+        self.k8s = EmulatorThread().start()
+        self.kubeconfig = workdir / "kubeconfig.yaml"
+        self.kubeconfig.write_text(yaml.safe_dump(self.k8s.kubeconfig(), sort_keys=False))
+        cache = workdir / "kubectl-cache"
+        cache.mkdir(exist_ok=True)
+        kubectl = pathlib.Path(sys.executable).parent / "kubectl"
+        self.kubectl = Kubectl(str(kubectl), self.kubeconfig, cache)
+        self.k8s.apply_file(CRD)
+        self.node = Node(self.k8s.url, backoff=backoff).start()
+        self.operator: subprocess.Popen[bytes] | None = None
+        self.operator_log = workdir / "operator.log"
+        self.start_operator()
+
+    def start_operator(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.metrics_port = free_port()
+        with self.operator_log.open("ab") as log:
+            self.operator = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "disagg_runtime.cli",
+                    "operator",
+                    "--standalone",
+                    "--all-namespaces",
+                    "--gpu-mode=none",
+                    f"--liveness-port={free_port()}",
+                    f"--metrics-port={self.metrics_port}",
+                    "--log-level=warning",
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def close(self) -> list[str]:
+        """Stop everything; returns what the node left behind (empty when clean)."""
+        if self.operator is not None and self.operator.poll() is None:
+            self.operator.terminate()
+            try:
+                self.operator.wait(30)
+            except subprocess.TimeoutExpired:
+                self.operator.kill()
+                self.operator.wait()
+        try:
+            self.node.stop()
+        finally:
+            self.k8s.stop()
+        return self.node.leftovers()
+
+    # ------------------------------------------------------------------ reading
+
+    def pipeline(self, name: str) -> Obj | None:
+        return self.k8s.get(PIPELINES, name, NS)
+
+    def ready(self, name: str) -> bool:
+        status = (self.pipeline(name) or {}).get("status") or {}
+        return any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+
+    def pods(self, pipeline: str) -> list[Obj]:
+        return self.k8s.list("v1/pods", NS, f"{LABEL_PIPELINE}={pipeline}")
+
+    def children(self, pipeline: str) -> list[str]:
+        found = []
+        for ref in (
+            "v1/configmaps",
+            "v1/services",
+            "v1/secrets",
+            "apps/v1/statefulsets",
+            "apps/v1/deployments",
+            "v1/pods",
+        ):
+            for obj in self.k8s.list(ref, NS, f"{LABEL_PIPELINE}={pipeline}"):
+                found.append(f"{obj['kind']}/{obj['metadata']['name']}")
+        return found
+
+    def metrics(self, pod: Obj, container: str) -> str:
+        """A role container's /metrics, fetched from the node (host) at the pod IP."""
+        spec = next(c for c in pod["spec"]["containers"] if c["name"] == container)
+        port = next(p["containerPort"] for p in spec["ports"] if p["name"] == "metrics")
+        url = f"http://{pod['status']['podIP']}:{port}/metrics"
+        import urllib.request
+
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return str(resp.read().decode())
+
+    # ------------------------------------------------------------------ the client pod
+
+    def run_client(
+        self,
+        name: str,
+        doc: Obj,
+        *,
+        requests: int,
+        concurrency: int = 2,
+        timeout: float = 60.0,
+        pause: float = 0.0,
+        wait: bool = True,
+    ) -> Obj:
+        """Run a client pod against pipeline `doc` (already Ready); returns its RESULT line
+        (or, with wait=False, the pod name)."""
+        pipeline = doc["metadata"]["name"]
+        entries, exits = entries_and_exits(doc)
+        argv = ["python", str(CLIENT), "--pipeline", pipeline, "--requests", str(requests)]
+        argv += ["--concurrency", str(concurrency), "--timeout", str(timeout)]
+        argv += ["--pause", str(pause), "--handler", entries[0]["handler"]]
+        for role in entries:
+            svc = self.k8s.get("v1/services", f"{pipeline}-{role['name']}", NS)
+            assert svc is not None, f"no Service for entry role {role['name']}"
+            port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "ingress")
+            argv += ["--entry", f"{role['name']}={pipeline}-{role['name']}:{port}"]
+        for role_name in exits:
+            argv += ["--exit", role_name]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {"app": "e2e-client"}},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "client",
+                        "image": "local",
+                        "command": argv,
+                        "env": [
+                            {
+                                "name": "POD_IP",
+                                "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                            }
+                        ],
+                    }
+                ],
+            },
+        }
+        self.kubectl.apply([pod])
+        if not wait:
+            return {"pod": name}
+        return self.client_result(name, timeout=timeout * (requests // concurrency + 2))
+
+    def client_result(self, name: str, timeout: float) -> Obj:
+        def finished() -> Obj | None:
+            pod = self.k8s.get("v1/pods", name, NS) or {}
+            phase = (pod.get("status") or {}).get("phase")
+            return pod if phase in ("Succeeded", "Failed") else None
+
+        wait_for(finished, f"client pod {name}", timeout)
+        logs = self.node.logs(NS, name)
+        match = re.search(r"^RESULT (.*)$", logs, re.MULTILINE)
+        assert match, f"client pod {name} printed no result:\n{logs[-3000:]}"
+        result: Obj = json.loads(match.group(1))
+        self.k8s.delete("v1/pods", name, NS)
+        return result
