@@ -121,6 +121,7 @@ class PodWorker:
         self.message = ""
         self._written: Obj | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.errors: list[str] = []
 
     @property
     def ns(self) -> str:
@@ -144,8 +145,9 @@ class PodWorker:
         self.session = aiohttp.ClientSession()
         try:
             await self._run()
-        except Exception:
+        except Exception as exc:
             log.exception("pod %s/%s: worker failed", self.ns, self.name)
+            self.errors.append(f"pod {self.ns}/{self.name}: {type(exc).__name__}: {exc}")
         finally:
             await self._terminate()
             await self.session.close()
@@ -454,6 +456,7 @@ class Kubelet:
         self.sandbox_factory = sandbox_factory
         self.workers: dict[str, PodWorker] = {}
         self.stopped: list[asyncio.Task[None]] = []
+        self.errors: list[str] = []  # failures of pod workers (a node bug, not a pod's)
 
     def sync(self, pods: list[Obj]) -> None:
         """Start workers for new pods, stop those whose pod is gone (by uid)."""
@@ -466,6 +469,7 @@ class Kubelet:
                     return await self.api.get(resource, ns, name)
 
                 worker = PodWorker(self.api, self.config, pod, self.sandbox_factory, fetch)
+                worker.errors = self.errors
                 self.workers[uid] = worker
                 worker.start()
             else:

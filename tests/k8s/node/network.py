@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import ipaddress
 import os
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -147,6 +148,21 @@ def restore(netns: str) -> None:
     ip("-n", netns, "link", "set", "eth0", "up")
 
 
+def processes_in(netns_path: str) -> list[int]:
+    """PIDs whose network namespace is the one at `netns_path` (a pod's processes)."""
+    try:
+        inode = os.stat(netns_path).st_ino
+    except OSError:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
+                    found.append(int(entry))
+    return found
+
+
 def leftovers(tag: str = "") -> list[str]:
     """Interfaces and network namespaces of a node (`tag`; every node if empty)."""
     prefix = NAME_PREFIX + tag
@@ -160,12 +176,20 @@ def leftovers(tag: str = "") -> list[str]:
 
 
 def sweep(tag: str = "") -> list[str]:
-    """Delete every interface and network namespace of a node; returns what was there."""
+    """Kill every process in a node's network namespaces, delete the namespaces and the
+    interfaces; returns what was there."""
     found = leftovers(tag)
+    for item in found:
+        kind, name = item.split(" ", 1)
+        if kind == "netns":
+            for pid in processes_in(f"/run/netns/{name}"):
+                found.append(f"process {pid}")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     for item in found:
         kind, name = item.split(" ", 1)
         if kind == "link":
             ip("link", "del", name, check=False)
-        else:
+        elif kind == "netns":
             ip("netns", "del", name, check=False)
     return found

@@ -37,7 +37,29 @@ RESOURCES = ("pods", "services", "endpoints", "endpointslices", "statefulsets", 
 ROOT = "/run/disagg-node"
 
 
+def leftovers(tag: str) -> list[str]:
+    """Interfaces, network namespaces, processes in them, files of node `tag`."""
+    found = network.leftovers(tag)
+    for item in list(found):
+        if item.startswith("netns "):
+            pids = network.processes_in(f"/run/netns/{item.split()[1]}")
+            found += [f"process {pid}" for pid in pids]
+    if os.path.exists(f"{ROOT}/{tag}"):
+        found.append(f"dir {ROOT}/{tag}")
+    return found
+
+
+def sweep(tag: str) -> list[str]:
+    """Remove whatever node `tag` left (after a crash); returns what was there."""
+    found = leftovers(tag)
+    network.sweep(tag)
+    shutil.rmtree(f"{ROOT}/{tag}", ignore_errors=True)
+    return found
+
+
 class Node:
+    created: list[str] = []  # tags of every node of this process (the session sweep's list)
+
     def __init__(
         self,
         url: str,
@@ -47,6 +69,7 @@ class Node:
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.tag = secrets.token_hex(2)
+        Node.created.append(self.tag)
         self.root = f"{ROOT}/{self.tag}"
         self.url = url
         self.bridge = network.Bridge(self.tag)
@@ -144,12 +167,14 @@ class Node:
         if self.api is not None:
             await self.api.close()
 
+    @property
+    def errors(self) -> list[str]:
+        """Internal failures of the node (each one is a bug of the node, not of a pod)."""
+        return list(self.kubelet.errors) if self.kubelet is not None else []
+
     def leftovers(self) -> list[str]:
         """What of this node still exists (empty after `stop`)."""
-        found = network.leftovers(self.tag)
-        if os.path.exists(self.root):
-            found.append(f"dir {self.root}")
-        return found
+        return leftovers(self.tag)
 
     # ------------------------------------------------------------------ for tests
 
@@ -199,5 +224,5 @@ class Node:
         for line in network.ip("netns", "list").stdout.splitlines():
             name = line.split()[0] if line.split() else ""
             if name.startswith(network.NAME_PREFIX + self.tag):
-                pids.extend(sandbox.processes_in(f"/run/netns/{name}"))
+                pids.extend(network.processes_in(f"/run/netns/{name}"))
         return pids

@@ -25,31 +25,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .network import Bridge
+from .network import Bridge, processes_in
 
 NSEXEC = str(Path(__file__).with_name("nsexec.py"))
 CLUSTER_DOMAIN = "cluster.local"
-
-
-def netns_inode(path: str) -> int | None:
-    try:
-        return os.stat(path).st_ino
-    except OSError:
-        return None
-
-
-def processes_in(netns_path: str) -> list[int]:
-    """PIDs whose network namespace is the one at `netns_path`."""
-    inode = netns_inode(netns_path)
-    if inode is None:
-        return []
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if os.stat(f"/proc/{entry}/ns/net").st_ino == inode:
-                    found.append(int(entry))
-    return found
 
 
 @dataclass
@@ -63,7 +42,6 @@ class Sandbox:
     ip: str = ""
     veth: str = ""
     pause: asyncio.subprocess.Process | None = None
-    netns_ino: int | None = None
     etc: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -73,7 +51,6 @@ class Sandbox:
     async def create(self, tmpfs: list[dict[str, object]]) -> None:
         os.makedirs(self.pod_dir, mode=0o755, exist_ok=True)
         self.ip, self.veth = await asyncio.to_thread(self.bridge.attach, self.netns)
-        self.netns_ino = netns_inode(self.netns_path)
         self._write_etc()
         spec = os.path.join(self.pod_dir, "pause.json")
         Path(spec).write_text(

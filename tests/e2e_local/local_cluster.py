@@ -42,9 +42,13 @@ PIPELINES = "disagg.dev/v1alpha1/disaggregatedpipelines"
 LABEL_PIPELINE = "disagg.dev/pipeline"
 
 
-def wait_for(predicate: Callable[[], T | None], message: str, timeout: float) -> T:
+def wait_for(
+    predicate: Callable[[], T | None], message: str, timeout: float, node: Node | None = None
+) -> T:
     deadline = time.monotonic() + timeout
     while True:
+        if node is not None and node.errors:
+            raise AssertionError(f"the test node failed: {node.errors}")
         value = predicate()
         if value:
             return value
@@ -115,8 +119,13 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
             )
 
+    def wait_for(self, predicate: Callable[[], T | None], message: str, timeout: float) -> T:
+        """`wait_for` that fails at once when the node itself failed."""
+        return wait_for(predicate, message, timeout, self.node)
+
     def close(self) -> list[str]:
-        """Stop everything; returns what the node left behind (empty when clean)."""
+        """Stop everything; returns what the node left behind (empty when clean) and the
+        node's own failures."""
         if self.operator is not None and self.operator.poll() is None:
             self.operator.terminate()
             try:
@@ -128,7 +137,7 @@ class LocalCluster:
             self.node.stop()
         finally:
             self.k8s.stop()
-        return self.node.leftovers()
+        return self.node.leftovers() + self.node.errors
 
     # ------------------------------------------------------------------ reading
 
@@ -228,7 +237,7 @@ class LocalCluster:
             phase = (pod.get("status") or {}).get("phase")
             return pod if phase in ("Succeeded", "Failed") else None
 
-        wait_for(finished, f"client pod {name}", timeout)
+        self.wait_for(finished, f"client pod {name}", timeout)
         logs = self.node.logs(NS, name)
         match = re.search(r"^RESULT (.*)$", logs, re.MULTILINE)
         assert match, f"client pod {name} printed no result:\n{logs[-3000:]}"
