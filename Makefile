@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint typecheck verify generate pytest demo bench e2e clean
+.PHONY: venv test lint typecheck verify generate pytest demo bench e2e e2e-local clean
 
 venv: $(VENV)/.installed
 
@@ -40,6 +40,10 @@ test: lint typecheck verify pytest
 # against the cluster in $$KUBECONFIG (see tests/e2e/README.md); creates and deletes a namespace
 e2e: venv
 	$(BIN)/pytest -m e2e tests/e2e
+
+# the operator's pods run as sandboxed processes on a test node (root; see tests/e2e_local)
+e2e-local: venv
+	$(BIN)/pytest -m e2e_local tests/e2e_local
 
 bench: venv
 	$(BIN)/disagg bench transport

@@ -40,7 +40,9 @@ def main() -> None:
         pool_size=64 << 20,
         timeout=args.timeout,
     )
-    ok, failed, errors, latencies = 0, 0, [], []
+    ok, failed = 0, 0
+    errors: list[str] = []
+    latencies: list[float] = []
     started = time.monotonic()
     try:
         pending: list[tuple[float, Future[object]]] = []
@@ -48,7 +50,9 @@ def main() -> None:
             while len(pending) >= args.concurrency:
                 t0, future = pending.pop(0)
                 ok, failed = _collect(t0, future, ok, failed, errors, latencies)
-            pending.append((time.monotonic(), client.submit_async(demo.sample_input(args.handler, i))))
+            pending.append(
+                (time.monotonic(), client.submit_async(demo.sample_input(args.handler, i)))
+            )
             if args.pause:
                 time.sleep(args.pause)
         for t0, future in pending:

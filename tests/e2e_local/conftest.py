@@ -23,9 +23,10 @@ if TYPE_CHECKING:
     from tests.k8s.node import node as node_module
     from tests.k8s.node.network import can_create_namespaces
 else:
+    from local_cluster import LocalCluster
+
     from k8s.node import node as node_module
     from k8s.node.network import can_create_namespaces
-    from local_cluster import LocalCluster
 
 FIGURES: list[str] = []  # one line per scenario, printed at the end of the run
 

@@ -9,7 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -24,7 +24,7 @@ READY_TIMEOUT = 180.0
 TIMEOUT = 8.0  # per request, for the requests caught by a fault
 
 
-def container_state(cluster: LocalCluster, pod: str, container: str) -> dict[str, object]:
+def container_state(cluster: LocalCluster, pod: str, container: str) -> dict[str, Any]:
     obj = cluster.k8s.get("v1/pods", pod, NS) or {}
     statuses = (obj.get("status") or {}).get("containerStatuses") or []
     return next((s for s in statuses if s["name"] == container), {})
@@ -63,8 +63,10 @@ def test_faults(local_cluster: LocalCluster, figures: Callable[[str], None]) -> 
     t0 = time.monotonic()
     cluster.node.kill(NS, fuse, "fuse", signal.SIGKILL)
     cluster.wait_for(
-        lambda: container_state(cluster, fuse, "fuse").get("restartCount") == 1
-        and container_state(cluster, fuse, "fuse").get("ready"),
+        lambda: (
+            container_state(cluster, fuse, "fuse").get("restartCount") == 1
+            and container_state(cluster, fuse, "fuse").get("ready")
+        ),
         "fuse restarted and ready",
         READY_TIMEOUT,
     )
@@ -95,7 +97,9 @@ def test_faults(local_cluster: LocalCluster, figures: Callable[[str], None]) -> 
         if pod["metadata"].get("uid") in (None, old_uid):
             return False
         ip = (pod.get("status") or {}).get("podIP")
-        slice_ = cluster.k8s.get("discovery.k8s.io/v1/endpointslices", f"{NAME}-ingest-node", NS) or {}
+        slice_ = (
+            cluster.k8s.get("discovery.k8s.io/v1/endpointslices", f"{NAME}-ingest-node", NS) or {}
+        )
         ready = [
             a
             for e in slice_.get("endpoints") or []

@@ -11,6 +11,7 @@ a colocation pod may hold shared-memory segments.
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import time
 from collections.abc import Callable
@@ -54,10 +55,10 @@ def check_sandbox(cluster: LocalCluster, pod: dict[str, Any]) -> set[str]:
     for c in spec["containers"]:
         pid = container_pid(cluster, name, c["name"])
         root = f"/proc/{pid}/root"
-        status = open(f"/proc/{pid}/status").read()
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
         uid = spec["securityContext"]["runAsUser"]
         assert re.search(rf"^Uid:\s+{uid}\s+{uid}\s+{uid}", status, re.M), status
-        assert open(f"{root}/etc/hostname").read().strip() == name
+        assert pathlib.Path(f"{root}/etc/hostname").read_text().strip() == name
         with open(f"/proc/{pid}/mounts") as f:
             mounts = {line.split()[1]: line.split() for line in f}
         assert "ro" in mounts["/"][3].split(","), "readOnlyRootFilesystem"
@@ -153,7 +154,8 @@ def test_sample_runs_and_deletes_cleanly(
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")], "processes gone"
     figures(
         f"scenario 1+4 {name}: Ready in {ready_s:.1f} s, {len(pods)} pods "
-        f"({len(colocated)} colocation), edges by relay {relays}, requests ok {result['ok']} failed {result['failed']}, "
+        f"({len(colocated)} colocation), edges by relay {relays}, requests ok "
+        f"{result['ok']} failed {result['failed']}, "
         f"p50 {result['p50_s']} s, max {result['max_s']} s; deleted: children, pods, "
         f"processes, netns gone in {deleted_s:.1f} s"
     )

@@ -123,9 +123,7 @@ class Api:
             if strategic
             else "application/merge-patch+json"
         )
-        return await self._call(
-            "PATCH", path(resource, namespace, name), body, content_type=ctype
-        )
+        return await self._call("PATCH", path(resource, namespace, name), body, content_type=ctype)
 
     async def patch_status(self, resource: str, namespace: str, name: str, status: Obj) -> Obj:
         return await self._call(

@@ -218,7 +218,9 @@ class Controllers:
             ]
             if old and len(kept) == replicas and all(pod_ready(p) for p in kept.values()):
                 await self.api.delete("pods", ns, kept[max(old)]["metadata"]["name"])
-        updated = [p for p in kept.values() if p["metadata"]["labels"].get(REVISION_LABEL) == revision]
+        updated = [
+            p for p in kept.values() if p["metadata"]["labels"].get(REVISION_LABEL) == revision
+        ]
         ready = sum(pod_ready(p) for p in kept.values())
         current = (sts.get("status") or {}).get("currentRevision") or revision
         if len(updated) == replicas == len(kept):
@@ -287,7 +289,7 @@ class Controllers:
         svc = self.inf["services"].get(*key)
         if svc is None:
             return  # the Endpoints/EndpointSlice go with it (ownerReference / GC)
-        ns, name = key
+        ns = key[0]
         spec = svc.get("spec") or {}
         selector = dict(spec.get("selector") or {})
         if not selector:
@@ -302,7 +304,15 @@ class Controllers:
         ]
         pods.sort(key=lambda p: p["metadata"]["name"])
         ports = [
-            {k: v for k, v in (("name", p.get("name")), ("port", _target(p)), ("protocol", p.get("protocol", "TCP"))) if v is not None}
+            {
+                k: v
+                for k, v in (
+                    ("name", p.get("name")),
+                    ("port", _target(p)),
+                    ("protocol", p.get("protocol", "TCP")),
+                )
+                if v is not None
+            }
             for p in spec.get("ports") or []
         ]
         await self._write_endpoints(svc, pods, ports, publish_all)
@@ -312,7 +322,8 @@ class Controllers:
         self, svc: Obj, pods: list[Obj], ports: list[Obj], publish_all: bool
     ) -> None:
         ns, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
-        ready, not_ready = [], []
+        ready: list[Obj] = []
+        not_ready: list[Obj] = []
         for pod in pods:
             address = _address(pod, name)
             (ready if publish_all or pod_ready(pod) else not_ready).append(address)
@@ -345,7 +356,11 @@ class Controllers:
             ready = pod_ready(pod)
             entry: Obj = {
                 "addresses": [pod["status"]["podIP"]],
-                "conditions": {"ready": ready or publish_all, "serving": ready, "terminating": False},
+                "conditions": {
+                    "ready": ready or publish_all,
+                    "serving": ready,
+                    "terminating": False,
+                },
                 "targetRef": _address(pod, name)["targetRef"],
             }
             if pod["spec"].get("subdomain") == name and pod["spec"].get("hostname"):
@@ -365,7 +380,11 @@ class Controllers:
             "ports": ports,
         }
         current = self.inf["endpointslices"].get(ns, name + SLICE_SUFFIX)
-        if current is None or current.get("endpoints") != endpoints or current.get("ports") != ports:
+        if (
+            current is None
+            or current.get("endpoints") != endpoints
+            or current.get("ports") != ports
+        ):
             await self.api.apply("endpointslices", ns, name + SLICE_SUFFIX, body)
 
 

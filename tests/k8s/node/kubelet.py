@@ -31,17 +31,17 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 
 from . import volumes
 from .api import Api, ApiError, Obj
 from .probes import Probe
-from .sandbox import CLUSTER_DOMAIN, Sandbox
+from .sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 TICK = 0.25
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MAX_BACKOFF = 300.0
 RESET_BACKOFF_AFTER = 600.0
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
@@ -290,7 +290,9 @@ class PodWorker:
                 return
             if m.get("subPath"):
                 source = os.path.join(source, m["subPath"])
-            mounts.append({"source": source, "target": m["mountPath"], "readOnly": bool(m.get("readOnly"))})
+            mounts.append(
+                {"source": source, "target": m["mountPath"], "readOnly": bool(m.get("readOnly"))}
+            )
         c.process = await self.sandbox.start_container(
             c.name,
             c.restarts,
@@ -305,9 +307,17 @@ class PodWorker:
         )
         c.started_at, c.started_mono = now_iso(), time.monotonic()
         c.waiting, c.started, c.ready = "", False, False
-        ports = {str(p["name"]): int(p["containerPort"]) for p in c.spec.get("ports") or [] if p.get("name")}
+        ports = {
+            str(p["name"]): int(p["containerPort"])
+            for p in c.spec.get("ports") or []
+            if p.get("name")
+        }
         probe = lambda key: Probe(c.spec[key], self.sandbox.ip, ports) if key in c.spec else None  # noqa: E731
-        c.startup, c.liveness, c.readiness = probe("startupProbe"), probe("livenessProbe"), probe("readinessProbe")
+        c.startup, c.liveness, c.readiness = (
+            probe("startupProbe"),
+            probe("livenessProbe"),
+            probe("readinessProbe"),
+        )
 
     def _security(self, spec: Obj) -> tuple[int | None, int | None, list[int], bool]:
         pod_sc = self.pod["spec"].get("securityContext") or {}
@@ -332,7 +342,7 @@ class PodWorker:
             "runAsUser", (self.pod["spec"].get("securityContext") or {}).get("runAsUser", 0)
         )
         env: dict[str, str] = {
-            "PATH": f"{self.config.venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PATH": f"{self.config.venv_bin}:{SYSTEM_PATH}",
             "HOSTNAME": self.sandbox.hostname,
             "HOME": "/root" if int(uid or 0) == 0 else "/",
             **({"PYTHONPATH": self.config.pythonpath} if self.config.pythonpath else {}),
@@ -345,7 +355,9 @@ class PodWorker:
                 env.update({prefix + k: str(v) for k, v in ((obj or {}).get("data") or {}).items()})
             if "secretRef" in source:
                 obj = await self._required("secrets", source["secretRef"])
-                env.update({prefix + k: _b64(v) for k, v in ((obj or {}).get("data") or {}).items()})
+                env.update(
+                    {prefix + k: _b64(v) for k, v in ((obj or {}).get("data") or {}).items()}
+                )
         for var in spec.get("env") or []:
             name = str(var["name"])
             if "valueFrom" not in var:
@@ -353,7 +365,9 @@ class PodWorker:
                 continue
             source = var["valueFrom"]
             if "fieldRef" in source:
-                env[name] = volumes.field_value(self._pod_with_ip(), source["fieldRef"]["fieldPath"])
+                env[name] = volumes.field_value(
+                    self._pod_with_ip(), source["fieldRef"]["fieldPath"]
+                )
             elif "secretKeyRef" in source or "configMapKeyRef" in source:
                 resource = "secrets" if "secretKeyRef" in source else "configmaps"
                 ref = source.get("secretKeyRef") or source.get("configMapKeyRef")
@@ -362,8 +376,12 @@ class PodWorker:
                 if ref["key"] not in data:
                     if ref.get("optional"):
                         continue
-                    raise ValueError(f"couldn't find key {ref['key']} in {resource[:-1]} {ref['name']}")
-                env[name] = _b64(data[ref["key"]]) if resource == "secrets" else str(data[ref["key"]])
+                    raise ValueError(
+                        f"couldn't find key {ref['key']} in {resource[:-1]} {ref['name']}"
+                    )
+                env[name] = (
+                    _b64(data[ref["key"]]) if resource == "secrets" else str(data[ref["key"]])
+                )
             elif "resourceFieldRef" in source:
                 env[name] = "0"
             else:
@@ -377,13 +395,18 @@ class PodWorker:
         return obj
 
     def _pod_with_ip(self) -> Obj:
-        return {**self.pod, "status": {"podIP": self.sandbox.ip, "hostIP": self.sandbox.bridge.gateway}}
+        return {
+            **self.pod,
+            "status": {"podIP": self.sandbox.ip, "hostIP": self.sandbox.bridge.gateway},
+        }
 
     # ------------------------------------------------------------------ status
 
     def _update_phase(self) -> None:
         if self.containers and all(c.terminated is not None for c in self.containers):
-            codes = [c.terminated["terminated"]["exitCode"] for c in self.containers if c.terminated]
+            codes = [
+                c.terminated["terminated"]["exitCode"] for c in self.containers if c.terminated
+            ]
             self.phase = "Succeeded" if all(code == 0 for code in codes) else "Failed"
         elif any(c.running for c in self.containers):
             self.phase = "Running"
@@ -434,7 +457,10 @@ class PodWorker:
             status["message"] = self.message
         if status == self._written:
             return
-        stamped = {**status, "conditions": [{**c, "lastTransitionTime": now_iso()} for c in status["conditions"]]}
+        stamped = {
+            **status,
+            "conditions": [{**c, "lastTransitionTime": now_iso()} for c in status["conditions"]],
+        }
         try:
             await self.api.patch_status("pods", self.ns, self.name, stamped)
             self._written = status

@@ -65,7 +65,7 @@ def _locked() -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _used_networks() -> list[ipaddress.IPv4Network]:
+def _used_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     nets = []
     for line in ip("-4", "route", "show", "table", "all").stdout.splitlines():
         word = line.split()[0] if line.split() else ""
@@ -102,7 +102,7 @@ class Bridge:
             used = _used_networks()
             for candidate in POOL.subnets(new_prefix=24):
                 if not any(candidate.overlaps(n) for n in used):
-                    self.subnet = candidate
+                    self.subnet = ipaddress.IPv4Network(candidate)
                     break
             else:
                 raise NetworkError(f"no free /24 left in {POOL}")

@@ -128,7 +128,9 @@ class Node:
         hostname = str(spec.get("hostname") or meta["name"])
         fqdn = ""
         if spec.get("subdomain"):
-            fqdn = f"{hostname}.{spec['subdomain']}.{meta['namespace']}.svc.{sandbox.CLUSTER_DOMAIN}"
+            fqdn = (
+                f"{hostname}.{spec['subdomain']}.{meta['namespace']}.svc.{sandbox.CLUSTER_DOMAIN}"
+            )
         n = next(self._pods)
         return sandbox.Sandbox(
             bridge=self.bridge,
@@ -198,9 +200,11 @@ class Node:
         c = next(c for c in worker.containers if c.name == name)
         out = []
         for restart in range(c.restarts + 1):
-            with contextlib.suppress(OSError):
-                with open(worker.sandbox.log_path(name, restart), errors="replace") as f:
-                    out.append(f.read())
+            with (
+                contextlib.suppress(OSError),
+                open(worker.sandbox.log_path(name, restart), errors="replace") as f,
+            ):
+                out.append(f.read())
         return "".join(out)
 
     def kill(self, namespace: str, pod: str, container: str, sig: int = signal.SIGKILL) -> int:

@@ -13,7 +13,8 @@ container  join the pause process's network, IPC, UTS and mount namespaces, unsh
            bind every volume at its mountPath (a missing mount point is made inside an
            overlay of its nearest existing parent, so the host's tree is never written),
            optionally remount / read-only, make the "image" (the interpreter's prefix)
-           reachable when it sits under a private directory, drop to runAsUser/runAsGroup, exec the command.
+           reachable when it sits under a private directory, drop to runAsUser/runAsGroup,
+           exec the command.
 """
 
 from __future__ import annotations
