@@ -15,7 +15,11 @@
   `start()` before the role reports live or ready; `roles[].batching` sends requests through
   a `Batcher` whose timeouts and aborts still apply to each request alone.
 - SIGTERM: readiness drops, in-flight work drains for the grace period, then the handler is
-  closed and every slot, socket and the shared-memory pool is released.
+  closed and every slot, socket and the shared-memory pool is released. A role found
+  through DNS (no peers file: a pod) keeps receiving for at least one re-resolution period
+  (`peers.RESOLVE_EVERY` + 1 s) first: upstream roles still send to it until they
+  re-resolve its Service name, and what they send to a closed ingress would be lost until
+  the request's deadline.
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ from disagg_runtime.envelope import Meta
 from disagg_runtime.handler import Handler as LoadedHandler
 from disagg_runtime.handler import HandlerError, Runner, SetupContext, default_device, load
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
-from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
+from disagg_runtime.peers import (
+    RESOLVE_EVERY,
+    PeerSet,
+    PeersFile,
+    RelayCache,
+    Resolver,
+    resolve_dns,
+)
 from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_prefix
 from disagg_runtime.relay import Ingress, Message, RelayError
 
@@ -203,12 +214,16 @@ class RoleRuntime:
         return not busy and stats.queued == 0 and stats.pending_reservations == 0
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Drain (stop being ready, finish what is here) up to `grace_s`, then release all."""
+        """Drain (stop being ready, finish what is here) up to `grace_s`, then release all.
+        Without `grace_s` and without a peers file, stay at least until upstream roles have
+        re-resolved this role's name (see the module docstring)."""
         self._draining.set()
-        deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
+        started = time.monotonic()
+        deadline = started + (self.grace_s if grace_s is None else grace_s)
+        settle = RESOLVE_EVERY + 1.0 if grace_s is None and not self.config.peers_file else 0.0
         quiet_since: float | None = None
         while time.monotonic() < deadline:  # idle for 0.2 s: nothing is still on its way
-            if not self.idle():
+            if time.monotonic() - started < settle or not self.idle():
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = time.monotonic()

@@ -36,6 +36,7 @@ Obj = dict[str, Any]
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
 SAMPLES = REPO / "manifests" / "samples"
+EXAMPLES = REPO / "examples"
 CLIENT = pathlib.Path(__file__).with_name("client_pod.py")
 NS = "default"
 PIPELINES = "disagg.dev/v1alpha1/disaggregatedpipelines"
@@ -63,8 +64,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def sample(name: str) -> Obj:
-    doc = yaml.safe_load((SAMPLES / f"{name}.yaml").read_text())
+def sample(name: str, folder: pathlib.Path = SAMPLES) -> Obj:
+    doc = yaml.safe_load((folder / f"{name}.yaml").read_text())
     assert isinstance(doc, dict)
     return doc
 
@@ -81,8 +82,11 @@ def entries_and_exits(doc: Obj) -> tuple[list[Obj], list[str]]:
 
 
 class LocalCluster:
-    def __init__(self, workdir: pathlib.Path, *, backoff: float = 1.0) -> None:
+    def __init__(
+        self, workdir: pathlib.Path, *, backoff: float = 1.0, operator_args: tuple[str, ...] = ()
+    ) -> None:
         self.workdir = workdir
+        self.operator_args = operator_args
         self.k8s = EmulatorThread().start()
         self.kubeconfig = workdir / "kubeconfig.yaml"
         self.kubeconfig.write_text(yaml.safe_dump(self.k8s.kubeconfig(), sort_keys=False))
@@ -113,6 +117,7 @@ class LocalCluster:
                     f"--liveness-port={free_port()}",
                     f"--metrics-port={self.metrics_port}",
                     "--log-level=warning",
+                    *self.operator_args,
                 ],
                 env=env,
                 stdout=log,
@@ -190,6 +195,7 @@ class LocalCluster:
         timeout: float = 60.0,
         pause: float = 0.0,
         wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> Obj:
         """Run a client pod against pipeline `doc` (already Ready); returns its RESULT line
         (or, with wait=False, the pod name)."""
@@ -220,7 +226,8 @@ class LocalCluster:
                             {
                                 "name": "POD_IP",
                                 "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
-                            }
+                            },
+                            *({"name": k, "value": v} for k, v in (env or {}).items()),
                         ],
                     }
                 ],
