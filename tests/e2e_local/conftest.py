@@ -14,19 +14,12 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import pytest
 
-if TYPE_CHECKING:
-    from tests.e2e_local.local_cluster import LocalCluster
-    from tests.k8s.node import node as node_module
-    from tests.k8s.node.network import can_create_namespaces
-else:
-    from local_cluster import LocalCluster
-
-    from k8s.node import node as node_module
-    from k8s.node.network import can_create_namespaces
+from tests.e2e_local.local_cluster import LocalCluster
+from tests.k8s.node import node as node_module
+from tests.k8s.node.network import can_create_namespaces
 
 FIGURES: list[str] = []  # one line per scenario, printed at the end of the run
 

@@ -18,18 +18,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
-if TYPE_CHECKING:
-    from tests.k8s.fixtures import Kubectl
-    from tests.k8s.node import Node
-    from tests.k8s.server import EmulatorThread
-else:
-    from k8s.fixtures import Kubectl
-    from k8s.node import Node
-    from k8s.server import EmulatorThread
+from tests.k8s.fixtures import Kubectl
+from tests.k8s.node import Node
+from tests.k8s.server import EmulatorThread
 
 T = TypeVar("T")
 Obj = dict[str, Any]

@@ -9,17 +9,11 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import pytest
 
-if TYPE_CHECKING:
-    from tests.e2e_local.local_cluster import EXAMPLES, NS, LocalCluster, sample
-    from tests.k8s.node.network import can_create_namespaces
-else:
-    from local_cluster import EXAMPLES, NS, LocalCluster, sample
-
-    from k8s.node.network import can_create_namespaces
+from tests.e2e_local.local_cluster import EXAMPLES, NS, LocalCluster, sample
+from tests.k8s.node.network import can_create_namespaces
 
 pytestmark = [pytest.mark.e2e_local, pytest.mark.timeout(600)]
 NAME = "slow-denoiser"

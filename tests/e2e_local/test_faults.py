@@ -9,14 +9,11 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-if TYPE_CHECKING:
-    from tests.e2e_local.local_cluster import NS, SAMPLES, LocalCluster, sample
-else:
-    from local_cluster import NS, SAMPLES, LocalCluster, sample
+from tests.e2e_local.local_cluster import NS, SAMPLES, LocalCluster, sample
 
 pytestmark = [pytest.mark.e2e_local, pytest.mark.timeout(600)]
 NAME = "fan-out"
