@@ -54,7 +54,7 @@ def requests_done(text: str) -> float:
 
 @pytest.mark.xfail(
     reason="known product gap (issue 13 report): under this load on 2 shared cores, 7 of 48 "
-    "requests failed in 2 of 3 runs while the denoiser scaled 1 -> 4 -> ... -> 1 (errors "
+    "requests failed in 2 of 4 runs while the denoiser scaled 1 -> 4 -> ... -> 1 (errors "
     "'failed at role encoder' and 'decoder waiting for denoiser'); scaling itself works",
     strict=False,
 )
