@@ -13,11 +13,13 @@ Children (`apply_children`):
   is the whole intent, the API server merges it field by field and drops fields we stop
   sending, and an apply that changes nothing stores nothing (no new resourceVersion, no watch
   event, no rollout);
-- before applying, each planned object's current version (from one labelled list per kind,
-  else a GET) must be ours: absent, or controlled by this pipeline (ownerReference uid), or
-  an orphan labelled with this pipeline's name (adopted, e.g. after `disagg render | kubectl
-  apply`). Anything else (another pipeline's object, or an unrelated object with the same
-  name) is a `Conflict`: left alone and reported;
+- before applying, each planned object's current version (from the operator's watch cache
+  or one labelled list per kind, else a GET; the GETs all at once) must be ours: absent, or
+  controlled by this pipeline (ownerReference uid), or an orphan labelled with this
+  pipeline's name (adopted, e.g. after `disagg render | kubectl apply`). Anything else
+  (another pipeline's object, or an unrelated object with the same name) is a `Conflict`:
+  left alone and reported;
+- the applies go kind by kind in the plan's order, the objects of one kind at once;
 - children of the pipeline that the plan no longer holds (a removed role, a group dissolved)
   are deleted, but only those carrying our labels and controlled by this pipeline's uid.
 
@@ -35,15 +37,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+import random
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
-from urllib.parse import quote
+from typing import Any, Final, Literal, TypeVar
+from urllib.parse import quote, unquote, urlsplit
 
 import aiohttp
 import kopf
 
-from disagg_operator import names, planner
+from disagg_operator import cache, names, planner
 
 JSON = dict[str, Any]
 FIELD_MANAGER: Final = names.MANAGER
@@ -52,6 +56,12 @@ CONNECTION_LIMIT: Final = 64  # concurrent connections to the API server
 LIST_PAGE: Final = 500
 APPLY_CONTENT_TYPE: Final = "application/apply-patch+yaml"  # JSON is YAML
 MERGE_CONTENT_TYPE: Final = "application/merge-patch+json"
+ATTEMPTS: Final = 5  # tries per request while the answer is retryable (429, 5xx, none)
+BACKOFF: Final = 0.25  # seconds before the second try; doubles, capped, fully jittered
+BACKOFF_CAP: Final = 8.0
+Record = Callable[[str, str, str], None]  # (verb, resource, outcome) of one request sent
+
+log = logging.getLogger(__name__)
 PLURALS: Final[Mapping[str, str]] = {
     "ConfigMap": "configmaps",
     "Service": "services",
@@ -74,10 +84,18 @@ class ApiError(Exception):
         self.reason = reason
         self.message = message
 
+    retry_after: float | None = None  # seconds the server asked for (429)
+
     @property
     def retryable(self) -> bool:
         """Worth retrying soon: no response, a conflict, throttling, a server error."""
         return self.status in (0, 409, 429) or self.status >= 500
+
+    @property
+    def transient(self) -> bool:
+        """Worth sending the same request again at once (after a backoff): no response,
+        throttling, a server error. (A conflict needs fresh reads first.)"""
+        return self.status in (0, 429) or self.status >= 500
 
 
 @dataclass(frozen=True, order=True)
@@ -115,10 +133,21 @@ class Api:
     """
 
     def __init__(
-        self, connection: kopf.ConnectionInfo | None = None, *, timeout: float = DEFAULT_TIMEOUT
+        self,
+        connection: kopf.ConnectionInfo | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        record: Record | None = None,
+        attempts: int = ATTEMPTS,
+        user_agent: str = FIELD_MANAGER,
     ) -> None:
         self._connection = connection
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._user_agent = user_agent
+        self.record = record
+        self.attempts = max(1, attempts)
+        # per read and per connect, not in all: waiting for a free pooled connection (a
+        # thousand pipelines reconciling at once) is not the server being slow
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._session: aiohttp.ClientSession | None = None
         self._session_of: kopf.ConnectionInfo | None = None
 
@@ -138,7 +167,7 @@ class Api:
             await self.close()
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=CONNECTION_LIMIT, ssl=info.as_ssl_context()),
-                headers={"User-Agent": FIELD_MANAGER, **info.as_http_headers()},
+                headers={"User-Agent": self._user_agent, **info.as_http_headers()},
                 proxy=info.proxy_url,
                 trust_env=info.trust_env,
                 timeout=self._timeout,
@@ -155,6 +184,30 @@ class Api:
         body: Any = None,
         content_type: str = "application/json",
     ) -> JSON:
+        """One request, sent again while the answer is transient (`ApiError.transient`), up
+        to `attempts` times, with exponential backoff and full jitter (or the server's
+        Retry-After). Every request is idempotent here: GETs, applies, merge patches and
+        deletes with a uid precondition; a repeated delete answers 404, read as gone."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return await self._send(method, path, params, body, content_type)
+            except ApiError as error:
+                if not error.transient or attempt == self.attempts:
+                    raise
+                ceiling = min(BACKOFF_CAP, BACKOFF * 2 ** (attempt - 1))
+                delay = max(error.retry_after or 0.0, random.uniform(0, ceiling))
+                log.debug("%s %s: %s; try %d in %.2f s", method, path, error, attempt + 1, delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        body: Any,
+        content_type: str,
+    ) -> JSON:
         session, server = await self._current()
         data = None if body is None else json.dumps(body).encode()
         headers = {"Accept": "application/json"}
@@ -167,13 +220,36 @@ class Api:
                 text = await response.text()
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as error:
+            self._record(method, path, params, "error")
             raise ApiError(0, type(error).__name__, f"{method} {path}: {error}") from error
+        self._record(method, path, params, str(status))
         parsed = _parse(text)
         if status >= 400:
             reason = str(parsed.get("reason") or response.reason or "Error")
             message = str(parsed.get("message") or text[:500])
-            raise ApiError(status, reason, f"{method} {path}: {message}")
+            failed = ApiError(status, reason, f"{method} {path}: {message}")
+            failed.retry_after = _retry_after(response.headers.get("Retry-After"), parsed)
+            raise failed
         return parsed
+
+    def _record(
+        self, method: str, path: str, params: Mapping[str, str] | None, outcome: str
+    ) -> None:
+        if self.record is not None:
+            verb, resource = request_kind(method, path, params)
+            self.record(verb, resource, outcome)
+
+    async def text(self, path: str) -> str:
+        """A GET of a non-JSON path (e.g. /metrics), once: its body."""
+        session, server = await self._current()
+        try:
+            async with session.get(server + path) as response:
+                body, status = await response.text(), response.status
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise ApiError(0, type(error).__name__, f"GET {path}: {error}") from error
+        if status >= 400:
+            raise ApiError(status, "Error", f"GET {path}: {body[:200]}")
+        return body
 
     async def get(self, ref: ObjectRef) -> JSON | None:
         """The object, or None when it does not exist."""
@@ -239,6 +315,48 @@ class Api:
         return await self.request(
             "PATCH", ref.path("status"), body=body, content_type=MERGE_CONTENT_TYPE
         )
+
+
+def request_kind(method: str, url: str, params: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The Kubernetes verb and resource of a request, as RBAC names them: ("list",
+    "statefulsets"), ("patch", "disaggregatedpipelines/status"), ("get", "/version")."""
+    split = urlsplit(url)
+    query = dict(params or {})
+    for pair in split.query.split("&") if split.query else ():
+        key, _, value = pair.partition("=")
+        query[unquote(key)] = unquote(value)
+    parts = [unquote(p) for p in split.path.split("/") if p]
+    if parts[:1] == ["api"] and len(parts) >= 3:
+        rest = parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) >= 4:
+        rest = parts[3:]
+    else:
+        return method.lower(), split.path or "/"
+    if rest[:1] == ["watch"]:
+        rest, query["watch"] = rest[1:], "true"
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        rest = rest[2:]
+    resource = rest[0] if rest else ""
+    named = len(rest) >= 2
+    if len(rest) >= 3:
+        resource += "/" + "/".join(rest[2:])
+    verb = {
+        "GET": "watch" if query.get("watch") in ("true", "1") else "get" if named else "list",
+        "POST": "create",
+        "PUT": "update",
+        "PATCH": "patch",
+        "DELETE": "delete" if named else "deletecollection",
+    }.get(method.upper(), method.lower())
+    return verb, resource
+
+
+def _retry_after(header: str | None, status: Mapping[str, Any]) -> float | None:
+    """Seconds a 429 asks to wait: the Retry-After header, else the Status details."""
+    value = header or (status.get("details") or {}).get("retryAfterSeconds")
+    try:
+        return None if value is None else max(0.0, float(value))
+    except (TypeError, ValueError):
+        return None
 
 
 def _parse(text: str) -> JSON:
@@ -311,6 +429,15 @@ def _version(obj: Mapping[str, Any] | None) -> str | None:
     return None if obj is None else (obj.get("metadata") or {}).get("resourceVersion")
 
 
+def _changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+    """Did an apply change the object? A cached entry (`cache.slim`) carries the digest of
+    its content (it may be older than the server's version, e.g. a status update not seen
+    yet); a listed object is compared by resourceVersion."""
+    if "digest" in before:
+        return bool(before["digest"] != cache.digest(after))
+    return _version(after) != _version(before)
+
+
 def prunable(obj: Mapping[str, Any], owner: planner.Owner) -> bool:
     """A child this pipeline made: our labels and controlled by the pipeline's uid."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
@@ -340,28 +467,40 @@ async def apply_children(
     owner: planner.Owner,
     namespace: str,
     kinds: Iterable[tuple[str, str]],
+    existing: Mapping[ObjectRef, JSON] | None = None,
 ) -> ApplyResult:
-    """Apply the plan (in its order), then prune what it no longer holds (see the module
-    docstring). Idempotent: with nothing changed, every apply is a no-op."""
-    existing = await list_children(api, kinds, namespace=namespace, pipeline=owner.name)
+    """Apply the plan (kind by kind in its order, the objects of a kind at once), then prune
+    what it no longer holds (see the module docstring). Idempotent: with nothing changed,
+    every apply is a no-op. `existing`: the pipeline's labelled children as cached
+    (`cache`), else they are listed; a planned child not among them is read with a GET."""
+    if existing is None:
+        existing = await list_children(api, kinds, namespace=namespace, pipeline=owner.name)
     outcome: dict[str, list[Any]] = {k: [] for k in ("created", "updated", "unchanged")}
     objects: list[JSON] = []
     conflicts: list[Conflict] = []
-    for desired in planned:
-        ref = ObjectRef.of(desired)
-        current = existing.get(ref) if ref in existing else await api.get(ref)
-        verdict = ownership(current, owner)
+    refs = [ObjectRef.of(desired) for desired in planned]
+    unknown = [ref for ref in refs if ref not in existing]
+    fetched = await _all([api.get(ref) for ref in unknown])
+    current_of: dict[ObjectRef, JSON | None] = {r: existing[r] for r in refs if r in existing}
+    current_of.update(zip(unknown, fetched, strict=True))
+    allowed = []
+    for desired, ref in zip(planned, refs, strict=True):
+        verdict = ownership(current_of[ref], owner)
         if isinstance(verdict, Conflict):
             conflicts.append(verdict)
-            continue
-        stored = await api.apply(desired)
-        objects.append(stored)
-        if current is None:
-            outcome["created"].append(ref)
-        elif _version(stored) != _version(current):
-            outcome["updated"].append(ref)
         else:
-            outcome["unchanged"].append(ref)
+            allowed.append((desired, ref))
+    for wave in _waves(allowed):
+        stored_wave = await _all([api.apply(desired) for desired, _ in wave])
+        for (_, ref), stored in zip(wave, stored_wave, strict=True):
+            current = current_of[ref]
+            objects.append(stored)
+            if current is None:
+                outcome["created"].append(ref)
+            elif _changed(current, stored):
+                outcome["updated"].append(ref)
+            else:
+                outcome["unchanged"].append(ref)
     wanted = {ObjectRef.of(o) for o in planned}
     pruned: list[ObjectRef] = []
     for ref, obj in sorted(existing.items()):
@@ -395,6 +534,33 @@ async def ensure_created(api: Api, obj: Mapping[str, Any]) -> tuple[JSON, bool]:
     if current is None:
         raise ApiError(409, "Conflict", f"{ref} was created and deleted while we created it")
     return current, False
+
+
+T = TypeVar("T")
+
+
+async def _all(requests: Sequence[Awaitable[T]]) -> list[T]:
+    """Every request's result, all in flight at once; the first failure is raised once all
+    have ended (none is left running behind the caller's back)."""
+    results = await asyncio.gather(*requests, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
+
+
+def _waves(
+    planned: Sequence[tuple[Mapping[str, Any], ObjectRef]],
+) -> list[list[tuple[Mapping[str, Any], ObjectRef]]]:
+    """The plan cut into runs of one kind, in order: a kind's objects are applied together,
+    and a kind only after the kinds before it (the ConfigMap before the pods that mount it)."""
+    waves: list[list[tuple[Mapping[str, Any], ObjectRef]]] = []
+    for item in planned:
+        if waves and waves[-1][0][1].kind == item[1].kind:
+            waves[-1].append(item)
+        else:
+            waves.append([item])
+    return waves
 
 
 async def owned_statefulsets(api: Api, owner: planner.Owner, namespace: str) -> list[JSON]:

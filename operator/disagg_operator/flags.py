@@ -71,6 +71,12 @@ def add_bench_arguments(op: argparse.ArgumentParser) -> None:
     )
     op.add_argument("--file", help="pipeline YAML (default: the text-to-video example)")
     op.add_argument("--timeout", type=float, default=120.0, help="seconds per wait (120)")
+    op.add_argument(
+        "--steady", type=float, default=30.0, help="seconds of steady state measured (30)"
+    )
+    op.add_argument(
+        "--cleanup-timeout", type=float, default=600.0, help="seconds the clean-up may take"
+    )
     op.add_argument("--operator-log", metavar="PATH", help="keep the operator's log here")
     op.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     op.add_argument("--json", action="store_true", help="print JSON")

@@ -10,8 +10,12 @@
   temporarily, so kopf retries after `CONFLICT_RETRY` seconds; API errors likewise.
 - `forget` on the pipeline's DELETED event: drops its in-memory state.
 - `workload_changed` on every event of a StatefulSet with our labels (also filtered server
-  side) whose controller is a pipeline: refreshes that pipeline's status; a deleted one is
-  re-created by a full reconcile.
+  side) whose controller is a pipeline: requests a (coalesced) refresh of that pipeline's
+  status; a deleted one is re-created by a full reconcile (unless the pipeline is gone).
+- indexes (`cache`): the pipelines by (namespace, name), and the StatefulSets and the pods
+  by (namespace, pipeline label), one watch per kind, filtered server side by our labels
+  (`configure`). kopf fills them before any handler runs; every handler binds them to the
+  reconciler's `Cache` (kopf hands indexes only to handlers).
 - `guard_deleted` on the DELETED event of a peer key Secret or a NetworkPolicy with our
   labels (filtered server side too, so the operator never lists anyone else's Secrets):
   a full reconcile of the pipeline that controlled it, which makes a new key (a rotation)
@@ -36,12 +40,13 @@ duplicates, no new resourceVersions), and the status, unchanged, is not written.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any, Final
 
 import kopf
 
-from disagg_operator import apply, names, reconcile, scaling_loop
+from disagg_operator import apply, cache, names, planner, reconcile, scaling_loop
 
 ANNOTATION_PREFIX: Final = f"operator.{names.GROUP}"
 FINALIZER: Final = f"{ANNOTATION_PREFIX}/finalizer"
@@ -49,11 +54,19 @@ CONFLICT_RETRY: Final = 30.0  # seconds before a pipeline with a conflicting chi
 API_RETRY: Final = 5.0  # ... after a retryable API error
 API_RETRY_SLOW: Final = 30.0  # ... after another API error (e.g. 403: RBAC being fixed)
 STATEFULSET_SELECTOR: Final = f"{names.LABEL_MANAGED_BY}={names.MANAGER},{names.LABEL_PIPELINE}"
+CHILD_SELECTOR: Final = STATEFULSET_SELECTOR
+POD_SELECTOR: Final = f"{names.LABEL_PIPELINE},{names.LABEL_ROLE}"
 PIPELINE: Final = (names.GROUP, names.VERSION, names.PLURAL)
 GUARDED: Final = (("", "secrets"), ("networking.k8s.io", "networkpolicies"))  # (group, plural)
 
 
-def configure(settings: kopf.OperatorSettings) -> None:
+def resource_of(api_version: str, kind: str) -> tuple[str, str, str]:
+    """(group, version, plural) of a kind the operator writes or reads."""
+    group, _, version = api_version.rpartition("/")
+    return group, version, apply.PLURALS[kind]
+
+
+def configure(settings: kopf.OperatorSettings, options: planner.PlanOptions | None = None) -> None:
     """Operator settings the handlers rely on (see the module docstring)."""
     progress = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.progress_storage = progress
@@ -65,6 +78,11 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.watching.label_selectors["apps", "statefulsets"] = STATEFULSET_SELECTOR
     for group, plural in GUARDED:
         settings.watching.label_selectors[group, plural] = STATEFULSET_SELECTOR
+    for api_version, kind in planner.child_kinds(options):
+        if kind in cache.CACHED_KINDS:
+            group, _, plural = resource_of(api_version, kind)
+            settings.watching.label_selectors[group, plural] = CHILD_SELECTOR
+    settings.watching.label_selectors["", "pods"] = POD_SELECTOR
 
 
 def login(connection: kopf.ConnectionInfo | None, **kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -93,6 +111,30 @@ def register(
     """Add the operator's handlers to `registry` (returned); `scaler`: the autoscaling loop
     to start with the first reconcile (None: no autoscaling)."""
 
+    def pipeline_gone(namespace: str, name: str) -> bool:
+        """Known (from the watch cache) to be deleted or being deleted."""
+        known = reconciler.cache.pipeline((namespace, name))
+        return reconciler.cache.bound and (
+            known is None or bool((known.get("metadata") or {}).get("deletionTimestamp"))
+        )
+
+    def bind(indexes: Mapping[str, Any]) -> None:
+        if not reconciler.cache.bound:
+            reconciler.cache.bind({n: indexes[n] for n in index_names if n in indexes})
+
+    index_names = [cache.PIPELINE_INDEX]
+
+    @kopf.index(*PIPELINE, registry=registry, id=cache.PIPELINE_INDEX)
+    def pipelines_by_name(
+        name: str, namespace: str | None, body: kopf.Body, **_: Any
+    ) -> dict[cache.Key, dict[str, Any]]:
+        return {} if namespace is None else {(namespace, name): dict(body)}
+
+    cached = [k for k in planner.child_kinds(reconciler.options) if k[1] in cache.CACHED_KINDS]
+    for api_version, kind in [*cached, ("v1", cache.POD_KIND)]:
+        index_names.append(cache.index_name(kind))
+        _register_index(registry, api_version, kind)
+
     @kopf.on.login(registry=registry)
     def authenticate(**kwargs: Any) -> kopf.ConnectionInfo | None:
         info = login(connection, **kwargs)
@@ -115,16 +157,18 @@ def register(
         reason: str,
         diff: kopf.Diff,
         logger: kopf.Logger,
-        **_: Any,
+        **kwargs: Any,
     ) -> None:
         if namespace is None:  # the resource is namespaced: never
             return
+        bind(kwargs)
         if scaler is not None:
             scaler.ensure_started()  # here, so that it runs in kopf's context
         try:
             outcome = await reconciler.reconcile(namespace, name)
         except apply.ApiError as error:
             delay = API_RETRY if error.retryable else API_RETRY_SLOW
+            delay *= random.uniform(0.5, 1.5)  # pipelines failing together retry apart
             raise kopf.TemporaryError(str(error), delay=delay) from error
         if outcome is None:
             return
@@ -147,21 +191,32 @@ def register(
         labels={names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_PIPELINE: kopf.PRESENT},
     )
     async def workload_changed(
-        type: str | None, body: kopf.Body, namespace: str | None, **_: Any
+        type: str | None, body: kopf.Body, namespace: str | None, **kwargs: Any
     ) -> None:
         pipeline = owning_pipeline(body)
         if pipeline is None or namespace is None:
             return
-        if type == "DELETED":
+        bind(kwargs)
+        if type != "DELETED":
+            reconciler.request_refresh(namespace, pipeline)
+            return
+        if pipeline_gone(namespace, pipeline):
+            return  # deleted with its pipeline (garbage collection): nothing to put back
+        try:
             await reconciler.child_deleted(namespace, pipeline)
-        else:
-            await reconciler.refresh(namespace, pipeline)
+        except apply.ApiError as error:
+            # kopf does not retry event handlers: a later event or the resume will
+            kopf_logger = kwargs.get("logger")
+            if kopf_logger is not None:
+                kopf_logger.warning("re-creating the children failed: %s", error)
 
     async def guard_deleted(
         type: str | None, body: kopf.Body, namespace: str | None, **_: Any
     ) -> None:
         pipeline = owning_pipeline(body)
-        if type == "DELETED" and pipeline is not None and namespace is not None:
+        if type != "DELETED" or pipeline is None or namespace is None:
+            return
+        if not pipeline_gone(namespace, pipeline):  # not garbage collection
             await reconciler.child_deleted(namespace, pipeline)
 
     for group, plural in GUARDED:
@@ -175,6 +230,23 @@ def register(
         )(guard_deleted)
 
     return registry
+
+
+def _register_index(registry: kopf.OperatorRegistry, api_version: str, kind: str) -> None:
+    """An index of one kind by (namespace, pipeline label), with slim entries."""
+    group, version, plural = resource_of(api_version, kind)
+    labels: dict[str, Any] = {names.LABEL_PIPELINE: kopf.PRESENT}
+    if kind == cache.POD_KIND:
+        labels[names.LABEL_ROLE] = kopf.PRESENT
+    else:
+        labels[names.LABEL_MANAGED_BY] = names.MANAGER
+
+    def by_pipeline(body: kopf.Body, **_: Any) -> dict[cache.Key, dict[str, Any]]:
+        key = cache.index_key(body)
+        return {} if key is None else {key: cache.slim(body, api_version, kind)}
+
+    resource = (group, version, plural) if group else (version, plural)
+    kopf.index(*resource, registry=registry, id=cache.index_name(kind), labels=labels)(by_pipeline)
 
 
 def owning_pipeline(obj: Mapping[str, Any]) -> str | None:

@@ -34,7 +34,16 @@ from typing import Any, Final
 
 import kopf
 
-from disagg_operator import apply, handlers, planner, podmetrics, reconcile, scaling_loop, status
+from disagg_operator import (
+    apply,
+    handlers,
+    kopfcost,
+    planner,
+    podmetrics,
+    reconcile,
+    scaling_loop,
+    status,
+)
 from disagg_operator.metrics import Metrics
 
 DEFAULT_LIVENESS_PORT: Final = 8080
@@ -102,10 +111,12 @@ def build(
     post_event: reconcile.PostEvent | None = None,
 ) -> Operator:
     """A registry with the handlers, configured settings and the reconciler behind them."""
+    metrics = metrics or Metrics()
+    kopfcost.observe(metrics.api_request("kopf"))
     reconciler = reconcile.Reconciler(
-        api=apply.Api(config.connection),
+        api=apply.Api(config.connection, record=metrics.api_request("operator")),
         options=config.options,
-        metrics=metrics or Metrics(),
+        metrics=metrics,
         post_event=post_event or reconcile.kopf_event,
         progress_deadline=config.progress_deadline,
     )
@@ -116,7 +127,7 @@ def build(
         kopf.OperatorRegistry(), reconciler, connection=config.connection, scaler=scaler
     )
     settings = kopf.OperatorSettings()
-    handlers.configure(settings)
+    handlers.configure(settings, config.options)
     return Operator(
         config=config, registry=registry, settings=settings, reconciler=reconciler, scaler=scaler
     )
@@ -149,12 +160,34 @@ def _autoscale_interval(args: argparse.Namespace) -> float:
     return scaling_loop.DEFAULT_INTERVAL if value is None else float(value)
 
 
+class RetriesAreWarnings(logging.Filter):
+    """kopf logs every failed try of a request it will retry, and every handler failure it
+    will retry, at ERROR; under a slow or throttling API server that is a storm of errors
+    for what is routine. Those become WARNINGs; an escalated failure stays an ERROR.
+
+    Also a WARNING: asyncio's report that kopf's watch generator (`infinite_watch`) raised
+    while being garbage-collected. kopf 1.45 does not close its watch streams when a watcher
+    stops (at shutdown), so asyncio closes them later and logs kopf's own RuntimeError from
+    that; nothing is lost (the operator is stopping)."""
+
+    RETRIED = ("; will retry:", "failed temporarily")
+    KOPF_GC = "closing of asynchronous generator <async_generator object infinite_watch"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage() if record.levelno == logging.ERROR else ""
+        if any(marker in message for marker in self.RETRIED) or self.KOPF_GC in message:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """`disagg operator`: runs until SIGINT/SIGTERM; returns the exit status."""
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RetriesAreWarnings())
     config = config_from_args(args)
     operator = build(config)
     stop_metrics: Callable[[], None] | None = None

@@ -6,6 +6,14 @@ in one test process do not collide), served by `serve(port)`:
                                                           reason, Conflict (a child held by
                                                           another owner) or Exception
     disagg_operator_pipelines_managed                   gauge; pipelines this operator tracks
+    disagg_operator_api_requests_total{client,verb,resource,outcome}
+                                                        counter; every request to the API server:
+                                                        client = operator (its own client, each
+                                                        try) | kopf (kopf's requests: watches,
+                                                        its annotations, Events; each call),
+                                                        verb and resource as RBAC names them,
+                                                        outcome = the HTTP status or "error"
+                                                        (no response)
 """
 
 from __future__ import annotations
@@ -40,6 +48,23 @@ class Metrics:
             "DisaggregatedPipelines this operator currently tracks.",
             registry=self.registry,
         )
+
+        self.api_requests = prometheus_client.Counter(
+            PREFIX + "api_requests",
+            "Requests to the Kubernetes API, by client, verb, resource and outcome.",
+            ["client", "verb", "resource", "outcome"],
+            registry=self.registry,
+        )
+
+    def api_request(self, client: str) -> Callable[[str, str, str], None]:
+        """A recorder of one client's requests: (verb, resource, outcome)."""
+
+        def record(verb: str, resource: str, outcome: str) -> None:
+            self.api_requests.labels(
+                client=client, verb=verb, resource=resource, outcome=outcome
+            ).inc()
+
+        return record
 
     def count_pipelines(self, count: Callable[[], float]) -> None:
         self.pipelines.set_function(count)

@@ -1,10 +1,13 @@
 """Reading the role containers' /metrics for the autoscaler.
 
 The series are the runtime's (see `disagg_runtime.metrics`, the contract table):
-`disagg_pool_occupancy` (0..1) and `disagg_queue_depth`. Plain HTTP GETs to pod IPs, all at
-once, each bounded by a short total timeout and a body size limit; any failure (refused,
-timed out, not 200, unparsable, no occupancy series) reads as None, never as an exception:
-the algorithm treats a missing sample conservatively.
+`disagg_pool_occupancy` (0..1) and `disagg_queue_depth`. Plain HTTP GETs to pod IPs, at most
+`concurrency` in flight for the whole operator (one `Scraper`; the others wait their turn
+before their clock starts), each bounded by a short total timeout of its own and a body size
+limit; no connection is kept (a pod is scraped once per interval, and ten thousand idle
+connections would cost more than they save), so a round costs time and memory linear in the
+pods. Any failure (refused, timed out, not 200, unparsable, no occupancy series) reads as
+None, never as an exception: the algorithm treats a missing sample conservatively.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from disagg_operator.autoscaling import Reading
 
 DEFAULT_TIMEOUT: Final = 2.0  # seconds per scrape, connect included
 MAX_BODY: Final = 4 * 2**20  # a role's exposition is a few KiB
-CONNECTION_LIMIT: Final = 64
+CONCURRENCY: Final = 128  # scrapes in flight at once
 
 
 def parse(text: str) -> Reading | None:
@@ -42,8 +45,10 @@ def parse(text: str) -> Reading | None:
 class Scraper:
     """Concurrent scrapes over one aiohttp session (made on first use, in the running loop)."""
 
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT, concurrency: int = CONCURRENCY) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._concurrency = max(1, concurrency)
+        self._slots: asyncio.Semaphore | None = None
         self._session: aiohttp.ClientSession | None = None
 
     async def read_all(self, urls: Iterable[str]) -> dict[str, Reading | None]:
@@ -54,9 +59,15 @@ class Scraper:
         return dict(zip(unique, results, strict=True))
 
     async def read(self, url: str) -> Reading | None:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._concurrency)
+        async with self._slots:  # the timeout starts once it is this scrape's turn
+            return await self._read(url)
+
+    async def _read(self, url: str) -> Reading | None:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=CONNECTION_LIMIT),
+                connector=aiohttp.TCPConnector(limit=self._concurrency, force_close=True),
                 timeout=self._timeout,
                 trust_env=False,  # pod IPs: never through a proxy
             )

@@ -29,6 +29,14 @@ Each pipeline has an `asyncio.Lock`: reconciles and refreshes of one pipeline ne
 computed from older reads never overwrites a newer one. Refreshes requested while one is
 waiting for the lock are merged into it.
 
+Reads come from the watch cache (`cache`: the children, and the pipeline for a refresh) when
+kopf has bound it, so a reconcile costs a GET of the pipeline plus one apply per child (and a
+GET for a child not cached yet), and a refresh no request at all unless the status changed.
+Child events are coalesced (`request_refresh`): events within `coalesce` seconds give one
+refresh. A refresh that fails on the API is tried again with jittered exponential backoff.
+The status last written is remembered, so a cache that has not caught up with our own write
+does not make us write it again.
+
 While Progressing is True, a refresh is scheduled for when the progress deadline passes, so
 that `Degraded/ProgressDeadlineExceeded` appears without any event.
 
@@ -48,6 +56,7 @@ import binascii
 import dataclasses
 import datetime
 import logging
+import random
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -60,7 +69,16 @@ from disagg_core import spec
 from disagg_core.spec import podpolicy
 from disagg_core.spec.fields import SpecError
 from disagg_core.spec.model import Pipeline
-from disagg_operator import apply, autoscaling, names, planner, pods, rollout_state, status
+from disagg_operator import (
+    apply,
+    autoscaling,
+    cache,
+    names,
+    planner,
+    pods,
+    rollout_state,
+    status,
+)
 from disagg_operator.metrics import Metrics
 
 # Degraded reason when a planned child's name is taken by an object this pipeline does not
@@ -81,6 +99,12 @@ EVENT_PRIVILEGED: Final = "PrivilegedPodTemplate"
 PEER_KEY_BYTES: Final = 32
 EVENT_ROLLOUT_STALLED: Final = "RolloutStalled"
 MAX_EVENT_MESSAGE: Final = 1024
+PARALLEL: Final = 32  # reconciles and refreshes in flight at once (the rest queue)
+COALESCE: Final = 0.1  # seconds: child events within this window give one status refresh
+REFRESH_RETRY: Final = 1.0  # seconds before a failed refresh is tried again; doubles ...
+REFRESH_RETRY_CAP: Final = 60.0  # ... up to this, jittered
+
+log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # namespace, name
 Event = tuple[str, str, str]  # type (Normal, Warning), reason, message
@@ -113,6 +137,11 @@ class PipelineState:
     stalled: tuple[str, ...] = ()  # units whose step missed its deadline (Event once)
     step_recheck: asyncio.TimerHandle | None = None  # a refresh when the step deadline passes
     peer_key_hash: str | None = None  # of the key last reconciled: templates carry it
+    refresh_due: asyncio.TimerHandle | None = None  # a coalesced refresh, scheduled
+    refresh_failures: int = 0
+    generation: int = 0  # the newest generation read from the API
+    written: dict[str, Any] = field(default_factory=dict)  # the status we last wrote
+    applied: dict[str, dict[str, Any]] = field(default_factory=dict)  # StatefulSets, by name
 
 
 @dataclass(frozen=True)
@@ -138,7 +167,11 @@ class Reconciler:
     post_event: PostEvent = kopf_event
     clock: Clock = utc_now
     progress_deadline: float = status.DEFAULT_PROGRESS_DEADLINE
+    cache: cache.Cache = field(default_factory=cache.Cache)
+    coalesce: float = COALESCE
+    parallel: int = PARALLEL
     states: dict[Key, PipelineState] = field(default_factory=dict, init=False)
+    _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,13 +183,14 @@ class Reconciler:
         """Bring the children and the status in line with the spec; None if the pipeline is
         gone or being deleted. Raises apply.ApiError on API failures (after an Event)."""
         state = self.states.setdefault((namespace, name), PipelineState())
-        async with state.lock, self._measured("spec"):
+        async with state.lock, self._slot(), self._measured("spec"):
             body = await apply.get_pipeline(self.api, namespace, name)
             if body is None:
                 self.forget(namespace, name)
                 return None
             if body["metadata"].get("deletionTimestamp"):
                 return None
+            state.generation = max(state.generation, int(body["metadata"].get("generation") or 0))
             state.replicas = autoscaling.resumed_replicas(body, state.replicas)
             try:
                 return await self._reconcile(body, state)
@@ -176,8 +210,8 @@ class Reconciler:
         finally:
             state.refresh_waiting = False  # also when cancelled while waiting
         try:
-            async with self._measured("status"):
-                body = await apply.get_pipeline(self.api, namespace, name)
+            async with self._slot(), self._measured("status"):
+                body = await self._current_body(namespace, name, state)
                 if body is None:
                     self.forget(namespace, name)
                     return None
@@ -185,21 +219,49 @@ class Reconciler:
         finally:
             state.lock.release()
 
+    def request_refresh(self, namespace: str, name: str) -> None:
+        """A child of the pipeline changed: refresh its status `coalesce` seconds from now,
+        once for all the changes that come in meanwhile (a rollout gives dozens of
+        StatefulSet events; they cost one status computation and at most one write)."""
+        state = self.states.setdefault((namespace, name), PipelineState())
+        if state.refresh_due is None:
+            state.refresh_due = asyncio.get_running_loop().call_later(
+                self.coalesce, self._due_refresh, (namespace, name)
+            )
+
+    async def _current_body(
+        self, namespace: str, name: str, state: PipelineState
+    ) -> dict[str, Any] | None:
+        """The pipeline from the watch cache when it is at least as new as what the last
+        reconcile read, else from the API."""
+        cached = self.cache.pipeline((namespace, name))
+        if cached is not None:
+            generation = int((cached.get("metadata") or {}).get("generation") or 0)
+            if generation >= state.generation:
+                return cached
+        return await apply.get_pipeline(self.api, namespace, name)
+
     async def child_deleted(self, namespace: str, name: str) -> Outcome | None:
         """A StatefulSet of the pipeline was deleted: put it back (a full reconcile)."""
+        state = self.states.get((namespace, name))
+        if state is not None:
+            state.applied = {}
         return await self.reconcile(namespace, name)
 
     def forget(self, namespace: str, name: str) -> None:
         """The pipeline is gone: drop its state (no finalizer needed: children are
         garbage-collected through their ownerReferences)."""
         state = self.states.pop((namespace, name), None)
-        if state is not None and state.recheck is not None:
-            state.recheck.cancel()
+        if state is not None:
+            for timer in (state.recheck, state.refresh_due):
+                if timer is not None:
+                    timer.cancel()
 
     async def close(self) -> None:
         for state in self.states.values():
-            if state.recheck is not None:
-                state.recheck.cancel()
+            for timer in (state.recheck, state.refresh_due):
+                if timer is not None:
+                    timer.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -223,19 +285,21 @@ class Reconciler:
             pipeline, namespace=namespace, owner=owner, options=options, peer_key_hash=digest
         )
         state.peer_key_hash = digest
-        live = await apply.owned_statefulsets(self.api, owner, namespace)
+        live = await apply.owned_statefulsets(self.api, owner, namespace)  # fresh: rollouts
         self._step_rollout(pipeline, objects, live, state)
         if self._options_for(state) != options:  # the rollout moved a partition
             options = self._options_for(state)
             objects = planner.plan(
                 pipeline, namespace=namespace, owner=owner, options=options, peer_key_hash=digest
             )
+        kinds = planner.child_kinds(options)
         result = await apply.apply_children(
             self.api,
             objects,
             owner=owner,
             namespace=namespace,
-            kinds=planner.child_kinds(options),
+            kinds=kinds,
+            existing=await self._existing_children(kinds, namespace, owner.name),
         )
         if created:  # reported with the children
             made = (apply.ObjectRef.of(key), *result.created)
@@ -273,13 +337,15 @@ class Reconciler:
         extra_events: Sequence[Event] = (),
     ) -> Outcome:
         now = self.clock()
-        before = body.get("status") or {}
+        # what we wrote last counts even where the (cached) body does not show it yet
+        before = {**(body.get("status") or {}), **state.written}
         if result is not None:
             statefulsets = result.statefulsets()
+            state.applied = {
+                o["metadata"]["name"]: cache.slim(o, "apps/v1", "StatefulSet") for o in statefulsets
+            }
         else:
-            owner = planner.Owner.of(body)
-            namespace = body["metadata"]["namespace"]
-            statefulsets = await apply.owned_statefulsets(self.api, owner, namespace)
+            statefulsets = await self._statefulsets(body, state)
         after = status.build_status(
             parsed,
             statefulsets,
@@ -292,7 +358,9 @@ class Reconciler:
         if not isinstance(parsed, SpecError):
             after = with_conflicts(after, state.conflicts, now=now, previous=before)
             after = self._rollout_status(body, parsed, statefulsets, state, after)
-        written = await apply.write_status(self.api, body, after)
+        written = await apply.write_status(self.api, {**body, "status": before}, after)
+        if written:
+            state.written = dict(after)
         events = [*extra_events]
         events += decision_events(
             result=result, before=before, after=after, known_conflicts=known_conflicts
@@ -423,10 +491,82 @@ class Reconciler:
         key = (meta["namespace"], meta["name"])
         state.recheck = asyncio.get_running_loop().call_later(delay, self._spawn_refresh, key)
 
+    async def _existing_children(
+        self, kinds: Sequence[tuple[str, str]], namespace: str, name: str
+    ) -> dict[apply.ObjectRef, dict[str, Any]]:
+        """The pipeline's labelled children: the cached kinds from the cache, the others
+        listed (one request per kind)."""
+        cached = [k for k in kinds if self.cache.children([k], (namespace, name)) is not None]
+        listed = [k for k in kinds if k not in cached]
+        found = {
+            apply.ObjectRef.of(o): o for o in self.cache.children(cached, (namespace, name)) or []
+        }
+        if listed:
+            found.update(
+                await apply.list_children(self.api, listed, namespace=namespace, pipeline=name)
+            )
+        return found
+
+    async def _statefulsets(
+        self, body: Mapping[str, Any], state: PipelineState
+    ) -> list[dict[str, Any]]:
+        """The pipeline's StatefulSets (controlled by its uid): cached, else listed. One the
+        last reconcile applied but the cache has not seen yet counts as it was applied (the
+        watch lags our own writes; a status built without it would flap to ChildMissing)."""
+        owner = planner.Owner.of(body)
+        namespace = body["metadata"]["namespace"]
+        found = self.cache.children([("apps/v1", "StatefulSet")], (namespace, owner.name))
+        if found is None:
+            return await apply.owned_statefulsets(self.api, owner, namespace)
+        ours = {
+            o["metadata"]["name"]: o
+            for o in found
+            if (apply.controller_of(o) or {}).get("uid") == owner.uid
+        }
+        lagging = [o for name, o in state.applied.items() if name not in ours]
+        return [*ours.values(), *lagging]
+
+    def _due_refresh(self, key: Key) -> None:
+        state = self.states.get(key)
+        if state is not None:
+            state.refresh_due = None
+        self._spawn_refresh(key)
+
     def _spawn_refresh(self, key: Key) -> None:
-        task = asyncio.create_task(self.refresh(*key), name=f"disagg-recheck-{key[0]}/{key[1]}")
+        task = asyncio.create_task(self._refresh_task(key), name=f"disagg-refresh-{key[1]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _refresh_task(self, key: Key) -> None:
+        """A scheduled refresh; on an API error, again later (backoff with jitter) while
+        the pipeline is tracked, so a failed status write never leaves it stale."""
+        try:
+            await self.refresh(*key)
+        except apply.ApiError as error:
+            state = self.states.get(key)
+            if state is None:
+                return
+            state.refresh_failures += 1
+            ceiling = min(REFRESH_RETRY_CAP, REFRESH_RETRY * 2 ** (state.refresh_failures - 1))
+            delay = random.uniform(ceiling / 2, ceiling)
+            log.warning("status of %s/%s: %s; again in %.1f s", *key, error, delay)
+            if state.refresh_due is None:
+                state.refresh_due = asyncio.get_running_loop().call_later(
+                    delay, self._due_refresh, key
+                )
+        else:
+            state = self.states.get(key)
+            if state is not None:
+                state.refresh_failures = 0
+
+    def _slot(self) -> asyncio.Semaphore:
+        """At most `parallel` reconciles and refreshes at once: a thousand pipelines created
+        together queue here, not in the HTTP connection pool, where the wait would eat
+        their requests' timeouts and turn into retries (a work queue, as controller-runtime
+        has)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(max(1, self.parallel))
+        return self._slots
 
     def _measured(self, kind: str) -> _Measured:
         return _Measured(self.metrics, kind)

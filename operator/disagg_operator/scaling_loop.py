@@ -10,9 +10,11 @@ with the spec. The task starts with the first pipeline handler, so it runs in ko
 (Events go through kopf's poster, as the handlers' do), and stops at cleanup.
 
 A step, for a pipeline with autoscaled units (`autoscaling` has the rules):
-1. read the pipeline fresh; skip it when gone, being deleted or invalid;
-2. list its pods (one request), scrape every ready pod's role containers at once, one
-   `autoscale.Sample` per pod;
+1. read the pipeline (from the watch cache, `cache`; else with a GET); skip it when gone,
+   being deleted or invalid;
+2. its pods (from the cache; else one list), scrape every ready pod's role containers (at
+   most `podmetrics.CONCURRENCY` scrapes in flight operator-wide, each with its own
+   timeout), one `autoscale.Sample` per pod;
 3. the pipeline's `autoscale.Autoscaler`, kept in its `PipelineState` (so stabilization
    windows span steps and reconciles), decides from the units' current replicas: the
    operator's intent (the last decision, else the spec). A fresh one does not scale down
@@ -103,7 +105,9 @@ class ScalingLoop:
         state = self.reconciler.states.get((namespace, name))
         if state is None:
             return []
-        body = await apply.get_pipeline(self.reconciler.api, namespace, name)
+        body = self.reconciler.cache.pipeline((namespace, name))
+        if body is None:
+            body = await apply.get_pipeline(self.reconciler.api, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return []
         parsed = reconcile.validate(body, self.reconciler.options)
@@ -137,7 +141,9 @@ class ScalingLoop:
     async def _samples(
         self, namespace: str, name: str, plan: autoscaling.ScalingPlan
     ) -> tuple[dict[str, list[Sample]], float]:
-        pods = await apply.pipeline_pods(self.reconciler.api, namespace, name)
+        pods = self.reconciler.cache.pods((namespace, name))
+        if pods is None:
+            pods = await apply.pipeline_pods(self.reconciler.api, namespace, name)
         views = autoscaling.pod_views(pods, plan)
         urls = [url for unit in plan.policies for view in views.get(unit, ()) for url in view.urls]
         readings = await self._scraper_now().read_all(urls)

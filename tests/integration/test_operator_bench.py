@@ -71,10 +71,21 @@ def check_report(result: dict[str, Any], *, samples: int, pipelines: int) -> Non
 
 def test_the_bench_measures_and_cleans_up_everything(k8s: EmulatorThread, kubeconfig: pathlib.Path):
     assert k8s.get("customresourcedefinitions", names.CRD_NAME, None) is None
-    proc = run_bench(kubeconfig, "--samples=3", "--pipelines=10", "--timeout=60", "--json")
+    argv = ("--samples=3", "--pipelines=10", "--timeout=60", "--steady=2", "--json")
+    proc = run_bench(kubeconfig, *argv)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     check_report(result, samples=3, pipelines=10)
+    # API cost: the operator's own counters; a pipeline costs a bounded number of requests
+    burst = result["api"]["burst"]
+    assert 7 <= burst["per_pipeline"] < 40, burst
+    assert burst["failed"] == 0 and burst["by_request"]
+    steady = result["api"]["steady"]
+    assert steady["seconds"] >= 2 and steady["per_minute"] is not None
+    # CPU over the burst: the operator's (from /proc) and the emulator's (its /metrics)
+    cpu = result["burst"]["cpu"]
+    assert cpu["wall_s"] > 0 and cpu["operator_s"] > 0 and cpu["server_s"] > 0
+    assert result["cleanup"].pop("seconds") > 0
     assert result["namespace"].startswith("disagg-bench-")
     operator = result["operator"]
     assert operator["managed"] is True and operator["startup_s"] > 0

@@ -42,15 +42,14 @@ directly (``create_object``, ``patch_object``, ...) are synchronous and must run
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import copy
 import json
 import random
 import re
+import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +60,11 @@ import yaml
 from kmock._internal import apps, rendering
 
 from . import semantics as sem
+from .errors import _bad_request, _conflict, _invalid, _not_found, api_error, status_body
+from .faults import Faults
 from .resources import BUILTIN, INITIAL_NAMESPACES, ResourceType, crd_resource_types
+from .store import ObjectStore
+from .watch import EventLog, WatchEvent, stream_watch
 
 JSON = dict[str, Any]
 ObjKey = tuple[str | None, str]  # (namespace, name)
@@ -98,52 +101,6 @@ def _qualified_name(key: str) -> bool:
     if prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
         return False
     return 0 < len(name) <= 63 and bool(_QUALIFIED_NAME.match(name))
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-
-
-def api_error(code: int, reason: str, message: str, **details: Any) -> kmock.KubernetesError:
-    """A Kubernetes ``Status`` failure (kmock's error type, rendered by ``_render_error``)."""
-    return kmock.KubernetesError(status=code, reason=reason, message=message, details=details)
-
-
-def _not_found(rt: ResourceType, name: str) -> kmock.KubernetesError:
-    return api_error(
-        404,
-        "NotFound",
-        f'{rt.qualified} "{name}" not found',
-        name=name,
-        group=rt.group,
-        kind=rt.plural,
-    )
-
-
-def _conflict(rt: ResourceType, name: str, why: str) -> kmock.KubernetesError:
-    return api_error(
-        409,
-        "Conflict",
-        f'Operation cannot be fulfilled on {rt.qualified} "{name}": {why}',
-        name=name,
-        group=rt.group,
-        kind=rt.plural,
-    )
-
-
-def _invalid(rt: ResourceType, name: str, message: str) -> kmock.KubernetesError:
-    return api_error(
-        422,
-        "Invalid",
-        f'{rt.kind} "{name}" is invalid: {message}',
-        name=name,
-        group=rt.group,
-        kind=rt.kind,
-    )
-
-
-def _bad_request(message: str) -> kmock.KubernetesError:
-    return api_error(400, "BadRequest", message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,51 +158,6 @@ class _Target:
         }
 
 
-@dataclass
-class _Event:
-    rv: int
-    type: str  # ADDED, MODIFIED, DELETED
-    obj: JSON  # storage form
-    old: JSON | None  # the previous state, for selector transitions
-
-
-class _EventLog:
-    """The per-storage event history that watches read from (bounded; 410 Gone beyond it)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.events: list[_Event] = []
-        self.offset = 0  # absolute index of events[0]
-        self.trimmed_rv = 0  # events with rv <= this were dropped
-        self.changed = asyncio.Event()
-
-    @property
-    def end(self) -> int:
-        return self.offset + len(self.events)
-
-    def append(self, event: _Event) -> None:
-        self.events.append(event)
-        if len(self.events) > self.limit:
-            drop = len(self.events) // 2
-            self.trimmed_rv = self.events[drop - 1].rv
-            del self.events[:drop]
-            self.offset += drop
-        self.wake()
-
-    def wake(self) -> None:
-        changed, self.changed = self.changed, asyncio.Event()
-        changed.set()
-
-    def since(self, cursor: int) -> list[_Event]:
-        return self.events[max(0, cursor - self.offset) :]
-
-    def cursor_after(self, rv: int) -> int:
-        for index, event in enumerate(self.events):
-            if event.rv > rv:
-                return self.offset + index
-        return self.end
-
-
 def _meta(obj: Mapping[str, Any]) -> JSON:
     meta = obj.get("metadata")
     return meta if isinstance(meta, dict) else {}
@@ -272,21 +184,25 @@ class KubeEmulator(kmock.KubernetesEmulator):
     ``kube-system``, ``kube-public`` and ``kube-node-lease`` exist from the start),
     ``keep_history`` (every version of every object in ``objects``; off: only the last),
     ``bookmark_interval`` (seconds between BOOKMARKs on watches that allow them),
-    ``event_log_limit`` (events kept per resource for watch resumption).
+    ``event_log_limit`` (events kept per resource for watch resumption), ``keep_requests``
+    (kmock's record of every request with its body, for its DSL; off for long runs: ``calls``
+    is kept either way), ``faults`` (a slow or failing server: see ``faults.Faults``).
+    Objects live in an indexed ``store.ObjectStore``; watches are served by ``watch``.
     """
 
     require_namespaces: bool = True
     keep_history: bool = True
     bookmark_interval: float = 30.0
     event_log_limit: int = 10_000
+    keep_requests: bool = True
+    faults: Faults | None = None
 
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
     _types: dict[tuple[str, str, str], ResourceType] = attrs.field(factory=dict, init=False)
     _storage_types: dict[StorageKey, ResourceType] = attrs.field(factory=dict, init=False)
     _storage_res: dict[StorageKey, kmock.resource] = attrs.field(factory=dict, init=False)
-    _index: dict[StorageKey, dict[ObjKey, JSON]] = attrs.field(factory=dict, init=False)
-    _uids: dict[str, tuple[StorageKey, ObjKey]] = attrs.field(factory=dict, init=False)
-    _logs: dict[StorageKey, _EventLog] = attrs.field(factory=dict, init=False)
+    _store: ObjectStore = attrs.field(factory=ObjectStore, init=False)
+    _logs: dict[StorageKey, EventLog] = attrs.field(factory=dict, init=False)
     _pending_policy: dict[str, str] = attrs.field(factory=dict, init=False)
     _rv: int = attrs.field(default=0, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -307,7 +223,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         raw_response: aiohttp.web.StreamResponse | None = None
         try:
             request = await self._parse_request(raw_request)
-            self._requests.append(request)
+            if self.keep_requests:
+                self._requests.append(request)
             try:
                 return await self._handle(request)
             except rendering.StreamingError as e:  # a kmock DSL stream failed midway
@@ -371,6 +288,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 else:
                     call.code = response.status
                     return response
+            if self.faults is not None and target is not None:
+                fault = await self.faults.before(
+                    user_agent=request.headers.get("User-Agent", ""), watch=call.verb == "watch"
+                )
+                if fault is not None:
+                    raise fault
             response = await self._serve(request, target, call)
         except kmock.KubernetesError as e:
             response = await self._render_error(e)
@@ -386,16 +309,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     @staticmethod
     def _status_body(exc: kmock.KubernetesError) -> JSON:
-        return {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": exc.message or "",
-            "reason": exc.reason or "",
-            "details": exc.details or {},
-            "code": exc.status,
-        }
+        return status_body(exc)
 
     def _parse_target(self, request: rendering.Request) -> _Target | None:
         return self._parse_path(request.url.path)
@@ -597,6 +511,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return aiohttp.web.Response(text="ok")
         if path == "/version":
             return self._json(SERVER_VERSION)
+        if path == "/metrics":
+            return aiohttp.web.Response(text=self._metrics_text())
         if path == "/":
             return self._json({"paths": sorted(self._paths())})
         if path == "/api":
@@ -623,6 +539,19 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if parts[:1] == ["apis"] and len(parts) == 3:
             return self._json(self._resource_list(parts[1], parts[2]))
         raise api_error(404, "NotFound", "the server could not find the requested resource")
+
+    def _metrics_text(self) -> str:
+        """Prometheus text: the CPU time of the process, and of the thread that serves (the
+        emulator's own share when it runs in a thread of a bigger process), requests served."""
+        lines = [
+            "# TYPE process_cpu_seconds_total counter",
+            f"process_cpu_seconds_total {time.process_time():.6f}",
+            "# TYPE emulator_cpu_seconds_total counter",
+            f"emulator_cpu_seconds_total {time.thread_time():.6f}",
+            "# TYPE apiserver_request_total counter",
+            f"apiserver_request_total {len(self.calls)}",
+        ]
+        return "\n".join(lines) + "\n"
 
     # ------------------------------------------------------------------ discovery
 
@@ -662,7 +591,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if rt.storage is None:  # the first registered version stores (a CRD's storage version)
             self._storage_types.setdefault(key, rt)
         self._storage_res.setdefault(key, kmock.resource(key[0], rt.version, key[1]))
-        self._index.setdefault(key, {})
+        self._store.ensure(key)
         self.resources[kmock.resource(rt.group, rt.version, rt.plural)] = kmock.ResourceInfo(
             namespaced=rt.namespaced,
             kind=rt.kind,
@@ -728,13 +657,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self._rv += 1
         return self._rv
 
-    def _log(self, key: StorageKey) -> _EventLog:
+    def _log(self, key: StorageKey) -> EventLog:
         if key not in self._logs:
-            self._logs[key] = _EventLog(self.event_log_limit)
+            self._logs[key] = EventLog(self.event_log_limit)
         return self._logs[key]
 
     def _stored(self, rt: ResourceType, ns: str | None, name: str) -> JSON | None:
-        return self._index.get(rt.storage_key, {}).get((ns, name))
+        return self._store.get(rt.storage_key, (ns, name))
 
     def _write(self, key: StorageKey, event_type: str, obj: JSON, old: JSON | None) -> None:
         """Commit one change: the index, kmock's history (``objects``), the event log."""
@@ -743,20 +672,18 @@ class KubeEmulator(kmock.KubernetesEmulator):
         kres = self._storage_res[key]
         hkey = (kres, okey[0], okey[1])
         if event_type == "DELETED":
-            self._index[key].pop(okey, None)
-            self._uids.pop(meta.get("uid", ""), None)
+            self._store.drop(key, obj)
             if hkey in self.objects:
                 self.objects[hkey].delete()
         else:
-            self._index[key][okey] = obj
-            self._uids[meta["uid"]] = (key, okey)
+            self._store.put(key, obj)
             if hkey not in self.objects:
                 self.objects[hkey] = copy.deepcopy(obj)
             elif event_type == "ADDED" or self.keep_history:
                 self.objects[hkey].create(copy.deepcopy(obj))
             else:
                 self.objects[hkey].history[-1] = copy.deepcopy(obj)
-        self._log(key).append(_Event(int(meta["resourceVersion"]), event_type, obj, old))
+        self._log(key).append(WatchEvent(int(meta["resourceVersion"]), event_type, obj, old))
 
     def _view(self, rt: ResourceType, obj: Mapping[str, Any]) -> JSON:
         """A stored object as the client asked for it (its group/version, its field names)."""
@@ -835,11 +762,6 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     rt, name, f"metadata.ownerReferences[{n}].{missing[0]}: Required value"
                 )
 
-    def _all_objects(self) -> Iterable[tuple[StorageKey, JSON]]:
-        for key, objects in list(self._index.items()):
-            for obj in list(objects.values()):
-                yield key, obj
-
     # ------------------------------------------------------------------ operations
 
     def op_create(
@@ -855,7 +777,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     "the namespace sent on the request"
                 )
             meta["namespace"] = ns
-            if self.require_namespaces and (None, ns) not in self._index[NAMESPACE_KEY]:
+            if self.require_namespaces and not self._store.contains(NAMESPACE_KEY, (None, ns)):
                 raise api_error(
                     404, "NotFound", f'namespaces "{ns}" not found', name=ns, kind="namespaces"
                 )
@@ -924,13 +846,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             fields = sem.parse_field_selector(field_selector)
         except sem.SelectorError as e:
             raise _bad_request(str(e)) from None
-        result = []
-        for (ons, _), obj in sorted(self._index.get(rt.storage_key, {}).items(), key=_sort_key):
-            if ns is not None and ons != ns:
-                continue
-            if sem.match_labels(labels, obj) and sem.match_fields(fields, obj):
-                result.append(obj)
-        return result
+        return self._store.select(rt.storage_key, ns, labels, fields)
 
     def op_list(
         self,
@@ -1271,30 +1187,22 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if key == CRD_KEY:
             spec = obj.get("spec") or {}
             crd_key = (spec.get("group", ""), (spec.get("names") or {}).get("plural", ""))
-            for item in list(self._index.get(crd_key, {}).values()):
+            for item in self._store.objects_of(crd_key):
                 self._remove(crd_key, item, "Background")
             self._unregister_storage(crd_key)
         if key == NAMESPACE_KEY:
-            for other_key, item in self._all_objects():
-                if (
-                    other_key != NAMESPACE_KEY
-                    and _meta(item).get("namespace") == obj["metadata"]["name"]
-                ):
-                    current = self._index[other_key].get(
-                        (_meta(item).get("namespace"), _meta(item)["name"])
-                    )
-                    if current is not None:
-                        self._delete_stored(other_key, current, "Background")
+            for other_key, item in self._store.in_namespace(obj["metadata"]["name"]):
+                current = self._store.get(
+                    other_key, (_meta(item).get("namespace"), _meta(item)["name"])
+                )
+                if other_key != NAMESPACE_KEY and current is not None:
+                    self._delete_stored(other_key, current, "Background")
         if policy != "Orphan":
             self._cascade(obj["metadata"]["uid"])
         return gone
 
     def _dependents(self, uid: str) -> list[tuple[StorageKey, JSON]]:
-        return [
-            (key, obj)
-            for key, obj in self._all_objects()
-            if any(ref.get("uid") == uid for ref in _meta(obj).get("ownerReferences") or [])
-        ]
+        return self._store.dependents(uid)
 
     def _orphan(self, uid: str) -> None:
         for key, obj in self._dependents(uid):
@@ -1313,13 +1221,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def _cascade(self, uid: str) -> None:
         """The garbage collector: dependents of a gone owner go too, unless owned elsewhere."""
         for key, obj in self._dependents(uid):
-            current = self._index[key].get((_meta(obj).get("namespace"), _meta(obj)["name"]))
+            current = self._store.get(key, (_meta(obj).get("namespace"), _meta(obj)["name"]))
             if current is None:
                 continue
             others = [
                 ref
                 for ref in _meta(current).get("ownerReferences") or []
-                if ref.get("uid") != uid and ref.get("uid") in self._uids
+                if ref.get("uid") != uid and self._store.live_uid(str(ref.get("uid")))
             ]
             if others:
                 self._drop_owner(key, current, uid)
@@ -1381,7 +1289,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 },
             ],
         }
-        old = self._index[CRD_KEY].get((None, name))
+        old = self._store.get(CRD_KEY, (None, name))
         if old is not None and "status" in old:  # keep the original transition times
             crd["status"]["conditions"] = old["status"]["conditions"]
         return types
@@ -1436,121 +1344,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         name: str | None,
         call: ApiCall,
     ) -> aiohttp.web.StreamResponse:
-        params = request.params
-        try:
-            labels = sem.parse_label_selector(params.get("labelSelector"))
-            fields = sem.parse_field_selector(params.get("fieldSelector"))
-        except sem.SelectorError as e:
-            raise _bad_request(str(e)) from None
-        if name is not None:
-            fields.append(sem.FieldRequirement("metadata.name", "=", name))
-        if ns is not None:
-            fields.append(sem.FieldRequirement("metadata.namespace", "=", ns))
-        bookmarks = params.get("allowWatchBookmarks") == "true"
-        send_initial = params.get("sendInitialEvents") == "true"
-        rv_param = params.get("resourceVersion", "")
-        table = self._wants_table(request)
-        timeout = float(params["timeoutSeconds"]) if params.get("timeoutSeconds") else None
-
-        def matches(obj: JSON | None) -> bool:
-            return (
-                obj is not None and sem.match_labels(labels, obj) and sem.match_fields(fields, obj)
-            )
-
-        # Snapshot and log position in one synchronous step: no event can fall in between.
-        log = self._log(rt.storage_key)
-        initial: list[tuple[str, JSON]] = []
-        gone = False
-        if send_initial or rv_param in ("", "0"):
-            initial = [("ADDED", o) for o in self._select(rt, None, None, None) if matches(o)]
-            cursor = log.end
-        else:
-            try:
-                since = int(rv_param)
-            except ValueError:
-                raise _bad_request(f"invalid resource version: {rv_param!r}") from None
-            gone = since < log.trimmed_rv
-            cursor = log.cursor_after(since)
-        start_rv = self._rv
-
-        response = aiohttp.web.StreamResponse(
-            status=200, headers={"Content-Type": "application/json"}
-        )
-        response.enable_chunked_encoding()
-        assert request._raw_request is not None
-        await response.prepare(request._raw_request)
-        call.code = response.status
-        first_table = True
-
-        async def send(event_type: str, obj: JSON) -> None:
-            nonlocal first_table
-            if event_type == "ERROR" or event_type == "BOOKMARK":
-                payload = obj
-            elif table:
-                view = self._view(rt, obj)
-                payload = self._table(
-                    rt, [view], rv=_meta(view)["resourceVersion"], headers=first_table
-                )
-                first_table = False
-            else:
-                payload = self._view(rt, obj)
-            line = json.dumps({"type": event_type, "object": payload}) + "\n"
-            await response.write(line.encode())
-
-        def bookmark(rv: int, initial_end: bool = False) -> JSON:
-            meta: JSON = {"resourceVersion": str(rv)}
-            if initial_end:
-                meta["annotations"] = {INITIAL_EVENTS_END: "true"}
-            return {"kind": rt.kind, "apiVersion": rt.api_version, "metadata": meta}
-
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout if timeout else None
-        next_bookmark = loop.time() + self.bookmark_interval
-
-        def expired(rv: int) -> JSON:
-            message = f"too old resource version: {rv_param} ({rv})"
-            return self._status_body(api_error(410, "Expired", message))
-
-        try:
-            if gone:
-                await send("ERROR", expired(log.trimmed_rv))
-            else:
-                for event_type, obj in initial:
-                    await send(event_type, obj)
-                if send_initial:
-                    await send("BOOKMARK", bookmark(start_rv, initial_end=True))
-            while not gone and not self._closed:
-                if cursor < log.offset:  # this watcher lagged behind the log's retention
-                    await send("ERROR", expired(log.trimmed_rv))
-                    break
-                pending = log.since(cursor)
-                for event in pending:
-                    cursor += 1
-                    new_match, old_match = matches(event.obj), matches(event.old)
-                    if event.type == "MODIFIED" and new_match and not old_match:
-                        await send("ADDED", event.obj)
-                    elif event.type == "MODIFIED" and old_match and not new_match:
-                        await send("DELETED", event.obj)
-                    elif new_match:
-                        await send(event.type, event.obj)
-                if pending:
-                    continue  # drain everything before a bookmark claims "up to here"
-                now = loop.time()
-                if deadline is not None and now >= deadline:
-                    break
-                if bookmarks and now >= next_bookmark:
-                    await send("BOOKMARK", bookmark(self._rv))
-                    next_bookmark = now + self.bookmark_interval
-                    continue
-                wait = next_bookmark - now if bookmarks else 3600.0
-                if deadline is not None:
-                    wait = min(wait, deadline - now)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(log.changed.wait(), timeout=max(wait, 0.0))
-            await response.write_eof()
-        except ConnectionError:
-            pass
-        return response
+        return await stream_watch(self, request, rt, ns, name, call)
 
     def close_watches(self) -> None:
         """End every open watch stream (before stopping the server)."""
@@ -1630,8 +1424,3 @@ class KubeEmulator(kmock.KubernetesEmulator):
     @property
     def resource_version(self) -> int:
         return self._rv
-
-
-def _sort_key(item: tuple[ObjKey, JSON]) -> tuple[str, str]:
-    (ns, name), _ = item
-    return (ns or "", name)

@@ -131,7 +131,8 @@ namespace with rbac.namespaced). */}}
   - apiGroups: ["disagg.dev"]
     resources: ["disaggregatedpipelines/status"]
     verbs: ["patch"]
-  # Their children: server-side applied, listed by label, pruned when the plan drops them.
+  # Their children: server-side applied, listed by label (StatefulSets: watched, the
+  # operator's cache), read when not found, pruned when the plan drops them.
   - apiGroups: ["apps"]
     resources: ["statefulsets"]
     verbs: ["get", "list", "watch", "patch", "delete"]
@@ -150,10 +151,10 @@ namespace with rbac.namespaced). */}}
   - apiGroups: [""]
     resources: ["secrets"]
     verbs: ["get", "list", "watch", "create"]
-  # The autoscaler lists a pipeline's pods to scrape their receive-pool occupancy.
+  # The autoscaler watches the pipelines' pods (by label) to scrape their pool occupancy.
   - apiGroups: [""]
     resources: ["pods"]
-    verbs: ["list"]
+    verbs: ["list", "watch"]
   # Events about the pipelines.
   - apiGroups: [""]
     resources: ["events"]

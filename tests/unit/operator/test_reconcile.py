@@ -196,12 +196,19 @@ def test_kopf_keeps_its_bookkeeping_in_annotations_of_its_own_prefix() -> None:
     assert progress.prefix == diffbase.prefix == "operator.disagg.dev"
     assert not names.ANNOTATION_GPU_MODE.startswith(progress.prefix + "/")
     assert settings.posting.reporting_component == names.MANAGER
-    selectors = dict(settings.watching.label_selectors.items())
-    # StatefulSets, and the Secrets and NetworkPolicies watched for deletion: only ours
-    assert len(selectors) == 3
-    assert set(selectors.values()) == {
-        "app.kubernetes.io/managed-by=disagg-operator,disagg.dev/pipeline"
+    selectors = {
+        (getattr(k, "group", None), getattr(k, "any_name", None)): v
+        for k, v in settings.watching.label_selectors.items()
     }
+    ours = "app.kubernetes.io/managed-by=disagg-operator,disagg.dev/pipeline"
+    assert selectors.pop(("", "pods")) == "disagg.dev/pipeline,disagg.dev/role"
+    # StatefulSets (cached), and the Secrets and NetworkPolicies watched for deletion: only ours
+    assert set(selectors) == {
+        ("apps", "statefulsets"),
+        ("", "secrets"),
+        ("networking.k8s.io", "networkpolicies"),
+    }
+    assert set(selectors.values()) == {ours}
 
 
 def test_an_explicit_connection_is_used_as_is() -> None:
