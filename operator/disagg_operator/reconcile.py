@@ -511,8 +511,9 @@ class Reconciler:
         self, body: Mapping[str, Any], state: PipelineState
     ) -> list[dict[str, Any]]:
         """The pipeline's StatefulSets (controlled by its uid): cached, else listed. One the
-        last reconcile applied but the cache has not seen yet counts as it was applied (the
-        watch lags our own writes; a status built without it would flap to ChildMissing)."""
+        last reconcile applied that the cache has not seen yet, or has seen only in an older
+        generation, counts as it was applied (the watch lags our own writes; a status built
+        from it would flap to ChildMissing or report the old spec)."""
         owner = planner.Owner.of(body)
         namespace = body["metadata"]["namespace"]
         found = self.cache.children([("apps/v1", "StatefulSet")], (namespace, owner.name))
@@ -523,8 +524,11 @@ class Reconciler:
             for o in found
             if (apply.controller_of(o) or {}).get("uid") == owner.uid
         }
-        lagging = [o for name, o in state.applied.items() if name not in ours]
-        return [*ours.values(), *lagging]
+        for name, applied in state.applied.items():
+            seen = ours.get(name)
+            if seen is None or _generation(seen) < _generation(applied):
+                ours[name] = applied  # the cache has not caught up with our own apply
+        return list(ours.values())
 
     def _due_refresh(self, key: Key) -> None:
         state = self.states.get(key)
@@ -591,6 +595,11 @@ class _Measured:
 
 
 # ---------------------------------------------------------------------------- pure parts
+
+
+def _generation(obj: Mapping[str, Any]) -> int:
+    value = (obj.get("metadata") or {}).get("generation")
+    return value if isinstance(value, int) else 0
 
 
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
