@@ -111,7 +111,7 @@ async def stream_watch(
     initial: list[tuple[str, JSON]] = []
     gone = False
     if send_initial or rv_param in ("", "0"):
-        initial = [("ADDED", o) for o in emu._select(rt, None, None, None) if matches(o)]
+        initial = [("ADDED", o) for o in emu._store.select(rt.storage_key, ns, labels, fields)]
         cursor = log.end
     else:
         try:
