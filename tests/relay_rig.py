@@ -4,6 +4,7 @@ test, payloads to move, and waits with timeouts (nothing asserts durations)."""
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 import threading
@@ -14,13 +15,14 @@ import torch
 import zmq
 
 from disagg_runtime.pool import MiB, Pool, shm_name
-from disagg_runtime.relay import Ingress, Relay, connect
+from disagg_runtime.relay import Ingress, Relay, auth, connect
 from disagg_runtime.relay import protocol as proto
 from tests.payload_checks import assert_bit_exact
 
 KiB = 1 << 10
 KINDS = ["shm", "tcp"]
 WAIT = 10.0  # generous upper bound for anything that should happen "soon"
+KEY = auth.new_key()  # the peer key of every ingress and sender the rig makes
 
 
 # -- rig -----------------------------------------------------------------------------------
@@ -57,22 +59,28 @@ class Rig:
             endpoint = f"ipc://{self.dir}/{next(self._n)}.sock"
         else:
             endpoint = "tcp://127.0.0.1:0"
+        options.setdefault("key", KEY)
         ingress = Ingress(endpoint, pool, lease_s=lease_s, **options)
         self.ingresses.append(ingress)
         return ingress
 
     def sender(self, kind: str, ingress: Ingress, **options: Any) -> Relay:
         options.setdefault("timeout", WAIT)
+        options.setdefault("key", KEY)
         sender = connect(kind, ingress.endpoint, **options)
         self.senders.append(sender)
         return sender
 
-    def raw(self, ingress: Ingress) -> zmq.Socket[Any]:
-        """A bare DEALER that speaks whatever the test sends."""
+    def raw(self, ingress: Ingress, *, authenticate: bool = True) -> zmq.Socket[Any]:
+        """A bare DEALER that speaks whatever the test sends; by default it has made the
+        handshake (with the rig's key) first, as a sender does."""
         sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())
         sock.connect(ingress.endpoint)
         self.sockets.append(sock)
+        if authenticate:
+            handshake(sock)
         return sock
 
     def close(self) -> None:
@@ -141,6 +149,36 @@ def call_in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, result
+
+
+def handshake(sock: zmq.Socket[Any], relay: str = "raw", key: bytes = KEY) -> dict[str, Any]:
+    """Authenticate a bare DEALER the way a sender does (relay/auth.py); the welcome, its
+    mac checked. With a wrong key the ingress's answer (a refusal) is returned instead."""
+    ours = auth.nonce()
+    sock.send(proto.pack("hello", relay=relay, nonce=ours))
+    challenge = recv_reply(sock)
+    assert challenge["op"] == "challenge", challenge
+    sock.send(proto.pack("auth", mac=auth.mac(key, "sender", ours, challenge["nonce"])))
+    welcome = recv_reply(sock)
+    if welcome["op"] == "welcome":
+        body = auth.body({k: v for k, v in welcome.items() if k not in ("v", "pv", "op")})
+        assert auth.verify(key, welcome["mac"], "welcome", ours, challenge["nonce"], body)
+    return welcome
+
+
+def write_key(folder: str, key: bytes = KEY) -> str:
+    """The key in a 0600 file under `folder`, as `disagg up` and the operator provide it;
+    the path for DISAGG_PEER_KEY_FILE / `RoleConfig.peer_key_file`."""
+    path = os.path.join(folder, "peer-key")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(key + b"\n")  # whitespace around the key is not part of it
+    return path
+
+
+def lane_hello(welcome: dict[str, Any], *, control: bool = False, key: bytes = KEY) -> bytes:
+    """The first frame of a lane, as a sender writes it."""
+    token = welcome["lane_id"]
+    return proto.pack("lane", id=token, control=control, mac=auth.mac(key, "lane", token))
 
 
 def recv_reply(sock: zmq.Socket[Any], timeout: float = WAIT) -> dict[str, Any]:

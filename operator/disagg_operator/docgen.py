@@ -263,8 +263,8 @@ rule) puts into each container:
   rolls them (docs/security.md).
 
 `disagg up` sets the same variables for local processes, plus `DISAGG_NODE_LOCAL=1` (every
-peer shares this host's `/dev/shm`), `DISAGG_PEERS_FILE` (addresses that change as it scales)
-and `DISAGG_METRICS_DUMP`.
+peer shares this host's `/dev/shm`), `DISAGG_PEERS_FILE` (addresses that change as it scales),
+`DISAGG_METRICS_DUMP` and `DISAGG_PEER_KEY_FILE` (a 0600 file with a key made for the run).
 """
 
 

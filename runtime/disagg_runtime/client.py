@@ -7,6 +7,10 @@ out of the pool before the slot is released, so they stay valid for the caller.
     client = Client(entries=[Peer("encoder", ("127.0.0.1:7400",))], exits=["decoder"])
     video = client.submit({"prompt": tokens}, timeout=30)
     for frame in client.stream(payload): ...
+
+The client holds the pipeline's peer key (`key`, else the file DISAGG_PEER_KEY_FILE
+names; relay/auth.py): roles serve it, and reply to its ingress, only because it proves
+that key. There is no default key: without one the client does not start.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from disagg_core.contract import Peer
 from disagg_runtime import envelope
 from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
-from disagg_runtime.pool import Pool, shm_name
+from disagg_runtime.pool import Pool, shm_name, shm_namespace
 from disagg_runtime.relay import Ingress, RelayError
+from disagg_runtime.relay.auth import check_key, key_from_env
 
 _END = object()
 
@@ -44,6 +49,14 @@ class RequestFailed(RuntimeError):
 
 class RequestTimeout(RequestFailed, TimeoutError):
     """No complete result before the request's deadline; the request was aborted."""
+
+
+class RequestOverloaded(RequestFailed):
+    """A role refused the request at once: too many requests were waiting for its workers
+    (a gateway answers 429 or 503; retrying later may succeed)."""
+
+
+_FAILURES = {"timeout": RequestTimeout, "overloaded": RequestOverloaded}
 
 
 def detach(value: Any) -> Any:
@@ -86,7 +99,9 @@ class Client:
         timeout: float = 30.0,
         resolver: Resolver = resolve_dns,
         peers_file: str = "",
+        key: bytes | None = None,
     ) -> None:
+        key = check_key(key) if key is not None else key_from_env()
         self.exits = frozenset(exits)
         self.timeout = timeout
         self.reply_relay = reply_relay
@@ -94,14 +109,18 @@ class Client:
             self.pool = Pool.create(pool_size, device="shm", name=shm_name(pipeline, "client"))
         else:
             self.pool = Pool.create(pool_size, device="cpu")
-        self.ingress = Ingress(f"tcp://{bind_host}:0", self.pool, lease_s=timeout)
+        try:
+            self.ingress = Ingress(f"tcp://{bind_host}:0", self.pool, lease_s=timeout, key=key)
+        except BaseException:
+            self.pool.close()
+            raise
         port = self.ingress.endpoint.rsplit(":", 1)[1]
         self.reply = Reply(f"tcp://{advertise_host or bind_host}:{port}", reply_relay)
         listed = PeersFile(peers_file) if peers_file else None
         self.entries = [
             PeerSet(p, entry_relay, resolver=resolver, peers_file=listed) for p in entries
         ]
-        self.relays = RelayCache(timeout=timeout)
+        self.relays = RelayCache(timeout=timeout, key=key, pools=shm_namespace(pipeline))
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -240,7 +259,7 @@ class Client:
             error = dict(meta.error)
             where = f"role {error.get('role', meta.source)} (replica {error.get('replica', '?')})"
             message = f"request {meta.rid} failed at {where}: {error.get('message', '')}"
-            kind = RequestTimeout if error.get("reason") == "timeout" else RequestFailed
+            kind = _FAILURES.get(error.get("reason", ""), RequestFailed)
             self._finish(meta.rid, exc=kind(message, role=meta.source, error=error))
         elif meta.kind == "data":
             pending.results[meta.source] = payload

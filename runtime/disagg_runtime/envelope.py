@@ -15,6 +15,7 @@ Pure: parsing checks every field, since it crossed a socket.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,12 @@ class Meta:
     def expired(self) -> bool:
         return time.time() > self.deadline
 
+    def clamped(self, limit_s: float) -> Meta:
+        """This envelope with a deadline at most `limit_s` from now: whoever sent it, a
+        request holds a role no longer than the role's own request timeout."""
+        latest = time.time() + limit_s
+        return self if self.deadline <= latest else self.with_(deadline=latest)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "rid": self.rid,
@@ -97,6 +104,12 @@ def parse(m: object) -> Meta:
     deadline = m.get("deadline")
     if not isinstance(deadline, (int, float)) or isinstance(deadline, bool):
         raise EnvelopeError("meta.deadline: expected a number")
+    try:
+        deadline = float(deadline)  # a huge JSON integer does not fit: OverflowError
+    except OverflowError:
+        deadline = math.inf
+    if not math.isfinite(deadline):
+        raise EnvelopeError("meta.deadline: expected a finite number")
     error = m.get("error", {})
     if not isinstance(error, dict) or not all(isinstance(v, str) for v in error.values()):
         raise EnvelopeError("meta.error: expected an object of strings")

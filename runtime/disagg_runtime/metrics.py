@@ -15,7 +15,9 @@ name                                type       extra labels           meaning
                                                                       receive pool
 ``disagg_pool_bytes_total``         gauge      -                      receive-pool capacity
 ``disagg_pool_occupancy``           gauge      -                      used / total, 0..1 (0 when
-                                                                      total is 0): scaling signal
+                                                                      total is 0), or the inline
+                                                                      budget's, if fuller: the
+                                                                      scaling signal
 ``disagg_pool_fragmentation_bytes`` gauge      -                      block bytes beyond the
                                                                       payloads (the buddy
                                                                       allocator's rounding)
@@ -24,11 +26,20 @@ name                                type       extra labels           meaning
 ``disagg_inflight_requests``        gauge      -                      requests being handled
 ``disagg_queue_depth``              gauge      -                      received, waiting for a
                                                                       worker: scaling signal
+``disagg_ingress_lanes``            gauge      -                      senders connected through
+                                                                      the lane
+``disagg_inline_bytes_used``        gauge      -                      inline payload bytes held
+                                                                      (received, not released)
+``disagg_inline_bytes_budget``      gauge      -                      the most inline bytes held
+                                                                      at once (then lanes stall)
+``disagg_peer_rejected_total``      counter    -                      connections and messages
+                                                                      refused for want of the
+                                                                      peer key (relay/auth.py)
 ``disagg_requests_total``           counter    ``outcome``            finished requests;
                                                                       outcome is done|failed
 ``disagg_request_failures_total``   counter    ``reason``             failed requests by reason:
                                                                       handler|timeout|aborted|
-                                                                      transport|other
+                                                                      transport|overloaded|other
 ``disagg_request_seconds``          histogram  -                      receive-to-done latency of
                                                                       requests that completed
 ``disagg_handler_seconds``          histogram  -                      time inside the user handler
@@ -81,7 +92,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,7 +102,7 @@ logger = logging.getLogger(__name__)
 
 CONST_LABELS: Final = ("pipeline", "role", "replica")
 OUTCOMES: Final = ("done", "failed")
-FAILURE_REASONS: Final = ("handler", "timeout", "aborted", "transport", "other")
+FAILURE_REASONS: Final = ("handler", "timeout", "aborted", "transport", "overloaded", "other")
 
 # 100 us .. 10 s, roughly 1-2.5-5 per decade: a 64 MiB hop over shm is a few ms, over tcp tens.
 EDGE_BUCKETS: Final = (
@@ -123,6 +134,9 @@ class RoleSample:
     queue_depth: int  # received, waiting for a worker
     lanes: int = 0  # senders connected through the ingress's lane (the rest use ZMQ only)
     pool_fragmentation_bytes: int = 0  # block bytes beyond the payloads (allocator rounding)
+    inline_used_bytes: int = 0  # inline payloads held: they count against their own budget
+    inline_budget_bytes: int = 0
+    peer_rejected: int = 0  # refused for want of the peer key, since start (a counter)
 
 
 def occupancy(used: int, total: int) -> float:
@@ -147,7 +161,10 @@ class _SampleCollector:
             "disagg_pool_fragmentation_bytes",
             "Receive-pool bytes held beyond the payloads by the allocator's rounding.",
         ),
+        ("disagg_inline_bytes_used", "Inline payload bytes held (received, not released)."),
+        ("disagg_inline_bytes_budget", "The most inline payload bytes held at once."),
     )
+    _REJECTED: Final = "disagg_peer_rejected"
 
     def __init__(self, label_values: list[str], sample: Callable[[], RoleSample]) -> None:
         self._label_values = label_values
@@ -156,7 +173,8 @@ class _SampleCollector:
 
     def describe(self) -> Iterable[Metric]:
         # Declares the names (duplicate checks) without calling sample() at registration.
-        return [GaugeMetricFamily(name, doc, labels=CONST_LABELS) for name, doc in self._GAUGES]
+        gauges = [GaugeMetricFamily(name, doc, labels=CONST_LABELS) for name, doc in self._GAUGES]
+        return [*gauges, CounterMetricFamily(self._REJECTED, "", labels=CONST_LABELS)]
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -164,12 +182,17 @@ class _SampleCollector:
             values = (
                 float(s.pool_used_bytes),
                 float(s.pool_total_bytes),
-                occupancy(s.pool_used_bytes, s.pool_total_bytes),
+                max(
+                    occupancy(s.pool_used_bytes, s.pool_total_bytes),
+                    occupancy(s.inline_used_bytes, s.inline_budget_bytes),
+                ),
                 float(s.pool_free_slots),
                 float(s.inflight),
                 float(s.queue_depth),
                 float(s.lanes),
                 float(s.pool_fragmentation_bytes),
+                float(s.inline_used_bytes),
+                float(s.inline_budget_bytes),
             )
         except Exception:
             if not self._failing:
@@ -183,6 +206,13 @@ class _SampleCollector:
             family = GaugeMetricFamily(name, doc, labels=CONST_LABELS)
             family.add_metric(self._label_values, value)
             yield family
+        rejected = CounterMetricFamily(
+            self._REJECTED,
+            "Connections and messages refused for want of the pipeline's peer key.",
+            labels=CONST_LABELS,
+        )
+        rejected.add_metric(self._label_values, float(s.peer_rejected))
+        yield rejected
 
 
 class RoleMetrics:

@@ -14,6 +14,8 @@ hashed to it.
 
 from __future__ import annotations
 
+import collections
+import errno
 import ipaddress
 import json
 import logging
@@ -25,8 +27,10 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import zmq
+
 from disagg_core.contract import Peer
-from disagg_runtime.relay import Relay, RelayError, connect
+from disagg_runtime.relay import NotAPeer, Relay, RelayError, connect
 
 log = logging.getLogger(__name__)
 RESOLVE_EVERY = 5.0
@@ -83,39 +87,142 @@ def write_peers_file(path: str, roles: dict[str, list[str]]) -> None:
 
 
 class RelayCache:
-    """One relay per (kind, endpoint), opened on first use, shared by all workers."""
+    """Relays by (kind, endpoint), opened on first use, shared by all workers.
 
-    def __init__(self, *, timeout: float, context: Any = None) -> None:
+    Bounded: at most `max_relays` (least recently used closed first) and none idle for
+    longer than `idle_s`, so distinct reply endpoints cannot use up the process's sockets.
+    Every relay proves the peer `key` both ways (relay/auth.py) before it is used, so a
+    role only ever sends to its pipeline's peers. `trouble()` says why the role should not
+    be ready: sockets ran out within the last `window_s` (the older half of the relays is
+    then closed, so the process keeps working), or sends kept failing (`failed`) in it
+    with no success since. Both age out: a role becomes ready again by itself.
+    """
+
+    FAILURES = 8  # failed sends in the window that, with no success, make the role unready
+
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        key: bytes,
+        pools: str | None = None,
+        context: Any = None,
+        max_relays: int = 128,
+        idle_s: float = 300.0,
+        window_s: float | None = None,
+    ) -> None:
         self._timeout = timeout
+        self._key = key
+        self._pools = pools
         self._context = context
-        self._relays: dict[tuple[str, str], Relay] = {}
+        self.max_relays = max_relays
+        self.idle_s = idle_s
+        self.window_s = window_s if window_s is not None else max(10.0, 2 * timeout)
+        self._relays: collections.OrderedDict[tuple[str, str], tuple[Relay, float]] = (
+            collections.OrderedDict()
+        )
         self._lock = threading.Lock()
+        self._exhausted_at = float("-inf")  # sockets ran out
+        self._failures: collections.deque[float] = collections.deque(maxlen=self.FAILURES)
+        self._ok_at = float("-inf")
+        self.refused = 0  # peers that failed authentication when dialled
 
-    def get(self, kind: str, endpoint: str) -> Relay:
+    def __len__(self) -> int:
+        return len(self._relays)
+
+    def get(self, kind: str, endpoint: str, *, timeout: float | None = None) -> Relay:
+        """The relay to `endpoint`, connecting (within `timeout`, at most the cache's own)
+        if there is none; RelayError when it cannot be opened."""
         key = (kind, endpoint)
+        now = time.monotonic()
         with self._lock:
-            relay = self._relays.get(key)
-        if relay is not None:
-            return relay
-        relay = connect(kind, endpoint, timeout=self._timeout, context=self._context)
+            entry = self._relays.get(key)
+            if entry is not None:
+                self._relays[key] = (entry[0], now)
+                self._relays.move_to_end(key)
+            stale = self._evict(now, self.max_relays)
+        self._close_all(stale)
+        if entry is not None:
+            return entry[0]
+        with self._lock:  # make room first: a full process cannot open the new one
+            stale = self._evict(now, self.max_relays - 1)
+        self._close_all(stale)
+        wait = self._timeout if timeout is None else max(0.05, min(timeout, self._timeout))
+        try:
+            relay = connect(
+                kind,
+                endpoint,
+                timeout=self._timeout,
+                handshake_timeout=wait,
+                context=self._context,
+                key=self._key,
+                pools=self._pools,
+            )
+        except (zmq.ZMQError, OSError) as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._exhausted_at = time.monotonic()
+                log.error("out of sockets opening a relay to %s: %s", endpoint, exc)
+                with self._lock:  # shed the older half, so probes and new replies can work
+                    stale = self._evict(now, len(self._relays) // 2)
+                self._close_all(stale)
+            raise RelayError(f"cannot open a {kind} relay to {endpoint}: {exc}") from None
+        except NotAPeer:
+            self.refused += 1
+            raise
         with self._lock:
-            existing = self._relays.setdefault(key, relay)
-        if existing is not relay:
+            existing = self._relays.get(key)
+            if existing is None:
+                self._relays[key] = (relay, time.monotonic())
+        if existing is not None:
             relay.close()
-        return existing
+            return existing[0]
+        return relay
+
+    def _evict(self, now: float, keep: int) -> list[Relay]:
+        """Take out relays idle too long, then the least recently used beyond `keep`
+        (call with the lock held; close them after releasing it)."""
+        out = []
+        while self._relays:
+            key, (relay, used) = next(iter(self._relays.items()))
+            if len(self._relays) <= max(0, keep) and now - used <= self.idle_s:
+                break
+            del self._relays[key]
+            out.append(relay)
+        return out
+
+    @staticmethod
+    def _close_all(relays: list[Relay]) -> None:
+        for relay in relays:  # waits for a send in progress on it, if any
+            relay.close()
 
     def drop(self, kind: str, endpoint: str) -> None:
         """Forget a relay that failed, so the next send reconnects."""
         with self._lock:
-            relay = self._relays.pop((kind, endpoint), None)
-        if relay is not None:
-            relay.close()
+            entry = self._relays.pop((kind, endpoint), None)
+        if entry is not None:
+            entry[0].close()
+
+    def succeeded(self) -> None:
+        self._ok_at = time.monotonic()
+
+    def failed(self) -> None:
+        self._failures.append(time.monotonic())
+
+    def trouble(self) -> str | None:
+        """Why sends cannot be trusted to work now (the role is then not ready), or None."""
+        now = time.monotonic()
+        if now - self._exhausted_at < self.window_s:
+            return "out of sockets for relays"
+        recent = [t for t in self._failures if now - t < self.window_s]
+        if len(recent) == self.FAILURES and self._ok_at < recent[0]:
+            return f"the last {self.FAILURES} sends failed and none succeeded since"
+        return None
 
     def close(self) -> None:
         with self._lock:
-            relays, self._relays = list(self._relays.values()), {}
-        for relay in relays:
-            relay.close()
+            relays = [relay for relay, _ in self._relays.values()]
+            self._relays.clear()
+        self._close_all(relays)
 
 
 class PeerSet:

@@ -194,6 +194,11 @@ def _size_of(name: str) -> int | None:
         return None
 
 
+def shm_namespace(pipeline: str) -> str:
+    """The prefix every `shm_name` of `pipeline` starts with (senders map no other pool)."""
+    return f"{SHM_PREFIX}{re.sub(r'[^A-Za-z0-9_.-]', '_', f'{pipeline}-')[:160]}"
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
 

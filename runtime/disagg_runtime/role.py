@@ -20,6 +20,11 @@
   (`peers.RESOLVE_EVERY` + 1 s) first: upstream roles still send to it until they
   re-resolve its Service name, and what they send to a closed ingress would be lost until
   the request's deadline.
+- Trust (relay/auth.py): the ingress serves only senders that prove the pipeline's peer
+  key, and every relay this role opens (downstream or a client's reply endpoint) checks
+  the same of the other end. Deadlines are clamped on receipt to the request timeout, so
+  no sender can hold a worker longer. Requests waiting for a worker are bounded
+  (`max_queue`): beyond it a new request fails at once as `overloaded`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import collections
 import inspect
 import logging
 import queue
+import resource
 import signal
 import threading
 import time
@@ -50,12 +56,19 @@ from disagg_runtime.peers import (
     Resolver,
     resolve_dns,
 )
-from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_prefix
+from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_namespace, shm_prefix
 from disagg_runtime.relay import Ingress, Message, RelayError
+from disagg_runtime.relay.auth import PeerKeyError, read_key
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)
 ABORT_MEMORY_S = 120.0
+QUEUE_PER_WORKER = 16  # requests that may wait for each worker before new ones are refused
+CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
+
+
+class ReplyFailed(RelayError):
+    """The reply endpoint of a request could not be reached (so no error report can be)."""
 
 
 def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
@@ -109,16 +122,20 @@ class RoleRuntime:
         handler: Handler | LoadedHandler | None = None,
         resolver: Resolver = resolve_dns,
         grace_s: float = 30.0,
+        max_queue: int | None = None,
+        max_relays: int = 128,
     ) -> None:
         self.config = config
         self.name = config.role
         self.me = config.me
+        self.key = read_key(config.peer_key_file)  # no key, no role: there is no default
         if handler is None:
             handler = load(config.handler)
         elif not isinstance(handler, LoadedHandler):
             handler = LoadedHandler(handler)
         self.handler = handler
         self.grace_s = grace_s
+        self.max_queue = max_queue or QUEUE_PER_WORKER * config.concurrency
         # relay choices first: one that cannot work fails start-up before memory is taken
         peers_file = PeersFile(config.peers_file) if config.peers_file else None
         self.peers = {
@@ -141,7 +158,8 @@ class RoleRuntime:
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._control: queue.SimpleQueue[Meta] = queue.SimpleQueue()  # aborts to pass on
+        # aborts to pass on, requests to refuse as overloaded: network sends, off the I/O thread
+        self._control: queue.Queue[tuple[str, Meta]] = queue.Queue(CONTROL_BACKLOG)
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
@@ -168,17 +186,23 @@ class RoleRuntime:
                 lease_s=config.request_timeout,
                 lane_port=config.lane_port,
                 on_message=self._on_message,
+                key=self.key,
             )
         except BaseException:
             self.pool.close()
             raise
-        self.relays = RelayCache(timeout=config.request_timeout)
+        self.relays = RelayCache(
+            timeout=config.request_timeout,
+            key=self.key,
+            pools=shm_namespace(config.pipeline),
+            max_relays=max_relays,
+        )
         self.health = HealthServer(
             self.metrics,
             host=config.bind_host,
             port=config.metrics_port,
             live=self._live,
-            ready=lambda: self._started and not self._draining.is_set(),
+            ready=self._ready,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -276,6 +300,14 @@ class RoleRuntime:
         alive = self._started and all(t.is_alive() for t in self._threads)
         return alive or self._stopping.is_set()
 
+    def _ready(self) -> bool:
+        """Serving, not draining, and able to send on (a role out of sockets, or whose
+        sends all fail, is taken out of its Service rather than failing silently)."""
+        trouble = self.relays.trouble()
+        if trouble is not None:
+            log.warning("role %s not ready: %s", self.name, trouble)
+        return self._started and not self._draining.is_set() and trouble is None
+
     def _sample(self) -> RoleSample:
         stats = self.pool.stats()
         ingress = self.ingress.stats()
@@ -290,6 +322,9 @@ class RoleRuntime:
             queue_depth=queued + ingress.queued,
             lanes=ingress.lanes,
             pool_fragmentation_bytes=stats.used - stats.requested,
+            inline_used_bytes=ingress.inline_used,
+            inline_budget_bytes=ingress.inline_budget,
+            peer_rejected=ingress.refused + self.relays.refused,
         )
 
     # ---- receiving ---------------------------------------------------------------------------
@@ -307,21 +342,37 @@ class RoleRuntime:
         while not self._stopping.is_set():
             try:
                 self._expire_joins()
-                meta = self._control.get(timeout=0.1)
+                action, meta = self._control.get(timeout=0.1)
             except queue.Empty:
                 continue
             except Exception:  # the loop must outlive any one request's failure
                 log.exception("role %s: error while expiring requests", self.name)
                 continue
             try:
-                self._pass_abort(meta)
+                if action == "abort":
+                    self._pass_abort(meta)
+                else:
+                    self._fail(
+                        meta,
+                        "overloaded",
+                        f"role {self.name} is overloaded: {self.max_queue} requests are "
+                        "waiting for a worker; try again later",
+                    )
             except Exception:
-                log.exception("role %s: error passing on the abort of %s", self.name, meta.rid)
+                log.exception("role %s: error on %s of %s", self.name, action, meta.rid)
+
+    def _later(self, action: str, meta: Meta) -> None:
+        """Leave a network send to the control thread; dropped when its backlog is full
+        (an abort is then not passed on: the request's deadline frees its slots)."""
+        try:
+            self._control.put_nowait((action, meta))
+        except queue.Full:
+            log.warning("role %s: backlog full; %s of %s dropped", self.name, action, meta.rid)
 
     def _accept(self, msg: Message) -> None:
         payload = msg.payload
         try:
-            meta = envelope.parse(msg.meta)
+            meta = envelope.parse(msg.meta).clamped(self.config.request_timeout)
         except envelope.EnvelopeError as exc:
             log.warning("role %s dropped a malformed message: %s", self.name, exc)
             msg.release()
@@ -332,17 +383,23 @@ class RoleRuntime:
         if meta.kind == "abort":
             msg.release()
             if self._drop(meta):  # at once; telling downstream roles is a network send
-                self._control.put(meta)
+                self._later("abort", meta)
             return
         if meta.rid in self._aborted:
             msg.release()
             return
         with self._cond:
-            queue = self._work.setdefault(meta.rid, collections.deque())
-            queue.append((meta, payload, msg))
-            if meta.rid not in self._active and meta.rid not in self._runnable:
-                self._runnable.append(meta.rid)
-                self._cond.notify()
+            new = meta.rid not in self._work and meta.rid not in self._joins
+            refuse = new and len(self._runnable) + len(self._joins) >= self.max_queue
+            if not refuse:
+                queue = self._work.setdefault(meta.rid, collections.deque())
+                queue.append((meta, payload, msg))
+                if meta.rid not in self._active and meta.rid not in self._runnable:
+                    self._runnable.append(meta.rid)
+                    self._cond.notify()
+        if refuse:  # told at once (by the control thread), so the client can back off
+            msg.release()
+            self._later("overloaded", meta)
 
     def _worker(self) -> None:
         while True:
@@ -382,7 +439,8 @@ class RoleRuntime:
             try:
                 self._emit(meta, "end", None)
             except RelayError as exc:
-                self._fail(meta, "transport", f"role {self.name} could not send on: {exc}")
+                message = f"role {self.name} could not send on: {exc}"
+                self._fail(meta, "transport", message, reply_failed=isinstance(exc, ReplyFailed))
                 return
             self.metrics.request_done(
                 max(0.0, time.time() - (meta.deadline - self.config.request_timeout))
@@ -449,7 +507,8 @@ class RoleRuntime:
             else:
                 self._emit(meta, "chunk" if streaming_input else "data", result)
         except RelayError as exc:
-            self._fail(meta, "transport", f"role {self.name} could not send on: {exc}")
+            message = f"role {self.name} could not send on: {exc}"
+            self._fail(meta, "transport", message, reply_failed=isinstance(exc, ReplyFailed))
         except BatchTimeout as exc:
             self._fail(meta, "timeout", f"request timed out at role {self.name}: {exc}")
         except BatchCancelled as exc:
@@ -492,9 +551,9 @@ class RoleRuntime:
     def _send_to(self, target: str, meta: Meta, payload: Any) -> None:
         peers = self.peers[target]
         endpoint = peers.endpoint_for(meta.rid)
-        relay = self.relays.get(peers.kind, endpoint)
         started = time.monotonic()
         try:
+            relay = self.relays.get(peers.kind, endpoint, timeout=self._remaining(meta))
             nbytes = relay.send(
                 payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
             )
@@ -506,15 +565,35 @@ class RoleRuntime:
         self.metrics.edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
 
     def _send_reply(self, meta: Meta, payload: Any) -> None:
-        relay = self.relays.get(meta.reply.relay, meta.reply.endpoint)
-        relay.send(payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json())
+        """To the request's reply endpoint, which must prove the peer key (so it is one of
+        the pipeline's clients or gateways); connecting and sending together take no
+        longer than the request has left."""
+        kind, endpoint = meta.reply.relay, meta.reply.endpoint
+        try:
+            relay = self.relays.get(kind, endpoint, timeout=self._remaining(meta))
+            relay.send(
+                payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
+            )
+        except RelayError as exc:
+            self.relays.drop(kind, endpoint)
+            self.relays.failed()
+            raise ReplyFailed(f"reply to {endpoint}: {exc}") from exc
+        self.relays.succeeded()
 
     @staticmethod
     def _remaining(meta: Meta) -> float:
         return max(0.05, meta.deadline - time.time())
 
     # ---- failure -----------------------------------------------------------------------------
-    def _fail(self, meta: Meta, reason: str, message: str, *, exc_type: str = "") -> None:
+    def _fail(
+        self,
+        meta: Meta,
+        reason: str,
+        message: str,
+        *,
+        exc_type: str = "",
+        reply_failed: bool = False,
+    ) -> None:
         """Tell the client, tell downstream roles to let go, count it."""
         log.warning("role %s: request %s failed: %s", self.name, meta.rid, message)
         self.metrics.request_failed(reason)
@@ -525,10 +604,11 @@ class RoleRuntime:
             "type": exc_type,
             "message": message,
         }
-        try:
-            self._send_reply(meta.with_(kind="error", source=self.name, error=error), None)
-        except Exception as exc:  # the client may be gone; the abort below must still happen
-            log.warning("role %s: could not report failure of %s: %s", self.name, meta.rid, exc)
+        if not reply_failed:  # else its reply endpoint just failed: do not wait on it twice
+            try:
+                self._send_reply(meta.with_(kind="error", source=self.name, error=error), None)
+            except Exception as exc:  # the client may be gone; the abort must still happen
+                log.warning("role %s: could not report failure of %s: %s", self.name, meta.rid, exc)
         self._abort(meta.with_(kind="abort", source=self.name))
 
     def _abort(self, meta: Meta) -> None:
@@ -577,16 +657,28 @@ class RoleRuntime:
             )
 
 
+def raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one: relays, lanes and ingress
+    connections are bounded by the runtime itself, not by a 1024 default."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.info("open-files limit stays at %d: %s", soft, exc)
+
+
 def main() -> int:
     """`disagg role`: read the contract from the environment and serve."""
     from disagg_core.contract import ContractError, from_environ
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise_open_files_limit()
     try:
         config = from_environ()
         role = RoleRuntime(config)
         role.run()
-    except (ContractError, HandlerError, PoolError) as exc:
+    except (ContractError, HandlerError, PoolError, PeerKeyError) as exc:
         log.error("cannot start role: %s", exc)
         return 2
     return 0

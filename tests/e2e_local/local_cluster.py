@@ -222,10 +222,20 @@ class LocalCluster:
                                 "name": "POD_IP",
                                 "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
                             },
+                            # the pipeline's peer key, as its roles get it (docs/security.md)
+                            {"name": "DISAGG_PEER_KEY_FILE", "value": "/etc/disagg-peer-key/key"},
                             *({"name": k, "value": v} for k, v in (env or {}).items()),
+                        ],
+                        "volumeMounts": [
+                            {
+                                "name": "peer-key",
+                                "mountPath": "/etc/disagg-peer-key",
+                                "readOnly": True,
+                            }
                         ],
                     }
                 ],
+                "volumes": [{"name": "peer-key", "secret": {"secretName": f"{pipeline}-peer-key"}}],
             },
         }
         self.kubectl.apply([pod])

@@ -130,7 +130,8 @@ class _Server:
         pool = Pool.create(int(cmd["size"]), device=device, name=name)
         n = len(self.rigs)
         endpoint = f"ipc://{self.dir}/{n}.sock" if cmd["endpoint"] == "ipc" else "tcp://127.0.0.1:0"
-        ingress = Ingress(endpoint, pool, lease_s=float(cmd.get("lease", 30.0)))
+        key = str(cmd["key"]).encode()  # the test's peer key (relay/auth.py)
+        ingress = Ingress(endpoint, pool, lease_s=float(cmd.get("lease", 30.0)), key=key)
         self.rigs.append((pool, ingress))
         return {"id": n, "endpoint": ingress.endpoint, "kind": type(ingress).__name__}
 

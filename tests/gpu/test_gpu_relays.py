@@ -19,12 +19,13 @@ import zmq
 from disagg_core.contract import Peer, RoleConfig, RoleTopology, Topology
 from disagg_core.spec.model import PoolSettings
 from disagg_runtime.pool import MiB
-from disagg_runtime.relay import Relay, RelayError, connect
+from disagg_runtime.relay import Relay, RelayError, auth, connect
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.cuda_ipc import CudaIpcSender
 from disagg_runtime.role import relay_kind
 from tests.gpu import gpu_peer as peer
 from tests.gpu.test_gpu_pools import SLEEP_CYCLES, report
+from tests.relay_rig import KEY, handshake
 from tests.support import wait_for
 
 pytestmark = pytest.mark.gpu
@@ -49,7 +50,9 @@ def rig(
     size: int = 256 * MiB,
     lease: float = 30.0,
 ) -> dict[str, Any]:
-    return remote.call("ingress", pool=pool, size=size, endpoint=endpoint, lease=lease)
+    return remote.call(
+        "ingress", pool=pool, size=size, endpoint=endpoint, lease=lease, key=KEY.decode()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def senders() -> Iterator[list[Relay]]:
 
 
 def open_relay(senders: list[Relay], kind: str, endpoint: str, **options: Any) -> Relay:
-    relay = connect(kind, endpoint, timeout=WAIT, **options)
+    relay = connect(kind, endpoint, timeout=WAIT, key=KEY, **options)
     senders.append(relay)
     return relay
 
@@ -273,6 +276,7 @@ class Raw:
     def __init__(self, endpoint: str) -> None:
         self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())
         self.sock.connect(endpoint)
 
     def send(self, op: str, **fields: Any) -> None:
@@ -290,8 +294,7 @@ def test_a_sender_that_never_commits_loses_its_slot_after_the_lease(remote: peer
     rx = rig(remote, "cuda", size=16 * MiB, lease=1.0)
     raw = Raw(rx["endpoint"])
     try:
-        raw.send("hello", relay="cuda-ipc")
-        assert "cuda" in raw.reply()  # the pool is exported to this peer
+        assert "cuda" in handshake(raw.sock, relay="cuda-ipc")  # the pool is exported to us
         raw.send("reserve", rid="gone", xid=1, nbytes=4 * MiB, wait_s=5.0)
         assert raw.reply()["op"] == "grant"
         assert remote.call("stats", id=rx["id"])["pool_used"] >= 4 * MiB
@@ -312,8 +315,7 @@ def test_bad_event_handles_are_nacked_and_their_slots_come_back(
         "tensors": [{"dtype": "uint8", "shape": [16], "offset": 0}],
     }
     try:
-        raw.send("hello", relay="cuda-ipc")
-        raw.reply()
+        handshake(raw.sock, relay="cuda-ipc")
         for xid, event in [
             (1, base64.b64encode(bytes(64)).decode()),  # well-formed, but no such event
             (2, "AAAA"),  # not 64 bytes
@@ -340,7 +342,7 @@ def test_a_receiver_that_dies_fails_the_send_in_time() -> None:
     dying = peer.Peer()
     try:
         rx = rig(dying, "cuda", size=64 * MiB)
-        relay = connect("cuda-ipc", rx["endpoint"], timeout=3.0)
+        relay = connect("cuda-ipc", rx["endpoint"], timeout=3.0, key=KEY)
         try:
             ok = transfer(
                 dying, rx, relay, peer.make_payload(51, "cuda", BIG), {"seed": 51, "big": BIG}

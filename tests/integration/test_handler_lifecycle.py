@@ -3,6 +3,7 @@ live/ready, args from the spec, close on stop, batches with per-request errors."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
@@ -21,6 +22,7 @@ from disagg_runtime.handler import Handler, SetupContext
 from disagg_runtime.local import supervisor
 from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.role import RoleRuntime
+from tests.relay_rig import KEY, write_key
 
 
 class Scaler:
@@ -78,6 +80,7 @@ def role() -> Any:
     topology_file = os.path.join(workdir, "topology.json")
     pipeline = parse_pipeline(_doc(8))
     [config] = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+    config = dataclasses.replace(config, peer_key_file=write_key(workdir))
     contract.write_topology(config.topology, topology_file)
     handler = Handler(Scaler)
     running = RoleRuntime(config, handler=handler, grace_s=2.0)
@@ -104,6 +107,7 @@ def test_setup_gates_probes_then_batches_fail_alone_and_close_runs(role: Any) ->
         pipeline="itest-lifecycle",
         pool_size=8 << 20,
         timeout=30,
+        key=KEY,
     )
     try:
         payloads = [{"x": torch.full((4,), float(i)), "i": i, "fail": i == 5} for i in range(16)]

@@ -20,6 +20,8 @@ from tests.relay_rig import (
     WAIT,
     Rig,
     assert_still_serves,
+    handshake,
+    lane_hello,
     large_payload,
     recv_reply,
     small_payload,
@@ -35,11 +37,10 @@ def open_lane(ingress: Ingress, welcome: dict[str, Any]) -> socket.socket:
 
 def raw_sender(rig: Rig, ingress: Ingress, *, control: bool = False) -> tuple[Any, socket.socket]:
     """A bare DEALER plus its lane, introduced the way a Sender does it."""
-    dealer = rig.raw(ingress)
-    dealer.send(proto.pack("hello", relay="shm" if control else "tcp"))
-    welcome = recv_reply(dealer)
+    dealer = rig.raw(ingress, authenticate=False)
+    welcome = handshake(dealer, relay="shm" if control else "tcp")
     sock = open_lane(ingress, welcome)
-    lane.send_frame(sock, proto.pack("lane", id=welcome["lane_id"], control=control), b"")
+    lane.send_frame(sock, lane_hello(welcome, control=control), b"")
     assert sock.recv(1) == lane.READY
     return dealer, sock
 
@@ -244,14 +245,13 @@ def test_a_tcp_commit_cannot_travel_on_the_lane(rig: Rig) -> None:
 
 def test_a_connection_that_does_not_introduce_itself_is_closed(rig: Rig) -> None:
     ingress = rig.ingress("tcp")
-    dealer = rig.raw(ingress)
-    dealer.send(proto.pack("hello", relay="tcp"))
-    sock = open_lane(ingress, recv_reply(dealer))
+    dealer = rig.raw(ingress, authenticate=False)
+    sock = open_lane(ingress, handshake(dealer, relay="tcp"))
     try:
         lane.send_frame(sock, *inline_frame("no-hello"))  # not a hello: not a lane of ours
         sock.settimeout(WAIT)
         assert sock.recv(1) == b""  # closed by the ingress
-        wait_for(lambda: ingress.stats().rejected == 1)
+        wait_for(lambda: ingress.stats().refused == 1)
         assert ingress.stats().delivered == 0
     finally:
         sock.close()
@@ -261,16 +261,15 @@ def test_a_connection_that_does_not_introduce_itself_is_closed(rig: Rig) -> None
 @pytest.mark.parametrize("case", ["unknown", "reused"])
 def test_a_lane_hello_with_an_id_this_ingress_did_not_give_is_refused(rig: Rig, case: str) -> None:
     ingress = rig.ingress("tcp")
-    dealer = rig.raw(ingress)
-    dealer.send(proto.pack("hello", relay="tcp"))
-    welcome = recv_reply(dealer)
+    dealer = rig.raw(ingress, authenticate=False)
+    welcome = handshake(dealer, relay="tcp")
     first = open_lane(ingress, welcome)
-    lane.send_frame(first, proto.pack("lane", id=welcome["lane_id"]), b"")
+    lane.send_frame(first, lane_hello(welcome), b"")
     assert first.recv(1) == lane.READY  # the id is spent now
     token = welcome["lane_id"] if case == "reused" else "ab" * 16
     sock = open_lane(ingress, welcome)
     try:
-        lane.send_frame(sock, proto.pack("lane", id=token), b"")
+        lane.send_frame(sock, lane_hello({"lane_id": token}), b"")
         sock.settimeout(WAIT)
         assert sock.recv(1) == b""  # closed: a lane is never tied to a sender twice or blindly
         assert ingress.stats().lanes == 1
@@ -322,9 +321,8 @@ def test_the_lane_listens_on_the_declared_port(rig: Rig) -> None:
     port = probe.getsockname()[1]
     probe.close()
     ingress = rig.ingress("tcp", lane_port=port)
-    dealer = rig.raw(ingress)
-    dealer.send(proto.pack("hello", relay="tcp"))
-    assert recv_reply(dealer)["lane_port"] == port
+    dealer = rig.raw(ingress, authenticate=False)
+    assert handshake(dealer, relay="tcp")["lane_port"] == port
     with pytest.raises(RelayError, match=f"cannot listen for the inline lane on port {port}"):
         rig.ingress("tcp", lane_port=port)  # taken: a declared port must be ours
 

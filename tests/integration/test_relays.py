@@ -29,6 +29,7 @@ from disagg_runtime.relay import (
 from disagg_runtime.relay import protocol as proto
 from tests.payload_checks import assert_bit_exact, tensors_of
 from tests.relay_rig import (
+    KEY,
     KINDS,
     WAIT,
     KiB,
@@ -36,6 +37,7 @@ from tests.relay_rig import (
     assert_still_serves,
     call_in_thread,
     filled,
+    handshake,
     in_pool,
     large_payload,
     recv_reply,
@@ -594,9 +596,8 @@ def test_commit_whose_manifest_exceeds_the_slot_is_nacked(rig: Rig) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_uncommitted_grant_is_freed_after_the_lease(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind, lease_s=0.5)
-    raw = rig.raw(ingress)
-    raw.send(proto.pack("hello", relay="raw"))
-    welcome = recv_reply(raw)
+    raw = rig.raw(ingress, authenticate=False)
+    welcome = handshake(raw)
     assert welcome["op"] == "welcome"
     assert welcome["lease_s"] == 0.5
     offset = _reserve(raw, 2 * MiB)
@@ -650,7 +651,7 @@ def test_reused_xid_does_not_leak_a_slot(rig: Rig) -> None:
 def test_shm_sender_needs_a_shared_pool(rig: Rig) -> None:
     ingress = rig.ingress("shm", device="cpu")
     with pytest.raises(RelayError, match="no shared-memory pool"):
-        connect("shm", ingress.endpoint, timeout=WAIT)
+        connect("shm", ingress.endpoint, timeout=WAIT, key=KEY)
     # The tcp relay works against the same ingress.
     assert_still_serves(rig, ingress, "tcp")
 
@@ -663,7 +664,7 @@ def test_unknown_relay_kind() -> None:
 def test_connect_to_nobody_times_out(rig: Rig) -> None:
     endpoint = f"ipc://{rig.dir}/nobody.sock"
     with pytest.raises(RelayTimeout):
-        connect("tcp", endpoint, timeout=0.2)
+        connect("tcp", endpoint, timeout=0.2, key=KEY)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -33,6 +33,7 @@ from disagg_runtime.local.rundir import start_time
 from disagg_runtime.local.supervisor import free_ports, plan_local
 from disagg_runtime.metrics import fetch
 from disagg_runtime.pool import SHM_DIR, reclaim_stale, shm_prefix
+from tests.relay_rig import KEY, write_key
 
 HERE = Path(__file__).resolve().parent
 PIPELINE = load_pipeline_file(HERE / "pipelines" / "restart.yaml")
@@ -103,7 +104,9 @@ def start_role(tmp_path: Path) -> Iterator[Callable[..., Incarnation]]:
     unless `namespaced=False`); all gone afterwards."""
     topology_file = str(tmp_path / "topology.json")
     ports = free_ports()
-    base = plan_local(PIPELINE, ports, topology_file)[0]
+    base = replace(
+        plan_local(PIPELINE, ports, topology_file)[0], peer_key_file=write_key(str(tmp_path))
+    )
     write_topology(base.topology, topology_file)
     started: list[Incarnation] = []
 
@@ -154,6 +157,7 @@ def serve_one(config: RoleConfig) -> None:
         reply_relay="shm",
         pool_size=4 << 20,
         timeout=20,
+        key=KEY,
     )
     try:
         out = client.submit({"x": torch.ones(64 * 1024), "factor": 3.0})

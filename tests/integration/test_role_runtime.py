@@ -10,6 +10,7 @@ Every wait has a deadline; nothing asserts durations tighter than a generous bou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import threading
@@ -33,6 +34,7 @@ from disagg_runtime.relay import Ingress, connect
 from disagg_runtime.role import Handler, RoleRuntime
 from tests.integration import pipeline_handlers as ph
 from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
+from tests.relay_rig import KEY, write_key
 from tests.support import wait_for
 
 WAIT = 15.0  # upper bound for anything that should happen "soon"
@@ -87,6 +89,8 @@ class Running:
         self.dir = tempfile.mkdtemp(prefix="disagg-it-")
         topology_file = os.path.join(self.dir, "topology.json")
         configs = supervisor.plan_local(self.pipeline, supervisor.free_ports(), topology_file)
+        key_file = write_key(self.dir)
+        configs = [dataclasses.replace(c, peer_key_file=key_file) for c in configs]
         contract.write_topology(configs[0].topology, topology_file)
         self.roles: dict[str, RoleRuntime] = {}
         self.client: Client | None = None
@@ -111,6 +115,7 @@ class Running:
                 reply_relay=relay,
                 pool_size=32 << 20,
                 timeout=self.pipeline.transport.request_timeout_seconds,
+                key=KEY,
             )
         except BaseException:
             self.close()
@@ -589,9 +594,9 @@ def test_role_timeout_error_is_a_request_timeout() -> None:
     same moment as the client) must look the same to the caller as the client's own
     timeout; here a fake entry role reports it, deterministically."""
     pool = Pool.create(4 << 20, device="cpu", min_block=64 * KiB)
-    ingress = Ingress("tcp://127.0.0.1:0", pool)
+    ingress = Ingress("tcp://127.0.0.1:0", pool, key=KEY)
     entry = Peer("fake", (ingress.endpoint.removeprefix("tcp://"),))
-    client = Client([entry], ["fake"], entry_relay="tcp", pool_size=4 << 20, timeout=10)
+    client = Client([entry], ["fake"], entry_relay="tcp", pool_size=4 << 20, timeout=10, key=KEY)
     relay = None
     try:
         future = client.submit_async({"i": 1})
@@ -604,7 +609,7 @@ def test_role_timeout_error_is_a_request_timeout() -> None:
             "type": "",
             "message": "request timed out at role fake waiting for up",
         }
-        relay = connect("tcp", meta.reply.endpoint, timeout=WAIT)
+        relay = connect("tcp", meta.reply.endpoint, timeout=WAIT, key=KEY)
         failed = meta.with_(kind="error", source="fake", error=error)
         relay.send(None, request_id=meta.rid, meta=failed.to_json())
         with pytest.raises(RequestFailed) as info:  # the report arrived and failed the request

@@ -42,12 +42,12 @@ from disagg_core.spec import parse_pipeline
 from disagg_runtime.bench.transport import format_size, parse_size, pool_size_for
 from disagg_runtime.local.supervisor import LocalPipeline
 from disagg_runtime.pool import Pool, shm_name
-from disagg_runtime.relay import Ingress, Message, connect
+from disagg_runtime.relay import Ingress, Message, auth, connect
 
 LARGE_LAYERS, LARGE_KV_HEADS, LARGE_HEAD_DIM, LARGE_DTYPE = 32, 8, 128, torch.bfloat16
 
 
-def _receiver(control: Connection, pool_size: int, config: dict[str, Any]) -> None:
+def _receiver(control: Connection, pool_size: int, config: dict[str, Any], key: bytes) -> None:
     """Answer each message; a KV payload is rebuilt into a DynamicCache first."""
     from transformers import LlamaConfig
 
@@ -69,7 +69,7 @@ def _receiver(control: Connection, pool_size: int, config: dict[str, Any]) -> No
         reply.send(struct.pack("d", time.perf_counter()))
         msg.release()
 
-    ingress = Ingress("tcp://127.0.0.1:0", pool, context=ctx, on_message=on_message)
+    ingress = Ingress("tcp://127.0.0.1:0", pool, context=ctx, on_message=on_message, key=key)
     try:
         control.send(ingress.endpoint)
         control.recv()  # "stop"
@@ -123,7 +123,8 @@ def handoff(cache: Any, config: dict[str, Any], repeats: int) -> dict[str, Any]:
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
     pool = pool_size_for(kv_bytes + 2**20)
-    proc = spawn.Process(target=_receiver, args=(child, pool, config), daemon=True)
+    key = auth.new_key()  # the relay authenticates as a pipeline's roles do
+    proc = spawn.Process(target=_receiver, args=(child, pool, config, key), daemon=True)
     ctx = zmq.Context()
     replies = ctx.socket(zmq.PULL)
     replies.bind("tcp://127.0.0.1:0")
@@ -135,7 +136,7 @@ def handoff(cache: Any, config: dict[str, Any], repeats: int) -> dict[str, Any]:
         parent.send(replies.getsockopt_string(zmq.LAST_ENDPOINT))
         if not parent.poll(120):
             raise RuntimeError("the receiver did not start")
-        relay = connect("shm", parent.recv(), context=ctx, timeout=60.0)
+        relay = connect("shm", parent.recv(), context=ctx, timeout=60.0, key=key)
         for i in range(repeats + 1):
             for kind in ("bare", "kv"):
                 t0 = time.perf_counter()

@@ -28,7 +28,9 @@ from disagg_runtime.relay import Ingress, Message
 GPU_POOLS: dict[str, Device] = {"cuda_ipc": "cuda", "shm": "cpu-pinned", "tcp": "cuda"}
 
 
-def serve(method: str, pool_size: int, control: Connection, device: str = "cpu") -> None:
+def serve(
+    method: str, pool_size: int, control: Connection, device: str = "cpu", key: bytes = b""
+) -> None:
     """Receive until told to stop; report endpoint first and RSS figures last."""
     torch.set_num_threads(1)
     ctx = zmq.Context()
@@ -51,7 +53,11 @@ def serve(method: str, pool_size: int, control: Connection, device: str = "cpu")
             endpoint = "tcp://127.0.0.1:0"  # as roles bind, whatever the relay
             # delivered on the ingress's I/O thread, as roles receive (relay/ingress.py)
             ingress = Ingress(
-                endpoint, pool, context=ctx, on_message=_relay_reply(reply, device == "cuda")
+                endpoint,
+                pool,
+                context=ctx,
+                on_message=_relay_reply(reply, device == "cuda"),
+                key=key,
             )
             control.send(ingress.endpoint)
             control.recv()  # "stop"

@@ -35,7 +35,7 @@ from disagg_runtime import codec
 from disagg_runtime.bench import peer
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.pool import cuda_unavailable_reason
-from disagg_runtime.relay import Relay, connect
+from disagg_runtime.relay import Relay, auth, connect
 
 METHODS = ("memcpy", "shm", "tcp", "pickle_zmq", "copy_clone_zmq")
 GPU_METHODS = ("d2d", "cuda_ipc", "shm", "tcp")
@@ -137,8 +137,9 @@ def measure_remote(
     spawn = mp.get_context("spawn")
     parent_conn, child_conn = spawn.Pipe()
     pool_bytes = pool_size_for(size)
+    key = auth.new_key()  # the relays authenticate as a pipeline's roles do
     proc = spawn.Process(
-        target=peer.serve, args=(method, pool_bytes, child_conn, device), daemon=True
+        target=peer.serve, args=(method, pool_bytes, child_conn, device, key), daemon=True
     )
     ctx = zmq.Context()
     replies = ctx.socket(zmq.PULL)
@@ -156,7 +157,7 @@ def measure_remote(
         baseline = rss_bytes()
         reset_peak()
         if method in RELAYS:
-            relay = connect(RELAYS[method], endpoint, context=ctx, timeout=60.0)
+            relay = connect(RELAYS[method], endpoint, context=ctx, timeout=60.0, key=key)
             send = _relay_send(relay)
         else:
             data = ctx.socket(zmq.PUSH)

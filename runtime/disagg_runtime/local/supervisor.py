@@ -7,7 +7,8 @@ memory). The launcher watches its children: a role that dies fails the requests 
 flight at once, and whatever way the run ends (done, Ctrl-C, a crash) every child is
 stopped and no shared-memory segment of theirs is left behind. A launcher that cannot
 clean up (SIGKILLed) leaves a run directory that says what it started: the next one
-cleans up after it (local/rundir.py).
+cleans up after it (local/rundir.py). Each run has its own random peer key
+(relay/auth.py), in a 0600 file of the run directory that every role and the client read.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from disagg_runtime.local.rundir import RunDir, open_run
 from disagg_runtime.metrics import fetch, scrape
 from disagg_runtime.peers import FILE_RESOLVE_EVERY, write_peers_file
 from disagg_runtime.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
+from disagg_runtime.relay import auth
 
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -135,6 +137,10 @@ class LocalPipeline:
         self._scale_lock = threading.Lock()
         self.topology_file = os.path.join(self.workdir, "topology.json")
         self.peers_file = os.path.join(self.workdir, "peers.json")
+        self.key = auth.new_key()  # this run's peer key: fresh every time, in the private run dir
+        self.key_file = os.path.join(self.workdir, "peer-key")
+        with open(os.open(self.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(self.key)
 
     @property
     def workdir(self) -> str:
@@ -206,6 +212,7 @@ class LocalPipeline:
         config = dataclasses.replace(
             config,
             metrics_dump=os.path.join(self.workdir, f"{config.role}-{config.replica}.prom"),
+            peer_key_file=self.key_file,
         )
         env = dict(os.environ)
         env.update({e.name: e.value for e in role.env if e.value_from is None})
@@ -267,6 +274,7 @@ class LocalPipeline:
             reply_relay="shm",
             timeout=timeout or self.pipeline.transport.request_timeout_seconds,
             peers_file=self.peers_file,
+            key=self.key,
         )
 
     def metrics(self) -> dict[str, dict[str, float]]:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from disagg_core.spec.model import RELAYS
-from disagg_runtime.relay.errors import RelayError, RelayTimeout
+from disagg_runtime.relay.errors import NotAPeer, RelayError, RelayTimeout
 from disagg_runtime.relay.ingress import Ingress, Message
 from disagg_runtime.relay.sender import Sender, ShmSender, TcpSender
 
@@ -20,6 +20,7 @@ __all__ = [
     "KINDS",
     "Ingress",
     "Message",
+    "NotAPeer",
     "Relay",
     "RelayError",
     "RelayTimeout",

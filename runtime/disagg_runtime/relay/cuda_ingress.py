@@ -88,6 +88,8 @@ class CudaIngress(Ingress):
         context: zmq.Context[Any] | None = None,
         lane_port: int = 0,
         on_message: Callable[[Message], None] | None = None,
+        key: bytes,
+        inline_budget: int | None = None,
     ) -> None:
         if pool.backing.device != "cuda":
             raise PoolError(f"CudaIngress needs a cuda pool, not {pool.backing.device}")
@@ -108,6 +110,8 @@ class CudaIngress(Ingress):
             context=context,
             lane_port=lane_port,
             on_message=on_message,
+            key=key,
+            inline_budget=inline_budget,
         )
 
     # ---- application side ---------------------------------------------------------------

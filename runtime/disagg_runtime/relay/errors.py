@@ -7,3 +7,7 @@ class RelayError(RuntimeError):
 
 class RelayTimeout(RelayError, TimeoutError):
     """A transfer did not complete in time (typically: the receiver's pool stayed full)."""
+
+
+class NotAPeer(RelayError):
+    """The other end did not prove the pipeline's peer key, or refused ours."""

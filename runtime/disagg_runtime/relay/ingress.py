@@ -11,12 +11,21 @@ and wakes the I/O thread through a pipe so waiting reservations are granted at o
 
 Every slot has an owner and a deadline: a grant not committed within its lease is
 freed; `abort(rid)` frees everything a request holds (pending, granted, delivered).
+
+Nothing is given before identity (relay/auth.py): a connection that has not proven the
+peer key gets a challenge, a refusal, or nothing; its frames are read only up to a small
+handshake size and dropped. Authenticated peers are bounded too: pending reservations
+per peer, inline bytes held at once (`inline_budget`: a lane whose next frame would
+overflow it is not read until messages are released, so its sender stalls, as on a full
+pool), and lanes that stay silent before their hello or stall mid-frame are closed.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
+import itertools
 import logging
 import os
 import queue
@@ -32,7 +41,7 @@ from disagg_runtime import codec
 from disagg_runtime.codec import unflatten
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import Pool, buffer_tensors, read_payload
-from disagg_runtime.relay import lane
+from disagg_runtime.relay import auth, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 
@@ -44,6 +53,11 @@ MAX_WAIT_S = 3600.0
 LANE_HELLO = frozenset({"lane"})
 INLINE_OPS = frozenset({"inline", "abort"})
 LANE_OPS = frozenset({"inline", "abort", "reserve", "cancel", "commit"})
+MAX_PEERS = 4096  # authenticated senders remembered (least recently active forgotten first)
+MAX_PENDING_PER_PEER = 64  # a sender has one transfer at a time; leave room for abandoned ones
+MAX_UNAUTHENTICATED_LANES = 64  # lanes before their hello; more are refused at once
+LANE_HELLO_S = 5.0  # a lane must say its hello this soon after connecting
+LANE_CHECK_S = 0.5  # how often lanes are checked for those deadlines
 
 
 @dataclass(eq=False)
@@ -56,6 +70,7 @@ class Message:
     slot: int | None
     received_at: float
     meta: dict[str, Any] | None = None  # the sender's routing metadata, unread by relays
+    charge: int = 0  # inline bytes held against the ingress's inline budget until release
     _release: Callable[[Message], None] | None = field(default=None, repr=False)
     released: bool = False
 
@@ -99,6 +114,8 @@ class _Landing:
 def chunk_count(manifest: Manifest, chunk: int) -> int:
     if chunk < MIN_CHUNK:
         raise proto.ProtocolError(f"chunk size {chunk} is below the minimum {MIN_CHUNK}")
+    if chunk > proto.MAX_FRAME_BYTES:
+        raise proto.ProtocolError(f"chunk size {chunk} is over {proto.MAX_FRAME_BYTES} B")
     return sum(-(-meta.nbytes // chunk) for meta in manifest.tensors)
 
 
@@ -122,9 +139,11 @@ class _Lane:
     """One accepted lane connection; `ident` is its sender's ZMQ identity once it said so."""
 
     reader: lane.LaneReader
+    opened_at: float
     ident: bytes | None = None
     control: bool = False  # the sender runs its whole protocol here, replies included
     taken: int = 0  # frames read after the hello: the sender counts the ones it wrote
+    paused: bool = False  # its next frame does not fit the inline budget: not polled
 
 
 @dataclass(frozen=True)
@@ -137,6 +156,10 @@ class IngressStats:
     delivered: int
     rejected: int
     lanes: int = 0  # senders connected through an inline lane
+    refused: int = 0  # connections and messages refused for want of authentication
+    inline_used: int = 0  # bytes of inline payloads held (received, not yet released)
+    inline_budget: int = 0  # the most inline bytes held at once
+    peers: int = 0  # authenticated senders
 
 
 class Ingress:
@@ -144,6 +167,7 @@ class Ingress:
 
     Over a CUDA pool, `Ingress(...)` makes a `CudaIngress` (relay/cuda_ingress.py), which
     exports the pool to cuda-ipc peers and lands tcp chunks through a pinned bounce buffer.
+    `key` is the pipeline's peer key: only senders that prove it are served.
     """
 
     def __new__(cls, endpoint: str, pool: Pool, **kwargs: Any) -> Ingress:
@@ -162,15 +186,19 @@ class Ingress:
         context: zmq.Context[Any] | None = None,
         lane_port: int = 0,
         on_message: Callable[[Message], None] | None = None,
+        key: bytes,
+        inline_budget: int | None = None,
     ) -> None:
         self.pool = pool
         self._on_message = on_message
         self.lease_s = lease_s
+        self._key = auth.check_key(key)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IPV6, 1)  # dual-stack: IPv6-only clusters too
         self._sock.setsockopt(zmq.RCVHWM, HWM)  # bounds chunks buffered ahead of recv_into
+        self._sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)  # anyone's frames
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         try:
@@ -185,10 +213,29 @@ class Ingress:
         self._lanes: dict[int, _Lane] = {}  # by file descriptor
         self._by_sender: dict[bytes, _Lane] = {}  # tied lanes, by their sender's identity
         self._lane_tokens: dict[str, bytes] = {}  # offered in welcomes, not yet used
+        self._lane_check = 0.0
+        # authentication (relay/auth.py): challenges sent, peers that answered them
+        self._challenges: collections.OrderedDict[bytes, tuple[str, str, dict[str, Any]]] = (
+            collections.OrderedDict()
+        )
+        self._peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.refusals = auth.Refusals(log, f"ingress {self.endpoint}")
         self._poller = zmq.Poller()  # the I/O thread's
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: fast hand-off
         self._lock = threading.Lock()
-        self._pending: collections.deque[_Reservation] = collections.deque()
+        self.inline_budget = inline_budget or max(
+            2 * proto.MAX_INLINE_MESSAGE_BYTES, pool.allocator.capacity // 4
+        )
+        self._inline_used = 0  # under _lock: released on the application's threads
+        # pending reservations in arrival order (O(1) head, removal by key), their deadlines
+        # in a heap (stale entries skipped), counted per sender and indexed by request
+        self._pending: collections.OrderedDict[tuple[bytes, int], _Reservation] = (
+            collections.OrderedDict()
+        )
+        self._deadlines: list[tuple[float, int, tuple[bytes, int]]] = []
+        self._seq = itertools.count()
+        self._pending_of: collections.Counter[bytes] = collections.Counter()
+        self._pending_rid: dict[str, set[tuple[bytes, int]]] = {}
         self._granted: dict[tuple[bytes, int], _Reservation] = {}
         self._landing: dict[bytes, _Landing] = {}
         self._live: dict[str, list[Message]] = collections.defaultdict(list)
@@ -235,6 +282,10 @@ class Ingress:
             delivered=self._delivered,
             rejected=self._rejected,
             lanes=len(self._by_sender),
+            refused=self.refusals.count,
+            inline_used=self._inline_used,
+            inline_budget=self.inline_budget,
+            peers=len(self._peers),
         )
 
     def close(self) -> None:
@@ -275,9 +326,28 @@ class Ingress:
                 live.remove(msg)
                 if not live:
                     del self._live[msg.request_id]
-            if msg.slot is not None:
-                self.pool.free(msg.slot)
+            self._free(msg)
         self._wake()
+
+    def _free(self, msg: Message) -> None:
+        """Give back what a message holds (call with _lock held)."""
+        if msg.slot is not None:
+            self.pool.free(msg.slot)
+        self._inline_used -= msg.charge
+        msg.charge = 0
+
+    def _take_inline(self, nbytes: int) -> bool:
+        """Hold `nbytes` of the inline budget; False when they do not fit now (one frame
+        always fits an empty budget, so no sender is starved for good)."""
+        with self._lock:
+            if self._inline_used and self._inline_used + nbytes > self.inline_budget:
+                return False
+            self._inline_used += nbytes
+            return True
+
+    def _give_inline(self, nbytes: int) -> None:
+        with self._lock:
+            self._inline_used -= nbytes
 
     def _abort_delivered(self, rid: str) -> None:
         with self._lock:
@@ -285,8 +355,7 @@ class Ingress:
             msgs = self._live.pop(rid, [])
             for msg in msgs:
                 msg.released = True
-                if msg.slot is not None:
-                    self.pool.free(msg.slot)
+                self._free(msg)
         self._wake()
 
     # ---- I/O thread ---------------------------------------------------------------------
@@ -313,71 +382,118 @@ class Ingress:
         # lanes first: an inline frame is taken before a later ZMQ message of its sender
         for fd in [fd for fd in events if fd in self._lanes]:
             self._read_lane(fd)
+        if self._wake_r in events:  # a release may have made room for paused lanes
+            for conn in [c for c in self._lanes.values() if c.paused]:
+                self._read_lane(conn.reader.sock.fileno())
         if listener in events:
             self._accept_lane()
         while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._handle_one()
-        self._expire(time.monotonic())
+        now = time.monotonic()
+        self._expire(now)
+        if now >= self._lane_check:
+            self._lane_check = now + LANE_CHECK_S
+            self._expire_lanes(now)
         self._grant_pending()
 
     def _accept_lane(self) -> None:
         assert self._lane_listener is not None
         while (conn := lane.accept(self._lane_listener)) is not None:
-            if len(self._lanes) >= lane.MAX_CONNECTIONS:
-                self._rejected += 1
-                log.warning(
-                    "ingress %s: more than %d lanes; one refused", self.endpoint, len(self._lanes)
-                )
+            strangers = sum(1 for c in self._lanes.values() if c.ident is None)
+            if len(self._lanes) >= lane.MAX_CONNECTIONS or strangers >= MAX_UNAUTHENTICATED_LANES:
+                self.refusals.refuse(f"{len(self._lanes)} lanes ({strangers} without a hello)")
                 conn.close()  # its sender goes over ZMQ
                 continue
-            self._lanes[conn.fileno()] = _Lane(lane.LaneReader(conn))
+            reader = lane.LaneReader(conn, admit=self._take_inline, limits=lane.HELLO_LIMITS)
+            self._lanes[conn.fileno()] = _Lane(reader, time.monotonic())
             self._poller.register(conn.fileno(), zmq.POLLIN)
             self._read_lane(conn.fileno())  # its hello may be there already
 
     def _read_lane(self, fd: int) -> None:
-        conn = self._lanes[fd]
+        conn = self._lanes.get(fd)
+        if conn is None:
+            return
         closed: lane.LaneError | None = None
         try:
             frames = conn.reader.read()
         except lane.LaneError as exc:
             frames, closed = [], exc
-        for frame in frames:
+            if conn.ident is None:  # a stranger's bytes broke the framing, or it left
+                self.refusals.refuse(f"lane: {exc}")
+        for i, frame in enumerate(frames):
             try:
                 self._on_lane_frame(conn, frame)
             except lane.LaneError as exc:
                 closed = exc
+                self._give_inline(sum(f.charge for f in frames[i:]))
                 break
             except (proto.ProtocolError, codec.CodecError) as exc:
+                if conn.ident is None:  # no hello: not a lane of ours
+                    self.refusals.refuse(f"lane: {exc}")
+                    closed = lane.LaneError(str(exc))
+                    self._give_inline(sum(f.charge for f in frames[i:]))
+                    break
                 self._rejected += 1
                 log.warning("ingress %s rejected a lane message: %s", self.endpoint, exc)
-                if conn.ident is None:  # no hello: not a lane of ours
-                    closed = lane.LaneError(str(exc))
-                    break
+            self._give_inline(frame.charge)  # what no message took over
+            frame.charge = 0
         if closed is not None:
             log.debug("ingress %s: %s", self.endpoint, closed)
             self._close_lane(conn)
+            return
+        if conn.reader.blocked != conn.paused:  # level-triggered poll: do not spin on it
+            conn.paused = conn.reader.blocked
+            if conn.paused:
+                self._poller.unregister(fd)
+            else:
+                self._poller.register(fd, zmq.POLLIN)
 
     def _close_lane(self, conn: _Lane) -> None:
         fd = conn.reader.sock.fileno()
         if self._lanes.pop(fd, None) is None:
             return
-        self._poller.unregister(fd)  # before closing: the number may be reused at once
-        if conn.ident is not None:
+        if not conn.paused:
+            self._poller.unregister(fd)  # before closing: the number may be reused at once
+        if conn.ident is not None and self._by_sender.get(conn.ident) is conn:
             del self._by_sender[conn.ident]
+        self._give_inline(conn.reader.abandon())  # a frame cut short holds no budget
         conn.reader.close()
+
+    def _expire_lanes(self, now: float) -> None:
+        """Close lanes that said no hello in time, and lanes stalled mid-frame for a lease."""
+        for conn in list(self._lanes.values()):
+            if conn.ident is None and now - conn.opened_at > LANE_HELLO_S:
+                self.refusals.refuse("lane: no hello in time")
+                self._close_lane(conn)
+            elif (
+                conn.reader.partial
+                and not conn.paused
+                and now - conn.reader.started_at > self.lease_s
+            ):
+                log.warning("ingress %s: a lane stalled mid-frame; closed", self.endpoint)
+                self._close_lane(conn)
 
     def _on_lane_frame(self, conn: _Lane, frame: lane.Frame) -> None:
         if conn.ident is None:
             hello = proto.unpack(frame.header, LANE_HELLO)
-            ident = self._lane_tokens.pop(proto.field(hello, "id", str), None)
-            if ident is None:  # not welcomed here: a lane that reached the wrong ingress
-                raise proto.ProtocolError("lane hello: unknown id")
+            token = proto.field(hello, "id", str)
+            ident = self._lane_tokens.get(token)
+            # the id was given in an authenticated welcome, once; the mac shows the key too
+            if ident is None or not auth.verify(self._key, hello.get("mac"), "lane", token):
+                raise proto.ProtocolError("lane hello: unknown id or bad mac")
+            del self._lane_tokens[token]
+            if ident not in self._peers:
+                raise proto.ProtocolError("lane hello: its sender is no longer a peer")
             conn.ident = ident
             conn.control = hello.get("control") is True
+            conn.reader.limits = lane.FRAME_LIMITS
             try:
                 conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
             except OSError as exc:  # the sender is gone already
                 raise lane.LaneError(f"lane hello not answered: {exc}") from None
+            old = self._by_sender.get(ident)
+            if old is not None:
+                self._close_lane(old)
             self._by_sender[ident] = conn
             return
         conn.taken += 1  # every frame counts: the sender counted it too
@@ -394,12 +510,17 @@ class Ingress:
             self._nack_commit(conn.ident, msg, exc)
             raise
         size = len(frame.data)
-        self._inline(msg, Manifest.from_json(msg.get("manifest"), slot_size=size), frame.data, size)
+        manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
+        charge, frame.charge = frame.charge, 0
+        self._inline(msg, manifest, frame.data, size, charge)
 
     def _poll_ms(self) -> int:
-        deadlines = [r.deadline for r in self._pending]
-        deadlines += [g.deadline for g in self._granted.values()]
+        deadlines = [g.deadline for g in self._granted.values()]
         deadlines += [landing.deadline for landing in self._landing.values()]
+        while self._deadlines and self._deadlines[0][2] not in self._pending:
+            heapq.heappop(self._deadlines)  # stale: granted, cancelled or aborted
+        if self._deadlines:
+            deadlines.append(self._deadlines[0][0])
         if not deadlines:
             return 1000
         return max(1, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
@@ -410,12 +531,20 @@ class Ingress:
             return  # an identity-only message: nothing to do
         msg: dict[str, Any] = {}
         try:
+            if ident not in self._peers:
+                self._stranger(ident)
+                return
+            self._peers.move_to_end(ident)  # recently active: forgotten last
             landing = self._landing.get(ident)
             if landing is not None:
                 msg = {"op": "commit", "xid": landing.xid}
                 self._on_chunk(ident, landing)
                 return
             msg = proto.unpack(self._sock.recv(), proto.OPS_TO_INGRESS)
+            if msg["op"] in proto.HANDSHAKE_OPS:  # a new handshake on this connection
+                self._forget(ident)
+                self._handshake(ident, msg)
+                return
             handler = getattr(self, f"_on_{msg['op']}")
             handler(ident, msg)
         except (proto.ProtocolError, codec.CodecError) as exc:
@@ -425,6 +554,75 @@ class Ingress:
                 self._nack_commit(ident, msg, exc)
         finally:
             self._drain()
+
+    def _stranger(self, ident: bytes) -> None:
+        """A message from a connection that has not authenticated: only the handshake is
+        read (and only if it is small); anything else is refused unread."""
+        frame = self._sock.recv()
+        if len(frame) > proto.MAX_HANDSHAKE_BYTES or self._sock.getsockopt(zmq.RCVMORE):
+            self.refusals.refuse("a message before the handshake")
+            self._reply(ident, "refused", reason="not authenticated: say hello first")
+            return
+        try:
+            msg = proto.unpack(frame, proto.OPS_TO_INGRESS)
+        except proto.ProtocolError as exc:
+            self.refusals.refuse(str(exc))
+            return
+        if msg["op"] not in proto.HANDSHAKE_OPS:
+            self.refusals.refuse(f"{msg['op']} before the handshake")
+            xid = msg.get("xid")
+            self._reply(
+                ident,
+                "refused",
+                reason="not authenticated: say hello first",
+                **({"xid": xid} if isinstance(xid, int) else {}),
+            )
+            return
+        self._handshake(ident, msg)
+
+    def _handshake(self, ident: bytes, msg: dict[str, Any]) -> None:
+        """hello -> challenge; auth (a mac over both nonces) -> the sender is a peer, and
+        gets its welcome, itself with a mac over both nonces and its fields."""
+        if msg["op"] == "hello":
+            theirs = msg.get("nonce")
+            if len(ident) != auth.ROUTING_ID_BYTES:
+                self.refusals.refuse("hello from a connection without a random identity")
+                self._reply(ident, "refused", reason="connect with a random 16-byte routing id")
+                return
+            if not isinstance(theirs, str) or not 16 <= len(theirs) <= 128:
+                self.refusals.refuse("hello without a nonce")
+                self._reply(ident, "refused", reason="hello without a nonce")
+                return
+            ours = auth.nonce()
+            self._challenges.pop(ident, None)
+            self._challenges[ident] = (theirs, ours, msg)
+            while len(self._challenges) > MAX_PEERS:  # hellos never followed up
+                self._challenges.popitem(last=False)
+            self._reply(ident, "challenge", nonce=ours)
+            return
+        challenge = self._challenges.pop(ident, None)
+        if challenge is None or not auth.verify(
+            self._key, msg.get("mac"), "sender", challenge[0], challenge[1]
+        ):
+            self.refusals.refuse("wrong key (bad mac)" if challenge else "auth without hello")
+            self._reply(ident, "refused", reason="authentication failed")
+            return
+        self._peers[ident] = None
+        while len(self._peers) > MAX_PEERS:
+            self._forget(next(iter(self._peers)))
+        self._welcome(ident, challenge[2], challenge[0], challenge[1])
+
+    def _forget(self, ident: bytes) -> None:
+        """`ident` is no longer a peer: drop what it holds that nobody else will free."""
+        self._peers.pop(ident, None)
+        for key in [k for k in self._pending if k[0] == ident]:
+            self._unpend(key)
+        landing = self._landing.pop(ident, None)
+        if landing is not None and landing.grant.offset is not None:
+            self.pool.free(landing.grant.offset)
+        conn = self._by_sender.get(ident)
+        if conn is not None:
+            self._close_lane(conn)
 
     def _nack_commit(self, ident: bytes, msg: dict[str, Any], exc: Exception) -> None:
         """A rejected commit is answered, so its sender fails now rather than at its timeout."""
@@ -447,23 +645,23 @@ class Ingress:
             log.warning("ingress %s: lane reply failed: %s", self.endpoint, exc)
             self._close_lane(conn)
 
-    def _on_hello(self, ident: bytes, msg: dict[str, Any]) -> None:
-        self._reply(
-            ident,
-            "welcome",
-            pool=self.pool.name,
-            pool_size=self.pool.allocator.capacity,
-            max_allocation=self.pool.allocator.max_allocation,
-            lease_s=self.lease_s,
+    def _welcome(self, ident: bytes, msg: dict[str, Any], theirs: str, ours: str) -> None:
+        fields = {
+            "pool": self.pool.name,
+            "pool_size": self.pool.allocator.capacity,
+            "max_allocation": self.pool.allocator.max_allocation,
+            "lease_s": self.lease_s,
             **self._lane_offer,
             **({"lane_id": self._lane_token(ident)} if self._lane_offer else {}),
             **self._welcome_extra(ident, msg),
-        )
+        }
+        fields["mac"] = auth.mac(self._key, "welcome", theirs, ours, auth.body(fields))
+        self._reply(ident, "welcome", **fields)
 
     def _lane_token(self, ident: bytes) -> str:
         """A random id under which the sender `ident` may open a lane (once): a lane that
         reaches another ingress (a name that resolved elsewhere) is refused there."""
-        token = os.urandom(16).hex()
+        token = auth.nonce()
         self._lane_tokens[token] = ident
         while len(self._lane_tokens) > lane.MAX_CONNECTIONS:  # senders that never came
             self._lane_tokens.pop(next(iter(self._lane_tokens)))
@@ -488,21 +686,39 @@ class Ingress:
         manifest = Manifest.from_json(msg.get("manifest"), slot_size=proto.MAX_INLINE_MESSAGE_BYTES)
         if not self._sock.getsockopt(zmq.RCVMORE):
             raise proto.ProtocolError("inline message has no data frame")
-        data = bytearray(manifest.nbytes)  # bounded above; a longer frame is cut short
-        got = self._sock.recv_into(data) if data else len(self._sock.recv())
-        if self._sock.getsockopt(zmq.RCVMORE):
-            raise proto.ProtocolError("inline message carries unexpected frames")
-        self._inline(msg, manifest, memoryview(data), got)
-
-    def _inline(self, msg: dict[str, Any], manifest: Manifest, data: memoryview, got: int) -> None:
-        """Deliver an inline payload whose slot bytes are `data` (its tensors view them)."""
-        rid = proto.field(msg, "rid", str)
-        if got != manifest.nbytes:
+        if not self._take_inline(manifest.nbytes):  # over ZMQ there is no stalling it
             raise proto.ProtocolError(
-                f"inline data holds {got} B, its manifest says {manifest.nbytes} B"
+                f"inline payload of {manifest.nbytes} B dropped: {self._inline_used} B of the "
+                f"inline budget ({self.inline_budget} B) are held"
             )
-        payload = unflatten(manifest.tree, buffer_tensors(data, manifest))
-        self._deliver(Message(rid, payload, manifest.nbytes, None, time.monotonic(), _meta(msg)))
+        try:
+            data = bytearray(manifest.nbytes)  # bounded above; a longer frame is cut short
+            got = self._sock.recv_into(data) if data else len(self._sock.recv())
+            if self._sock.getsockopt(zmq.RCVMORE):
+                raise proto.ProtocolError("inline message carries unexpected frames")
+        except BaseException:
+            self._give_inline(manifest.nbytes)
+            raise
+        self._inline(msg, manifest, memoryview(data), got, manifest.nbytes)
+
+    def _inline(
+        self, msg: dict[str, Any], manifest: Manifest, data: memoryview, got: int, charge: int
+    ) -> None:
+        """Deliver an inline payload whose slot bytes are `data` (its tensors view them);
+        the message holds `charge` bytes of the inline budget until released."""
+        try:
+            rid = proto.field(msg, "rid", str)
+            if got != manifest.nbytes:
+                raise proto.ProtocolError(
+                    f"inline data holds {got} B, its manifest says {manifest.nbytes} B"
+                )
+            payload = unflatten(manifest.tree, buffer_tensors(data, manifest))
+        except BaseException:
+            self._give_inline(charge)
+            raise
+        message = Message(rid, payload, manifest.nbytes, None, time.monotonic(), _meta(msg))
+        message.charge = charge
+        self._deliver(message)
 
     def _on_reserve(self, ident: bytes, msg: dict[str, Any]) -> None:
         xid = proto.nonneg_int(msg, "xid")
@@ -515,32 +731,57 @@ class Ingress:
             )
             self._reply(ident, "deny", xid=xid, reason=reason)
             return
-        if (ident, xid) in self._granted or any(
-            (r.ident, r.xid) == (ident, xid) for r in self._pending
-        ):
+        key = (ident, xid)
+        if key in self._granted or key in self._pending:
             self._rejected += 1
             self._reply(ident, "deny", xid=xid, reason=f"reservation xid {xid} is already in use")
+            return
+        if self._pending_of[ident] >= MAX_PENDING_PER_PEER:
+            self._rejected += 1
+            reason = f"more than {MAX_PENDING_PER_PEER} reservations of this sender are waiting"
+            self._reply(ident, "deny", xid=xid, reason=reason)
             return
         if rid in self._aborted:
             self._reply(ident, "deny", xid=xid, reason=f"request {rid} was aborted")
             return
         wait = msg.get("wait_s", self.lease_s)
-        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or wait < 0:
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not wait >= 0:
             raise proto.ProtocolError("reserve: wait_s must be a non-negative number")
         deadline = time.monotonic() + min(float(wait), MAX_WAIT_S)
         lane_sent = proto.nonneg_int(msg, "lane") if "lane" in msg else 0
-        self._pending.append(_Reservation(ident, xid, rid, nbytes, deadline, lane_sent=lane_sent))
+        self._pending[key] = _Reservation(ident, xid, rid, nbytes, deadline, lane_sent=lane_sent)
+        self._pending_of[ident] += 1
+        self._pending_rid.setdefault(rid, set()).add(key)
+        heapq.heappush(self._deadlines, (deadline, next(self._seq), key))
+        if len(self._deadlines) > 2 * len(self._pending) + 64:  # mostly stale: rebuild
+            self._deadlines = [(r.deadline, next(self._seq), k) for k, r in self._pending.items()]
+            heapq.heapify(self._deadlines)
+
+    def _unpend(self, key: tuple[bytes, int]) -> _Reservation | None:
+        """Take a reservation out of the pending ones (its heap entry goes stale)."""
+        r = self._pending.pop(key, None)
+        if r is None:
+            return None
+        self._pending_of[r.ident] -= 1
+        if not self._pending_of[r.ident]:
+            del self._pending_of[r.ident]
+        keys = self._pending_rid.get(r.rid)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._pending_rid[r.rid]
+        return r
 
     def _grant_pending(self) -> None:
         while self._pending:
-            head = self._pending[0]
+            head = next(iter(self._pending.values()))
             conn = self._by_sender.get(head.ident)
             if conn is not None and conn.taken < head.lane_sent:
                 return  # inline frames sent before it are still on their way: keep order
             offset = self.pool.allocate(head.nbytes)
             if offset is None:
                 return  # arrival order: a large head is not overtaken by small ones
-            self._pending.popleft()
+            self._unpend((head.ident, head.xid))
             head.offset = offset
             head.deadline = time.monotonic() + self.lease_s
             self._granted[(head.ident, head.xid)] = head
@@ -551,9 +792,7 @@ class Ingress:
         grant = self._granted.pop((ident, xid), None)
         if grant is not None and grant.offset is not None:
             self.pool.free(grant.offset)
-        self._pending = collections.deque(
-            r for r in self._pending if (r.ident, r.xid) != (ident, xid)
-        )
+        self._unpend((ident, xid))
 
     def _on_abort(self, ident: bytes, msg: dict[str, Any]) -> None:
         rid = proto.field(msg, "rid", str)
@@ -566,9 +805,10 @@ class Ingress:
                 del self._granted[key]
                 if grant.offset is not None:
                     self.pool.free(grant.offset)
-        for r in [r for r in self._pending if r.rid == rid]:
-            self._pending.remove(r)
-            self._reply(r.ident, "deny", xid=r.xid, reason=f"request {rid} was aborted")
+        for key in list(self._pending_rid.get(rid, ())):
+            r = self._unpend(key)
+            if r is not None:
+                self._reply(r.ident, "deny", xid=r.xid, reason=f"request {rid} was aborted")
 
     def _on_commit(self, ident: bytes, msg: dict[str, Any]) -> None:
         xid = proto.nonneg_int(msg, "xid")
@@ -657,8 +897,7 @@ class Ingress:
         msg._release = self._release
         with self._lock:
             if msg.request_id in self._aborted:
-                if msg.slot is not None:
-                    self.pool.free(msg.slot)
+                self._free(msg)
                 return False
             self._live[msg.request_id].append(msg)
             self._delivered += 1
@@ -691,8 +930,12 @@ class Ingress:
                 if grant.offset is not None:
                     self.pool.free(grant.offset)
                 log.warning("grant for request %s expired uncommitted; slot freed", grant.rid)
-        for r in [r for r in self._pending if r.deadline <= now]:
-            self._pending.remove(r)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            key = heapq.heappop(self._deadlines)[2]
+            r = self._pending.get(key)
+            if r is None or r.deadline > now:
+                continue  # stale: no longer pending (or pending again, later)
+            self._unpend(key)
             self._reply(
                 r.ident,
                 "deny",

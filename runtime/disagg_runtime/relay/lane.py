@@ -12,16 +12,20 @@ Frames, all lengths little-endian u32:
 
     [header length][data length][header: the inline control JSON][data: the slot's bytes]
 
-The lane opens with one frame whose header is `{"op": "lane", "id": <token>}` (no data):
-the one-time token the welcome gave the sender over ZMQ, so the ingress can tie the lane
-to that sender (and refuse a lane that reached another ingress). `abort`s
+The lane opens with one frame whose header is `{"op": "lane", "id": <token>, "mac": ...}`
+(no data): the one-time token the authenticated welcome gave the sender over ZMQ, so the
+ingress can tie the lane to that sender (and refuse a lane that reached another
+ingress), and a MAC of it under the peer key (relay/auth.py). Until that hello, a lane
+is read only up to a hello's size, and must say it within a few seconds. `abort`s
 travel on the lane too, behind the inline payloads they follow. The sender numbers its
 lane frames; a later reservation says how many it had sent (`lane`), and the
 ingress grants it only once it has taken that many from the lane, so a staged payload
 is never delivered ahead of an inline one sent before it.
 
 Anything malformed (a length over the limits, a bad first frame) closes the connection;
-the sender then falls back to inline messages over ZMQ.
+the sender then falls back to inline messages over ZMQ. The ingress's reader allocates a
+frame only when its inline budget admits it; until then the frame stays in the kernel's
+buffers and the sender stalls (flow control, as a full pool stalls staged payloads).
 """
 
 from __future__ import annotations
@@ -31,16 +35,24 @@ import ipaddress
 import os
 import socket
 import struct
+import time
+from collections.abc import Callable
 from typing import Any
 
 from disagg_runtime.relay.errors import RelayError
-from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_MESSAGE_BYTES
+from disagg_runtime.relay.protocol import (
+    MAX_CONTROL_BYTES,
+    MAX_HANDSHAKE_BYTES,
+    MAX_INLINE_MESSAGE_BYTES,
+)
 
 PREFIX = struct.Struct("<II")
 READY = b"\x01"  # the ingress's one-byte answer to the hello: the lane is tied to its sender
 SCRATCH_BYTES = 64 << 10  # per connection: small frames are cut from it
 MAX_CONNECTIONS = 1024  # per ingress (each holds a socket and its scratch buffer)
 MAX_FRAMES_PER_READ = 64  # then back to the poll loop, so one busy lane cannot starve others
+HELLO_LIMITS = (MAX_HANDSHAKE_BYTES, 0)  # (header, data) bytes a frame may declare
+FRAME_LIMITS = (MAX_CONTROL_BYTES, MAX_INLINE_MESSAGE_BYTES)
 
 
 class LaneError(RelayError):
@@ -65,32 +77,58 @@ def send_frame(sock: socket.socket, header: bytes, data: bytes | bytearray | mem
 class Frame:
     """One received frame: `header` bytes and `data`, a writable view the tensors keep."""
 
-    __slots__ = ("data", "header")
+    __slots__ = ("charge", "data", "header")
 
-    def __init__(self, body: bytearray, header_bytes: int) -> None:
+    def __init__(self, body: bytearray, header_bytes: int, charge: int = 0) -> None:
         view = memoryview(body)
         self.header = view[:header_bytes]
         self.data = view[header_bytes:]
+        self.charge = charge  # bytes the reader's `admit` granted for it (returned by its user)
 
 
 class LaneReader:
     """Cuts one non-blocking connection's stream into frames. `read()` takes what the
     socket holds now and returns the frames completed; LaneError when the peer closed or
     broke the framing. Small frames are cut out of a scratch buffer (one system call for
-    many); a large one is received straight into its own buffer."""
+    many); a large one is received straight into its own buffer.
 
-    def __init__(self, sock: socket.socket) -> None:
+    `limits` bounds what a frame may declare (header, data); `admit(nbytes)`, when given, is
+    asked before a frame's buffer is allocated: on False the reader stops (`blocked`), the
+    frame's prefix kept, and retries on the next `read()`."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        admit: Callable[[int], bool] | None = None,
+        limits: tuple[int, int] = FRAME_LIMITS,
+    ) -> None:
         self.sock = sock
+        self.limits = limits
+        self._admit = admit
+        self.blocked = False
+        self.started_at = time.monotonic()  # when the frame now arriving began to
         self._scratch = bytearray(SCRATCH_BYTES)
         self._view = memoryview(self._scratch)  # never resized: the view stays valid
         self._have = 0  # bytes at the start of scratch not yet parsed
         self._body: bytearray | None = None  # the frame being filled
         self._header_bytes = 0
         self._got = 0
+        self._charge = 0
+
+    @property
+    def partial(self) -> bool:
+        """A frame has begun and is not complete."""
+        return self._body is not None or self._have > 0
 
     def read(self) -> list[Frame]:
         frames: list[Frame] = []
-        while len(frames) < MAX_FRAMES_PER_READ:
+        if self.blocked:  # retry the frame that did not fit
+            self.blocked = False
+            self._parse(frames)
+            if self.blocked:
+                return frames
+        while len(frames) < MAX_FRAMES_PER_READ and not self.blocked:
             target = (
                 memoryview(self._body)[self._got :]
                 if self._body is not None
@@ -104,6 +142,8 @@ class LaneReader:
                 raise LaneError(f"lane connection failed: {exc}") from None
             if n == 0:
                 raise LaneError("lane closed by the other end")
+            if not self.partial:  # a trickle keeps no frame alive longer than its deadline
+                self.started_at = time.monotonic()
             if self._body is not None:
                 self._got += n
                 self._complete(frames)
@@ -118,17 +158,22 @@ class LaneReader:
         used = 0
         while self._body is None and self._have - used >= PREFIX.size:
             header_bytes, data_bytes = PREFIX.unpack_from(self._scratch, used)
-            if header_bytes > MAX_CONTROL_BYTES or data_bytes > MAX_INLINE_MESSAGE_BYTES:
+            max_header, max_data = self.limits
+            if header_bytes > max_header or data_bytes > max_data:
                 raise LaneError(
                     f"lane frame of {header_bytes} + {data_bytes} B is over the limits "
-                    f"({MAX_CONTROL_BYTES} B header, {MAX_INLINE_MESSAGE_BYTES} B data)"
+                    f"({max_header} B header, {max_data} B data)"
                 )
-            used += PREFIX.size
             total = header_bytes + data_bytes
+            if self._admit is not None and not self._admit(total):
+                self.blocked = True  # the prefix stays: parsed again on the next read
+                break
+            used += PREFIX.size
             take = min(total, self._have - used)
             self._body = bytearray(total)
             self._body[:take] = self._view[used : used + take]
             self._header_bytes, self._got = header_bytes, take
+            self._charge = total if self._admit is not None else 0
             used += take
             self._complete(frames)
         if used:  # keep the start of a frame whose prefix is not complete yet
@@ -137,8 +182,14 @@ class LaneReader:
 
     def _complete(self, frames: list[Frame]) -> None:
         if self._body is not None and self._got == len(self._body):
-            frames.append(Frame(self._body, self._header_bytes))
+            frames.append(Frame(self._body, self._header_bytes, self._charge))
             self._body = None
+            self._charge = 0
+
+    def abandon(self) -> int:
+        """Drop the frame being received; returns what `admit` had granted for it."""
+        charge, self._charge, self._body = self._charge, 0, None
+        return charge
 
     def close(self) -> None:
         self.sock.close()

@@ -5,9 +5,11 @@ version "pv". Large payloads use a credit handshake so that a full receive pool 
 the sender instead of dropping or over-allocating (DESIGN.md section 7):
 
     sender                               ingress (owns the receive pool)
-    hello {relay}                  -->
+    hello {relay, nonce}           -->
+                                   <--   challenge {nonce}
+    auth {mac}                     -->   (relay/auth.py: both ends prove the peer key)
                                    <--   welcome {pool, pool_size, max_allocation, lease_s,
-                                                  lane_id[, lane_port | lane_path]}
+                                                  lane_id[, lane_port | lane_path], mac}
     inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
     reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
                                    <--   grant {xid, offset, lease_s} | deny {xid, reason}
@@ -16,6 +18,8 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   ack {xid} | nack {xid, reason}
     cancel {xid}                   -->   sender gave up waiting: drop the reservation/grant
     abort {rid}                    -->   free every slot the request holds
+                                   <--   refused {reason[, xid]}: the sender is not (or no
+                                         longer) an authenticated peer here
 
 `xid` numbers each operation of a sender so that a late grant for an operation that timed
 out is never mistaken for the current one (completions are per operation).
@@ -40,8 +44,11 @@ from disagg_runtime.codec import CodecError, decode_header, encode_header
 PROTOCOL_VERSION = 1
 MAX_CONTROL_BYTES = 4 << 20
 MAX_INLINE_MESSAGE_BYTES = 16 << 20  # the most slot bytes an inline message may carry
-OPS_TO_INGRESS = frozenset({"hello", "inline", "reserve", "commit", "cancel", "abort"})
-OPS_TO_SENDER = frozenset({"welcome", "grant", "deny", "ack", "nack"})
+MAX_FRAME_BYTES = MAX_INLINE_MESSAGE_BYTES  # no ZMQ frame may be longer (tcp chunks included)
+OPS_TO_INGRESS = frozenset({"hello", "auth", "inline", "reserve", "commit", "cancel", "abort"})
+OPS_TO_SENDER = frozenset({"challenge", "welcome", "refused", "grant", "deny", "ack", "nack"})
+HANDSHAKE_OPS = frozenset({"hello", "auth"})  # all an unauthenticated peer may send
+MAX_HANDSHAKE_BYTES = 4096  # and no longer than this
 
 
 class ProtocolError(ValueError):

@@ -19,6 +19,11 @@ Both ends set a small high-water mark, so at most HWM chunks are buffered ahead.
 A sender is thread-safe: one transfer at a time holds the socket; each waits for replies
 with its own operation id (`xid`), so a late reply to an abandoned operation is never
 taken for the current one.
+
+A sender first proves the pipeline's peer key and checks the ingress's proof
+(relay/auth.py): a welcome without a valid mac fails the connection before anything in
+it (a pool to map, a lane) is used. An shm sender also maps only pools whose name starts
+with `pools` (its pipeline's namespace), and writes only inside the pool it mapped.
 """
 
 from __future__ import annotations
@@ -49,9 +54,9 @@ from disagg_runtime.pool import (
     slot_views,
     write_tensors,
 )
-from disagg_runtime.relay import lane
+from disagg_runtime.relay import auth, lane
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.errors import RelayError, RelayTimeout
+from disagg_runtime.relay.errors import NotAPeer, RelayError, RelayTimeout
 
 log = logging.getLogger(__name__)
 INLINE_THRESHOLD = 64 * 1024
@@ -80,9 +85,14 @@ class Sender:
         inline_max: int = INLINE_THRESHOLD,
         lane: bool = True,
         context: zmq.Context[Any] | None = None,
+        key: bytes,
+        handshake_timeout: float | None = None,
+        pools: str | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self._key = auth.check_key(key)
+        self.pools = pools  # shm pools must be named with this prefix (None: any disagg pool)
         if not 0 <= inline_max <= proto.MAX_INLINE_MESSAGE_BYTES:
             raise ValueError(
                 f"inline_max must be within [0, {proto.MAX_INLINE_MESSAGE_BYTES}] bytes"
@@ -95,6 +105,8 @@ class Sender:
         self._sock.setsockopt(zmq.IPV6, 1)  # dual-stack: IPv6-only clusters too
         self._sock.setsockopt(zmq.SNDHWM, HWM)
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
+        self._sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())  # unguessable, never reused
+        self._sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
         self._xids = itertools.count(1)
@@ -104,7 +116,7 @@ class Sender:
         self._lane_control = False  # reservations, commits and their replies on the lane too
         self._lane_replies: collections.deque[bytes] = collections.deque()
         try:
-            welcome = self._handshake()
+            welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)
             self.max_allocation: int = proto.nonneg_int(welcome, "max_allocation")
             self.lease_s = float(proto.field(welcome, "lease_s", (int, float)))
             self._on_welcome(welcome)
@@ -113,9 +125,24 @@ class Sender:
             self._sock.close(linger=0)
             raise
 
-    def _handshake(self) -> dict[str, Any]:
-        self._sock.send(proto.pack("hello", relay=self.kind))
-        return self._await(None, {"welcome"}, time.monotonic() + self.timeout, "handshake")
+    def _handshake(self, timeout: float) -> dict[str, Any]:
+        """hello, challenge, auth, welcome (relay/auth.py); the welcome is trusted only if
+        its mac, over both nonces and its fields, shows the peer key."""
+        deadline = time.monotonic() + timeout
+        ours = auth.nonce()
+        self._sock.send(proto.pack("hello", relay=self.kind, nonce=ours))
+        challenge = self._await(None, {"challenge"}, deadline, "handshake")
+        theirs = challenge.get("nonce")
+        if not isinstance(theirs, str):
+            raise RelayError(f"bad challenge from {self.endpoint}: no nonce")
+        self._sock.send(proto.pack("auth", mac=auth.mac(self._key, "sender", ours, theirs)))
+        welcome = self._await(None, {"welcome"}, deadline, "handshake")
+        body = auth.body({k: v for k, v in welcome.items() if k not in ("v", "pv", "op")})
+        if not auth.verify(self._key, welcome.get("mac"), "welcome", ours, theirs, body):
+            raise NotAPeer(
+                f"{self.endpoint} did not prove the pipeline's peer key; not a peer of ours"
+            )
+        return welcome
 
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
         """Backend hook: e.g. attach the receiver's shared pool."""
@@ -131,7 +158,8 @@ class Sender:
             sock = lane.connect(self.endpoint, welcome, min(self.timeout, LANE_CONNECT_S))
             if sock is None:
                 return
-            hello = proto.pack("lane", id=ident, control=self.control_on_lane)
+            mac = auth.mac(self._key, "lane", ident)
+            hello = proto.pack("lane", id=ident, control=self.control_on_lane, mac=mac)
             lane.send_frame(sock, hello, b"")
             if sock.recv(1) != lane.READY:
                 raise OSError("the ingress did not take the lane")
@@ -378,6 +406,8 @@ class Sender:
                 msg = proto.unpack(header, proto.OPS_TO_SENDER)
             except proto.ProtocolError as exc:
                 raise RelayError(f"bad reply from {self.endpoint}: {exc}") from None
+            if msg["op"] == "refused":  # not (or no longer) a peer there: reconnect
+                raise NotAPeer(f"{self.endpoint} refused this sender: {msg.get('reason')}")
             if msg["op"] in ops and msg.get("xid") == xid:
                 return msg
             if msg["op"] == "grant" and isinstance(msg.get("xid"), int):
@@ -400,6 +430,11 @@ class ShmSender(Sender):
             raise RelayError(
                 f"receiver at {self.endpoint} has no shared-memory pool; use the tcp relay"
             )
+        if self.pools is not None and not name.startswith(self.pools):
+            raise RelayError(
+                f"receiver at {self.endpoint} offers pool {name[:80]!r}, not one of this "
+                f"pipeline's ({self.pools}*)"
+            )
         try:
             self._backing = attach_backing(name)
         except PoolError as exc:
@@ -415,6 +450,9 @@ class ShmSender(Sender):
         write_by: float,
     ) -> None:
         assert self._backing is not None  # set by the handshake
+        if offset + manifest.nbytes > self._backing.size:
+            self._control(proto.pack("cancel", xid=xid))
+            raise RelayError(f"grant from {self.endpoint} lies outside its pool; not written")
         if not self._pin_tried and any(t.is_cuda for t in tensors):
             self._pin_for_gpu(self._backing)
         self._check_lease(xid, write_by)

@@ -39,8 +39,11 @@ class PodVolumes:
     tmpfs: list[dict[str, object]] = field(default_factory=list)  # for the sandbox
 
 
-def write_atomic(target: str, files: Mapping[str, bytes], mode: int) -> bool:
-    """Make `target` hold exactly `files` (relative paths); False when already so."""
+def write_atomic(
+    target: str, files: Mapping[str, bytes], mode: int, group: int | None = None
+) -> bool:
+    """Make `target` hold exactly `files` (relative paths); False when already so. With a
+    `group` (the pod's fsGroup) the files belong to it, as the kubelet makes them."""
     data = os.path.join(target, "..data")
     if os.path.isdir(data):
         current = {}
@@ -60,6 +63,8 @@ def write_atomic(target: str, files: Mapping[str, bytes], mode: int) -> bool:
         os.makedirs(os.path.dirname(full), mode=0o755, exist_ok=True)
         with open(full, "wb") as f:
             f.write(content)
+        if group is not None:
+            os.chown(full, -1, group)
         os.chmod(full, mode)
     old = os.path.realpath(data) if os.path.islink(data) else None
     tmp_link = os.path.join(target, "..data_tmp")
@@ -168,6 +173,11 @@ async def files_of(pod: Obj, volume: Obj, fetch: Fetch) -> dict[str, bytes] | No
     return None
 
 
+def _fs_group(pod: Obj) -> int | None:
+    group = ((pod.get("spec") or {}).get("securityContext") or {}).get("fsGroup")
+    return None if group is None else int(group)
+
+
 def _mode(volume: Obj) -> int:
     for kind in ("configMap", "secret", "downwardAPI", "projected"):
         if kind in volume:
@@ -197,7 +207,7 @@ async def prepare(pod: Obj, pod_dir: str, fetch: Fetch) -> PodVolumes:
         if files is None:
             kinds = sorted(k for k in volume if k != "name")
             raise VolumeError(f"volume {name!r}: unsupported kind {kinds} on this node")
-        write_atomic(target, files, _mode(volume))
+        write_atomic(target, files, _mode(volume), _fs_group(pod))
     return out
 
 
@@ -211,4 +221,5 @@ async def refresh(pod: Obj, pod_dir: str, fetch: Fetch) -> None:
         except VolumeError:
             continue  # a source that went away: keep the last files, as the kubelet does
         if files is not None:
-            write_atomic(os.path.join(pod_dir, "volumes", volume["name"]), files, _mode(volume))
+            path = os.path.join(pod_dir, "volumes", volume["name"])
+            write_atomic(path, files, _mode(volume), _fs_group(pod))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -45,11 +46,22 @@ def test_to_json_parse_round_trip(m):
         ({**meta().to_json(), "reply": {"endpoint": "x", "relay": "ftp"}}, "relay"),
         ({**meta().to_json(), "reply": "tcp://x"}, "reply"),
         ({**meta().to_json(), "error": {"a": 1}}, "error"),
+        ({**meta().to_json(), "deadline": float("inf")}, "finite"),
+        ({**meta().to_json(), "deadline": float("nan")}, "finite"),
+        ({**meta().to_json(), "deadline": 10**400}, "finite"),  # no OverflowError
     ],
 )
 def test_malformed_envelopes_raise(obj, message):
     with pytest.raises(EnvelopeError, match=message):
         envelope.parse(obj)
+
+
+def test_deadlines_are_clamped_to_a_limit_from_now():
+    now = time.time()
+    far = meta(deadline=now + 1e9).clamped(30.0)
+    assert now + 29 < far.deadline <= time.time() + 30.0
+    near = meta(deadline=now + 5.0)
+    assert near.clamped(30.0) is near  # an earlier deadline stays as it is
 
 
 def test_expired():

@@ -48,7 +48,7 @@ from disagg_runtime.pool import (
     write_tensors,
 )
 from disagg_runtime.pool import plan as pool_plan
-from disagg_runtime.relay import Ingress, Relay, RelayError, connect, cuda_ingress, cuda_ipc
+from disagg_runtime.relay import Ingress, Relay, RelayError, auth, connect, cuda_ingress, cuda_ipc
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.cuda_ingress import CudaIngress
 from disagg_runtime.relay.cuda_ipc import (
@@ -62,6 +62,7 @@ from disagg_runtime.relay.cuda_ipc import (
 )
 from disagg_runtime.role import relay_kind
 from tests.payload_checks import assert_bit_exact
+from tests.relay_rig import KEY, handshake
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks machines without CUDA")
 WAIT = 10.0
@@ -174,7 +175,7 @@ def test_bench_transport_on_cuda_exits_2_naming_cuda() -> None:
 def shm_ingress() -> Iterator[Ingress]:
     pool = Pool.create(4 * MiB, device="shm", name=shm_name("gputest", "ingress"))
     folder = tempfile.mkdtemp(prefix="dgg")
-    ingress = Ingress(f"ipc://{folder}/i.sock", pool, lease_s=5.0)
+    ingress = Ingress(f"ipc://{folder}/i.sock", pool, lease_s=5.0, key=KEY)
     try:
         yield ingress
     finally:
@@ -188,17 +189,14 @@ def test_host_pool_answers_cuda_ipc_hello_with_a_reason_not_an_export(
 ) -> None:
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())
     sock.connect(shm_ingress.endpoint)
     try:
-        sock.send(proto.pack("hello", relay="cuda-ipc"))
-        assert sock.poll(int(WAIT * 1000))
-        welcome = proto.unpack(sock.recv(), proto.OPS_TO_SENDER)
+        welcome = handshake(sock, relay="cuda-ipc")
         assert welcome["op"] == "welcome" and "cuda" not in welcome
         assert "is shm memory" in welcome["cuda_unavailable"]
         assert welcome["pool"] == shm_ingress.pool.name  # the fallback a sender takes
-        sock.send(proto.pack("hello", relay="shm"))
-        assert sock.poll(int(WAIT * 1000))
-        plain = proto.unpack(sock.recv(), proto.OPS_TO_SENDER)
+        plain = handshake(sock, relay="shm")
         assert "cuda_unavailable" not in plain
     finally:
         sock.close(linger=0)
@@ -358,6 +356,7 @@ def test_a_cuda_ipc_commit_with_a_bad_manifest_is_nacked_like_any_other(
     a host pool: the ingress answers with a nack and frees the slot)."""
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())
     sock.connect(shm_ingress.endpoint)
 
     def reply() -> dict[str, Any]:
@@ -365,8 +364,7 @@ def test_a_cuda_ipc_commit_with_a_bad_manifest_is_nacked_like_any_other(
         return proto.unpack(sock.recv(), proto.OPS_TO_SENDER)
 
     try:
-        sock.send(proto.pack("hello", relay="cuda-ipc"))
-        reply()
+        handshake(sock, relay="cuda-ipc")
         sock.send(proto.pack("reserve", rid="r", xid=1, nbytes=MiB, wait_s=1.0))
         grant = reply()
         assert grant["op"] == "grant"
@@ -543,12 +541,12 @@ class CudaRig:
     def ingress(self, *, tcp: bool = False, lease_s: float = 1.0) -> Ingress:
         pool = Pool(Backing("cuda", torch.zeros(16 * MiB, dtype=torch.uint8)), min_block=MiB)
         endpoint = "tcp://127.0.0.1:0" if tcp else f"ipc://{self.dir}/{len(self.ingresses)}.sock"
-        ingress = Ingress(endpoint, pool, lease_s=lease_s)
+        ingress = Ingress(endpoint, pool, lease_s=lease_s, key=KEY)
         self.ingresses.append(ingress)
         return ingress
 
     def sender(self, kind: str, ingress: Ingress, **options: Any) -> Relay:
-        sender = connect(kind, ingress.endpoint, timeout=WAIT, **options)
+        sender = connect(kind, ingress.endpoint, timeout=WAIT, key=KEY, **options)
         self.senders.append(sender)
         return sender
 
@@ -653,6 +651,7 @@ def test_sim_malformed_events_are_nacked_and_their_slots_come_back(
     ingress = rig.ingress(lease_s=0.5)
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())
     sock.connect(ingress.endpoint)
 
     def reply() -> dict[str, Any]:
@@ -666,8 +665,7 @@ def test_sim_malformed_events_are_nacked_and_their_slots_come_back(
         "tensors": [{"dtype": "uint8", "shape": [16], "offset": 0}],
     }
     try:
-        sock.send(proto.pack("hello", relay="cuda-ipc"))
-        assert Export.from_json(reply()["cuda"]).size == 16 * MiB
+        assert Export.from_json(handshake(sock, relay="cuda-ipc")["cuda"]).size == 16 * MiB
         sock.send(proto.pack("reserve", rid="bad", xid=1, nbytes=MiB, wait_s=2.0))
         grant = reply()
         fields = {"rid": "bad", "xid": 1, "offset": grant["offset"], "manifest": manifest}
@@ -723,7 +721,7 @@ def test_cuda_ipc_to_a_host_pool_falls_back_to_its_shared_memory(
 ) -> None:
     monkeypatch.setattr(cuda_ipc, "unavailable_reason", lambda: None)  # as if CUDA were here
     with caplog.at_level(logging.WARNING, logger="disagg_runtime.relay.cuda_ipc"):
-        sender = connect("cuda-ipc", shm_ingress.endpoint, timeout=WAIT)
+        sender = connect("cuda-ipc", shm_ingress.endpoint, timeout=WAIT, key=KEY)
     try:
         assert isinstance(sender, CudaIpcSender) and sender.mode == "shm"
         assert any("is shm memory" in r.getMessage() for r in caplog.records)
@@ -755,6 +753,7 @@ def test_sim_cuda_ipc_slot_manifests_are_checked_like_any_other(
     ingress = rig.ingress()
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())
     sock.connect(ingress.endpoint)
 
     def reply() -> dict[str, Any]:
@@ -762,8 +761,7 @@ def test_sim_cuda_ipc_slot_manifests_are_checked_like_any_other(
         return proto.unpack(sock.recv(), proto.OPS_TO_SENDER)
 
     try:
-        sock.send(proto.pack("hello", relay="cuda-ipc"))
-        reply()
+        handshake(sock, relay="cuda-ipc")
         sock.send(proto.pack("reserve", rid="m", xid=1, nbytes=MiB, wait_s=2.0))
         grant = reply()
         event = _b64(bytes(range(EVENT_HANDLE_BYTES)))  # opens: the copy is "done"
