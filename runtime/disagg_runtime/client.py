@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +59,13 @@ class RequestOverloaded(RequestFailed):
 _FAILURES = {"timeout": RequestTimeout, "overloaded": RequestOverloaded}
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """The result of an exit role whose chunks went to `on_chunk`: how many there were."""
+
+    count: int
+
+
 def detach(value: Any) -> Any:
     """Deep-copy tensors out of pool memory (containers rebuilt, scalars kept)."""
     if isinstance(value, torch.Tensor):
@@ -82,6 +89,7 @@ class _Pending:
     streamed: dict[str, list[Any]] = field(default_factory=dict)
     next_seq: dict[str, int] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)
+    on_chunk: Callable[[Any], None] | None = None
 
 
 class Client:
@@ -94,6 +102,7 @@ class Client:
         entry_relay: str = "tcp",
         reply_relay: str = "tcp",
         bind_host: str = "127.0.0.1",
+        bind_port: int = 0,
         advertise_host: str | None = None,
         pool_size: int = 256 << 20,
         timeout: float = 30.0,
@@ -110,7 +119,7 @@ class Client:
         else:
             self.pool = Pool.create(pool_size, device="cpu")
         try:
-            self.ingress = Ingress(f"tcp://{bind_host}:0", self.pool, lease_s=timeout, key=key)
+            self.ingress = Ingress(f"tcp://{bind_host}:{bind_port}", self.pool, lease_s=timeout, key=key)
         except BaseException:
             self.pool.close()
             raise
@@ -132,6 +141,19 @@ class Client:
         """Start a request; the future holds the exit role's payload (a dict by exit role when
         there are several; the list of chunks when the pipeline streams)."""
         return self._start(payload, timeout)[1].future
+
+    def start(
+        self,
+        payload: Any,
+        *,
+        timeout: float | None = None,
+        on_chunk: Callable[[Any], None] | None = None,
+    ) -> tuple[str, Future[Any]]:
+        """Start a request; its id (for `cancel`) and its future. With `on_chunk`, each
+        chunk of a stream goes to it, in order, on the client's receive thread (it must not
+        block), and the future's result then holds `Streamed(count)` instead of the chunks."""
+        rid, pending = self._start(payload, timeout, on_chunk)
+        return rid, pending.future
 
     def submit(self, payload: Any, *, timeout: float | None = None) -> Any:
         future = self.submit_async(payload, timeout=timeout)
@@ -180,12 +202,17 @@ class Client:
         self.pool.close()
 
     # ---- internals -----------------------------------------------------------------------------
-    def _start(self, payload: Any, timeout: float | None) -> tuple[str, _Pending]:
+    def _start(
+        self,
+        payload: Any,
+        timeout: float | None,
+        on_chunk: Callable[[Any], None] | None = None,
+    ) -> tuple[str, _Pending]:
         if self._closed.is_set():
             raise RequestFailed("client is closed")
         seconds = self.timeout if timeout is None else timeout
         rid = uuid.uuid4().hex
-        pending = _Pending(self.exits, time.monotonic() + seconds)
+        pending = _Pending(self.exits, time.monotonic() + seconds, on_chunk=on_chunk)
         with self._lock:
             self._pending[rid] = pending
         meta = Meta(rid, "data", "client", time.time() + seconds, self.reply)
@@ -194,6 +221,9 @@ class Client:
                 self._send(peers, meta, payload)
         except (RelayError, OSError) as exc:
             self._finish(rid, exc=RequestFailed(f"request {rid} could not be submitted: {exc}"))
+        except BaseException:  # e.g. a payload the codec refuses: the caller gets the error
+            self._finish(rid, exc=RequestFailed(f"request {rid} was not submitted"))
+            raise
         return rid, pending
 
     def _send(self, peers: PeerSet, meta: Meta, payload: Any) -> None:
@@ -274,6 +304,9 @@ class Client:
                 )
                 return
             pending.next_seq[meta.source] = expected + 1
+            if pending.on_chunk is not None:
+                pending.on_chunk(payload)
+                return
             pending.streamed.setdefault(meta.source, []).append(payload)
             pending.chunks.put(payload)
         elif meta.kind == "end":
@@ -285,6 +318,8 @@ class Client:
                 )
                 return
             pending.ended.add(meta.source)
+            if pending.on_chunk is not None:
+                pending.results[meta.source] = Streamed(got)
             pending.streamed.setdefault(meta.source, [])  # a stream of no chunks is []
         if set(pending.results) | pending.ended >= pending.exits:
             outputs: dict[str, Any] = {**pending.streamed, **pending.results}

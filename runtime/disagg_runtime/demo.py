@@ -24,9 +24,18 @@ text-to-video (``encoder -> denoiser -> decoder``; bf16, tens of MiB per hop)
 llm-prefill-decode (``prefill -> decode``)
     ``prefill``  ``{"prompt": str, "input_ids": int64 (L,), "max_new_tokens": int}`` ->
     ``{"kv": bf16 (4, 2, 4, L, 64), "next_token": int, "seed": int, "prompt_len": int,
-    "max_new_tokens": int}``: a 4-layer causal transformer; the KV cache is the payload.
-    ``decode_tokens``  streams ``max_new_tokens`` chunks ``{"token": int64 (1,), "step":
-    int}`` in order, sampling each token from the cached model (L = 256 at scale 1).
+    "max_new_tokens": int, "temperature": float, "top_p": float, "stop": [str]}``: a
+    4-layer causal transformer; the KV cache is the payload. It also takes what the
+    gateway's OpenAI API sends: ``{"prompt": str}`` or ``{"messages": [{"role", "content"}]}``
+    without ``input_ids`` (the text's UTF-8 bytes after a BOS id are the token ids), with
+    ``max_tokens`` (= ``max_new_tokens``), ``temperature`` (0 = greedy), ``top_p``, ``seed``
+    and ``stop``.
+    ``decode_tokens``  streams up to ``max_new_tokens`` chunks ``{"token": int64 (1,),
+    "step": int, "text": str, "token_ids": [int], "finish_reason": None | "length" |
+    "stop"}`` in order (the first also ``"prompt_tokens"``), sampling each token from the
+    cached model (L = 256 at scale 1). ``text`` comes from a trivial vocabulary
+    (``token_text``: a syllable per id); the stream ends early, with ``"stop"``, once the
+    text holds a stop sequence (the chunk's text is cut before it).
 
 fan-out (``ingest -> {vision, audio} -> fuse``)
     ``ingest``  ``{"image": uint8 (3, S, S), "audio": float32 (N,), "sample_rate": int}`` ->
@@ -471,9 +480,77 @@ def _lm_logits(h: torch.Tensor) -> torch.Tensor:
     return h @ _linear("lm.head", LLM_DIM, LLM_VOCAB) * 2.0
 
 
-def _sample(logits: torch.Tensor, gen: torch.Generator) -> int:
-    probs = torch.softmax(logits.float(), dim=-1)
+def _sample(
+    logits: torch.Tensor, gen: torch.Generator, temperature: float = 1.0, top_p: float = 1.0
+) -> int:
+    """Temperature 0 is greedy; top_p < 1 keeps the smallest set of likeliest tokens whose
+    probability reaches top_p (nucleus sampling)."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        ordered, index = torch.sort(probs, descending=True)
+        keep = torch.cumsum(ordered, dim=0) - ordered < top_p
+        probs = torch.zeros_like(probs).scatter_(0, index[keep], ordered[keep])
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+_ONSETS = ("", "b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ou", "ea")
+_CODAS = ("", "n", "s", "r", "l", "th", "m", "x", "ng", "st", "ck", "rd", "sh", "ft", "mp", "nt")
+BOS_ID = 1
+MAX_STOP = 4
+
+
+def token_text(token: int) -> str:
+    """The demo's trivial vocabulary: token id -> " " + a syllable (16 x 8 x 16 = 2048)."""
+    onset, rest = _ONSETS[token % 16], token // 16
+    return f" {onset}{_VOWELS[rest % 8]}{_CODAS[(rest // 8) % 16]}"
+
+
+def _prompt_ids(p: Payload, name: str) -> torch.Tensor:
+    """A text prompt's ids: BOS, then its UTF-8 bytes (the demo needs no tokenizer)."""
+    if "messages" in p:
+        messages = p["messages"]
+        ok = isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages
+        )  # fmt: skip
+        if not ok:
+            raise ValueError(
+                f"{name}: payload['messages'] must be a non-empty list of "
+                "{'role': str, 'content': str}"
+            )
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    else:
+        text = p.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError(f"{name}: payload needs 'input_ids', 'prompt' (str) or 'messages'")
+    raw = text.encode()[: LLM_MAX_PROMPT - 1]
+    return torch.tensor([BOS_ID, *raw], dtype=torch.int64)
+
+
+def _sampling(p: Payload, name: str) -> Payload:
+    """temperature, top_p and stop, checked (defaults: 1.0, 1.0, none)."""
+    out: Payload = {}
+    for key, low, high, default in (("temperature", 0.0, 2.0, 1.0), ("top_p", 0.0, 1.0, 1.0)):
+        value = p.get(key, default)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not low <= value <= high
+            or (key == "top_p" and value == 0)
+        ):
+            raise ValueError(f"{name}: payload[{key!r}] must be a number in [{low}, {high}]")
+        out[key] = float(value)
+    stop = p.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
+        isinstance(s, str) and s for s in stop
+    ):
+        raise ValueError(f"{name}: payload['stop'] must be up to {MAX_STOP} non-empty strings")
+    out["stop"] = list(stop)
+    return out
 
 
 def prefill(payload: object) -> Payload:
@@ -482,29 +559,40 @@ def prefill(payload: object) -> Payload:
     name = "prefill"
     p = _as_dict(payload, name)
     out = _carried(name, p)
-    ids = _tensor(p, "input_ids", name, ndim=1, kind="int64", min_size={0: 1})
+    if "input_ids" in p:
+        ids = _tensor(p, "input_ids", name, ndim=1, kind="int64", min_size={0: 1})
+    else:
+        ids = _prompt_ids(p, name)
     if len(ids) > LLM_MAX_PROMPT:
         raise ValueError(f"{name}: payload['input_ids'] is longer than {LLM_MAX_PROMPT} tokens")
     _check_ids(ids, "input_ids", name, LLM_VOCAB)
     if "prompt" in p and not isinstance(p["prompt"], str):
         raise ValueError(f"{name}: payload['prompt'] must be a str; got {_describe(p['prompt'])}")
+    if "max_tokens" in p and "max_new_tokens" not in p:
+        p = {**p, "max_new_tokens": p["max_tokens"]}
     new_tokens = _int(
         p, "max_new_tokens", name, default=DEFAULT_NEW_TOKENS, lo=1, hi=MAX_NEW_TOKENS
     )
+    sampling = _sampling(p, name)
+    given_seed = p.get("seed")
+    if given_seed is not None and type(given_seed) is not int:
+        raise ValueError(f"{name}: payload['seed'] must be an int; got {given_seed!r}")
 
     x = _embedding("lm.embed", LLM_VOCAB, LLM_DIM)[ids] + _positions(len(ids), LLM_DIM)
     cache = []
     for layer in range(LLM_LAYERS):
         x, k, v = _block(x, f"lm.layer{layer}", LLM_HEADS, causal=True)
         cache.append(torch.stack((k, v)))
-    seed = _seed("lm", ids)
-    first = _sample(_lm_logits(x[-1]), _generator(seed))
+    seed = _seed("lm", ids) if given_seed is None else given_seed & 0x7FFFFFFF
+    logits = _lm_logits(x[-1])
+    first = _sample(logits, _generator(seed), sampling["temperature"], sampling["top_p"])
     out.update(
         kv=torch.stack(cache).to(torch.bfloat16),
         next_token=first,
         seed=seed,
         prompt_len=len(ids),
         max_new_tokens=new_tokens,
+        **sampling,
     )
     return out
 
@@ -531,10 +619,14 @@ def decode_tokens(payload: object) -> Iterator[Payload]:
     new_tokens = _int(
         p, "max_new_tokens", name, default=DEFAULT_NEW_TOKENS, lo=1, hi=MAX_NEW_TOKENS
     )
+    sampling = _sampling(p, name)
+    prompt_len = _int(p, "prompt_len", name, default=kv.shape[3], lo=1, hi=LLM_MAX_PROMPT)
     # Copies: the stream outlives this call and must not hold views of the receive pool.
     keys = [kv[layer, 0].to(torch.float32, copy=True) for layer in range(LLM_LAYERS)]
     values = [kv[layer, 1].to(torch.float32, copy=True) for layer in range(LLM_LAYERS)]
-    return _stream(keys, values, first, seed, new_tokens, carried)
+    return _stream(
+        keys, values, first, seed, new_tokens, carried, sampling=sampling, prompt_len=prompt_len
+    )
 
 
 def _stream(
@@ -544,12 +636,33 @@ def _stream(
     seed: int,
     new_tokens: int,
     carried: Payload,
+    *,
+    sampling: Payload,
+    prompt_len: int,
 ) -> Iterator[Payload]:
     gen = _generator(seed + 1)
     position = keys[0].shape[1]
+    stops: list[str] = sampling["stop"]
+    text = ""
     for step in range(new_tokens):
-        yield {"token": torch.tensor([token], dtype=torch.int64), "step": step, **carried}
-        if step == new_tokens - 1:
+        piece = token_text(token)
+        finish = "length" if step == new_tokens - 1 else None
+        cut = min((i for i in ((text + piece).find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            piece, finish = (text + piece)[len(text) : cut] if cut > len(text) else "", "stop"
+        text += piece
+        chunk = {
+            "token": torch.tensor([token], dtype=torch.int64),
+            "step": step,
+            "text": piece,
+            "token_ids": [token],
+            "finish_reason": finish,
+            **carried,
+        }
+        if step == 0:
+            chunk["prompt_tokens"] = prompt_len
+        yield chunk
+        if finish is not None:
             return
         x = _embedding("lm.embed", LLM_VOCAB, LLM_DIM)[token].unsqueeze(0)
         x = x + _positions(1, LLM_DIM, start=position)
@@ -558,7 +671,7 @@ def _stream(
             x, keys[layer], values[layer] = _block(
                 x, f"lm.layer{layer}", LLM_HEADS, causal=True, past=past
             )
-        token = _sample(_lm_logits(x[0]), gen)
+        token = _sample(_lm_logits(x[0]), gen, sampling["temperature"], sampling["top_p"])
         position += 1
 
 

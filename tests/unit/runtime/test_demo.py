@@ -147,10 +147,16 @@ def test_prefill_decode_streams_tokens_in_order() -> None:
     chunks = run_hop(demo.decode_tokens, prefilled)  # collected after the pool is reused
     assert len(chunks) == demo.DEFAULT_NEW_TOKENS == 8
     assert [c["step"] for c in chunks] == list(range(8))
-    for chunk in chunks:
-        assert set(chunk) == {"token", "step", "request"} and chunk["request"] == 4
+    shape = {"token", "step", "request", "text", "token_ids", "finish_reason"}
+    for i, chunk in enumerate(chunks):
+        assert set(chunk) == shape | ({"prompt_tokens"} if i == 0 else set())
+        assert chunk["request"] == 4
         assert spec(chunk["token"]) == ((1,), torch.int64)
         assert 0 <= int(chunk["token"]) < demo.LLM_VOCAB
+        assert chunk["token_ids"] == [int(chunk["token"])]
+        assert chunk["text"] == demo.token_text(int(chunk["token"]))
+        assert chunk["finish_reason"] == ("length" if i == 7 else None)
+    assert chunks[0]["prompt_tokens"] == prefilled["prompt_len"]
     assert int(chunks[0]["token"]) == prefilled["next_token"]
     assert len({int(c["token"]) for c in chunks}) > 1
     assert same(list(result), chunks)  # deterministic, and no view of the input kept
@@ -401,3 +407,24 @@ def test_bad_input_raises_value_error(
     bad = make_bad(inputs()[name])
     with pytest.raises(ValueError, match=match):
         getattr(demo, name)(bad)
+
+
+def test_llm_demo_takes_openai_style_input() -> None:
+    """{"prompt" | "messages", sampling params} as the gateway's OpenAI API sends it."""
+    out = demo.prefill({"prompt": "hi", "max_tokens": 3, "temperature": 0, "seed": 7})
+    assert out["prompt_len"] == 3 and out["max_new_tokens"] == 3 and out["seed"] == 7
+    chunks = list(demo.decode_tokens(out))
+    assert [c["finish_reason"] for c in chunks] == [None, None, "length"]
+    again = list(demo.decode_tokens(demo.prefill({"prompt": "hi", "max_tokens": 3,
+                                                  "temperature": 0})))  # fmt: skip
+    assert [c["text"] for c in again] == [c["text"] for c in chunks]  # greedy ignores seed
+    chat = demo.prefill({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat["prompt_len"] == len("user: hi\nassistant:") + 1
+    stop = chunks[1]["text"].strip()[:2]
+    cut = list(demo.decode_tokens({**out, "stop": [stop]}))
+    assert cut[-1]["finish_reason"] == "stop" and len(cut) == 2
+    assert stop not in "".join(c["text"] for c in cut)
+    with pytest.raises(ValueError, match="'top_p'"):
+        demo.prefill({"prompt": "hi", "top_p": 0})
+    with pytest.raises(ValueError, match="'messages'"):
+        demo.prefill({"messages": [{"role": "user"}]})

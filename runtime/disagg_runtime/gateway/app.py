@@ -1,0 +1,358 @@
+"""The gateway's HTTP routes (aiohttp), status codes and middlewares.
+
+    GET  /healthz  /readyz  /metrics  /openapi.json        no token needed
+    POST /v1/infer                                          native API (see `native`)
+    GET  /v1/models  POST /v1/completions  /v1/chat/completions   with api openai
+
+Answers by failure (body `{"error": {"message", "type", "param", "code", ...}}`, the
+OpenAI error shape for every route):
+
+    400 invalid_input        the body cannot be a payload; `param` is its JSON path
+    401 unauthorized         token missing or wrong (when the gateway has one)
+    404 model_not_found      an OpenAI request for another model
+    411 length_required      a safetensors body without Content-Length
+    413 too_large            body over the limit (DISAGG_GATEWAY_MAX_BODY)
+    429 overloaded           the entry role refused for load (Retry-After)
+    503 unavailable          no entry role replica reachable (Retry-After)
+    502 role_failed          a role failed the request: `role`, `replica`, `exception`
+    504 timeout              no result within the pipeline's request timeout
+
+A client that goes away (disconnect mid-stream, or while waiting) cancels its request:
+the abort reaches every role, which frees the request's pool slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from aiohttp import web
+
+from disagg_runtime import codec
+from disagg_runtime.client import RequestFailed, RequestTimeout
+from disagg_runtime.gateway import native, openai, openapi, sse
+from disagg_runtime.gateway.bridge import Pipeline
+from disagg_runtime.gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S: Final = 1
+OPEN_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
+READY_CACHE_S: Final = 1.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Settings:
+    pipeline: str
+    api: str = "native"
+    model: str = ""
+    token: str = ""
+    max_body: int = 256 * 2**20
+    timeout: float = 30.0
+
+
+class HttpError(Exception):
+    """An answer other than 200, with the OpenAI-shaped error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: str,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = openai.error(message, kind=kind, code=kind, param=param)
+        self.body["error"].update(extra)
+        self.headers = headers or {}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body, status=self.status, headers=self.headers)
+
+
+def from_failure(exc: BaseException) -> HttpError:
+    """The answer for a request that failed after it reached the gateway's logic."""
+    if isinstance(exc, native.InputError):
+        return HttpError(400, str(exc), kind="invalid_input", param=exc.path)
+    if isinstance(exc, openai.ModelNotFound):
+        return HttpError(404, str(exc), kind="model_not_found", param="$.model")
+    if isinstance(exc, codec.CodecError):
+        return HttpError(400, str(exc), kind="invalid_input", param="$")
+    if isinstance(exc, RequestTimeout):
+        return HttpError(504, str(exc), kind="timeout")
+    if isinstance(exc, RequestFailed):
+        error = exc.error
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if error.get("reason") == "overloaded":
+            return HttpError(429, str(exc), kind="overloaded", headers=retry, role=exc.role)
+        if not error:  # never reached a role: none reachable, or the gateway is closing
+            return HttpError(503, str(exc), kind="unavailable", headers=retry)
+        return HttpError(
+            502,
+            str(exc),
+            kind="role_failed",
+            role=error.get("role", exc.role),
+            replica=error.get("replica", ""),
+            exception=error.get("type", "") or error.get("reason", ""),
+        )
+    raise exc
+
+
+@dataclass
+class Gateway:
+    """Routes over one `Pipeline` bridge; `ready` says whether entry roles answer."""
+
+    settings: Settings
+    pipeline: Pipeline
+    ready: Callable[[], Awaitable[bool]]
+    metrics: GatewayMetrics = field(init=False)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = GatewayMetrics(self.settings.pipeline)
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._measure, self._auth], client_max_size=self.settings.max_body
+        )
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_get("/openapi.json", self.openapi_doc)
+        app.router.add_post("/v1/infer", self.infer)
+        if self.settings.api == "openai":
+            app.router.add_get("/v1/models", self.models)
+            app.router.add_post("/v1/completions", self.completions)
+            app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    # ---- middlewares ---------------------------------------------------------------------------
+    @web.middleware
+    async def _measure(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "other"
+        started = time.monotonic()
+        request["started"] = started
+        self.metrics.inflight.inc()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except HttpError as exc:
+            status = exc.status
+            return exc.response()
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's convention)
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            self.metrics.answered(name, status, time.monotonic() - started)
+            if request.content_length:
+                self.metrics.bytes_in.inc(request.content_length)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        token = self.settings.token
+        if token and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            scheme, _, value = given.partition(" ")
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                value.strip().encode(), token.encode()
+            )
+            if not ok:
+                raise HttpError(
+                    401,
+                    "missing or wrong bearer token",
+                    kind="unauthorized",
+                    headers={"WWW-Authenticate": 'Bearer realm="disagg"'},
+                )
+        return await handler(request)
+
+    # ---- plain routes --------------------------------------------------------------------------
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if await self.ready():
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="entry roles not reachable\n")
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        body = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def openapi_doc(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi.document(self.settings.api, self.settings.model))
+
+    # ---- native API ----------------------------------------------------------------------------
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        payload = await self._native_input(request)
+        accept = request.headers.get("Accept", "")
+        if sse.CONTENT_TYPE in accept:
+            return await self._native_stream(request, payload)
+        try:
+            result = await self.pipeline.call(payload)
+        except Exception as exc:
+            raise from_failure(exc) from None
+        if native.SAFETENSORS in accept:
+            body = await asyncio.to_thread(native.to_safetensors, result)
+            content_type = native.SAFETENSORS
+        else:
+            body = native.dumps({"outputs": native.to_json(result)})
+            content_type = "application/json"
+        self.metrics.bytes_out.inc(len(body))
+        return web.Response(body=body, content_type=content_type)
+
+    async def _native_input(self, request: web.Request) -> Any:
+        self._check_length(request)
+        try:
+            if request.content_type == native.SAFETENSORS:
+                return await self._read_safetensors(request)
+            if request.content_type not in ("application/json", "application/octet-stream", ""):
+                raise HttpError(
+                    415, f"unsupported Content-Type {request.content_type!r}; use "
+                    f"application/json or {native.SAFETENSORS}", kind="unsupported_media_type",
+                )  # fmt: skip
+            doc = native.loads(await self._read(request))
+            return native.request_from_json(doc)
+        except native.InputError as exc:
+            raise from_failure(exc) from None
+
+    def _check_length(self, request: web.Request) -> None:
+        length = request.content_length
+        if length is not None and length > self.settings.max_body:
+            raise HttpError(
+                413, f"body of {length} bytes is over the limit of {self.settings.max_body}",
+                kind="too_large",
+            )  # fmt: skip
+
+    async def _read(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise HttpError(
+                413, f"body is over the limit of {self.settings.max_body} bytes", kind="too_large"
+            ) from None
+
+    async def _read_safetensors(self, request: web.Request) -> Any:
+        length = request.content_length
+        if length is None:
+            raise HttpError(411, "a safetensors body needs Content-Length", kind="length_required")
+        spool = native.Spool(length)
+        try:
+            async for chunk in request.content.iter_any():
+                spool.write(chunk)
+            return await asyncio.to_thread(native.request_from_safetensors, spool)
+        finally:
+            spool.close()  # tensors keep the library's own mapping of the memory file
+
+    async def _native_stream(self, request: web.Request, payload: Any) -> web.StreamResponse:
+        out = sse.EventStream(request)
+        count = 0
+        try:
+            async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
+                async for chunk in chunks:
+                    if count == 0:
+                        self.metrics.first_chunk("/v1/infer", time.monotonic() - request["started"])
+                    await out.send(sse.encode(native.to_json(chunk), "chunk"))
+                    count += 1
+            await out.send(sse.encode({"chunks": count}, "end"))
+        except (RequestFailed, codec.CodecError) as exc:
+            failure = from_failure(exc)
+            if not out.started:
+                raise failure from None
+            await out.send(sse.encode({**failure.body, "status": failure.status}, "error"))
+        self.metrics.bytes_out.inc(out.bytes_out)
+        return await out.finish()
+
+    # ---- OpenAI API ----------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(openai.models(self.settings.model, self.started))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, chat=True)
+
+    async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        self._check_length(request)
+        parse = openai.parse_chat if chat else openai.parse_completion
+        try:
+            payload, sampling = parse(native.loads(await self._read(request)), self.settings.model)
+        except (native.InputError, openai.ModelNotFound) as exc:
+            raise from_failure(exc) from None
+        answer = openai.Answer(self.settings.model, chat)
+        done = openai.Completion(stop=sampling.stop)
+        if sampling.stream:
+            return await self._openai_stream(request, payload, sampling, answer, done)
+        try:
+            async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
+                async for chunk in chunks:
+                    done.feed(chunk)
+                    if done.stopped:
+                        break  # leaving the stream aborts the rest of the request
+            done.finish()
+        except (RequestFailed, ValueError) as exc:
+            raise self._openai_failure(exc) from None
+        body = answer.whole(done)
+        response = web.json_response(body)
+        self.metrics.bytes_out.inc(len(response.body or b""))  # type: ignore[arg-type]
+        return response
+
+    async def _openai_stream(
+        self,
+        request: web.Request,
+        payload: dict[str, Any],
+        sampling: openai.Sampling,
+        answer: openai.Answer,
+        done: openai.Completion,
+    ) -> web.StreamResponse:
+        out = sse.EventStream(request)
+        first = True
+        try:
+            async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
+                async for chunk in chunks:
+                    text = done.feed(chunk)
+                    if first:
+                        self.metrics.first_chunk(request.path, time.monotonic() - request["started"])
+                    if text or first:
+                        await out.send(sse.encode(answer.delta(text, first=first)))
+                        first = False
+                    if done.stopped:
+                        break
+            tail = done.finish()
+            if first or tail:
+                await out.send(sse.encode(answer.delta(tail, first=first)))
+            await out.send(sse.encode(answer.delta("", finish=done.finish_reason)))
+            if sampling.include_usage:
+                await out.send(sse.encode(answer.usage_chunk(done)))
+            await out.send(sse.DONE)
+        except (RequestFailed, ValueError) as exc:
+            failure = self._openai_failure(exc)
+            if not out.started:
+                raise failure from None
+            await out.send(sse.encode({**failure.body, "status": failure.status}))
+        self.metrics.bytes_out.inc(out.bytes_out)
+        return await out.finish()
+
+    def _openai_failure(self, exc: Exception) -> HttpError:
+        if isinstance(exc, (RequestFailed, native.InputError, codec.CodecError)):
+            return from_failure(exc)
+        # a chunk that is not {"text": ...}: the pipeline does not speak this API
+        return HttpError(502, f"the pipeline's answer is not text chunks: {exc}", kind="role_failed")
+

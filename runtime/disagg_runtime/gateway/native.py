@@ -1,0 +1,274 @@
+"""The native API's two body encodings <-> payloads (nested dicts/lists of tensors and JSON).
+
+JSON (`application/json`)::
+
+    {"inputs": {"image": {"dtype": "uint8", "shape": [3, 64, 64], "data": "<base64>"},
+                "prompt": "a fox", "steps": 4}}
+
+An object with exactly the keys `dtype`, `shape` and `data` is a tensor (C order, little
+endian, dtypes of the wire allow-list); everything else is JSON as it stands. Answers are
+`{"outputs": ...}` the same way (tuples become lists, bytes a uint8 tensor, non-finite
+floats the strings "NaN", "Infinity", "-Infinity").
+
+safetensors (`application/vnd.safetensors`): the safetensors format, parsed by the
+`safetensors` library (the body is written once into an anonymous memory file, which the
+library maps: tensors view it, no further copy). A tensor named `a.b` is `inputs["a"]["b"]`;
+every metadata entry `a.c` is `inputs["a"]["c"]`, its value JSON text (text that is not
+JSON is kept as a string, so `{"format": "pt"}` from `save_file` is harmless). Answers
+name list items by index (`frames.0`).
+
+Every failure is an `InputError` whose `path` locates it (`$.inputs.image.shape[1]`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import math
+import mmap
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open, serialize
+from safetensors import TensorSpec as SafeSpec
+
+from disagg_runtime import codec
+
+MAX_DEPTH = codec.MAX_DEPTH
+TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+SAFETENSORS = "application/vnd.safetensors"
+# safetensors dtype names <-> ours (the wire allow-list)
+_SAFE_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+_NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+class InputError(ValueError):
+    """A request body that cannot become a payload; `path` says where (JSON path)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+# ---- JSON -------------------------------------------------------------------------------------
+def loads(body: bytes) -> Any:
+    """Strict JSON (no NaN, no duplicate keys); errors say line and column."""
+    try:
+        return codec._DECODER.decode(body.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError("$", f"body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError("$", f"invalid JSON: {exc.msg} (line {exc.lineno} col {exc.colno})")
+    except codec.CodecError as exc:  # NaN/Infinity or a duplicate key
+        raise InputError("$", str(exc)) from None
+
+
+def request_from_json(doc: Any) -> Any:
+    """The entry payload of a native JSON request `{"inputs": ...}`."""
+    if not isinstance(doc, dict):
+        raise InputError("$", f"expected an object with 'inputs', got {_kind(doc)}")
+    unknown = sorted(set(doc) - {"inputs"})
+    if unknown:
+        raise InputError(f"$.{unknown[0]}", "unknown field (the body is {'inputs': ...})")
+    if "inputs" not in doc:
+        raise InputError("$.inputs", "required field missing")
+    return from_json(doc["inputs"], "$.inputs")
+
+
+def from_json(value: Any, path: str = "$", depth: int = 0) -> Any:
+    """Tensors decoded from `{"dtype", "shape", "data"}` objects; the rest kept."""
+    if depth > MAX_DEPTH:
+        raise InputError(path, f"nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, dict):
+        if value.keys() == TENSOR_KEYS:
+            return _tensor(value, path)
+        return {k: from_json(v, _key(path, k), depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+    return value
+
+
+def _tensor(obj: dict[str, Any], path: str) -> torch.Tensor:
+    data = obj["data"]
+    if not isinstance(data, str):
+        raise InputError(f"{path}.data", f"expected a base64 string, got {_kind(data)}")
+    try:
+        meta = codec.TensorMeta.from_json(
+            {"dtype": obj["dtype"], "shape": obj["shape"]}, where=path
+        )
+    except codec.CodecError as exc:
+        where, sep, reason = str(exc).partition(": ")
+        if sep and where.startswith(path):
+            raise InputError(where, reason) from None
+        raise InputError(path, str(exc)) from None
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InputError(f"{path}.data", f"invalid base64: {exc}") from None
+    if len(raw) != meta.nbytes:
+        raise InputError(
+            f"{path}.data",
+            f"{len(raw)} bytes, but {obj['dtype']} {list(meta.shape)} needs {meta.nbytes}",
+        )
+    try:
+        return codec.tensor_from_buffer(bytearray(raw), meta)
+    except codec.CodecError as exc:
+        raise InputError(f"{path}.data", str(exc)) from None
+
+
+def to_json(value: Any, depth: int = 0) -> Any:
+    """A payload as JSON values (tensors as base64 objects)."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"result nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        meta = codec.TensorMeta.of(t)
+        data = base64.b64encode(codec.tensor_bytes(t)).decode("ascii") if t.numel() else ""
+        return {**meta.to_json(), "data": data}
+    if isinstance(value, dict):
+        return {str(k): to_json(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v, depth + 1) for v in value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        return {"dtype": "uint8", "shape": [len(raw)], "data": base64.b64encode(raw).decode()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return _NONFINITE.get(value, "NaN")
+    return value
+
+
+def dumps(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+# ---- safetensors ------------------------------------------------------------------------------
+class Spool:
+    """A request body written once into an anonymous memory file (memfd) that the
+    safetensors library then maps; tensors parsed from it view that memory."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd = os.memfd_create("disagg-gateway-body", os.MFD_CLOEXEC)
+        self._map: mmap.mmap | None = None
+        self.filled = 0
+        if size:
+            os.ftruncate(self.fd, size)
+            self._map = mmap.mmap(self.fd, size)
+
+    def write(self, chunk: bytes) -> None:
+        end = self.filled + len(chunk)
+        if end > self.size or self._map is None:
+            raise InputError("$", f"body is longer than its Content-Length ({self.size})")
+        self._map[self.filled : end] = chunk
+        self.filled = end
+
+    @property
+    def path(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def request_from_safetensors(spool: Spool) -> Any:
+    """The entry payload of a safetensors body (see the module docstring)."""
+    if spool.filled != spool.size:
+        raise InputError("$", f"body ended after {spool.filled} of {spool.size} bytes")
+    try:
+        with safe_open(spool.path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            items = [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError, TypeError) as exc:
+        raise InputError("$", f"not a valid safetensors body: {exc}") from None
+    tree: dict[str, Any] = {}
+    for name, tensor in items:
+        if tensor.dtype not in codec._NAMES:
+            raise InputError(f"$[{json.dumps(name)}]", f"dtype {tensor.dtype} is not allowed")
+        _put(tree, name, tensor)
+    for name, text in metadata.items():
+        try:
+            value: Any = codec._DECODER.decode(text)
+        except (json.JSONDecodeError, codec.CodecError):
+            value = text
+        _put(tree, name, value)
+    return tree
+
+
+def _put(tree: dict[str, Any], name: str, value: Any) -> None:
+    parts = name.split(".")
+    if not all(parts) or len(parts) > MAX_DEPTH:
+        raise InputError(f"$[{json.dumps(name)}]", "keys are non-empty dotted paths")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            raise InputError(f"$[{json.dumps(name)}]", f"{where!r} is already a value")
+        node = child
+    if parts[-1] in node:
+        raise InputError(f"$[{json.dumps(name)}]", "given twice (as a tensor and metadata?)")
+    node[parts[-1]] = value
+
+
+def to_safetensors(value: Any) -> bytes:
+    """A payload as a safetensors file: tensors by dotted path, the rest as JSON metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    for name, leaf in _leaves(value, ""):
+        if isinstance(leaf, torch.Tensor):
+            tensors[name or "value"] = leaf.detach().cpu().contiguous()
+        else:
+            metadata[name or "value"] = dumps(to_json(leaf)).decode()
+    specs = {
+        name: SafeSpec(
+            dtype=codec.dtype_name(t.dtype),
+            shape=list(t.shape),
+            data_ptr=t.data_ptr(),
+            data_len=t.numel() * t.element_size(),
+        )
+        for name, t in tensors.items()
+    }
+    return bytes(serialize(specs, metadata=metadata or None))  # tensors stay alive above
+
+
+def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, value
+
+
+def _key(path: str, key: str) -> str:
+    plain = key.isidentifier()
+    return f"{path}.{key}" if plain else f"{path}[{json.dumps(key)}]"
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__

@@ -1,0 +1,182 @@
+"""`disagg gateway`: the contract's environment -> a `Client` and the HTTP server.
+
+The gateway is the pipeline's client inside the cluster: its `Client` binds the reply
+ingress (DISAGG_INGRESS_PORT, advertised at DISAGG_POD_IP) that exit roles send results
+to, and submits to the entry roles of DISAGG_DOWNSTREAM. `disagg up --serve` builds the
+same objects around its local pipeline. SIGTERM: stop taking connections, let requests in
+flight finish for the grace period, then close the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from disagg_core.contract import ContractError, GatewayConfig, parse_gateway_env
+from disagg_runtime.client import Client
+from disagg_runtime.gateway.app import READY_CACHE_S, Gateway, Settings
+from disagg_runtime.gateway.bridge import Pipeline
+
+log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 1.0
+
+
+def client_for(config: GatewayConfig) -> Client:
+    relay = "shm" if config.node_local else "tcp"
+    return Client(
+        config.entries,
+        config.topology.exit_roles,
+        pipeline=config.pipeline,
+        entry_relay=relay,
+        reply_relay=relay,
+        bind_host=config.bind_host,
+        bind_port=config.reply_port,
+        advertise_host=config.advertise_host,
+        pool_size=config.pool_size,
+        timeout=config.request_timeout,
+        peers_file=config.peers_file,
+    )
+
+
+def read_token(path: str) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ContractError(f"cannot read the gateway token file {path}: {exc}") from None
+    if not token:
+        raise ContractError(f"the gateway token file {path} is empty")
+    return token
+
+
+def entries_reachable(client: Client) -> Callable[[], Awaitable[bool]]:
+    """Readiness: a TCP connection to one replica of every entry role opens (checked at
+    most once per READY_CACHE_S)."""
+    last: list[float | bool] = [float("-inf"), False]
+
+    async def check() -> bool:
+        if time.monotonic() - float(last[0]) < READY_CACHE_S:
+            return bool(last[1])
+        ok = True
+        for peers in client.entries:
+            endpoints = await asyncio.to_thread(peers.endpoints)
+            if not endpoints or not await _connects(endpoints[0]):
+                ok = False
+                break
+        last[:] = [time.monotonic(), ok]
+        return ok
+
+    return check
+
+
+async def _connects(endpoint: str) -> bool:
+    hostport = endpoint.removeprefix("tcp://")
+    host, _, port = hostport.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), CONNECT_TIMEOUT_S
+        )
+    except (OSError, ValueError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+def gateway_for(client: Client, settings: Settings) -> Gateway:
+    return Gateway(settings=settings, pipeline=Pipeline(client), ready=entries_reachable(client))
+
+
+class Server:
+    """An aiohttp server for one `Gateway` on the running loop."""
+
+    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+        self.gateway = gateway
+        self.host = host
+        self.port = port
+        self._runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+
+    async def start(self) -> int:
+        """Listen; returns the bound port (the one asked for, or a free one for 0)."""
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        for address in self._runner.addresses:
+            self.port = int(address[1])
+            break
+        return self.port
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await self._runner.shutdown()
+        await self._runner.cleanup()
+
+
+async def serve_until(
+    gateway: Gateway,
+    host: str,
+    port: int,
+    *,
+    on_listening: Callable[[int], None] = lambda port: None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop`)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    server = Server(gateway, host, port)
+    on_listening(await server.start())
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def settings_for(config: GatewayConfig) -> Settings:
+    return Settings(
+        pipeline=config.pipeline,
+        api=config.api,
+        model=config.model,
+        token=read_token(config.token_file),
+        max_body=config.max_body,
+        timeout=config.request_timeout,
+    )
+
+
+def main() -> int:
+    """`disagg gateway`: read the contract from the environment and serve."""
+    import os
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = parse_gateway_env(os.environ)
+        settings = settings_for(config)
+        client = client_for(config)
+    except (ContractError, OSError) as exc:
+        log.error("cannot start the gateway: %s", exc)
+        return 2
+    gateway = gateway_for(client, settings)
+    try:
+        asyncio.run(
+            serve_until(
+                gateway,
+                config.bind_host,
+                config.port,
+                on_listening=lambda port: log.info(
+                    "gateway of %s serving on %s:%d", config.pipeline, config.bind_host, port
+                ),
+            )
+        )
+    finally:
+        client.close()
+    return 0
