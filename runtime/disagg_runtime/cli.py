@@ -48,6 +48,26 @@ def _build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="with --autoscale: keep deciding this many idle seconds after the load (scale-down)",
     )
+    up.add_argument(
+        "--serve", action="store_true", help="serve HTTP (the gateway) until Ctrl-C instead"
+    )
+    up.add_argument("--port", type=int, default=8080, help="--serve: HTTP port (default 8080)")
+    up.add_argument("--host", default="127.0.0.1", help="--serve: bind address (127.0.0.1)")
+    up.add_argument("--token", default=None, help="--serve: require this bearer token")
+
+    sub.add_parser("gateway", help="the HTTP gateway of a pipeline, from the DISAGG_* environment")
+    request = sub.add_parser("request", help="send one request to a gateway and print the answer")
+    request.add_argument("url", help="gateway URL, e.g. http://127.0.0.1:8080")
+    given = request.add_mutually_exclusive_group()
+    given.add_argument("--input", metavar="FILE.json", help='native body {"inputs": ...}')
+    given.add_argument(
+        "--sample", type=int, metavar="N", help="the entry handler's sample input N (needs --file)"
+    )
+    request.add_argument("--file", help="pipeline YAML (for --sample)")
+    request.add_argument("--stream", action="store_true", help="ask for server-sent events")
+    request.add_argument("--output", metavar="FILE", help="write the answer here")
+    request.add_argument("--token", help="bearer token")
+    request.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
 
     operator = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
     operator_flags.add_operator_arguments(operator)
@@ -83,6 +103,17 @@ def _build_parser() -> argparse.ArgumentParser:
     chain.add_argument("--hops", type=int, default=2, help="full-size hops (default 2)")
     chain.add_argument("--repeats", type=int, default=9, help="repetitions (default 9)")
     chain.add_argument("--json", action="store_true", help="print JSON")
+    chain.add_argument("--url", help="drive the gateway at URL instead (see --requests)")
+    chain.add_argument("--requests", type=int, default=100, help="--url: requests (100)")
+    chain.add_argument("--concurrency", type=int, default=4, help="--url: in flight (4)")
+    chain.add_argument("--input", metavar="FILE.json", help="--url: body (default 4 KiB tensor)")
+    chain.add_argument("--stream", action="store_true", help="--url: server-sent events")
+    chain.add_argument("--token", help="--url: bearer token")
+    chain.add_argument(
+        "--gateway",
+        action="store_true",
+        help="gateway against the in-process client, side by side (4 KiB and --size)",
+    )
     llm = bench_sub.add_parser("llm", help="KV-cache hand-off vs the bare relay; batched prefill")
     llm.add_argument("--model", help="tiny LLM directory (default: build one in a temp dir)")
     llm.add_argument("--large-kv", default="256MiB", help="KV of the larger random model")
@@ -119,6 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime import role
 
         return role.main()
+    if args.command == "gateway":
+        from disagg_runtime.gateway import server
+
+        return server.main()
+    if args.command == "request":
+        from disagg_runtime.gateway import request
+
+        return request.run_cli(args)
     if args.command == "up":
         from disagg_runtime.local import up
 
@@ -127,6 +166,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime.bench import transport
 
         return transport.run_cli(args)
+    if args.command == "bench" and args.bench_command == "pipeline" and args.url:
+        from disagg_runtime.bench import http
+
+        return http.run_cli(args)
+    if args.command == "bench" and args.bench_command == "pipeline" and args.gateway:
+        from disagg_runtime.bench import gateway
+
+        return gateway.run_cli(args)
     if args.command == "bench" and args.bench_command == "pipeline":
         from disagg_runtime.bench import pipeline
 

@@ -501,6 +501,9 @@ class RoleRuntime:
             )
             if inspect.isgenerator(result):
                 for chunk in result:
+                    if meta.rid in self._aborted:  # the client left: stop generating
+                        result.close()
+                        break
                     self._emit(meta, "chunk", chunk)
                 if not streaming_input:
                     self._emit(meta, "end", None)

@@ -55,11 +55,14 @@ def slow(payload: Payload) -> Payload:
 
 
 def stream(payload: Payload) -> Iterator[Payload]:
-    """`n` chunks {"k": k, "x": x + k, "i": i}; raises after `fail_after` chunks if given."""
+    """`n` chunks {"k": k, "x": x + k, "i": i}; raises after `fail_after` chunks if given;
+    sleeps `chunk_sleep` seconds before each chunk (a slow decoder)."""
     fail_after = payload.get("fail_after")
+    pause = float(payload.get("chunk_sleep", 0.0))
     for k in range(int(payload["n"])):
         if fail_after is not None and k == int(fail_after):
             raise ValueError(f"boom mid-stream after {k} chunks")
+        time.sleep(pause)
         yield {"k": k, "x": payload["x"] + k, "i": payload["i"]}
 
 

@@ -125,6 +125,12 @@ def _check_derived_names(pipeline: m.Pipeline, out: Collector) -> None:
         if group.name and group.name not in group.roles  # a default name is a role's name
     ]
     for path, part in parts:
+        if part == m.GATEWAY_NAME and pipeline.gateway.enabled and not out.flawed(path):
+            out.add(
+                path,
+                f"{part!r} is taken by the pipeline's gateway (Deployment "
+                f"{pipeline.derived_name(part)!r}); rename it or set spec.gateway.enabled: false",
+            )
         derived = pipeline.derived_name(part)
         if part and not out.flawed(path) and len(derived) > m.MAX_DERIVED_NAME_LENGTH:
             out.add(

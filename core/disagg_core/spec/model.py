@@ -24,9 +24,11 @@ KIND = "DisaggregatedPipeline"
 RelayKind = Literal["auto", "shm", "tcp", "cuda-ipc"]
 PoolDevice = Literal["cpu", "cpu-pinned", "cuda"]
 PortProtocol = Literal["TCP", "UDP", "SCTP"]
+GatewayApi = Literal["native", "openai"]
 RELAYS: tuple[RelayKind, ...] = get_args(RelayKind)
 POOL_DEVICES: tuple[PoolDevice, ...] = get_args(PoolDevice)
 PORT_PROTOCOLS: tuple[PortProtocol, ...] = get_args(PortProtocol)
+GATEWAY_APIS: tuple[GatewayApi, ...] = get_args(GatewayApi)
 
 # Names. The operator derives `<pipeline>-<role>` (workload, headless Service) and
 # `<pipeline>-<group>` (the workload of a colocation group). A StatefulSet labels each pod with
@@ -64,6 +66,10 @@ MAX_RATIO_SHARE = 1000
 # The pipeline annotation that lets role podTemplates weaken the pods' isolation (privileged,
 # host namespaces, hostPath, root, added capabilities; see `podpolicy`). Only "true" opts in.
 ANNOTATION_ALLOW_PRIVILEGED = "disagg.dev/allow-privileged"
+DEFAULT_GATEWAY_PORT = 8080
+DEFAULT_GATEWAY_REPLICAS = 1
+DEFAULT_TOKEN_KEY = "token"
+GATEWAY_NAME = "gateway"  # the gateway's Deployment is P-gateway: no role or group may be
 
 _PATH_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _PATH_INDEX = re.compile(r"\[(0|[1-9][0-9]*)\]")
@@ -288,6 +294,30 @@ class NetworkPolicy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SecretKeyRef:
+    """A key of a Secret in the pipeline's namespace."""
+
+    name: str
+    key: str = DEFAULT_TOKEN_KEY
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gateway:
+    """`spec.gateway`: the HTTP front door (on unless `enabled: false`). `api: openai` adds
+    the OpenAI-compatible routes for `model`; `auth` names the Secret key holding the bearer
+    token clients must send."""
+
+    enabled: bool = True
+    replicas: int = DEFAULT_GATEWAY_REPLICAS
+    port: int = DEFAULT_GATEWAY_PORT
+    api: GatewayApi = "native"
+    model: str | None = None
+    auth: SecretKeyRef | None = None
+    resources: Resources = field(default_factory=Resources)
+    pod_template: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Pipeline:
     """A validated DisaggregatedPipeline. Queries take and return role names; an unknown name
     raises KeyError."""
@@ -304,6 +334,7 @@ class Pipeline:
     ratio_locks: tuple[RatioLock, ...] = ()
     network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
     rollout: Rollout = field(default_factory=Rollout)
+    gateway: Gateway = field(default_factory=Gateway)
 
     @property
     def role_names(self) -> tuple[str, ...]:

@@ -32,12 +32,15 @@ SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 SPEC_KEYS = (
     "image", "transport", "roles", "edges", "colocation", "ratioLocks", "networkPolicy",
-    "rollout",
+    "rollout", "gateway",
 )  # fmt: skip
 ROLLOUT_KEYS = (
     "maxUnavailable", "maxSkew", "partition", "paused", "stepDeadlineSeconds", "groups",
 )  # fmt: skip
 MAX_ROLLOUT_STEP_DEADLINE_SECONDS = 86_400
+GATEWAY_KEYS = (
+    "enabled", "replicas", "port", "api", "model", "auth", "resources", "podTemplate",
+)  # fmt: skip
 RATIO_LOCK_KEYS = ("leader", "follower", "leaderShare", "followerShare", "tolerance")
 TRANSPORT_KEYS = ("relay", "poolSize", "minBlock", "poolDevice", "requestTimeoutSeconds")
 POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
@@ -96,6 +99,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
     locks = [_ratio_lock(out, raw, path) for path, raw in f.items(out, spec, "ratioLocks", "spec")]
     network = _network_policy(out, spec.get("networkPolicy", {}), "spec.networkPolicy")
     rollout = _rollout(out, spec.get("rollout", {}), "spec.rollout")
+    gateway = _gateway(out, spec.get("gateway", {}), "spec.gateway")
     pipeline = m.Pipeline(
         name=name,
         namespace=namespace,
@@ -109,6 +113,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
         ratio_locks=tuple(lock for lock in locks if lock is not None),
         network_policy=network,
         rollout=rollout,
+        gateway=gateway,
     )
     return pipeline, out
 
@@ -636,6 +641,46 @@ def _selector(out: Collector, raw: object, path: str) -> None:
             f.text(out, e, "key", item_path)
             f.choice(out, e, "operator", item_path, SELECTOR_OPERATORS)
             f.texts(out, e, "values", item_path)
+def _gateway(out: Collector, raw: object, path: str) -> m.Gateway:
+    g = f.fields(out, raw, path, known=GATEWAY_KEYS) or {}
+    enabled = g.get("enabled", True)
+    if not isinstance(enabled, bool):
+        out.add(child(path, "enabled"), f"expected true or false, got {f.kind_of(enabled)}")
+        enabled = True
+    port = f.integer(out, g, "port", path, minimum=1)
+    if port is not None and port > 65535:
+        out.add(child(path, "port"), f"must be in 1..65535, got {port}")
+        port = None
+    api = f.choice(out, g, "api", path, m.GATEWAY_APIS) or "native"
+    model = f.text(out, g, "model", path)
+    if api == "openai" and model is None and not out.flawed(child(path, "model")):
+        out.add(child(path, "model"), "required with api: openai (the name clients ask for)")
+    auth = None
+    if "auth" in g:
+        auth = _gateway_auth(out, g["auth"], child(path, "auth"))
+    return m.Gateway(
+        enabled=enabled,
+        replicas=_or(f.integer(out, g, "replicas", path, minimum=0), m.DEFAULT_GATEWAY_REPLICAS),
+        port=_or(port, m.DEFAULT_GATEWAY_PORT),
+        api=api,
+        model=model,
+        auth=auth,
+        resources=_resources(out, g, path),
+        pod_template=copy.deepcopy(f.free_mapping(out, g, "podTemplate", path)),
+    )
+
+
+def _gateway_auth(out: Collector, raw: object, path: str) -> m.SecretKeyRef | None:
+    a = f.fields(out, raw, path, known=("secretRef",), required=("secretRef",))
+    if a is None or "secretRef" not in a:
+        return None
+    ref_path = child(path, "secretRef")
+    ref = f.fields(out, a["secretRef"], ref_path, known=("name", "key"), required=("name",))
+    if ref is None:
+        return None
+    name = _dns_label(out, ref, "name", ref_path, DNS_1123_LABEL)
+    key = f.text(out, ref, "key", ref_path) or m.DEFAULT_TOKEN_KEY
+    return m.SecretKeyRef(name=name, key=key) if name else None
 
 
 def _or(value: T | None, default: T) -> T:

@@ -45,6 +45,7 @@ RETRY_AFTER_S: Final = 1
 OPEN_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 READY_CACHE_S: Final = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+STARTED: Final = web.RequestKey("started", float)
 
 
 @dataclass
@@ -142,7 +143,7 @@ class Gateway:
         route = request.match_info.route.resource
         name = route.canonical if route is not None else "other"
         started = time.monotonic()
-        request["started"] = started
+        request[STARTED] = started
         self.metrics.inflight.inc()
         status = 500
         try:
@@ -267,7 +268,7 @@ class Gateway:
             async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
                 async for chunk in chunks:
                     if count == 0:
-                        self.metrics.first_chunk("/v1/infer", time.monotonic() - request["started"])
+                        self.metrics.first_chunk("/v1/infer", time.monotonic() - request[STARTED])
                     await out.send(sse.encode(native.to_json(chunk), "chunk"))
                     count += 1
             await out.send(sse.encode({"chunks": count}, "end"))
@@ -329,7 +330,7 @@ class Gateway:
                 async for chunk in chunks:
                     text = done.feed(chunk)
                     if first:
-                        self.metrics.first_chunk(request.path, time.monotonic() - request["started"])
+                        self.metrics.first_chunk(request.path, time.monotonic() - request[STARTED])
                     if text or first:
                         await out.send(sse.encode(answer.delta(text, first=first)))
                         first = False

@@ -258,11 +258,21 @@ def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     if isinstance(value, dict):
         for k, v in value.items():
             yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+    elif isinstance(value, (list, tuple)) and _has_tensor(value):
         for i, v in enumerate(value):
             yield from _leaves(v, f"{prefix}.{i}" if prefix else str(i))
     else:
         yield prefix, value
+
+
+def _has_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_has_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_tensor(v) for v in value)
+    return False
 
 
 def _key(path: str, key: str) -> str:

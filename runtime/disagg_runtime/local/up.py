@@ -283,6 +283,8 @@ def run_cli(args: argparse.Namespace) -> int:
             client.fail_all(f"role {rp.label} died (exit code {code})", role=rp.config.role)
 
     local.on_death = died
+    if getattr(args, "serve", False):
+        return _serve(local, args)
     scaler: LocalAutoscaler | None = None
     try:
         local.start()
@@ -330,3 +332,22 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         print(render(summary))
     return 0 if summary["failed"] == 0 and not summary["died"] else 1
+
+
+def _serve(local: LocalPipeline, args: argparse.Namespace) -> int:
+    """`--serve`: start, wait until ready, serve HTTP until Ctrl-C/SIGTERM, stop."""
+    from disagg_runtime.local.serve import serve
+
+    try:
+        local.start()
+        local.wait_ready(timeout=args.ready_timeout)
+        return serve(
+            local, host=args.host, port=args.port, token=args.token or "", timeout=args.timeout
+        )
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"disagg up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        local.stop()

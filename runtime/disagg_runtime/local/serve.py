@@ -1,0 +1,76 @@
+"""`disagg up FILE --serve`: the local pipeline behind its HTTP gateway until Ctrl-C/SIGTERM.
+
+The gateway runs in this process, on the `Client` that `disagg up` would drive requests
+with, configured from `spec.gateway` (api, model) like the operator's gateway Deployment.
+A role that dies stops the serving (requests in flight fail with the reason), as a dead
+role stops `disagg up`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from disagg_runtime.gateway.app import Settings
+from disagg_runtime.gateway.server import gateway_for, serve_until
+from disagg_runtime.local.supervisor import LocalPipeline, RoleProcess
+
+
+def serve(
+    local: LocalPipeline, *, host: str, port: int, token: str = "", timeout: float | None = None
+) -> int:
+    """Serve until a signal (exit 0) or a role's death (exit 1)."""
+    pipeline = local.pipeline
+    client = local.client(timeout=timeout)
+    settings = Settings(
+        pipeline=pipeline.name,
+        api=pipeline.gateway.api,
+        model=pipeline.gateway.model or "",
+        token=token,
+        timeout=client.timeout,
+    )
+    gateway = gateway_for(client, settings)
+    died: list[str] = []
+    stopper = _Stopper()
+
+    def on_death(rp: RoleProcess, code: int) -> None:
+        died.append(f"role {rp.label} died (exit code {code})")
+        client.fail_all(died[-1], role=rp.config.role)
+        stopper.stop()
+
+    def listening(bound: int) -> None:
+        url = f"http://{host}:{bound}"
+        routes = "/v1/infer" + (
+            ", /v1/completions, /v1/chat/completions" if settings.api == "openai" else ""
+        )
+        print(f"serving {pipeline.name} at {url} ({routes}); Ctrl-C to stop", flush=True)
+
+    async def main() -> None:
+        stop = stopper.bind(asyncio.get_running_loop())
+        await serve_until(gateway, host, port, on_listening=listening, stop=stop)
+
+    local.on_death = on_death
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+    for line in died:
+        print(f"disagg up: {line}", file=sys.stderr)
+    return 1 if died else 0
+
+
+class _Stopper:
+    """Sets the serving loop's stop event from another thread (the launcher's watcher)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        self._event = asyncio.Event()
+        self._loop = loop
+        return self._event
+
+    def stop(self) -> None:
+        if self._loop is not None and self._event is not None:
+            self._loop.call_soon_threadsafe(self._event.set)

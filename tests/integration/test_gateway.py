@@ -1,0 +1,388 @@
+"""The HTTP gateway against real role processes, driven by clients nobody here wrote:
+httpx and curl for the native API, the `openai` package for the OpenAI-compatible one.
+
+One pipeline (tests/integration/pipelines/gateway.yaml: `front` fails on request, `back`
+streams) serves several gateways (the same `Client` setup `disagg up --serve` uses), each
+on its own event loop thread and a free port. The LLM demo pipeline serves the OpenAI
+tests. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from disagg_core.contract import Peer
+from disagg_core.spec import load_pipeline_file
+from disagg_runtime.client import Client
+from disagg_runtime.gateway.app import Gateway, Settings
+from disagg_runtime.gateway.server import Server, gateway_for
+from disagg_runtime.local.supervisor import LocalPipeline
+from disagg_runtime.metrics import fetch, scrape
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+BIG = 64 * 1024  # float32 elements: 256 KiB, staged through the pools
+WAIT = 20.0
+
+
+class Served:
+    """A gateway on its own event-loop thread."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = Server(gateway, "127.0.0.1", 0)
+        port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = WAIT, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[LocalPipeline]:
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), old]))
+    pipeline = LocalPipeline(load_pipeline_file(HERE / "pipelines" / "gateway.yaml"), grace_s=5)
+    try:
+        pipeline.start()
+        pipeline.wait_ready(timeout=60)
+        yield pipeline
+    finally:
+        pipeline.stop()
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="module")
+def served(local: LocalPipeline) -> Iterator[Served]:
+    client = local.client()
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", max_body=4 << 20)))
+    yield server
+    server.close()
+    client.close()
+
+
+def tensor_json(t: torch.Tensor) -> dict[str, Any]:
+    data = base64.b64encode(t.contiguous().numpy().tobytes()).decode()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}
+
+
+def from_json(obj: dict[str, Any]) -> torch.Tensor:
+    raw = bytearray(base64.b64decode(obj["data"]))
+    return torch.frombuffer(raw, dtype=getattr(torch, obj["dtype"])).view(obj["shape"])
+
+
+def body(i: int, n: int = 3, **extra: Any) -> dict[str, Any]:
+    x = torch.full((BIG,), float(i))
+    return {"inputs": {"x": tensor_json(x), "i": i, "n": n, **extra}}
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
+    event = "message"
+    for line in lines:
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            yield event, json.loads(line[6:])
+            event = "message"
+
+
+def role_samples(local: LocalPipeline) -> dict[str, dict[str, float]]:
+    out = {}
+    for rp in local.processes:
+        status, text = fetch(f"http://127.0.0.1:{rp.config.metrics_port}/metrics", 2.0)
+        out[rp.config.role] = scrape(text) if status == 200 else {}
+    return out
+
+
+def pools_used(local: LocalPipeline) -> dict[str, float]:
+    return {r: s.get("disagg_pool_bytes_used", -1) for r, s in role_samples(local).items()}
+
+
+# ---- native API ---------------------------------------------------------------------------------
+def test_json_request_and_answer_with_httpx(served: Served) -> None:
+    r = httpx.post(f"{served.url}/v1/infer", json=body(7), timeout=WAIT)
+    assert r.status_code == 200, r.text
+    chunks = r.json()["outputs"]  # a streaming pipeline answers all its chunks
+    assert [c["k"] for c in chunks] == [0, 1, 2] and {c["i"] for c in chunks} == {7}
+    for c in chunks:
+        assert torch.equal(from_json(c["x"]), torch.full((BIG,), 7.0 + c["k"]))
+
+
+def test_server_sent_events_one_per_chunk_then_end(served: Served) -> None:
+    with httpx.stream(
+        "POST", f"{served.url}/v1/infer", json=body(3, n=4),
+        headers={"Accept": "text/event-stream"}, timeout=WAIT,
+    ) as r:  # fmt: skip
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_events(r.iter_lines()))
+    assert [e for e, _ in events] == ["chunk"] * 4 + ["end"]
+    assert [d["k"] for _, d in events[:4]] == [0, 1, 2, 3] and events[-1][1] == {"chunks": 4}
+
+
+def test_safetensors_body_and_answer_with_curl(served: Served, tmp_path: Path) -> None:
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    x = torch.arange(BIG, dtype=torch.float32)
+    request = tmp_path / "in.safetensors"
+    request.write_bytes(st_save({"x": x}, metadata={"i": "5", "n": "2"}))
+    answer = tmp_path / "out.safetensors"
+    done = subprocess.run(
+        [curl, "-sS", "-o", str(answer), "-w", "%{http_code}", "--data-binary", f"@{request}",
+         "-H", "Content-Type: application/vnd.safetensors",
+         "-H", "Accept: application/vnd.safetensors", f"{served.url}/v1/infer"],
+        capture_output=True, text=True, timeout=WAIT, check=True,
+    )  # fmt: skip
+    assert done.stdout == "200", answer.read_bytes()[:300]
+    out = st_load(answer.read_bytes())
+    assert sorted(out) == ["0.x", "1.x"]  # chunk k's tensors by dotted path
+    assert torch.equal(out["1.x"], x + 1)
+    with open(answer, "rb") as f:  # scalars are JSON text in the metadata
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert json.loads(header["__metadata__"]["0.i"]) == 5
+
+
+@pytest.mark.parametrize(
+    ("content", "ctype", "status", "param"),
+    [
+        (b'{"inputs": {"x": 1', "application/json", 400, "$"),
+        (b'{"inputs": {"x": {"dtype": "float128", "shape": [1], "data": ""}}}',
+         "application/json", 400, "$.inputs.x.dtype"),
+        (b'{"inputs": {"x": {"dtype": "float32", "shape": [3], "data": "AAAA"}}}',
+         "application/json", 400, "$.inputs.x.data"),
+        (b'{"input": {}}', "application/json", 400, "$.input"),
+        (b"not safetensors", "application/vnd.safetensors", 400, "$"),
+        (b"<xml/>", "application/xml", 415, None),
+        (b"x" * (5 << 20), "application/json", 413, None),
+    ],
+)  # fmt: skip
+def test_malformed_and_oversized_bodies(
+    served: Served, content: bytes, ctype: str, status: int, param: str | None
+) -> None:
+    r = httpx.post(
+        f"{served.url}/v1/infer", content=content, headers={"Content-Type": ctype}, timeout=WAIT
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"]
+
+
+def test_role_failure_is_502_naming_role_and_exception(served: Served) -> None:
+    r = httpx.post(f"{served.url}/v1/infer", json=body(9, fail=True), timeout=WAIT)
+    assert r.status_code == 502
+    error = r.json()["error"]
+    assert (error["role"], error["exception"]) == ("front", "ValueError")
+    assert "boom 9" in error["message"]
+
+
+def test_failure_mid_stream_is_an_error_event(served: Served) -> None:
+    with httpx.stream(
+        "POST", f"{served.url}/v1/infer", json=body(4, n=5, fail_after=2),
+        headers={"Accept": "text/event-stream"}, timeout=WAIT,
+    ) as r:  # fmt: skip
+        events = list(sse_events(r.iter_lines()))
+    assert [e for e, _ in events] == ["chunk", "chunk", "error"]
+    assert events[-1][1]["status"] == 502 and events[-1][1]["error"]["role"] == "back"
+
+
+def test_disconnect_mid_stream_frees_every_role_slot(served: Served, local: LocalPipeline) -> None:
+    wait_until(lambda: set(pools_used(local).values()) == {0.0}, what="pools idle first")
+    client = served.gateway.pipeline.client
+    with httpx.stream(
+        "POST", f"{served.url}/v1/infer", json=body(1, n=200, chunk_sleep=0.1),
+        headers={"Accept": "text/event-stream"}, timeout=WAIT,
+    ) as r:  # fmt: skip
+        lines = r.iter_lines()
+        assert next(sse_events(lines))[0] == "chunk"
+        assert pools_used(local)["back"] > 0  # the streaming role holds its input's slot
+        assert client.in_flight == 1
+    # 200 chunks at 0.1 s would take 20 s: the abort, not the end, frees the slots
+    started = time.monotonic()
+    wait_until(lambda: client.in_flight == 0, timeout=5, what="gateway request cancelled")
+    wait_until(
+        lambda: set(pools_used(local).values()) == {0.0}, timeout=5, what=str(pools_used(local))
+    )
+    assert time.monotonic() - started < 5
+
+
+def test_metrics_count_routes_codes_and_first_chunks(served: Served) -> None:
+    httpx.post(f"{served.url}/v1/infer", json=body(2, n=1), timeout=WAIT)
+    text = httpx.get(f"{served.url}/metrics", timeout=WAIT).text
+    samples = scrape(text)
+    key = 'disagg_gateway_requests_total{code="200",route="/v1/infer"}'
+    assert samples[key] >= 1
+    assert samples['disagg_gateway_bytes_total{direction="in"}'] > BIG
+    assert samples["disagg_gateway_inflight_requests"] == 1  # this scrape itself
+    assert 'disagg_gateway_first_chunk_seconds_count{route="/v1/infer"}' in samples
+    assert httpx.get(f"{served.url}/readyz", timeout=WAIT).status_code == 200
+    spec = httpx.get(f"{served.url}/openapi.json", timeout=WAIT).json()
+    assert "/v1/infer" in spec["paths"] and spec["openapi"].startswith("3.")
+
+
+def test_bearer_token(local: LocalPipeline) -> None:
+    client = local.client()
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", token="s3cret")))
+    try:
+        url = f"{server.url}/v1/infer"
+        assert httpx.post(url, json=body(1, n=1), timeout=WAIT).status_code == 401
+        wrong = {"Authorization": "Bearer s3cres"}
+        r = httpx.post(url, json=body(1, n=1), headers=wrong, timeout=WAIT)
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+        right = {"Authorization": "Bearer s3cret"}
+        assert httpx.post(url, json=body(1, n=1), headers=right, timeout=WAIT).status_code == 200
+        assert httpx.get(f"{server.url}/healthz", timeout=WAIT).status_code == 200  # probes
+    finally:
+        server.close()
+        client.close()
+
+
+def test_timeout_is_504(local: LocalPipeline) -> None:
+    client = local.client(timeout=1.0)
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", timeout=1.0)))
+    try:
+        r = httpx.post(f"{server.url}/v1/infer", json=body(1, n=2, chunk_sleep=3), timeout=WAIT)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["type"] == "timeout"
+    finally:
+        server.close()
+        client.close()
+
+
+def test_unreachable_entry_role_is_503_and_not_ready(local: LocalPipeline) -> None:
+    with __import__("socket").socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = Client([Peer("front", (f"127.0.0.1:{port}",))], ["back"], timeout=1.0)
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", timeout=1.0)))
+    try:
+        assert httpx.get(f"{server.url}/readyz", timeout=WAIT).status_code == 503
+        r = httpx.post(f"{server.url}/v1/infer", json=body(1, n=1), timeout=WAIT)
+        assert r.status_code in (503, 504), r.text
+        if r.status_code == 503:
+            assert r.headers["retry-after"] == "1"
+    finally:
+        server.close()
+        client.close()
+
+
+# ---- OpenAI API ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm() -> Iterator[Served]:
+    old = os.environ.get("DISAGG_DEMO_SCALE")
+    os.environ["DISAGG_DEMO_SCALE"] = "0.05"
+    pipeline = load_pipeline_file(REPO / "examples" / "llm-prefill-decode.yaml")
+    assert (pipeline.gateway.api, pipeline.gateway.model) == ("openai", "demo-llm")
+    local = LocalPipeline(pipeline, grace_s=5)
+    client = None
+    server = None
+    try:
+        local.start()
+        local.wait_ready(timeout=60)
+        client = local.client()
+        settings = Settings(pipeline=pipeline.name, api="openai", model="demo-llm", token="t0k")
+        server = Served(gateway_for(client, settings))
+        yield server
+    finally:
+        if server is not None:
+            server.close()
+        if client is not None:
+            client.close()
+        local.stop()
+        if old is None:
+            os.environ.pop("DISAGG_DEMO_SCALE", None)
+        else:
+            os.environ["DISAGG_DEMO_SCALE"] = old
+
+
+def oa(served: Served, key: str = "t0k") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=key, max_retries=0, timeout=WAIT)
+
+
+def test_openai_models_and_completion(llm: Served) -> None:
+    api = oa(llm)
+    assert [m.id for m in api.models.list()] == ["demo-llm"]
+    done = api.completions.create(model="demo-llm", prompt="hello", max_tokens=5, temperature=0)
+    assert done.choices[0].finish_reason == "length" and done.choices[0].text.strip()
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len("hello") + 1, 5)
+    again = api.completions.create(model="demo-llm", prompt="hello", max_tokens=5, temperature=0)
+    assert again.choices[0].text == done.choices[0].text  # greedy is deterministic
+
+
+def test_openai_chat_streaming_matches_whole_answer(llm: Served) -> None:
+    api = oa(llm)
+    messages: Any = [{"role": "user", "content": "tell me"}]
+    whole = api.chat.completions.create(
+        model="demo-llm", messages=messages, max_tokens=6, seed=11, temperature=0.8, top_p=0.9
+    )
+    stream = api.chat.completions.create(
+        model="demo-llm", messages=messages, max_tokens=6, seed=11, temperature=0.8, top_p=0.9,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert finish == "length" and usage is not None and usage.completion_tokens == 6
+
+
+def test_openai_stop_sequence_cuts_the_answer(llm: Served) -> None:
+    api = oa(llm)
+    full = api.completions.create(model="demo-llm", prompt="abc", max_tokens=8, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = api.completions.create(
+        model="demo-llm", prompt="abc", max_tokens=8, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_openai_errors(llm: Served) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        oa(llm, key="wrong").models.list()
+    with pytest.raises(openai.NotFoundError):
+        oa(llm).completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError) as info:
+        oa(llm).completions.create(model="demo-llm", prompt="x", max_tokens=0)
+    assert "max_tokens" in str(info.value)
