@@ -12,3 +12,9 @@ def identity(payload: Any) -> Any:
 def summarize(payload: dict[str, Any]) -> dict[str, Any]:
     """End of the chain: answer small, so the reply hop costs what the bare relay's does."""
     return {"nbytes": int(payload["x"].numel() * payload["x"].element_size())}
+
+
+def answer(payload: dict[str, Any]) -> dict[str, Any]:
+    """`disagg bench pipeline --gateway`'s one role: echo when asked (small round trips),
+    else answer the byte count (large uploads: what is timed is the way in)."""
+    return payload if payload.get("echo") else summarize(payload)

@@ -1,0 +1,216 @@
+"""`disagg bench pipeline --gateway`: what the HTTP gateway adds over the in-process `Client`.
+
+One run, one local pipeline (a single `disagg role` running `bench.handlers:answer`) and
+one `disagg gateway` process (started from the contract's environment, as in a pod):
+
+- small: 4 KiB in and 4 KiB out (`echo`), one request at a time, alternating between the
+  in-process `Client.submit` and an HTTP POST (keep-alive `http.client`, JSON body
+  encoded once) so that both see the same machine noise; p50 of each and the difference.
+- large: a `--size` (default 64 MiB) safetensors body POSTed to the gateway, answered with
+  its byte count: the time for the body to reach the entry role and a tiny answer to come
+  back, against one single-threaded memcpy of the same size (`bench transport`'s limit),
+  the in-process client sending the same tensor, and raw loopback TCP (a thread's
+  `sendall` into another's `recv_into`, no HTTP, no Python per chunk): the floor for any
+  HTTP upload on this machine at this moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from safetensors.torch import save as st_save
+
+from disagg_core.contract import GatewayConfig, Peer, render_gateway_env
+from disagg_core.spec import parse_pipeline
+from disagg_core.spec.model import Pipeline
+from disagg_runtime.bench.transport import format_size, measure_memcpy, parse_size
+from disagg_runtime.gateway import native
+from disagg_runtime.local.supervisor import HOST, LocalPipeline, free_ports
+from disagg_runtime.metrics import fetch
+
+SMALL = 4096
+
+
+def one_role(pool_bytes: int) -> Pipeline:
+    return parse_pipeline(
+        {
+            "apiVersion": "disagg.dev/v1alpha1",
+            "kind": "DisaggregatedPipeline",
+            "metadata": {"name": "bench-gateway"},
+            "spec": {
+                "image": "local",
+                "transport": {"poolSize": pool_bytes, "requestTimeoutSeconds": 60},
+                "roles": [{"name": "entry", "handler": "disagg_runtime.bench.handlers:answer"}],
+            },
+        }
+    )
+
+
+def start_gateway(local: LocalPipeline, max_body: int) -> tuple[subprocess.Popen[bytes], int]:
+    """`disagg gateway` for `local`, configured by the environment a pod would get."""
+    ports = free_ports()
+    port = next(ports)
+    config = GatewayConfig(
+        pipeline=local.pipeline.name,
+        namespace="",
+        topology=local.processes[0].config.topology,
+        entries=(Peer("entry", tuple(f"{HOST}:{rp.config.ingress_port}" for rp in local.processes)),),
+        bind_host=HOST,
+        port=port,
+        reply_port=next(ports),
+        advertise_host=HOST,
+        max_body=max_body,
+        pool_size=max_body + (64 << 20),
+        request_timeout=60,
+        node_local=True,
+        peers_file=local.peers_file,
+        topology_file=local.topology_file,
+    )
+    env = {**os.environ, **render_gateway_env(config)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disagg_runtime.cli", "gateway"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        with contextlib.suppress(OSError):
+            if fetch(f"http://{HOST}:{port}/readyz", 1.0)[0] == 200:
+                return proc, port
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError("gateway not ready within 60 s")
+
+
+def raw_tcp_seconds(size: int) -> float:
+    """One loopback TCP transfer of `size` bytes into a pre-faulted buffer."""
+    data = bytes(size)
+    sink = bytearray(size)
+    with socket.create_server((HOST, 0)) as server:
+        port = server.getsockname()[1]
+
+        def receive() -> None:
+            conn, _ = server.accept()
+            with conn:
+                view, got = memoryview(sink), 0
+                while got < size:
+                    got += conn.recv_into(view[got:])
+                conn.sendall(b"k")
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        with socket.create_connection((HOST, port)) as out:
+            t0 = time.perf_counter()
+            out.sendall(data)
+            out.recv(1)
+            elapsed = time.perf_counter() - t0
+        thread.join()
+    return elapsed
+
+
+def _post(conn: http.client.HTTPConnection, body: bytes, ctype: str) -> bytes:
+    conn.request("POST", "/v1/infer", body=body, headers={"Content-Type": ctype})
+    resp = conn.getresponse()
+    data = resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"gateway answered {resp.status}: {data[:300]!r}")
+    return data
+
+
+def run(size: int, repeats: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    memcpy = statistics.median(measure_memcpy(size, max(3, repeats)))
+    raw_tcp = statistics.median(raw_tcp_seconds(size) for _ in range(max(3, repeats)))
+    pool = 4 * size + (64 << 20)
+    with LocalPipeline(one_role(pool)) as local:
+        local.wait_ready()
+        proc, port = start_gateway(local, size + (1 << 20))
+        client = local.client(timeout=60)
+        conn = http.client.HTTPConnection(HOST, port, timeout=60)
+        try:
+            small = {"x": torch.zeros(SMALL // 4, dtype=torch.float32), "echo": True}
+            body = native.dumps({"inputs": native.to_json(small)})
+            direct, gateway = [], []
+            for _ in range(20):  # warm up both paths (connections, lanes, caches)
+                client.submit(small)
+                _post(conn, body, "application/json")
+            for _ in range(max(50, repeats * 20)):
+                t0 = time.perf_counter()
+                client.submit(small)
+                t1 = time.perf_counter()
+                _post(conn, body, "application/json")
+                t2 = time.perf_counter()
+                direct.append(t1 - t0)
+                gateway.append(t2 - t1)
+            big = {"x": torch.ones(size, dtype=torch.uint8)}
+            upload = st_save(big)
+            sent, posted = [], []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                result = client.submit(big)
+                t1 = time.perf_counter()
+                answer = json.loads(_post(conn, upload, native.SAFETENSORS))
+                t2 = time.perf_counter()
+                if result != {"nbytes": size} or answer["outputs"] != {"nbytes": size}:
+                    raise RuntimeError(f"unexpected answers {result!r}, {answer!r}")
+                sent.append(t1 - t0)
+                posted.append(t2 - t1)
+        finally:
+            conn.close()
+            client.close()
+            proc.terminate()
+            proc.wait(timeout=30)
+    client_p50, gateway_p50 = statistics.median(direct), statistics.median(gateway)
+    sent_s, posted_s = statistics.median(sent[1:]), statistics.median(posted[1:])
+    return {
+        "small_bytes": SMALL,
+        "client_p50_ms": round(client_p50 * 1e3, 3),
+        "gateway_p50_ms": round(gateway_p50 * 1e3, 3),
+        "gateway_added_p50_ms": round((gateway_p50 - client_p50) * 1e3, 3),
+        "large_bytes": size,
+        "memcpy_ms": round(memcpy * 1e3, 3),
+        "client_large_ms": round(sent_s * 1e3, 3),
+        "gateway_large_ms": round(posted_s * 1e3, 3),
+        "gateway_large_vs_memcpy": round(memcpy / posted_s, 3),
+        "raw_tcp_ms": round(raw_tcp * 1e3, 3),
+        "raw_tcp_vs_memcpy": round(memcpy / raw_tcp, 3),
+        "client_large_vs_memcpy": round(memcpy / sent_s, 3),
+        "repeats": repeats,
+    }
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        size = parse_size(args.size)
+    except ValueError as exc:
+        print(f"disagg bench pipeline: {exc}", file=sys.stderr)
+        return 2
+    result = run(size, args.repeats)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"4 KiB in/out: client p50 {result['client_p50_ms']:.3f} ms, through the gateway "
+            f"{result['gateway_p50_ms']:.3f} ms (+{result['gateway_added_p50_ms']:.3f} ms)\n"
+            f"{format_size(size)} safetensors upload: {result['gateway_large_ms']:.1f} ms "
+            f"({result['gateway_large_vs_memcpy']:.2f}x memcpy of {result['memcpy_ms']:.1f} ms); "
+            f"in-process client {result['client_large_ms']:.1f} ms "
+            f"({result['client_large_vs_memcpy']:.2f}x); raw loopback TCP "
+            f"{result['raw_tcp_ms']:.1f} ms ({result['raw_tcp_vs_memcpy']:.2f}x)"
+        )
+    return 0
