@@ -66,6 +66,7 @@ PLURALS: Final[Mapping[str, str]] = {
     "ConfigMap": "configmaps",
     "Service": "services",
     "StatefulSet": "statefulsets",
+    "Deployment": "deployments",
     "ResourceClaimTemplate": "resourceclaimtemplates",
     "NetworkPolicy": "networkpolicies",
     "Secret": "secrets",
@@ -397,7 +398,8 @@ class ApplyResult:
         return bool(self.created or self.updated or self.pruned)
 
     def statefulsets(self) -> list[JSON]:
-        return [o for o in self.objects if o.get("kind") == "StatefulSet"]
+        """The StatefulSets and the gateway's Deployment: what the status is built from."""
+        return [o for o in self.objects if o.get("kind") in ("StatefulSet", "Deployment")]
 
 
 Ownership = Literal["ours", "adopt", "absent"]
@@ -564,9 +566,13 @@ def _waves(
 
 
 async def owned_statefulsets(api: Api, owner: planner.Owner, namespace: str) -> list[JSON]:
-    """The pipeline's StatefulSets (controlled by its uid), for the status builder."""
+    """The pipeline's StatefulSets and gateway Deployment (controlled by its uid), for the
+    status builder."""
     children = await list_children(
-        api, [("apps/v1", "StatefulSet")], namespace=namespace, pipeline=owner.name
+        api,
+        [("apps/v1", "StatefulSet"), ("apps/v1", "Deployment")],
+        namespace=namespace,
+        pipeline=owner.name,
     )
     return [obj for obj in children.values() if (controller_of(obj) or {}).get("uid") == owner.uid]
 

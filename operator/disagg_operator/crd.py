@@ -47,6 +47,7 @@ MAX_SCALE_DECISIONS: Final = 50
 MAX_NETWORK_PEERS: Final = 32
 
 DNS_1035_LABEL: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_1123_LABEL: Final = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # The parser accepts any Python identifiers; the CRD only their ASCII forms.
 _IDENT = "[A-Za-z_][A-Za-z0-9_]*"
 HANDLER_PATTERN: Final = f"^{_IDENT}(\\.{_IDENT})*:{_IDENT}$"
@@ -742,6 +743,61 @@ def _spec_rules() -> list[dict[str, str]]:
     ]
 
 
+def gateway_schema() -> Schema:
+    return _object(
+        "The pipeline's HTTP front door: a Deployment <pipeline>-gateway behind a ClusterIP "
+        "Service <pipeline> (port name http). On unless enabled is false.",
+        {
+            "enabled": {**_boolean("Run the gateway."), "default": True},
+            "replicas": _integer(
+                "Gateway replicas.", minimum=0, format="int32", default=m.DEFAULT_GATEWAY_REPLICAS
+            ),
+            "port": _integer(
+                "HTTP port of the gateway and its Service.",
+                minimum=1,
+                maximum=65535,
+                format="int32",
+                default=m.DEFAULT_GATEWAY_PORT,
+            ),
+            "api": _string(
+                "native (/v1/infer), or openai to add /v1/models, /v1/completions and "
+                "/v1/chat/completions for model.",
+                enum=list(m.GATEWAY_APIS),
+                default="native",
+            ),
+            "model": _string("The model name the OpenAI API serves (required with api openai).",
+                             minLength=1),  # fmt: skip
+            "auth": _object(
+                "Bearer-token authentication of clients.",
+                {
+                    "secretRef": _object(
+                        "The Secret (in the pipeline's namespace) and key holding the token.",
+                        {
+                            "name": _string("Secret name.", pattern=DNS_1123_LABEL),
+                            "key": _string("Key in the Secret.", default=m.DEFAULT_TOKEN_KEY),
+                        },
+                        required=("name",),
+                    )
+                },
+                required=("secretRef",),
+            ),
+            "resources": resources_schema(),
+            "podTemplate": _free_object(
+                "A PodTemplateSpec deep-merged into the gateway's pod template."
+            ),
+        },
+        **{
+            "x-kubernetes-validations": [
+                _rule(
+                    "!has(self.api) || self.api != 'openai' || has(self.model)",
+                    "model is required with api: openai",
+                    ".model",
+                )
+            ]
+        },
+    )
+
+
 def spec_schema() -> Schema:
     return _object(
         "The pipeline: roles (stages), the edges between them, and which roles share a GPU.",
@@ -778,6 +834,7 @@ def spec_schema() -> Schema:
                 **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["follower"]},
             ),
             "rollout": rollout_schema(),
+            "gateway": gateway_schema(),
         },
         required=("roles",),
         **{"x-kubernetes-validations": _spec_rules()},
@@ -866,6 +923,14 @@ def status_schema() -> Schema:
                 "Per role replica counts.",
                 role,
                 **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+            ),
+            "gateway": _object(
+                "The gateway's Deployment and where clients reach it.",
+                {
+                    "url": _string("In-cluster URL: http://<pipeline>.<namespace>.svc:<port>."),
+                    "desired": _integer("Replicas wanted.", **count),
+                    "ready": _integer("Replicas that pass their readiness probe.", **count),
+                },
             ),
             "problems": _array(
                 "Why the spec is invalid ('<field path>: <reason>'); empty when valid.",
@@ -974,6 +1039,12 @@ def printer_columns() -> list[Schema]:
             "type": "string",
             "description": "Rollout progress: phase and pods at the new revision.",
             "jsonPath": ".status.rollout.summary",
+        },
+        {
+            "name": "URL",
+            "type": "string",
+            "description": "The gateway's in-cluster URL.",
+            "jsonPath": ".status.gateway.url",
         },
         {
             "name": "Reason",

@@ -13,6 +13,8 @@ Naming (P = metadata.name, at most 40 characters; R = a role; G = a colocation g
     StatefulSet            P-U           one per workload unit U: a role outside every
                                          group (U = R), or a colocation group (U = G)
     NetworkPolicy          P-network     unless spec.networkPolicy.enabled is false
+    Service, Deployment    P, P-gateway  the HTTP gateway, unless spec.gateway.enabled is
+                                         false (see `gateway`)
 
 and, not planned but ensured by the reconciler (the planner draws no randomness):
 
@@ -137,7 +139,7 @@ from typing import Any, Final, Literal
 from disagg_core import contract, placement
 from disagg_core.spec.fields import Problem, SpecError, child
 from disagg_core.spec.model import ColocationGroup, Pipeline, Role
-from disagg_operator import names, pods
+from disagg_operator import gateway, names, pods
 
 GpuMode = Literal["dra", "device-plugin", "none"]
 GPU_MODES: Final[tuple[GpuMode, ...]] = ("dra", "device-plugin", "none")
@@ -429,7 +431,8 @@ def plan(
     peer_key_hash: str | None = None,
 ) -> list[dict[str, Any]]:
     """The desired objects, in apply order: the ConfigMap, ResourceClaimTemplates, Services,
-    the NetworkPolicy, StatefulSets (each kind in declaration order). Raises SpecError for
+    the NetworkPolicy, StatefulSets (each kind in declaration order), then the gateway's
+    Service and Deployment. Raises SpecError for
     `check` problems. `peer_key_hash`: `peer_key_digest` of the Secret's key (None: no
     annotation, as in `disagg render`, which knows no key)."""
     options = options or PlanOptions()
@@ -452,6 +455,8 @@ def plan(
     objects += [
         _stateful_set(pipeline, unit, namespace, options, mode, peer_key_hash) for unit in units
     ]
+    if pipeline.gateway.enabled:
+        objects += _gateway(pipeline, units, namespace, options)
     if owner is not None:
         for obj in objects:
             obj["metadata"]["ownerReferences"] = [owner.reference()]
@@ -697,6 +702,30 @@ def template_hash(template: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _gateway(
+    pipeline: Pipeline, units: tuple[Workload, ...], namespace: str, options: PlanOptions
+) -> list[dict[str, Any]]:
+    ports = {name: p for w in units for name, p in role_ports(w).items()}
+    domain = options.cluster_domain
+    entries = tuple(
+        contract.Peer(
+            role,
+            (f"{pipeline.derived_name(role)}.{namespace}.svc.{domain}:{ports[role].ingress}",),
+        )
+        for role in pipeline.entry_roles
+    )
+    return [
+        gateway.service(pipeline, namespace),
+        gateway.deployment(
+            pipeline,
+            namespace,
+            entries,
+            config_map=topology_config_map_name(pipeline),
+            spec_hash=spec_hash(pipeline, namespace),
+        ),
+    ]
+
+
 def child_kinds(options: PlanOptions | None = None) -> tuple[tuple[str, str], ...]:
     """(apiVersion, kind) of every kind `plan` may return, for listing and pruning children."""
     dra = (options or PlanOptions()).dra_api_version
@@ -706,4 +735,5 @@ def child_kinds(options: PlanOptions | None = None) -> tuple[tuple[str, str], ..
         ("v1", "Service"),
         ("networking.k8s.io/v1", "NetworkPolicy"),
         ("apps/v1", "StatefulSet"),
+        ("apps/v1", "Deployment"),
     )

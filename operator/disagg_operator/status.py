@@ -19,6 +19,11 @@ A rollout lasts until every unit is ready: units that are not ready yet while Pr
 was True (or never written: a new pipeline) count as progressing, not as degraded; after
 the rollout completed, a unit that loses ready replicas makes the pipeline Degraded.
 
+The gateway (spec.gateway enabled) is reported apart, in `gateway`: its `url` (the
+Service's in-cluster address) and `desired`/`ready` replicas of Deployment P-gateway (0
+ready while the Deployment is missing). It does not enter the conditions: a pipeline
+whose roles are ready can be used in-cluster even while the gateway rolls.
+
 `readyRoles` = "<ready roles>/<roles>". Conditions, as (status, reason):
 
     Ready        all units ready: (True, AllRolesReady); else False with ChildMissing (a unit
@@ -46,7 +51,7 @@ from typing import Any, Final
 
 from disagg_core.spec.fields import ROOT, SpecError
 from disagg_core.spec.model import Pipeline
-from disagg_operator import names, planner
+from disagg_operator import gateway, names, planner
 
 DEFAULT_PROGRESS_DEADLINE: Final = 600.0  # seconds, like a Deployment's progressDeadlineSeconds
 MAX_PROBLEMS: Final = 50  # keeps the status small; the message says how many were left out
@@ -141,6 +146,14 @@ def build_status(
         "readyRoles": f"{ready}/{len(roles)}",
         "roles": roles,
     }
+    if pipeline.gateway.enabled:
+        namespace = pipeline.namespace or ""
+        deployment = by_name.get(gateway.deployment_name(pipeline)) or {}
+        fields["gateway"] = {
+            "url": gateway.url(pipeline, namespace) if namespace else "",
+            "desired": pipeline.gateway.replicas,
+            "ready": int((deployment.get("status") or {}).get("readyReplicas") or 0),
+        }
     return _status(fields, [], conditions, generation, now, previous_conditions)
 
 

@@ -56,6 +56,8 @@ def test_names_kinds_and_order(examples: dict[str, Pipeline]) -> None:
         ("StatefulSet", "fan-out-ingest"),
         ("StatefulSet", "fan-out-encoders"),
         ("StatefulSet", "fan-out-fuse"),
+        ("Service", "fan-out"),  # the gateway's
+        ("Deployment", "fan-out-gateway"),
     ]
     assert all(o["metadata"]["namespace"] == NS for o in objects)
     kinds = {(api, kind) for api, kind in planner.child_kinds()}
@@ -67,7 +69,8 @@ def test_one_statefulset_and_service_per_role(examples: dict[str, Pipeline]) -> 
     found = _by_kind(planner.plan(pipeline, namespace=NS))
     roles = ["encoder", "denoiser", "decoder"]
     assert sorted(found["StatefulSet"]) == sorted(f"text-to-video-{r}" for r in roles)
-    assert sorted(found["Service"]) == sorted(f"text-to-video-{r}" for r in roles)
+    gateway = ["text-to-video"]
+    assert sorted(found["Service"]) == sorted([*(f"text-to-video-{r}" for r in roles), *gateway])
     assert "ResourceClaimTemplate" not in found
     for role in roles:
         sts = found["StatefulSet"][f"text-to-video-{role}"]
@@ -408,6 +411,9 @@ def test_labels_and_owner_references(full_doc: Obj) -> None:
         assert labels[names.LABEL_PIPELINE] == "full"
         assert planner.child_selector("full").items() <= labels.items()
         if obj["kind"] not in ("ConfigMap", "NetworkPolicy"):
+
+
+        if obj["kind"] not in ("ConfigMap", "Deployment") and obj["metadata"]["name"] != "full":
             assert names.LABEL_ROLE in labels
         assert obj["metadata"]["ownerReferences"] == [
             {
@@ -559,3 +565,53 @@ def test_handler_args_batching_and_startup_allowance_reach_the_container(full_do
     denoiser_env = {e["name"] for e in denoiser["env"]}
     assert "DISAGG_HANDLER_ARGS" not in denoiser_env and "DISAGG_MAX_BATCH_SIZE" not in denoiser_env
     assert denoiser["startupProbe"]["failureThreshold"] == 120  # the default 600 s
+
+
+def test_the_gateway_deployment_and_service(full_doc: Obj) -> None:
+    """spec.gateway -> Deployment P-gateway (hardened, the gateway's contract, probes, token
+    Secret) and ClusterIP Service P with port http; labels the NetworkPolicy admits."""
+    pipeline = _pipeline(full_doc)
+    found = _by_kind(planner.plan(pipeline, namespace=NS))
+    deployment, service = found["Deployment"]["full-gateway"], found["Service"]["full"]
+    selector = {names.LABEL_PIPELINE: "full", names.LABEL_COMPONENT: "gateway"}
+    assert deployment["spec"]["selector"]["matchLabels"] == selector
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert names.LABEL_ROLE not in pod["metadata"]["labels"]  # the autoscaler skips it
+    assert pod["metadata"]["annotations"]["example.com/team"] == "ml"  # podTemplate merged
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsNonRoot"]
+    (container,) = spec["containers"]
+    assert container["command"] == ["disagg", "gateway"]
+    assert container["image"] == pipeline.image
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["resources"]["limits"] == {"memory": "512Mi"}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["DISAGG_GATEWAY_PORT"] == "8081" and env["DISAGG_GATEWAY_API"] == "openai"
+    assert env["DISAGG_GATEWAY_MODEL"] == "full-model"
+    assert env["DISAGG_GATEWAY_TOKEN_FILE"] == "/etc/disagg-gateway/token"
+    assert env["DISAGG_POD_IP"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
+    entry = pipeline.entry_roles[0]
+    assert env["DISAGG_DOWNSTREAM"].startswith(f"{entry}=full-{entry}.{NS}.svc.cluster.local:")
+    config = contract.parse_gateway_env(
+        {k: v for k, v in env.items() if isinstance(v, str)},
+        topology=contract.Topology.from_pipeline(pipeline, namespace=NS),
+    )
+    assert (config.port, config.api, config.reply_port) == (8081, "openai", 7400)
+    token = next(v for v in spec["volumes"] if v["name"] == "token")
+    assert token["secret"] == {
+        "secretName": "full-gateway-token", "items": [{"key": "token", "path": "token"}]
+    }
+    assert service["spec"]["type"] == "ClusterIP" and service["spec"]["selector"] == selector
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 8081, "targetPort": "http", "protocol": "TCP"}
+    ]
+
+
+def test_no_gateway_when_disabled(full_doc: Obj) -> None:
+    full_doc["spec"]["gateway"] = {"enabled": False}
+    kinds = {o["kind"] for o in planner.plan(_pipeline(full_doc), namespace=NS)}
+    assert "Deployment" not in kinds

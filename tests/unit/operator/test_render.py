@@ -76,6 +76,7 @@ def test_every_object_is_valid_kubernetes(
         "StatefulSet",
         "ResourceClaimTemplate",
         "NetworkPolicy",
+        "Deployment",
     }
 
 

@@ -290,3 +290,19 @@ def test_time_helpers() -> None:
     assert status.parse_time("garbage") is None
     with pytest.raises(ValueError, match="timezone"):
         status.format_time(datetime.datetime(2026, 1, 1))
+
+
+def test_gateway_url_and_readiness_apart_from_the_roles() -> None:
+    doc = _doc()
+    doc["metadata"]["namespace"] = "ml"
+    doc["spec"]["gateway"] = {"replicas": 2}
+    pipeline = spec.parse_pipeline(doc)
+    deployment = {"metadata": {"name": "p-gateway"}, "status": {"readyReplicas": 1}}
+    result = status.build_status(pipeline, [*settled(), deployment], generation=3, now=T0)
+    assert result["gateway"] == {"url": "http://p.ml.svc:8080", "desired": 2, "ready": 1}
+    assert result["phase"] == names.PHASE_READY  # the roles decide the conditions
+    missing = status.build_status(pipeline, settled(), generation=3, now=T0)
+    assert missing["gateway"]["ready"] == 0
+    doc["spec"]["gateway"] = {"enabled": False}
+    off = status.build_status(spec.parse_pipeline(doc), settled(), generation=3, now=T0)
+    assert "gateway" not in off

@@ -1,0 +1,184 @@
+"""The gateway's objects (`spec.gateway`, on by default). Pure; `planner.plan` adds them.
+
+    Deployment        P-gateway   `disagg gateway` (the roles' image: spec.image, else the
+                                  first entry role's), spec.gateway.replicas
+    Service           P           ClusterIP, port `http` = spec.gateway.port -> the pods'
+
+Pods are labelled app.kubernetes.io/component: gateway and disagg.dev/pipeline: P (the
+pipeline's NetworkPolicy admits them to the roles) and carry no disagg.dev/role label, so
+the autoscaler never counts them. They get the gateway's contract (DISAGG_GATEWAY_*, see
+`contract`): the entry roles by Service DNS name and ingress port, replies on port
+`ingress` (7400) at the pod's IP (DISAGG_POD_IP from the downward API), the topology file
+from the ConfigMap, and with `auth` the token Secret's key mounted at /etc/disagg-gateway.
+Probes: readiness GET /readyz (every entry role reachable), liveness GET /healthz. Hardened
+as role pods are (non-root, read-only root, no capabilities, no service-account token).
+spec.gateway.podTemplate is deep-merged last; labels and DISAGG_* variables are put back.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Final
+
+from disagg_core import contract
+from disagg_core.spec.model import Pipeline
+from disagg_operator import merge, names, pods
+
+CONTAINER: Final = "gateway"
+COMMAND: Final = ("disagg", "gateway")
+TOKEN_DIR: Final = "/etc/disagg-gateway"
+TOKEN_FILE: Final = f"{TOKEN_DIR}/token"
+REPLY_PORT: Final = contract.DEFAULT_INGRESS_PORT
+
+
+def deployment_name(pipeline: Pipeline) -> str:
+    return pipeline.derived_name(CONTAINER)
+
+
+def service_name(pipeline: Pipeline) -> str:
+    return pipeline.name
+
+
+def url(pipeline: Pipeline, namespace: str) -> str:
+    return f"http://{service_name(pipeline)}.{namespace}.svc:{pipeline.gateway.port}"
+
+
+def labels(pipeline: Pipeline) -> dict[str, str]:
+    return {
+        names.LABEL_NAME: names.APP_NAME,
+        names.LABEL_INSTANCE: pipeline.name,
+        names.LABEL_COMPONENT: CONTAINER,
+        names.LABEL_MANAGED_BY: names.MANAGER,
+        names.LABEL_PIPELINE: pipeline.name,
+    }
+
+
+def selector(pipeline: Pipeline) -> dict[str, str]:
+    return {names.LABEL_PIPELINE: pipeline.name, names.LABEL_COMPONENT: CONTAINER}
+
+
+def image(pipeline: Pipeline) -> str | None:
+    return pipeline.image or pipeline.image_for(pipeline.entry_roles[0])
+
+
+def config(
+    pipeline: Pipeline, namespace: str, entries: tuple[contract.Peer, ...]
+) -> contract.GatewayConfig:
+    spec = pipeline.gateway
+    return contract.GatewayConfig(
+        pipeline=pipeline.name,
+        namespace=namespace,
+        topology=contract.Topology.from_pipeline(pipeline, namespace=namespace),
+        entries=entries,
+        port=spec.port,
+        reply_port=REPLY_PORT,
+        api=spec.api,
+        model=spec.model or "",
+        token_file=TOKEN_FILE if spec.auth is not None else "",
+        pool_size=pipeline.transport.pool_size,
+        request_timeout=pipeline.transport.request_timeout_seconds,
+    )
+
+
+def env(config: contract.GatewayConfig) -> list[dict[str, Any]]:
+    rendered = [{"name": k, "value": v} for k, v in contract.render_gateway_env(config).items()]
+    pod_ip = {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
+    return [*rendered, {"name": contract.PREFIX + "POD_IP", "valueFrom": pod_ip}]
+
+
+def deployment(
+    pipeline: Pipeline,
+    namespace: str,
+    entries: tuple[contract.Peer, ...],
+    *,
+    config_map: str,
+    spec_hash: str,
+) -> dict[str, Any]:
+    spec = pipeline.gateway
+    ours = env(config(pipeline, namespace, entries))
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": image(pipeline),
+        "command": list(COMMAND),
+        "env": ours,
+        "ports": [
+            {"name": "http", "containerPort": spec.port, "protocol": "TCP"},
+            {"name": "ingress", "containerPort": REPLY_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+        },
+        "securityContext": pods._container_security(),
+        "volumeMounts": [
+            {"name": "topology", "mountPath": pods.TOPOLOGY_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    resources: dict[str, Any] = {}
+    if spec.resources.requests:
+        resources["requests"] = dict(spec.resources.requests)
+    if spec.resources.limits:
+        resources["limits"] = dict(spec.resources.limits)
+    if resources:
+        container["resources"] = resources
+    volumes: list[dict[str, Any]] = [
+        {"name": "topology", "configMap": {"name": config_map}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.auth is not None:
+        container["volumeMounts"].append({"name": "token", "mountPath": TOKEN_DIR, "readOnly": True})
+        volumes.append(
+            {
+                "name": "token",
+                "secret": {
+                    "secretName": spec.auth.name,
+                    "items": [{"key": spec.auth.key, "path": "token"}],
+                },
+            }
+        )
+    template: dict[str, Any] = {
+        "metadata": {"labels": labels(pipeline), "annotations": {names.ANNOTATION_SPEC_HASH: spec_hash}},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "securityContext": pods._pod_security(),
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+    if spec.pod_template:
+        template = merge.deep_merge(template, copy.deepcopy(spec.pod_template))
+    template = pods._reassert(template, labels(pipeline), spec_hash, {CONTAINER: ours})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": deployment_name(pipeline), "namespace": namespace, "labels": labels(pipeline)},
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector(pipeline)},
+            "template": template,
+        },
+    }
+
+
+def service(pipeline: Pipeline, namespace: str) -> dict[str, Any]:
+    port = pipeline.gateway.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": service_name(pipeline), "namespace": namespace, "labels": labels(pipeline)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(pipeline),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
