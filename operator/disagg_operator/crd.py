@@ -765,8 +765,9 @@ def gateway_schema() -> Schema:
                 enum=list(m.GATEWAY_APIS),
                 default="native",
             ),
-            "model": _string("The model name the OpenAI API serves (required with api openai).",
-                             minLength=1),  # fmt: skip
+            "model": _string(
+                "The model name the OpenAI API serves (required with api openai).", minLength=1
+            ),
             "auth": _object(
                 "Bearer-token authentication of clients.",
                 {
@@ -786,6 +787,7 @@ def gateway_schema() -> Schema:
                 "A PodTemplateSpec deep-merged into the gateway's pod template."
             ),
         },
+        required=(),
         **{
             "x-kubernetes-validations": [
                 _rule(

@@ -135,7 +135,9 @@ def deployment(
         {"name": "tmp", "emptyDir": {}},
     ]
     if spec.auth is not None:
-        container["volumeMounts"].append({"name": "token", "mountPath": TOKEN_DIR, "readOnly": True})
+        container["volumeMounts"].append(
+            {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}
+        )
         volumes.append(
             {
                 "name": "token",
@@ -146,7 +148,10 @@ def deployment(
             }
         )
     template: dict[str, Any] = {
-        "metadata": {"labels": labels(pipeline), "annotations": {names.ANNOTATION_SPEC_HASH: spec_hash}},
+        "metadata": {
+            "labels": labels(pipeline),
+            "annotations": {names.ANNOTATION_SPEC_HASH: spec_hash},
+        },
         "spec": {
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
@@ -161,7 +166,11 @@ def deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": deployment_name(pipeline), "namespace": namespace, "labels": labels(pipeline)},
+        "metadata": {
+            "name": deployment_name(pipeline),
+            "namespace": namespace,
+            "labels": labels(pipeline),
+        },
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector(pipeline)},
@@ -175,7 +184,11 @@ def service(pipeline: Pipeline, namespace: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": service_name(pipeline), "namespace": namespace, "labels": labels(pipeline)},
+        "metadata": {
+            "name": service_name(pipeline),
+            "namespace": namespace,
+            "labels": labels(pipeline),
+        },
         "spec": {
             "type": "ClusterIP",
             "selector": selector(pipeline),

@@ -512,10 +512,16 @@ def _prompt_ids(p: Payload, name: str) -> torch.Tensor:
     """A text prompt's ids: BOS, then its UTF-8 bytes (the demo needs no tokenizer)."""
     if "messages" in p:
         messages = p["messages"]
-        ok = isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages
-        )  # fmt: skip
+        ok = (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        )
         if not ok:
             raise ValueError(
                 f"{name}: payload['messages'] must be a non-empty list of "
@@ -523,9 +529,10 @@ def _prompt_ids(p: Payload, name: str) -> torch.Tensor:
             )
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     else:
-        text = p.get("prompt")
-        if not isinstance(text, str):
+        prompt = p.get("prompt")
+        if not isinstance(prompt, str):
             raise ValueError(f"{name}: payload needs 'input_ids', 'prompt' (str) or 'messages'")
+        text = prompt
     raw = text.encode()[: LLM_MAX_PROMPT - 1]
     return torch.tensor([BOS_ID, *raw], dtype=torch.int64)
 
@@ -545,8 +552,10 @@ def _sampling(p: Payload, name: str) -> Payload:
         out[key] = float(value)
     stop = p.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
-        isinstance(s, str) and s for s in stop
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP
+        or not all(isinstance(s, str) and s for s in stop)
     ):
         raise ValueError(f"{name}: payload['stop'] must be up to {MAX_STOP} non-empty strings")
     out["stop"] = list(stop)

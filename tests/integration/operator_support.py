@@ -28,7 +28,13 @@ WAIT = 10.0  # upper bound for anything the operator should do "soon"
 NS = "default"
 PIPELINES = "disagg.dev/v1alpha1/disaggregatedpipelines"
 STS = "apps/v1/statefulsets"
-CHILD_REFS = ("v1/configmaps", "v1/services", STS, "resource.k8s.io/v1/resourceclaimtemplates")
+CHILD_REFS = (
+    "v1/configmaps",
+    "v1/services",
+    STS,
+    "apps/v1/deployments",
+    "resource.k8s.io/v1/resourceclaimtemplates",
+)
 T = TypeVar("T")
 Obj = dict[str, Any]
 # kopf's ClusterKopfPeering, as kopf documents it, plus a status subresource: the emulator

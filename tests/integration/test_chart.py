@@ -49,6 +49,7 @@ PEERINGS = frozenset({
 # Granted beyond what the recorded scenario calls; charts/disagg-operator/README.md says why.
 ADDITIONS: dict[Rule, str] = {
     ("", "configmaps", "delete"): "pruning a child the plan dropped applies to every kind",
+    ("apps", "deployments", "delete"): "pruning the gateway when spec.gateway.enabled is false",
 }
 PEERING_ADDITIONS: dict[Rule, str] = {
     ("kopf.dev", "clusterkopfpeerings", "patch"): (
@@ -331,7 +332,7 @@ def run_to_ready(
     assert process.poll() is None, log_path.read_text()
     assert [(fetch(u) or (0, ""))[0] for u in urls] == [200, 200]
     name = s.example()["metadata"]["name"]
-    k8s.wait_for(lambda: len(s.children(k8s, name)) == 7, s.WAIT, message="children")
+    k8s.wait_for(lambda: len(s.children(k8s, name)) == 9, s.WAIT, message="children")
     s.mark_ready(k8s, name)
     k8s.wait_for(
         lambda: s.pipeline_status(k8s, name).get("phase") == "Ready", s.WAIT, message="Ready"

@@ -144,9 +144,12 @@ def test_json_request_and_answer_with_httpx(served: Served) -> None:
 
 def test_server_sent_events_one_per_chunk_then_end(served: Served) -> None:
     with httpx.stream(
-        "POST", f"{served.url}/v1/infer", json=body(3, n=4),
-        headers={"Accept": "text/event-stream"}, timeout=WAIT,
-    ) as r:  # fmt: skip
+        "POST",
+        f"{served.url}/v1/infer",
+        json=body(3, n=4),
+        headers={"Accept": "text/event-stream"},
+        timeout=WAIT,
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(r.iter_lines()))
@@ -163,11 +166,26 @@ def test_safetensors_body_and_answer_with_curl(served: Served, tmp_path: Path) -
     request.write_bytes(st_save({"x": x}, metadata={"i": "5", "n": "2"}))
     answer = tmp_path / "out.safetensors"
     done = subprocess.run(
-        [curl, "-sS", "-o", str(answer), "-w", "%{http_code}", "--data-binary", f"@{request}",
-         "-H", "Content-Type: application/vnd.safetensors",
-         "-H", "Accept: application/vnd.safetensors", f"{served.url}/v1/infer"],
-        capture_output=True, text=True, timeout=WAIT, check=True,
-    )  # fmt: skip
+        [
+            curl,
+            "-sS",
+            "-o",
+            str(answer),
+            "-w",
+            "%{http_code}",
+            "--data-binary",
+            f"@{request}",
+            "-H",
+            "Content-Type: application/vnd.safetensors",
+            "-H",
+            "Accept: application/vnd.safetensors",
+            f"{served.url}/v1/infer",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=True,
+    )
     assert done.stdout == "200", answer.read_bytes()[:300]
     out = st_load(answer.read_bytes())
     assert sorted(out) == ["0.x", "1.x"]  # chunk k's tensors by dotted path
@@ -181,16 +199,24 @@ def test_safetensors_body_and_answer_with_curl(served: Served, tmp_path: Path) -
     ("content", "ctype", "status", "param"),
     [
         (b'{"inputs": {"x": 1', "application/json", 400, "$"),
-        (b'{"inputs": {"x": {"dtype": "float128", "shape": [1], "data": ""}}}',
-         "application/json", 400, "$.inputs.x.dtype"),
-        (b'{"inputs": {"x": {"dtype": "float32", "shape": [3], "data": "AAAA"}}}',
-         "application/json", 400, "$.inputs.x.data"),
+        (
+            b'{"inputs": {"x": {"dtype": "float128", "shape": [1], "data": ""}}}',
+            "application/json",
+            400,
+            "$.inputs.x.dtype",
+        ),
+        (
+            b'{"inputs": {"x": {"dtype": "float32", "shape": [3], "data": "AAAA"}}}',
+            "application/json",
+            400,
+            "$.inputs.x.data",
+        ),
         (b'{"input": {}}', "application/json", 400, "$.input"),
         (b"not safetensors", "application/vnd.safetensors", 400, "$"),
         (b"<xml/>", "application/xml", 415, None),
         (b"x" * (5 << 20), "application/json", 413, None),
     ],
-)  # fmt: skip
+)
 def test_malformed_and_oversized_bodies(
     served: Served, content: bytes, ctype: str, status: int, param: str | None
 ) -> None:
@@ -212,9 +238,12 @@ def test_role_failure_is_502_naming_role_and_exception(served: Served) -> None:
 
 def test_failure_mid_stream_is_an_error_event(served: Served) -> None:
     with httpx.stream(
-        "POST", f"{served.url}/v1/infer", json=body(4, n=5, fail_after=2),
-        headers={"Accept": "text/event-stream"}, timeout=WAIT,
-    ) as r:  # fmt: skip
+        "POST",
+        f"{served.url}/v1/infer",
+        json=body(4, n=5, fail_after=2),
+        headers={"Accept": "text/event-stream"},
+        timeout=WAIT,
+    ) as r:
         events = list(sse_events(r.iter_lines()))
     assert [e for e, _ in events] == ["chunk", "chunk", "error"]
     assert events[-1][1]["status"] == 502 and events[-1][1]["error"]["role"] == "back"
@@ -224,9 +253,12 @@ def test_disconnect_mid_stream_frees_every_role_slot(served: Served, local: Loca
     wait_until(lambda: set(pools_used(local).values()) == {0.0}, what="pools idle first")
     client = served.gateway.pipeline.client
     with httpx.stream(
-        "POST", f"{served.url}/v1/infer", json=body(1, n=200, chunk_sleep=0.1),
-        headers={"Accept": "text/event-stream"}, timeout=WAIT,
-    ) as r:  # fmt: skip
+        "POST",
+        f"{served.url}/v1/infer",
+        json=body(1, n=200, chunk_sleep=0.1),
+        headers={"Accept": "text/event-stream"},
+        timeout=WAIT,
+    ) as r:
         lines = r.iter_lines()
         assert next(sse_events(lines))[0] == "chunk"
         assert pools_used(local)["back"] > 0  # the streaming role holds its input's slot
@@ -351,9 +383,15 @@ def test_openai_chat_streaming_matches_whole_answer(llm: Served) -> None:
         model="demo-llm", messages=messages, max_tokens=6, seed=11, temperature=0.8, top_p=0.9
     )
     stream = api.chat.completions.create(
-        model="demo-llm", messages=messages, max_tokens=6, seed=11, temperature=0.8, top_p=0.9,
-        stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model="demo-llm",
+        messages=messages,
+        max_tokens=6,
+        seed=11,
+        temperature=0.8,
+        top_p=0.9,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, finish, usage = [], None, None
     for chunk in stream:
         if chunk.usage is not None:

@@ -41,13 +41,13 @@ async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: apply.Ap
     stored, pipeline, owner = await make_pipeline(k8s)
     plan = planner.plan(pipeline, namespace=NS, owner=owner)
     first = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
-    assert len(first.created) == len(plan) == 8  # 7 + the NetworkPolicy
+    assert len(first.created) == len(plan) == 10  # 7 + the NetworkPolicy + the gateway's Service and Deployment
     assert not (first.updated or first.unchanged or first.pruned or first.conflicts)
     before = s.versions(s.children(k8s, stored["metadata"]["name"]))
     k8s.clear_calls()
 
     second = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
-    assert len(second.unchanged) == 8 and not second.changed
+    assert len(second.unchanged) == 10 and not second.changed
     assert s.versions(s.children(k8s, stored["metadata"]["name"])) == before
     verbs = sorted({(c.verb, c.resource) for c in k8s.calls})
     assert ("patch", "statefulsets") in verbs, "the applies were sent"
@@ -77,7 +77,7 @@ async def test_another_pipelines_object_is_a_conflict(k8s: EmulatorThread, api: 
     result = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
     assert [str(c.ref) for c in result.conflicts] == ["StatefulSet/text-to-video-encoder"]
     assert stranger.uid in str(result.conflicts[0])
-    assert len(result.created) == 7
+    assert len(result.created) == 9
     now = k8s.get(s.STS, "text-to-video-encoder", NS)
     assert now is not None
     assert now["metadata"]["resourceVersion"] == held["metadata"]["resourceVersion"]
@@ -119,7 +119,11 @@ async def test_pruning_takes_only_our_children(k8s: EmulatorThread, api: apply.A
     result = await apply.apply_children(api, smaller, owner=owner, namespace=NS, kinds=KINDS)
     assert sorted(str(r) for r in result.pruned) == ["Service/p-b", "StatefulSet/p-b"]
     # the graph changed: a's topology, downstream env and spec hash
-    assert [str(r) for r in result.updated] == ["ConfigMap/p-topology", "StatefulSet/p-a"]
+    assert [str(r) for r in result.updated] == [
+        "ConfigMap/p-topology",
+        "StatefulSet/p-a",
+        "Deployment/p-gateway",  # the gateway's pods read the topology too
+    ]
     assert k8s.get("v1/configmaps", "p-extra", NS) is not None
 
 

@@ -56,7 +56,7 @@ def test_the_operator_process(k8s: EmulatorThread, kubeconfig: pathlib.Path, tmp
         )
         assert process.poll() is None, (tmp_path / "operator.log").read_text()
         k8s.create(s.example(), s.NS)
-        k8s.wait_for(lambda: len(s.children(k8s, NAME)) == 7, s.WAIT, message="children")
+        k8s.wait_for(lambda: len(s.children(k8s, NAME)) == 9, s.WAIT, message="children")
         k8s.wait_for(lambda: s.pipeline_status(k8s, NAME).get("phase"), s.WAIT, message="status")
         # the duration is observed when the reconcile returns, just after the status write
         spec_count = 'disagg_operator_reconcile_duration_seconds_count{kind="spec"}'

@@ -79,7 +79,7 @@ async def test_the_operator_rbac_is_recorded(
 
         two = s.pipeline_doc("two", [{"name": "a"}, {"name": "b"}], [{"from": "a", "to": "b"}])
         await s.call(k8s.create, two, s.NS)
-        await s.until(k8s, lambda: len(s.children(k8s, "two")) == 5, "two's children")
+        await s.until(k8s, lambda: len(s.children(k8s, "two")) == 7, "two's children")
         await s.call(k8s.delete, s.STS, "two-a", s.NS)
         await s.until(k8s, lambda: k8s.get(s.STS, "two-a", s.NS), "two-a back")
         shrink = [
@@ -87,7 +87,7 @@ async def test_the_operator_rbac_is_recorded(
             {"op": "replace", "path": "/spec/edges", "value": []},
         ]
         await s.call(k8s.patch, s.PIPELINES, "two", shrink, s.NS, patch_type="json")
-        await s.until(k8s, lambda: len(s.children(k8s, "two")) == 3, "b pruned")
+        await s.until(k8s, lambda: len(s.children(k8s, "two")) == 5, "b pruned")
         no_policy = [{"op": "add", "path": "/spec/networkPolicy", "value": {"enabled": False}}]
         await s.call(k8s.patch, s.PIPELINES, "two", no_policy, s.NS, patch_type="json")
         await s.until(k8s, lambda: not s.guards(k8s, "two", "NetworkPolicy"), "policy pruned")
@@ -103,7 +103,7 @@ async def test_the_operator_rbac_is_recorded(
             k8s, lambda: s.pipeline_status(k8s, "held").get("phase") == "Degraded", "conflict"
         )
         await s.call(k8s.delete, "v1/configmaps", "held-topology", s.NS)
-        await s.until(k8s, lambda: len(s.children(k8s, "held")) == 3, "conflict resolved")
+        await s.until(k8s, lambda: len(s.children(k8s, "held")) == 5, "conflict resolved")
 
         for pipeline in (name, "two", "bad", "held"):
             await s.call(k8s.delete, s.PIPELINES, pipeline, s.NS)

@@ -27,6 +27,8 @@ ALL_CHILDREN = {
     "ConfigMap/text-to-video-topology",
     *(f"Service/{NAME}-{u}" for u in UNITS),
     *(f"StatefulSet/{NAME}-{u}" for u in UNITS),
+    f"Service/{NAME}",  # the gateway's
+    f"Deployment/{NAME}-gateway",
 }
 
 
@@ -88,7 +90,9 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
             ], key
             assert meta["labels"][names.LABEL_PIPELINE] == NAME
             assert meta["labels"][names.LABEL_MANAGED_BY] == names.MANAGER
-            if child["kind"] not in ("ConfigMap", "NetworkPolicy"):
+            if meta["labels"][names.LABEL_COMPONENT] == "gateway":
+                assert names.LABEL_ROLE not in meta["labels"]  # not a role: never autoscaled
+            elif child["kind"] not in ("ConfigMap", "NetworkPolicy"):
                 assert meta["labels"][names.LABEL_ROLE] in UNITS
 
         topology = contract.Topology.from_json(
@@ -230,7 +234,9 @@ async def test_a_removed_role_is_pruned_and_a_deleted_child_comes_back(k8s_crd: 
     doc = s.pipeline_doc("two", [{"name": "a"}, {"name": "b"}], edges=[{"from": "a", "to": "b"}])
     async with s.running_operator(k8s):
         await created(k8s, doc)
-        await s.until(k8s, lambda: len(s.children(k8s, "two")) == 5, "five children")
+        await s.until(
+            k8s, lambda: len(s.children(k8s, "two")) == 7, "seven children (two with the gateway)"
+        )
 
         await s.call(k8s.delete, s.STS, "two-b", NS)
         await s.until(k8s, lambda: k8s.get(s.STS, "two-b", NS), "two-b re-created")
@@ -243,6 +249,7 @@ async def test_a_removed_role_is_pruned_and_a_deleted_child_comes_back(k8s_crd: 
             lambda: (
                 set(s.children(k8s, "two"))
                 == {"ConfigMap/two-topology", "Service/two-a", "StatefulSet/two-a"}
+                | {"Service/two", "Deployment/two-gateway"}
             ),
             "b's Service and StatefulSet pruned",
         )
@@ -313,7 +320,7 @@ async def test_an_invalid_pipeline_gets_no_children_and_says_why(
         # fixed: the children appear
         fixed = [{"op": "replace", "path": "/spec/edges", "value": [{"from": "a", "to": "b"}]}]
         await s.call(k8s.patch, s.PIPELINES, case, fixed, NS, patch_type="json")
-        await s.until(k8s, lambda: len(s.children(k8s, case)) == 7, "children once fixed")
+        await s.until(k8s, lambda: len(s.children(k8s, case)) == 9, "children once fixed")
         await s.until(
             k8s, lambda: s.pipeline_status(k8s, case).get("problems") == [], "problems cleared"
         )

@@ -44,7 +44,7 @@ async def test_a_namespaced_operator_leaves_other_namespaces_alone(
     async with s.running_operator(k8s, namespaces=("team-a",)):
         await s.call(k8s.create, in_namespace(s.example(), s.NS, "outside"))
         await s.call(k8s.create, in_namespace(s.example(), "team-a", "inside"))
-        await s.until(k8s, lambda: len(s.children(k8s, "inside", "team-a")) == 7, "inside")
+        await s.until(k8s, lambda: len(s.children(k8s, "inside", "team-a")) == 9, "inside")
         await asyncio.sleep(0.3)
         assert s.children(k8s, "outside") == {}
         assert s.pipeline_status(k8s, "outside") == {}
@@ -62,10 +62,10 @@ async def test_with_peering_one_replica_works_and_the_next_takes_over(
         async with s.running_operator(k8s, peering="disagg", priority=20, metrics=high):
             await asyncio.sleep(1.0)  # the peers see each other; the lower one pauses
             await s.call(k8s.create, in_namespace(s.example(), s.NS, "first"))
-            await s.until(k8s, lambda: len(s.children(k8s, "first")) == 7, "first")
+            await s.until(k8s, lambda: len(s.children(k8s, "first")) == 9, "first")
             # counted when the reconcile returns, after its last child and status write
             await s.until(k8s, lambda: reconciles(high) >= 1, "the high one's reconcile")
             assert reconciles(low) == 0
         await s.call(k8s.create, in_namespace(s.example(), s.NS, "second"))
-        await s.until(k8s, lambda: len(s.children(k8s, "second")) == 7, "taken over", 20)
+        await s.until(k8s, lambda: len(s.children(k8s, "second")) == 9, "taken over", 20)
         await s.until(k8s, lambda: reconciles(low) >= 1, "the low one's reconcile")

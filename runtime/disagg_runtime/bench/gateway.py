@@ -66,7 +66,9 @@ def start_gateway(local: LocalPipeline, max_body: int) -> tuple[subprocess.Popen
         pipeline=local.pipeline.name,
         namespace="",
         topology=local.processes[0].config.topology,
-        entries=(Peer("entry", tuple(f"{HOST}:{rp.config.ingress_port}" for rp in local.processes)),),
+        entries=(
+            Peer("entry", tuple(f"{HOST}:{rp.config.ingress_port}" for rp in local.processes)),
+        ),
         bind_host=HOST,
         port=port,
         reply_port=next(ports),
@@ -88,7 +90,9 @@ def start_gateway(local: LocalPipeline, max_body: int) -> tuple[subprocess.Popen
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            raise RuntimeError(
+                f"gateway exited: {proc.stderr.read().decode() if proc.stderr else ''}"
+            )
         with contextlib.suppress(OSError):
             if fetch(f"http://{HOST}:{port}/readyz", 1.0)[0] == 200:
                 return proc, port

@@ -125,9 +125,15 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"disagg bench pipeline: {exc}", file=sys.stderr)
         return 2
     out, elapsed = asyncio.run(
-        drive(url, body, requests=args.requests, concurrency=args.concurrency,
-              stream=args.stream, token=args.token)
-    )  # fmt: skip
+        drive(
+            url,
+            body,
+            requests=args.requests,
+            concurrency=args.concurrency,
+            stream=args.stream,
+            token=args.token,
+        )
+    )
     result = summary(url, args.requests, out, elapsed)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))

@@ -225,9 +225,11 @@ class Gateway:
                 return await self._read_safetensors(request)
             if request.content_type not in ("application/json", "application/octet-stream", ""):
                 raise HttpError(
-                    415, f"unsupported Content-Type {request.content_type!r}; use "
-                    f"application/json or {native.SAFETENSORS}", kind="unsupported_media_type",
-                )  # fmt: skip
+                    415,
+                    f"unsupported Content-Type {request.content_type!r}; use "
+                    f"application/json or {native.SAFETENSORS}",
+                    kind="unsupported_media_type",
+                )
             doc = native.loads(await self._read(request))
             return native.request_from_json(doc)
         except native.InputError as exc:
@@ -237,9 +239,10 @@ class Gateway:
         length = request.content_length
         if length is not None and length > self.settings.max_body:
             raise HttpError(
-                413, f"body of {length} bytes is over the limit of {self.settings.max_body}",
+                413,
+                f"body of {length} bytes is over the limit of {self.settings.max_body}",
                 kind="too_large",
-            )  # fmt: skip
+            )
 
     async def _read(self, request: web.Request) -> bytes:
         try:
@@ -355,5 +358,6 @@ class Gateway:
         if isinstance(exc, (RequestFailed, native.InputError, codec.CodecError)):
             return from_failure(exc)
         # a chunk that is not {"text": ...}: the pipeline does not speak this API
-        return HttpError(502, f"the pipeline's answer is not text chunks: {exc}", kind="role_failed")
-
+        return HttpError(
+            502, f"the pipeline's answer is not text chunks: {exc}", kind="role_failed"
+        )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import Future
 from typing import Any
 
@@ -59,7 +59,9 @@ class Pipeline:
             if not future.done():
                 self.client.cancel(rid, "abandoned by the HTTP client")
 
-    async def stream(self, payload: Any, *, timeout: float | None = None) -> AsyncIterator[Any]:
+    async def stream(
+        self, payload: Any, *, timeout: float | None = None
+    ) -> AsyncGenerator[Any, None]:
         """Chunks as they arrive; a pipeline that does not stream yields its one result.
         Raises the request's failure (RequestFailed, RequestTimeout) where it happens."""
         loop = asyncio.get_running_loop()

@@ -33,25 +33,37 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         reg, p = self.registry, pipeline
         self._requests = Counter(
-            "disagg_gateway_requests", "HTTP requests answered.", ["pipeline", "route", "code"],
+            "disagg_gateway_requests",
+            "HTTP requests answered.",
+            ["pipeline", "route", "code"],
             registry=reg,
-        )  # fmt: skip
+        )
         self._seconds = Histogram(
-            "disagg_gateway_request_seconds", "Request time to the last byte, seconds.",
-            ["pipeline", "route"], buckets=GATEWAY_BUCKETS, registry=reg,
-        )  # fmt: skip
+            "disagg_gateway_request_seconds",
+            "Request time to the last byte, seconds.",
+            ["pipeline", "route"],
+            buckets=GATEWAY_BUCKETS,
+            registry=reg,
+        )
         self._first = Histogram(
-            "disagg_gateway_first_chunk_seconds", "Time to the first chunk of a stream, seconds.",
-            ["pipeline", "route"], buckets=GATEWAY_BUCKETS, registry=reg,
-        )  # fmt: skip
+            "disagg_gateway_first_chunk_seconds",
+            "Time to the first chunk of a stream, seconds.",
+            ["pipeline", "route"],
+            buckets=GATEWAY_BUCKETS,
+            registry=reg,
+        )
         self._inflight = Gauge(
-            "disagg_gateway_inflight_requests", "Requests being served.", ["pipeline"],
+            "disagg_gateway_inflight_requests",
+            "Requests being served.",
+            ["pipeline"],
             registry=reg,
-        )  # fmt: skip
+        )
         self._bytes = Counter(
-            "disagg_gateway_bytes", "Body bytes by direction.", ["pipeline", "direction"],
+            "disagg_gateway_bytes",
+            "Body bytes by direction.",
+            ["pipeline", "direction"],
             registry=reg,
-        )  # fmt: skip
+        )
         self._pipeline = p
         self.inflight = self._inflight.labels(p)
         self.bytes_in = self._bytes.labels(p, "in")

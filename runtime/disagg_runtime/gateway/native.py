@@ -77,7 +77,8 @@ def loads(body: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise InputError("$", f"body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
-        raise InputError("$", f"invalid JSON: {exc.msg} (line {exc.lineno} col {exc.colno})")
+        where = f"line {exc.lineno} col {exc.colno}"
+        raise InputError("$", f"invalid JSON: {exc.msg} ({where})") from None
     except codec.CodecError as exc:  # NaN/Infinity or a duplicate key
         raise InputError("$", str(exc)) from None
 

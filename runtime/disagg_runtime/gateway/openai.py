@@ -119,8 +119,10 @@ def _sampling(
         if value is None:
             continue
         if not _number(value) or not low <= value <= high or (key == "top_p" and value == 0):
-            raise InputError(f"$.{key}", f"expected a number in {'(' if key == 'top_p' else '['}"
-                             f"{low:g}, {high:g}]")  # fmt: skip
+            raise InputError(
+                f"$.{key}",
+                f"expected a number in {'(' if key == 'top_p' else '['}{low:g}, {high:g}]",
+            )
         payload[key] = float(value)
     seed = body.get("seed")
     if seed is not None:
@@ -188,7 +190,7 @@ class Completion:
         self._chunks += 1
         self.completion_tokens += _count(chunk.get("token_ids"))
         prompt = chunk.get("prompt_tokens")
-        if _int(prompt):
+        if isinstance(prompt, int) and not isinstance(prompt, bool):
             self.prompt_tokens = max(self.prompt_tokens, prompt)
         reason = chunk.get("finish_reason")
         if isinstance(reason, str):
@@ -202,8 +204,9 @@ class Completion:
         if cut >= 0:
             self._held, self.stopped, self.finish_reason = "", True, "stop"
             return self._emit(buf[:cut])
-        hold = max((k for s in self.stop for k in range(1, len(s)) if buf.endswith(s[:k])),
-                   default=0)  # fmt: skip
+        hold = max(
+            (k for s in self.stop for k in range(1, len(s)) if buf.endswith(s[:k])), default=0
+        )
         self._held = buf[len(buf) - hold :] if hold else ""
         return self._emit(buf[: len(buf) - hold])
 
@@ -261,8 +264,12 @@ class Answer:
             }
             obj = self._base("chat.completion")
         else:
-            choice = {"index": 0, "text": done.text, "logprobs": None,
-                      "finish_reason": done.finish_reason}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": done.text,
+                "logprobs": None,
+                "finish_reason": done.finish_reason,
+            }
             obj = self._base("text_completion")
         return {**obj, "choices": [choice], "usage": done.usage()}
 
@@ -272,8 +279,12 @@ class Answer:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": finish}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+            }
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return {**self._base("text_completion"), "choices": [choice]}

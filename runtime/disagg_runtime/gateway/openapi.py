@@ -13,10 +13,21 @@ _TENSOR = {
         "dtype": {
             "type": "string",
             "enum": [
-                "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
-                "float32", "float64", "complex64", "float8_e4m3fn", "float8_e5m2",
+                "bool",
+                "uint8",
+                "int8",
+                "int16",
+                "int32",
+                "int64",
+                "float16",
+                "bfloat16",
+                "float32",
+                "float64",
+                "complex64",
+                "float8_e4m3fn",
+                "float8_e5m2",
             ],
-        },  # fmt: skip
+        },
         "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "data": {"type": "string", "contentEncoding": "base64", "description": "C order bytes"},
     },
@@ -55,31 +66,43 @@ def document(api: str, model: str) -> dict[str, Any]:
                 "requestBody": {
                     "required": True,
                     "content": {
-                        **_json({"type": "object", "required": ["inputs"],
-                                 "properties": {"inputs": {"$ref": "#/components/schemas/Value"}}}),
+                        **_json(
+                            {
+                                "type": "object",
+                                "required": ["inputs"],
+                                "properties": {"inputs": {"$ref": "#/components/schemas/Value"}},
+                            }
+                        ),
                         "application/vnd.safetensors": {
                             "schema": {"type": "string", "format": "binary"},
                             "description": "tensors by dotted path; other values as JSON "
                             "text in the metadata, by dotted path",
                         },
                     },
-                },  # fmt: skip
+                },
                 "responses": {
                     "200": {
                         "description": "the exit role's result, encoded as chosen by Accept",
                         "content": {
-                            **_json({"type": "object",
-                                     "properties": {"outputs": {"$ref": "#/components/schemas/Value"}}}),
-                            "application/vnd.safetensors": {"schema": {"type": "string",
-                                                                       "format": "binary"}},
+                            **_json(
+                                {
+                                    "type": "object",
+                                    "properties": {
+                                        "outputs": {"$ref": "#/components/schemas/Value"}
+                                    },
+                                }
+                            ),
+                            "application/vnd.safetensors": {
+                                "schema": {"type": "string", "format": "binary"}
+                            },
                             "text/event-stream": {
                                 "schema": {"type": "string"},
                                 "description": "event `chunk` per chunk (data: a Value), then "
-                                "`end` (data: {\"chunks\": n}); a failure after the first "
+                                '`end` (data: {"chunks": n}); a failure after the first '
                                 "chunk is an `error` event carrying the error object and status",
                             },
                         },
-                    },  # fmt: skip
+                    },
                     **failures,
                     **_errors(411, 415),
                 },
@@ -97,28 +120,51 @@ def document(api: str, model: str) -> dict[str, Any]:
         },
     }
     if api == "openai":
-        body = {"type": "object", "required": ["model"], "additionalProperties": True,
-                "properties": {"model": {"type": "string", "enum": [model]},
-                               "max_tokens": {"type": "integer", "minimum": 1},
-                               "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-                               "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                               "seed": {"type": "integer"},
-                               "stop": {"oneOf": [{"type": "string"},
-                                                  {"type": "array", "maxItems": 4,
-                                                   "items": {"type": "string"}}]},
-                               "stream": {"type": "boolean"}}}  # fmt: skip
-        ok = {"200": {"description": "an OpenAI completion object, or with stream=true its "
-                      "chunks as server-sent events ending with `data: [DONE]`"}}  # fmt: skip
-        paths["/v1/models"] = {"get": {"summary": "the served model",
-                                       "responses": {"200": {"description": "model list"}}}}  # fmt: skip
+        body = {
+            "type": "object",
+            "required": ["model"],
+            "additionalProperties": True,
+            "properties": {
+                "model": {"type": "string", "enum": [model]},
+                "max_tokens": {"type": "integer", "minimum": 1},
+                "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                "seed": {"type": "integer"},
+                "stop": {
+                    "oneOf": [
+                        {"type": "string"},
+                        {"type": "array", "maxItems": 4, "items": {"type": "string"}},
+                    ]
+                },
+                "stream": {"type": "boolean"},
+            },
+        }
+        ok = {
+            "200": {
+                "description": "an OpenAI completion object, or with stream=true its "
+                "chunks as server-sent events ending with `data: [DONE]`"
+            }
+        }
+        paths["/v1/models"] = {
+            "get": {
+                "summary": "the served model",
+                "responses": {"200": {"description": "model list"}},
+            }
+        }
         paths["/v1/completions"] = {
-            "post": {"summary": "OpenAI text completion", "requestBody": {"content": _json(body)},
-                     "responses": {**ok, **failures, **_errors(404)}}
-        }  # fmt: skip
+            "post": {
+                "summary": "OpenAI text completion",
+                "requestBody": {"content": _json(body)},
+                "responses": {**ok, **failures, **_errors(404)},
+            }
+        }
         paths["/v1/chat/completions"] = {
-            "post": {"summary": "OpenAI chat completion", "requestBody": {"content": _json(body)},
-                     "responses": {**ok, **failures, **_errors(404)}}
-        }  # fmt: skip
+            "post": {
+                "summary": "OpenAI chat completion",
+                "requestBody": {"content": _json(body)},
+                "responses": {**ok, **failures, **_errors(404)},
+            }
+        }
     return {
         "openapi": "3.1.0",
         "info": {"title": "disagg gateway", "version": "v1"},

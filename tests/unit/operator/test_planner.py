@@ -603,7 +603,8 @@ def test_the_gateway_deployment_and_service(full_doc: Obj) -> None:
     assert (config.port, config.api, config.reply_port) == (8081, "openai", 7400)
     token = next(v for v in spec["volumes"] if v["name"] == "token")
     assert token["secret"] == {
-        "secretName": "full-gateway-token", "items": [{"key": "token", "path": "token"}]
+        "secretName": "full-gateway-token",
+        "items": [{"key": "token", "path": "token"}],
     }
     assert service["spec"]["type"] == "ClusterIP" and service["spec"]["selector"] == selector
     assert service["spec"]["ports"] == [

@@ -415,8 +415,9 @@ def test_llm_demo_takes_openai_style_input() -> None:
     assert out["prompt_len"] == 3 and out["max_new_tokens"] == 3 and out["seed"] == 7
     chunks = list(demo.decode_tokens(out))
     assert [c["finish_reason"] for c in chunks] == [None, None, "length"]
-    again = list(demo.decode_tokens(demo.prefill({"prompt": "hi", "max_tokens": 3,
-                                                  "temperature": 0})))  # fmt: skip
+    again = list(
+        demo.decode_tokens(demo.prefill({"prompt": "hi", "max_tokens": 3, "temperature": 0}))
+    )
     assert [c["text"] for c in again] == [c["text"] for c in chunks]  # greedy ignores seed
     chat = demo.prefill({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert chat["prompt_len"] == len("user: hi\nassistant:") + 1
