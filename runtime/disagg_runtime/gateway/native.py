@@ -176,6 +176,8 @@ class Spool:
             self._map = mmap.mmap(self.fd, size)
 
     def write(self, chunk: bytes) -> None:
+        if not chunk:
+            return
         end = self.filled + len(chunk)
         if end > self.size or self._map is None:
             raise InputError("$", f"body is longer than its Content-Length ({self.size})")

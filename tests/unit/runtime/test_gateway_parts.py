@@ -1,0 +1,330 @@
+"""The gateway's pure parts: body codecs, the OpenAI request/answer mapping, status codes,
+its contract and `spec.gateway`. The HTTP side is in tests/integration/test_gateway.py."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from disagg_core import contract, spec
+from disagg_runtime.client import RequestFailed, RequestTimeout
+from disagg_runtime.gateway import app, native, openai
+
+
+# ---- native codec -------------------------------------------------------------------------------
+def test_json_tensors_round_trip_every_dtype() -> None:
+    for name in ("bool", "uint8", "int64", "bfloat16", "float32", "float8_e4m3fn"):
+        t = torch.ones((2, 3), dtype=getattr(torch, name))
+        back = native.request_from_json({"inputs": {"t": native.to_json(t)}})["t"]
+        assert back.dtype == t.dtype and torch.equal(back.float(), t.float())
+
+
+def test_json_keeps_other_values_and_maps_non_finite_floats() -> None:
+    value = {"a": [1, "x", None], "b": (2.5,), "c": float("nan"), "d": float("-inf")}
+    assert native.to_json(value) == {"a": [1, "x", None], "b": [2.5], "c": "NaN", "d": "-Infinity"}
+
+
+@pytest.mark.parametrize(
+    ("inputs", "path"),
+    [
+        ({"x": {"dtype": "float32", "shape": [2], "data": 3}}, "$.inputs.x.data"),
+        ({"x": {"dtype": "float32", "shape": [-1], "data": ""}}, "$.inputs.x.shape"),
+        ({"l": [{"dtype": "int4", "shape": [1], "data": ""}]}, "$.inputs.l[0].dtype"),
+        ({"bad key": {"dtype": "uint8", "shape": [2], "data": "AA=="}}, '$.inputs["bad key"].data'),
+        (
+            {"x": {"dtype": "bool", "shape": [1], "data": base64.b64encode(b"\x07").decode()}},
+            "$.inputs.x.data",
+        ),
+    ],
+)
+def test_json_errors_name_the_path(inputs: dict[str, Any], path: str) -> None:
+    with pytest.raises(native.InputError) as info:
+        native.request_from_json({"inputs": inputs})
+    assert info.value.path == path
+
+
+def test_json_depth_is_bounded() -> None:
+    deep: Any = 1
+    for _ in range(native.MAX_DEPTH + 2):
+        deep = [deep]
+    with pytest.raises(native.InputError, match="deeper"):
+        native.request_from_json({"inputs": deep})
+
+
+def spooled(body: bytes) -> native.Spool:
+    spool = native.Spool(len(body))
+    spool.write(body)
+    return spool
+
+
+def test_safetensors_round_trip_with_nesting_and_metadata() -> None:
+    payload = {"a": {"b": torch.arange(6, dtype=torch.bfloat16)}, "n": 3, "s": "txt"}
+    spool = spooled(native.to_safetensors(payload))
+    try:
+        back = native.request_from_safetensors(spool)
+    finally:
+        spool.close()
+    assert torch.equal(back["a"]["b"], payload["a"]["b"]) and (back["n"], back["s"]) == (3, "txt")
+
+
+def test_safetensors_tensors_view_the_spooled_body() -> None:
+    """One write into the memory file, no copy by the parser: the tensor's bytes are the
+    body's (the library maps the same memory file)."""
+    x = torch.arange(1 << 16, dtype=torch.float32)
+    spool = spooled(native.to_safetensors({"x": x}))
+    back = native.request_from_safetensors(spool)["x"]
+    spool.close()
+    assert back.untyped_storage().nbytes() >= x.nbytes  # a view of the whole file
+    assert torch.equal(back, x)
+
+
+@given(st.binary(max_size=64))
+def test_garbage_safetensors_is_a_400_never_a_crash(body: bytes) -> None:
+    spool = spooled(body)
+    try:
+        with pytest.raises(native.InputError):
+            native.request_from_safetensors(spool)
+    finally:
+        spool.close()
+
+
+def test_safetensors_key_clash_and_short_body() -> None:
+    from safetensors.torch import save
+
+    spool = spooled(save({"a": torch.ones(1)}, metadata={"a": "1"}))
+    with pytest.raises(native.InputError, match="given twice"):
+        native.request_from_safetensors(spool)
+    spool.close()
+    short = native.Spool(10)
+    short.write(b"12345")
+    with pytest.raises(native.InputError, match="5 of 10"):
+        native.request_from_safetensors(short)
+    with pytest.raises(native.InputError, match="longer"):
+        short.write(b"123456")
+    short.close()
+
+
+# ---- OpenAI mapping ----------------------------------------------------------------------------
+def test_chat_request_becomes_the_entry_payload() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 5,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+        "stop": "##",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": "ignored",
+    }
+    payload, sampling = openai.parse_chat(body, "m")
+    assert payload == {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+        "stop": ["##"],
+    }
+    assert sampling == openai.Sampling(stream=True, include_usage=True, stop=("##",))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "prompt": 3}, "$.prompt"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "$.max_tokens"),
+        ({"model": "m", "prompt": "x", "temperature": 3}, "$.temperature"),
+        ({"model": "m", "prompt": "x", "top_p": 0}, "$.top_p"),
+        ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "$.stop"),
+        ({"model": "m", "prompt": "x", "n": 2}, "$.n"),
+        ({"prompt": "x"}, "$.model"),
+    ],
+)
+def test_completion_request_errors(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(native.InputError) as info:
+        openai.parse_completion(body, "m")
+    assert info.value.path == param
+
+
+def test_another_model_is_not_found() -> None:
+    with pytest.raises(openai.ModelNotFound):
+        openai.parse_completion({"model": "other", "prompt": "x"}, "m")
+
+
+def feed_all(done: openai.Completion, pieces: list[str]) -> list[str]:
+    out = [done.feed({"text": p, "token_ids": [i]}) for i, p in enumerate(pieces)]
+    return [*out, done.finish()]
+
+
+def test_stop_sequence_across_chunks_is_held_back_then_cut() -> None:
+    done = openai.Completion(stop=("END",))
+    sent = feed_all(done, ["ab", "cE", "N", "Dxyz"])
+    assert sent == ["ab", "c", "", "", ""] and done.text == "abc"
+    assert done.finish_reason == "stop" and done.stopped
+
+
+def test_held_back_text_that_is_not_a_stop_is_released() -> None:
+    done = openai.Completion(stop=("END",))
+    assert feed_all(done, ["aE", "Nb"]) == ["a", "ENb", ""]
+    assert done.text == "aENb" and done.finish_reason == "stop" and not done.stopped
+
+
+def test_usage_and_finish_reason_come_from_the_chunks() -> None:
+    done = openai.Completion()
+    done.feed({"text": "a", "token_ids": torch.tensor([1, 2]), "prompt_tokens": 7})
+    done.feed({"text": "b", "finish_reason": "length"})  # no ids: counts one
+    done.finish()
+    assert done.usage() == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert done.finish_reason == "length"
+    with pytest.raises(ValueError, match="dict chunks"):
+        done.feed([1])
+
+
+def test_answer_objects() -> None:
+    done = openai.Completion()
+    done.feed({"text": "hi"})
+    done.finish()
+    chat = openai.Answer("m", chat=True)
+    whole = chat.whole(done)
+    assert whole["object"] == "chat.completion" and whole["id"].startswith("chatcmpl-")
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    first = chat.delta("h", first=True)["choices"][0]
+    assert first["delta"] == {"role": "assistant", "content": "h"}
+    assert chat.delta("", finish="stop")["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    text = openai.Answer("m", chat=False).delta("x")
+    assert text["object"] == "text_completion" and text["choices"][0]["text"] == "x"
+
+
+# ---- status codes ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("exc", "status", "kind"),
+    [
+        (native.InputError("$.x", "bad"), 400, "invalid_input"),
+        (RequestTimeout("late"), 504, "timeout"),
+        (RequestFailed("no replica"), 503, "unavailable"),
+        (RequestFailed("full", error={"reason": "overloaded", "role": "a"}), 429, "overloaded"),
+        (
+            RequestFailed(
+                "x",
+                role="b",
+                error={"role": "b", "replica": "1", "type": "KeyError", "reason": "handler"},
+            ),
+            502,
+            "role_failed",
+        ),
+    ],
+)
+def test_failures_map_to_status_codes(exc: Exception, status: int, kind: str) -> None:
+    answer = app.from_failure(exc)
+    assert (answer.status, answer.body["error"]["type"]) == (status, kind)
+    if status in (429, 503):
+        assert answer.headers["Retry-After"] == "1"
+    if status == 502:
+        assert (answer.body["error"]["role"], answer.body["error"]["exception"]) == (
+            "b",
+            "KeyError",
+        )
+
+
+# ---- contract and spec -------------------------------------------------------------------------
+TOPOLOGY = contract.Topology.from_pipeline(
+    spec.parse_pipeline(
+        {
+            "apiVersion": "disagg.dev/v1alpha1",
+            "kind": "DisaggregatedPipeline",
+            "metadata": {"name": "p"},
+            "spec": {
+                "image": "i",
+                "roles": [{"name": "a", "handler": "m:f"}, {"name": "b", "handler": "m:g"}],
+                "edges": [{"from": "a", "to": "b"}],
+            },
+        }
+    )
+)
+
+
+def test_gateway_env_round_trips() -> None:
+    config = contract.GatewayConfig(
+        pipeline="p",
+        namespace="ns",
+        topology=TOPOLOGY,
+        entries=(contract.Peer("a", ("p-a.ns.svc:7400",)),),
+        port=9000,
+        api="openai",
+        model="m",
+        token_file="/t",
+        advertise_host="10.0.0.5",
+        max_body=1 << 20,
+    )
+    env = contract.render_gateway_env(config)
+    assert contract.parse_gateway_env(env, topology=TOPOLOGY) == config
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DISAGG_GATEWAY_API": "grpc"}, "GATEWAY_API"),
+        ({"DISAGG_GATEWAY_API": "openai"}, "GATEWAY_MODEL is required"),
+        ({"DISAGG_DOWNSTREAM": "b=h:1"}, "lacks addresses for entry roles"),
+        ({"DISAGG_GATEWAY_MAX_BODY": "lots"}, "bad gateway size"),
+        ({"DISAGG_GATEWAY_PORT": "x"}, "GATEWAY_PORT"),
+    ],
+)
+def test_gateway_env_errors(env: dict[str, str], message: str) -> None:
+    base = {"DISAGG_PIPELINE": "p", "DISAGG_DOWNSTREAM": "a=h:1"}
+    with pytest.raises(contract.ContractError, match=message):
+        contract.parse_gateway_env({**base, **env}, topology=TOPOLOGY)
+
+
+def doc(gateway: Any, role: str = "a") -> dict[str, Any]:
+    return {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedPipeline",
+        "metadata": {"name": "p"},
+        "spec": {"image": "i", "roles": [{"name": role, "handler": "m:f"}], "gateway": gateway},
+    }
+
+
+def test_spec_gateway_defaults_and_fields() -> None:
+    default = spec.parse_pipeline(doc({})).gateway
+    assert (default.enabled, default.port, default.api, default.replicas) == (
+        True,
+        8080,
+        "native",
+        1,
+    )
+    full = spec.parse_pipeline(
+        doc({"api": "openai", "model": "m", "auth": {"secretRef": {"name": "tok"}}, "port": 81})
+    ).gateway
+    assert full.auth is not None and (full.auth.name, full.auth.key) == ("tok", "token")
+
+
+@pytest.mark.parametrize(
+    ("gateway", "role", "path"),
+    [
+        ({"api": "openai"}, "a", "spec.gateway.model"),
+        ({"port": 70000}, "a", "spec.gateway.port"),
+        ({"enabled": "yes"}, "a", "spec.gateway.enabled"),
+        ({"auth": {"secretRef": {}}}, "a", "spec.gateway.auth.secretRef.name"),
+        ({"tls": True}, "a", "spec.gateway.tls"),
+        ({}, "gateway", "spec.roles[0].name"),
+    ],
+)
+def test_spec_gateway_problems(gateway: Any, role: str, path: str) -> None:
+    with pytest.raises(spec.SpecError) as info:
+        spec.parse_pipeline(doc(gateway, role))
+    assert path in [p.path for p in info.value.problems]
+    if role == "gateway":  # fine once the gateway is off
+        spec.parse_pipeline(doc({"enabled": False}, role))
