@@ -457,7 +457,7 @@ ENV: Final[tuple[EnvVar, ...]] = (
 )
 
 
-def _field(config: RoleConfig, path: str) -> Any:
+def _field(config: object, path: str) -> Any:
     value: Any = config
     for part in path.split("."):
         value = getattr(value, part)

@@ -748,7 +748,7 @@ def gateway_schema() -> Schema:
         "The pipeline's HTTP front door: a Deployment <pipeline>-gateway behind a ClusterIP "
         "Service <pipeline> (port name http). On unless enabled is false.",
         {
-            "enabled": {**_boolean("Run the gateway."), "default": True},
+            "enabled": {"type": "boolean", "description": "Run the gateway.", "default": True},
             "replicas": _integer(
                 "Gateway replicas.", minimum=0, format="int32", default=m.DEFAULT_GATEWAY_REPLICAS
             ),

@@ -721,7 +721,8 @@ def _gateway(
             namespace,
             entries,
             config_map=topology_config_map_name(pipeline),
-            spec_hash=spec_hash(pipeline, namespace),
+            # the gateway reads the entry and exit roles' slices of the topology
+            spec_hash=spec_hash(pipeline, namespace, (*pipeline.entry_roles, *pipeline.exit_roles)),
         ),
     ]
 

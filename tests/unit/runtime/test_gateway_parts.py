@@ -63,7 +63,11 @@ def spooled(body: bytes) -> native.Spool:
 
 
 def test_safetensors_round_trip_with_nesting_and_metadata() -> None:
-    payload = {"a": {"b": torch.arange(6, dtype=torch.bfloat16)}, "n": 3, "s": "txt"}
+    payload: dict[str, Any] = {
+        "a": {"b": torch.arange(6, dtype=torch.bfloat16)},
+        "n": 3,
+        "s": "txt",
+    }
     spool = spooled(native.to_safetensors(payload))
     try:
         back = native.request_from_safetensors(spool)
