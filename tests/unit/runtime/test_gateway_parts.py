@@ -282,7 +282,7 @@ def test_gateway_env_round_trips() -> None:
         ({"DISAGG_GATEWAY_API": "grpc"}, "GATEWAY_API"),
         ({"DISAGG_GATEWAY_API": "openai"}, "GATEWAY_MODEL is required"),
         ({"DISAGG_DOWNSTREAM": "b=h:1"}, "lacks addresses for entry roles"),
-        ({"DISAGG_GATEWAY_MAX_BODY": "lots"}, "bad gateway size"),
+        ({"DISAGG_GATEWAY_MAX_BODY": "lots"}, "GATEWAY_MAX_BODY='lots'"),
         ({"DISAGG_GATEWAY_PORT": "x"}, "GATEWAY_PORT"),
     ],
 )
