@@ -424,3 +424,74 @@ def test_openai_errors(llm: Served) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         oa(llm).completions.create(model="demo-llm", prompt="x", max_tokens=0)
     assert "max_tokens" in str(info.value)
+
+
+# ---- the command line ---------------------------------------------------------------------------
+def test_up_serve_request_and_bench_from_the_command_line(tmp_path: Path) -> None:
+    """`disagg up --serve` prints its URL and serves until SIGINT; `disagg request` and
+    `disagg bench pipeline --url` talk to it."""
+    import signal
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DISAGG_DEMO_SCALE": "0.05"}
+    cli = [sys.executable, "-m", "disagg_runtime.cli"]
+    example = str(REPO / "examples" / "llm-prefill-decode.yaml")
+    up = subprocess.Popen(
+        [*cli, "up", example, "--serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline()
+        assert f"http://127.0.0.1:{port}" in line, line
+        url = f"http://127.0.0.1:{port}"
+        answer = subprocess.run(
+            [*cli, "request", url, "--sample", "0", "--file", example, "--stream"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert answer.returncode == 0, answer.stderr
+        events = list(sse_events(iter(answer.stdout.splitlines())))
+        assert [e for e, _ in events][-1] == "end" and events[0][1]["text"]
+        body = tmp_path / "chat.json"
+        body.write_text(json.dumps({"model": "demo-llm", "prompt": "hi", "max_tokens": 4}))
+        bench = subprocess.run(
+            [
+                *cli,
+                "bench",
+                "pipeline",
+                "--url",
+                f"{url}/v1/completions",
+                "--input",
+                str(body),
+                "--requests",
+                "6",
+                "--concurrency",
+                "2",
+                "--stream",
+                "--json",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        summary = json.loads(bench.stdout)
+        keys = {"requests", "completed", "failed", "p50_ms", "p99_ms", "throughput_rps"}
+        assert keys | {"bytes_moved", "ttfc_p50_ms"} <= set(summary)
+        assert (summary["completed"], summary["failed"]) == (6, 0)
+        assert 0 < summary["ttfc_p50_ms"] <= summary["p50_ms"]
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(timeout=60)
+    assert code == 0
