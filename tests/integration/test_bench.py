@@ -60,6 +60,22 @@ def test_pipeline_bench_reports_per_hop_overhead():
     )
 
 
+def test_gateway_bench_puts_the_gateway_beside_the_client():
+    """One run: 4 KiB round trips both ways, a safetensors upload against memcpy and raw TCP
+    (through a real `disagg gateway` process configured by its environment)."""
+    proc = run("bench", "pipeline", "--gateway", "--size", "2MiB", "--repeats", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert (result["small_bytes"], result["large_bytes"]) == (4096, 2 << 20)
+    for key in ("client_p50_ms", "gateway_p50_ms", "memcpy_ms", "gateway_large_ms", "raw_tcp_ms"):
+        assert result[key] > 0, key
+    added = result["gateway_p50_ms"] - result["client_p50_ms"]
+    assert result["gateway_added_p50_ms"] == pytest.approx(added, abs=0.002)
+    assert result["gateway_large_vs_memcpy"] == pytest.approx(
+        result["memcpy_ms"] / result["gateway_large_ms"], rel=0.01, abs=0.001  # rounded to 3
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "size"),
     [("4KiB", 4096), ("64MiB", 64 << 20), ("64Mi", 64 << 20), ("1GiB", 1 << 30), ("10", 10)],

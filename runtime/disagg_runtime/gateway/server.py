@@ -25,6 +25,7 @@ from disagg_runtime.gateway.bridge import Pipeline
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0
+READ_BUFSIZE = 4 << 20  # bytes a connection may buffer before reading pauses (aiohttp: 64 KiB)
 
 
 def client_for(config: GatewayConfig) -> Client:
@@ -103,7 +104,9 @@ class Server:
         self.gateway = gateway
         self.host = host
         self.port = port
-        self._runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            gateway.app(), handler_cancellation=True, access_log=None, read_bufsize=READ_BUFSIZE
+        )
 
     async def start(self) -> int:
         """Listen; returns the bound port (the one asked for, or a free one for 0)."""
