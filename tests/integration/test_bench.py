@@ -72,7 +72,9 @@ def test_gateway_bench_puts_the_gateway_beside_the_client():
     added = result["gateway_p50_ms"] - result["client_p50_ms"]
     assert result["gateway_added_p50_ms"] == pytest.approx(added, abs=0.002)
     assert result["gateway_large_vs_memcpy"] == pytest.approx(
-        result["memcpy_ms"] / result["gateway_large_ms"], rel=0.01, abs=0.001  # rounded to 3
+        result["memcpy_ms"] / result["gateway_large_ms"],
+        rel=0.01,
+        abs=0.001,  # rounded to 3
     )
 
 
