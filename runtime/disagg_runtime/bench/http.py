@@ -4,7 +4,8 @@
 connection per slot). The body is `--input FILE.json` (a native or OpenAI body, posted to
 URL as given; a URL without a path means /v1/infer) or a 4 KiB float32 tensor. With
 `--stream` answers are server-sent events and `ttfc_p50_ms` is the median time to the
-first event. The summary has `disagg up --json`'s keys (requests, completed, failed,
+first event (an OpenAI body streams only with `"stream": true` in it; `--stream` sets the
+native API's `Accept`). The summary has `disagg up --json`'s keys (requests, completed, failed,
 p50_ms, p99_ms, throughput_rps, bytes_moved: request plus answer bodies) and ttfc_p50_ms.
 """
 
