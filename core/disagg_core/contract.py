@@ -582,6 +582,7 @@ class GatewayConfig:
     node_local: bool = False
     peers_file: str = ""
     topology_file: str = DEFAULT_TOPOLOGY_FILE
+    peer_key_file: str = ""
 
 
 def _parse_api(name: str, raw: str) -> str:
@@ -607,6 +608,7 @@ GATEWAY_ENV: Final[tuple[EnvVar, ...]] = (
     _role_var("NODE_LOCAL", "node_local"),
     _role_var("TOPOLOGY_FILE", "topology_file"),
     _role_var("PEERS_FILE", "peers_file"),
+    _role_var("PEER_KEY_FILE", "peer_key_file"),
     EnvVar("GATEWAY_PORT", "port", INT, "gateway: HTTP port", str(DEFAULT_GATEWAY_PORT)),
     EnvVar(
         "GATEWAY_API",

@@ -9,7 +9,8 @@ pipeline's NetworkPolicy admits them to the roles) and carry no disagg.dev/role 
 the autoscaler never counts them. They get the gateway's contract (DISAGG_GATEWAY_*, see
 `contract`): the entry roles by Service DNS name and ingress port, replies on port
 `ingress` (7400) at the pod's IP (DISAGG_POD_IP from the downward API), the topology file
-from the ConfigMap, and with `auth` the token Secret's key mounted at /etc/disagg-gateway.
+from the ConfigMap, the pipeline's peer key (Secret P-peer-key, as role pods: the gateway is
+a peer of the roles) and with `auth` the token Secret's key mounted at /etc/disagg-gateway.
 Probes: readiness GET /readyz (every entry role reachable), liveness GET /healthz. Hardened
 as role pods are (non-root, read-only root, no capabilities, no service-account token).
 spec.gateway.podTemplate is deep-merged last; labels and DISAGG_* variables are put back.
@@ -64,6 +65,8 @@ def image(pipeline: Pipeline) -> str | None:
 def config(
     pipeline: Pipeline, namespace: str, entries: tuple[contract.Peer, ...]
 ) -> contract.GatewayConfig:
+    """The gateway's contract; the token and peer key paths are where `deployment` mounts
+    their Secrets."""
     spec = pipeline.gateway
     return contract.GatewayConfig(
         pipeline=pipeline.name,
@@ -77,6 +80,7 @@ def config(
         token_file=TOKEN_FILE if spec.auth is not None else "",
         pool_size=pipeline.transport.pool_size,
         request_timeout=pipeline.transport.request_timeout_seconds,
+        peer_key_file=contract.DEFAULT_PEER_KEY_FILE,
     )
 
 
@@ -93,6 +97,7 @@ def deployment(
     *,
     config_map: str,
     spec_hash: str,
+    peer_key_secret: str,
 ) -> dict[str, Any]:
     spec = pipeline.gateway
     ours = env(config(pipeline, namespace, entries))
@@ -121,6 +126,7 @@ def deployment(
         "volumeMounts": [
             {"name": "topology", "mountPath": pods.TOPOLOGY_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            {"name": pods.PEER_KEY_VOLUME, "mountPath": pods.PEER_KEY_DIR, "readOnly": True},
         ],
     }
     resources: dict[str, Any] = {}
@@ -133,6 +139,14 @@ def deployment(
     volumes: list[dict[str, Any]] = [
         {"name": "topology", "configMap": {"name": config_map}},
         {"name": "tmp", "emptyDir": {}},
+        {
+            "name": pods.PEER_KEY_VOLUME,
+            "secret": {
+                "secretName": peer_key_secret,
+                "defaultMode": pods.PEER_KEY_MODE,
+                "items": [{"key": pods.PEER_KEY_KEY, "path": pods.PEER_KEY_KEY}],
+            },
+        },
     ]
     if spec.auth is not None:
         container["volumeMounts"].append(
@@ -162,7 +176,8 @@ def deployment(
     }
     if spec.pod_template:
         template = merge.deep_merge(template, copy.deepcopy(spec.pod_template))
-    template = pods._reassert(template, labels(pipeline), spec_hash, {CONTAINER: ours})
+    pinned = {names.ANNOTATION_SPEC_HASH: spec_hash}
+    template = pods._reassert(template, labels(pipeline), pinned, {CONTAINER: ours})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

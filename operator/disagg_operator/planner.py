@@ -723,6 +723,7 @@ def _gateway(
             config_map=topology_config_map_name(pipeline),
             # the gateway reads the entry and exit roles' slices of the topology
             spec_hash=spec_hash(pipeline, namespace, (*pipeline.entry_roles, *pipeline.exit_roles)),
+            peer_key_secret=peer_key_secret_name(pipeline.name),
         ),
     ]
 

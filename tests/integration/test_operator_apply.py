@@ -41,7 +41,9 @@ async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: apply.Ap
     stored, pipeline, owner = await make_pipeline(k8s)
     plan = planner.plan(pipeline, namespace=NS, owner=owner)
     first = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
-    assert len(first.created) == len(plan) == 10  # 7 + the NetworkPolicy + the gateway's Service and Deployment
+    assert (
+        len(first.created) == len(plan) == 10
+    )  # 7 + the NetworkPolicy + the gateway's Service and Deployment
     assert not (first.updated or first.unchanged or first.pruned or first.conflicts)
     before = s.versions(s.children(k8s, stored["metadata"]["name"]))
     k8s.clear_calls()

@@ -641,6 +641,8 @@ def _selector(out: Collector, raw: object, path: str) -> None:
             f.text(out, e, "key", item_path)
             f.choice(out, e, "operator", item_path, SELECTOR_OPERATORS)
             f.texts(out, e, "values", item_path)
+
+
 def _gateway(out: Collector, raw: object, path: str) -> m.Gateway:
     g = f.fields(out, raw, path, known=GATEWAY_KEYS) or {}
     enabled = g.get("enabled", True)

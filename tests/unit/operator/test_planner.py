@@ -410,10 +410,8 @@ def test_labels_and_owner_references(full_doc: Obj) -> None:
         assert labels[names.LABEL_MANAGED_BY] == "disagg-operator"
         assert labels[names.LABEL_PIPELINE] == "full"
         assert planner.child_selector("full").items() <= labels.items()
-        if obj["kind"] not in ("ConfigMap", "NetworkPolicy"):
-
-
-        if obj["kind"] not in ("ConfigMap", "Deployment") and obj["metadata"]["name"] != "full":
+        gateway = obj["kind"] == "Deployment" or obj["metadata"]["name"] == "full"
+        if obj["kind"] not in ("ConfigMap", "NetworkPolicy") and not gateway:
             assert names.LABEL_ROLE in labels
         assert obj["metadata"]["ownerReferences"] == [
             {
@@ -601,6 +599,9 @@ def test_the_gateway_deployment_and_service(full_doc: Obj) -> None:
         topology=contract.Topology.from_pipeline(pipeline, namespace=NS),
     )
     assert (config.port, config.api, config.reply_port) == (8081, "openai", 7400)
+    assert env["DISAGG_PEER_KEY_FILE"] == contract.DEFAULT_PEER_KEY_FILE  # a peer of the roles
+    key = next(v for v in spec["volumes"] if v["name"] == "peer-key")
+    assert key["secret"]["secretName"] == "full-peer-key"
     token = next(v for v in spec["volumes"] if v["name"] == "token")
     assert token["secret"] == {
         "secretName": "full-gateway-token",
