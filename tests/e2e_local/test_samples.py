@@ -87,6 +87,44 @@ def edge_relays(text: str) -> list[tuple[str, str, str]]:
     return found
 
 
+def check_gateway(cluster: LocalCluster, name: str, doc: dict[str, Any]) -> None:
+    """The rendered gateway Deployment serves: its pod gets ready (every entry role
+    reachable) and answers an OpenAI completion at its pod IP, through the roles' pods."""
+    import json
+    import urllib.request
+
+    def gateway_pod() -> dict[str, Any] | None:
+        pods = [
+            p
+            for p in cluster.pods(name)
+            if p["metadata"]["labels"].get("app.kubernetes.io/component") == "gateway"
+        ]
+        ready = [
+            p
+            for p in pods
+            if any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (p.get("status") or {}).get("conditions") or []
+            )
+        ]
+        return ready[0] if ready else None
+
+    cluster.wait_for(lambda: gateway_pod() is not None, f"{name}'s gateway ready", READY_TIMEOUT)
+    pod = gateway_pod()
+    assert pod is not None
+    port = doc["spec"]["gateway"].get("port", 8080)
+    body = {"model": doc["spec"]["gateway"]["model"], "prompt": "hello", "max_tokens": 4}
+    request = urllib.request.Request(
+        f"http://{pod['status']['podIP']}:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer = json.loads(response.read())
+    assert answer["choices"][0]["finish_reason"] == "length", answer
+    assert answer["usage"]["completion_tokens"] == 4, answer
+
+
 @pytest.mark.parametrize("name", SAMPLE_NAMES)
 def test_sample_runs_and_deletes_cleanly(
     local_cluster: LocalCluster, name: str, figures: Callable[[str], None]
@@ -97,7 +135,8 @@ def test_sample_runs_and_deletes_cleanly(
     cluster.kubectl("apply", "--validate=false", "-f", str(SAMPLES / f"{name}.yaml"))
     cluster.wait_for(lambda: cluster.ready(name), f"{name} Ready", READY_TIMEOUT)
     ready_s = time.monotonic() - t0
-    pods = cluster.pods(name)
+    every = cluster.pods(name)
+    pods = [p for p in every if "disagg.dev/role" in p["metadata"]["labels"]]  # the roles'
     assert pods and all(p["status"]["phase"] == "Running" for p in pods)
     assert len({p["status"]["podIP"] for p in pods}) == len(pods), "one IP per pod"
     colocated = {p["metadata"]["name"] for p in pods if len(p["spec"]["containers"]) > 1}
@@ -106,6 +145,9 @@ def test_sample_runs_and_deletes_cleanly(
         segments = check_sandbox(cluster, pod)
         assert len(segments) == len(pod["spec"]["containers"]), segments
         assert not segments & set(os.listdir("/dev/shm")), "pod segments stay off the host"
+
+    if doc["spec"].get("gateway", {}).get("api") == "openai":
+        check_gateway(cluster, name, doc)
 
     requests = REQUESTS.get(name, 2)
     result = cluster.run_client(f"client-{name}", doc, requests=requests, concurrency=2)
@@ -133,6 +175,7 @@ def test_sample_runs_and_deletes_cleanly(
     assert edge_bytes > 0
 
     # scenario 4: delete the pipeline; every child, pod, process and netns goes
+    pods = cluster.pods(name)  # the gateway's pod goes too
     workers = [cluster.node.worker(NS, p["metadata"]["name"]) for p in pods]
     netns = [w.sandbox.netns for w in workers]
     pids = [c.process.pid for w in workers for c in w.containers if c.process is not None]
