@@ -119,7 +119,9 @@ class Client:
         else:
             self.pool = Pool.create(pool_size, device="cpu")
         try:
-            self.ingress = Ingress(f"tcp://{bind_host}:{bind_port}", self.pool, lease_s=timeout, key=key)
+            self.ingress = Ingress(
+                f"tcp://{bind_host}:{bind_port}", self.pool, lease_s=timeout, key=key
+            )
         except BaseException:
             self.pool.close()
             raise

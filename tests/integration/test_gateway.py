@@ -319,7 +319,7 @@ def test_unreachable_entry_role_is_503_and_not_ready(local: LocalPipeline) -> No
     with __import__("socket").socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = Client([Peer("front", (f"127.0.0.1:{port}",))], ["back"], timeout=1.0)
+    client = Client([Peer("front", (f"127.0.0.1:{port}",))], ["back"], timeout=1.0, key=local.key)
     server = Served(gateway_for(client, Settings(pipeline="itest-gateway", timeout=1.0)))
     try:
         assert httpx.get(f"{server.url}/readyz", timeout=WAIT).status_code == 503

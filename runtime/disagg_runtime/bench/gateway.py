@@ -79,6 +79,7 @@ def start_gateway(local: LocalPipeline, max_body: int) -> tuple[subprocess.Popen
         node_local=True,
         peers_file=local.peers_file,
         topology_file=local.topology_file,
+        peer_key_file=local.key_file,  # the gateway authenticates to the roles like a role
     )
     env = {**os.environ, **render_gateway_env(config)}
     proc = subprocess.Popen(

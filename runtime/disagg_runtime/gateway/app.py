@@ -35,7 +35,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from disagg_runtime import codec
-from disagg_runtime.client import RequestFailed, RequestTimeout
+from disagg_runtime.client import RequestFailed, RequestOverloaded, RequestTimeout
 from disagg_runtime.gateway import native, openai, openapi, sse
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.metrics import GatewayMetrics
@@ -94,7 +94,7 @@ def from_failure(exc: BaseException) -> HttpError:
     if isinstance(exc, RequestFailed):
         error = exc.error
         retry = {"Retry-After": str(RETRY_AFTER_S)}
-        if error.get("reason") == "overloaded":
+        if isinstance(exc, RequestOverloaded) or error.get("reason") == "overloaded":
             return HttpError(429, str(exc), kind="overloaded", headers=retry, role=exc.role)
         if not error:  # never reached a role: none reachable, or the gateway is closing
             return HttpError(503, str(exc), kind="unavailable", headers=retry)

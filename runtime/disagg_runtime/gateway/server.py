@@ -22,6 +22,7 @@ from disagg_core.contract import ContractError, GatewayConfig, parse_gateway_env
 from disagg_runtime.client import Client
 from disagg_runtime.gateway.app import READY_CACHE_S, Gateway, Settings
 from disagg_runtime.gateway.bridge import Pipeline
+from disagg_runtime.relay.auth import PeerKeyError, read_key
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0
@@ -29,6 +30,7 @@ READ_BUFSIZE = 4 << 20  # bytes a connection may buffer before reading pauses (a
 
 
 def client_for(config: GatewayConfig) -> Client:
+    """The gateway's client: it authenticates to the roles with the pipeline's peer key."""
     relay = "shm" if config.node_local else "tcp"
     return Client(
         config.entries,
@@ -42,6 +44,7 @@ def client_for(config: GatewayConfig) -> Client:
         pool_size=config.pool_size,
         timeout=config.request_timeout,
         peers_file=config.peers_file,
+        key=read_key(config.peer_key_file),
     )
 
 
@@ -165,7 +168,7 @@ def main() -> int:
         config = parse_gateway_env(os.environ)
         settings = settings_for(config)
         client = client_for(config)
-    except (ContractError, OSError) as exc:
+    except (ContractError, PeerKeyError, OSError) as exc:
         log.error("cannot start the gateway: %s", exc)
         return 2
     gateway = gateway_for(client, settings)

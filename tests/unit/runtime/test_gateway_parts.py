@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from disagg_core import contract, spec
-from disagg_runtime.client import RequestFailed, RequestTimeout
+from disagg_runtime.client import RequestFailed, RequestOverloaded, RequestTimeout
 from disagg_runtime.gateway import app, native, openai
 
 
@@ -219,6 +219,7 @@ def test_answer_objects() -> None:
         (RequestTimeout("late"), 504, "timeout"),
         (RequestFailed("no replica"), 503, "unavailable"),
         (RequestFailed("full", error={"reason": "overloaded", "role": "a"}), 429, "overloaded"),
+        (RequestOverloaded("busy", role="a", error={"reason": "overloaded"}), 429, "overloaded"),
         (
             RequestFailed(
                 "x",
