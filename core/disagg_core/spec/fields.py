@@ -160,17 +160,6 @@ def boolean(out: Collector, m: dict[str, object], key: str, path: str) -> bool |
     return value
 
 
-def flag(out: Collector, m: dict[str, object], key: str, path: str) -> bool | None:
-    """A boolean field; None when absent or invalid."""
-    if key not in m:
-        return None
-    value = m[key]
-    if not isinstance(value, bool):
-        out.add(child(path, key), f"expected true or false, got {kind_of(value)}")
-        return None
-    return value
-
-
 def number(out: Collector, m: dict[str, object], key: str, path: str) -> float | None:
     """A finite number field (int or float); None when absent or invalid."""
     if key not in m:

@@ -215,7 +215,7 @@ def _rollout(out: Collector, raw: object, path: str) -> m.Rollout:
         max_unavailable=_or(f.integer(out, r, "maxUnavailable", path, minimum=1), 1),
         max_skew=_or(skew, default.max_skew),
         partition=_or(f.integer(out, r, "partition", path, minimum=0), 0),
-        paused=_or(f.flag(out, r, "paused", path), False),
+        paused=_or(f.boolean(out, r, "paused", path), False),
         step_deadline_seconds=_or(deadline, default.step_deadline_seconds),
         groups=tuple(groups),
     )
