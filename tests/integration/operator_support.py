@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from disagg_operator import main, names
+from disagg_core import spec
+from disagg_operator import main, names, planner
 from disagg_operator.metrics import Metrics
 from tests.k8s.server import EmulatorThread
 from tests.support import REPO
@@ -163,6 +164,13 @@ def children(k8s: EmulatorThread, pipeline: str, namespace: str = NS) -> dict[st
 
 
 GUARDS = {"Secret": "v1/secrets", "NetworkPolicy": "networking.k8s.io/v1/networkpolicies"}
+
+
+def planned_children(doc: Obj, namespace: str = NS) -> int:
+    """How many of `doc`'s planned children `children` finds (the kinds of CHILD_REFS)."""
+    kinds = {"ConfigMap", "Service", "StatefulSet", "Deployment", "ResourceClaimTemplate"}
+    objects = planner.plan(spec.parse_pipeline(copy.deepcopy(doc)), namespace=namespace)
+    return sum(o["kind"] in kinds for o in objects)
 
 
 def guards(k8s: EmulatorThread, pipeline: str, kind: str, namespace: str = NS) -> list[Obj]:

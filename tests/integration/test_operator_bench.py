@@ -55,7 +55,8 @@ def leftovers(k8s: EmulatorThread) -> dict[str, list[str]]:
 
 
 def check_report(result: dict[str, Any], *, samples: int, pipelines: int) -> None:
-    assert result["roles"] == 3 and result["children_per_pipeline"] == 8
+    # topology, 3 Services + 3 StatefulSets, NetworkPolicy, gateway Deployment + Service
+    assert result["roles"] == 3 and result["children_per_pipeline"] == 10
     assert result["kubernetes_version"]
     latency = result["latency"]
     assert latency["samples"] == samples == len(latency["values_s"])
@@ -168,8 +169,9 @@ def test_the_default_pipeline_is_the_text_to_video_example():
     assert doc["metadata"]["labels"] == {bench.LABEL_RUN: "run"}
     assert sorted(bench.expected_children(doc, "ns")) == [
         ("ConfigMap", "x-topology"),
+        ("Deployment", "x-gateway"),
         ("NetworkPolicy", "x-network"),
-        *(("Service", f"x-{r}") for r in ("decoder", "denoiser", "encoder")),
+        *(("Service", f"x{r}") for r in ("", "-decoder", "-denoiser", "-encoder")),
         *(("StatefulSet", f"x-{r}") for r in ("decoder", "denoiser", "encoder")),
     ]
     assert bench.child_kinds(bench.expected_children(doc, "ns")) == [
@@ -177,6 +179,7 @@ def test_the_default_pipeline_is_the_text_to_video_example():
         ("v1", "Service"),
         ("networking.k8s.io/v1", "NetworkPolicy"),
         ("apps/v1", "StatefulSet"),
+        ("apps/v1", "Deployment"),
     ]
 
 

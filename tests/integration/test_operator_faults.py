@@ -32,7 +32,8 @@ def reconciled(k8s: EmulatorThread, name: str) -> bool:
     if pipeline is None:
         return False
     observed = (pipeline.get("status") or {}).get("observedGeneration")
-    return observed == pipeline["metadata"]["generation"] and len(s.children(k8s, name)) == 7
+    wanted = s.planned_children(s.example())
+    return observed == pipeline["metadata"]["generation"] and len(s.children(k8s, name)) == wanted
 
 
 def failures_seen(text: str) -> dict[str, float]:

@@ -24,7 +24,7 @@ async def test_kubectl_apply_wait_get_delete(k8s: EmulatorThread, kubectl: Kubec
         await s.until(k8s, lambda: s.pipeline_status(k8s, NAME).get("phase"), "a status")
 
         table = (await s.call(kubectl, "get", "dpipe")).stdout.splitlines()
-        assert table[0].split() == ["NAME", "READY", "PHASE", "ROLLOUT", "AGE"]
+        assert table[0].split() == ["NAME", "READY", "PHASE", "ROLLOUT", "URL", "AGE"]
         assert table[1].split()[:3] == [NAME, "0/3", "Progressing"]
 
         phase = "--for=jsonpath={.status.phase}=Ready"
@@ -46,8 +46,9 @@ async def test_kubectl_apply_wait_get_delete(k8s: EmulatorThread, kubectl: Kubec
         table = (await s.call(kubectl, "get", "disaggregatedpipelines")).stdout.splitlines()
         assert table[1].split()[:3] == [NAME, "3/3", "Ready"]
         wide = (await s.call(kubectl, "get", "dpipe", "-o", "wide")).stdout.splitlines()
-        assert wide[0].split() == ["NAME", "READY", "PHASE", "ROLLOUT", "REASON", "AGE"]
-        assert wide[1].split()[:5] == [NAME, "3/3", "Ready", "-", "AllRolesReady"]
+        assert wide[0].split() == ["NAME", "READY", "PHASE", "ROLLOUT", "URL", "REASON", "AGE"]
+        url = f"http://{NAME}.{s.NS}.svc:8080"
+        assert wide[1].split()[:6] == [NAME, "3/3", "Ready", "-", url, "AllRolesReady"]
         listed = await s.call(kubectl.json, "get", "disagg")  # the category
         assert [i["metadata"]["name"] for i in listed["items"]] == [NAME]
         selector = f"--field-selector=involvedObject.name={NAME}"

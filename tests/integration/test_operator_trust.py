@@ -48,9 +48,12 @@ def key_hashes(k8s: EmulatorThread) -> set[str]:
     return found
 
 
+CHILDREN = s.planned_children(s.example())  # the NetworkPolicy is counted apart
+
+
 async def started(k8s: EmulatorThread, doc: dict[str, Any] | None = None) -> dict[str, Any]:
     obj = await s.call(k8s.create, doc or s.example(), NS)
-    await s.until(k8s, lambda: len(s.children(k8s, NAME)) == 7, "the children")
+    await s.until(k8s, lambda: len(s.children(k8s, NAME)) == CHILDREN, "the children")
     return obj
 
 
@@ -138,7 +141,7 @@ async def test_the_network_policy_follows_the_spec(k8s_crd: EmulatorThread):
         off = [{"op": "add", "path": "/spec/networkPolicy", "value": {"enabled": False}}]
         await s.call(k8s.patch, s.PIPELINES, NAME, off, NS, patch_type="json")
         await s.until(k8s, lambda: not s.guards(k8s, NAME, "NetworkPolicy"), "policy pruned")
-        assert len(s.children(k8s, NAME)) == 7  # nothing else moved
+        assert len(s.children(k8s, NAME)) == CHILDREN  # nothing else moved
         on = [{"op": "replace", "path": "/spec/networkPolicy/enabled", "value": True}]
         await s.call(k8s.patch, s.PIPELINES, NAME, on, NS, patch_type="json")
         await s.until(k8s, lambda: s.guards(k8s, NAME, "NetworkPolicy"), "policy back")
@@ -180,7 +183,7 @@ async def test_a_privileged_pod_template_needs_the_opt_in(k8s_crd: EmulatorThrea
             }
         ]
         await s.call(k8s.patch, s.PIPELINES, NAME, opt_in, NS, patch_type="json")
-        await s.until(k8s, lambda: len(s.children(k8s, NAME)) == 7, "rendered")
+        await s.until(k8s, lambda: len(s.children(k8s, NAME)) == CHILDREN, "rendered")
         sts = k8s.get(s.STS, f"{NAME}-denoiser", NS) or {}
         pod = sts["spec"]["template"]["spec"]
         assert pod["hostNetwork"] is True
