@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagg_runtime.codec import DTYPES
+
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _TENSOR = {
     "type": "object",
@@ -12,21 +14,7 @@ _TENSOR = {
     "properties": {
         "dtype": {
             "type": "string",
-            "enum": [
-                "bool",
-                "uint8",
-                "int8",
-                "int16",
-                "int32",
-                "int64",
-                "float16",
-                "bfloat16",
-                "float32",
-                "float64",
-                "complex64",
-                "float8_e4m3fn",
-                "float8_e5m2",
-            ],
+            "enum": list(DTYPES),  # the codec's allow-list
         },
         "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
         "data": {"type": "string", "contentEncoding": "base64", "description": "C order bytes"},
