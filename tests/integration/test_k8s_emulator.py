@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 import yaml
 
+from tests.k8s.widget import WIDGET_CRD
 from tests.support import REPO
 
 REAL_CRD = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
@@ -31,53 +32,6 @@ APPLY = {"Content-Type": "application/apply-patch+yaml"}
 CM_URL = "/api/v1/namespaces/default/configmaps"
 STS_URL = "/apis/apps/v1/namespaces/default/statefulsets"
 WIDGETS_URL = "/apis/example.dev/v1/namespaces/default/widgets"
-
-WIDGET_CRD: dict[str, Any] = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "widgets.example.dev"},
-    "spec": {
-        "group": "example.dev",
-        "scope": "Namespaced",
-        "names": {
-            "plural": "widgets",
-            "singular": "widget",
-            "kind": "Widget",
-            "shortNames": ["wg"],
-            "categories": ["all"],
-        },
-        "versions": [
-            {
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": [
-                    {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
-                "schema": {
-                    "openAPIV3Schema": {
-                        "type": "object",
-                        "properties": {
-                            "spec": {
-                                "type": "object",
-                                "properties": {
-                                    "size": {"type": "integer", "default": 1},
-                                    "color": {"type": "string"},
-                                },
-                            },
-                            "status": {
-                                "type": "object",
-                                "x-kubernetes-preserve-unknown-fields": True,
-                            },
-                        },
-                    }
-                },
-            }
-        ],
-    },
-}
 
 
 def configmap(name: str, labels: dict[str, str] | None = None, **data: str) -> dict[str, Any]:

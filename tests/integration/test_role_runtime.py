@@ -33,6 +33,7 @@ from disagg_runtime.pool import SHM_DIR, Pool
 from disagg_runtime.relay import Ingress, connect
 from disagg_runtime.role import Handler, RoleRuntime
 from tests.integration import pipeline_handlers as ph
+from tests.integration.handler_pipelines import pipeline_doc
 from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
 from tests.relay_rig import KEY, write_key
 from tests.support import wait_for
@@ -42,37 +43,6 @@ KiB = 1 << 10
 
 
 # -- rig -----------------------------------------------------------------------------------
-
-
-def pipeline_doc(
-    name: str,
-    roles: list[tuple[str, str]],
-    edges: list[dict[str, Any]],
-    *,
-    relay: str = "auto",
-    timeout: float = 10.0,
-    concurrency: int = 4,
-) -> dict[str, Any]:
-    """A DisaggregatedPipeline document; roles are (name, handler in pipeline_handlers)."""
-    return {
-        "apiVersion": "disagg.dev/v1alpha1",
-        "kind": "DisaggregatedPipeline",
-        "metadata": {"name": name},
-        "spec": {
-            "image": "disagg-test:0",
-            "transport": {
-                "relay": relay,
-                "poolSize": "8Mi",
-                "minBlock": "64Ki",
-                "requestTimeoutSeconds": timeout,
-            },
-            "roles": [
-                {"name": n, "handler": f"pipeline_handlers:{h}", "concurrency": concurrency}
-                for n, h in roles
-            ],
-            "edges": edges,
-        },
-    }
 
 
 class Running:

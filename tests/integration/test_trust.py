@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import os
 import re
 import resource
@@ -53,6 +52,7 @@ from disagg_runtime.relay import (
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.auth import PeerKeyError
 from disagg_runtime.role import RoleRuntime
+from tests.integration import handler_pipelines
 from tests.integration import pipeline_handlers as ph
 from tests.relay_rig import KEY, Rig, handshake, recv_reply, write_key
 from tests.support import wait_for
@@ -69,28 +69,7 @@ def wait_until(
     wait_for(predicate, timeout, interval=0.05, message=lambda: f"the condition; {what()}")
 
 
-def pipeline_doc(
-    name: str,
-    roles: list[tuple[str, str]],
-    *,
-    timeout: float = 10.0,
-    concurrency: int = 2,
-) -> dict[str, Any]:
-    """A linear pipeline of `(role, handler in pipeline_handlers)`."""
-    return {
-        "apiVersion": "disagg.dev/v1alpha1",
-        "kind": "DisaggregatedPipeline",
-        "metadata": {"name": name},
-        "spec": {
-            "image": "disagg-test:0",
-            "transport": {"poolSize": "8Mi", "minBlock": "64Ki", "requestTimeoutSeconds": timeout},
-            "roles": [
-                {"name": n, "handler": f"pipeline_handlers:{h}", "concurrency": concurrency}
-                for n, h in roles
-            ],
-            "edges": [{"from": a, "to": b} for (a, _), (b, _) in itertools.pairwise(roles)],
-        },
-    }
+pipeline_doc = functools.partial(handler_pipelines.pipeline_doc, concurrency=2)
 
 
 class Roles:
