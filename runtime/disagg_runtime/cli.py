@@ -33,7 +33,12 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     up.add_argument("--duration", type=float, default=None, help="send for this many seconds")
     up.add_argument("--timeout", type=float, default=None, help="per-request timeout (s)")
-    up.add_argument("--ready-timeout", type=float, default=60.0, help="start-up limit (s)")
+    up.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=None,
+        help="start-up limit (s); default: each role's startupSeconds, as its startup probe",
+    )
     up.add_argument("--grace", type=float, default=10.0, help="drain time at stop (s)")
     up.add_argument("--json", action="store_true", help="print the summary as JSON")
     up.add_argument(

@@ -285,6 +285,26 @@ def test_up_fails_every_request_of_a_dead_pipeline_with_the_role_at_once(
     assert s["elapsed_s"] < CRASH_TIMEOUT
 
 
+@pytest.mark.timeout(60)
+def test_up_gives_each_role_its_startup_seconds_to_become_ready() -> None:
+    """Without --ready-timeout a role gets what its startup probe would allow on a cluster
+    (startupSeconds), and the error names the role and that limit."""
+    file = PIPELINES / "up-slow-start.yaml"
+    started = time.monotonic()
+    run = subprocess.run(
+        [*disagg(), "up", str(file), "--requests", "1", "--grace", "1"],
+        env=role_env(),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert run.returncode != 0
+    assert "loader/0 (2 s)" in run.stderr and "startupSeconds" in run.stderr, run.stderr
+    assert "fast/0" not in run.stderr.split("not ready in time")[-1]
+    assert time.monotonic() - started < 40  # not the minute the import takes
+    assert not segments("itest-up-slow-start-")
+
+
 @pytest.mark.timeout(90)
 def test_ctrl_c_stops_every_role_and_leaves_nothing() -> None:
     file = PIPELINES / "up-ctrlc.yaml"

@@ -170,7 +170,7 @@ class LocalPipeline:
                 roles[rp.config.role].append(f"{HOST}:{rp.config.ingress_port}")
         write_peers_file(self.peers_file, roles)
 
-    def scale(self, role: str, replicas: int, *, ready_timeout: float = 60.0) -> None:
+    def scale(self, role: str, replicas: int, *, ready_timeout: float | None = None) -> None:
         """Start or stop replicas of `role` while requests flow. New replicas join the peers
         file once ready; leaving ones are taken out of it first, then drained by SIGTERM."""
         with self._scale_lock:
@@ -233,12 +233,20 @@ class LocalPipeline:
         self.run.add_process(proc.pid, f"{config.role}/{config.replica}", f"{pools}{proc.pid}-")
         return RoleProcess(config, proc, log_path, ready=ready)
 
-    def wait_ready(self, timeout: float = 60.0) -> float:
+    def wait_ready(self, timeout: float | None = None) -> float:
         """Seconds until every replica answers /readyz; raises if one dies or time runs out."""
         return self._wait(list(self.processes), timeout)
 
-    def _wait(self, processes: list[RoleProcess], timeout: float) -> float:
+    def _startup_limit(self, rp: RoleProcess, timeout: float | None) -> float:
+        """`timeout` when given, else the role's startupSeconds: the time its startup probe
+        allows a pod, so a slow model load gets the same grace locally as on a cluster."""
+        if timeout is not None:
+            return timeout
+        return float(self.pipeline.role(rp.config.role).startup_seconds)
+
+    def _wait(self, processes: list[RoleProcess], timeout: float | None) -> float:
         started = time.monotonic()
+        limits = {id(rp): self._startup_limit(rp, timeout) for rp in processes}
         waiting = list(processes)
         while waiting:
             for rp in list(waiting):
@@ -251,9 +259,12 @@ class LocalPipeline:
                     status, _ = fetch(f"http://{HOST}:{rp.config.metrics_port}/readyz", 0.5)
                     if status == 200:
                         waiting.remove(rp)
-            if time.monotonic() - started > timeout:
-                names = ", ".join(rp.label for rp in waiting)
-                raise TimeoutError(f"roles not ready after {timeout:.0f} s: {names}")
+            elapsed = time.monotonic() - started
+            late = [rp for rp in waiting if elapsed > limits[id(rp)]]
+            if late:
+                names = ", ".join(f"{rp.label} ({limits[id(rp)]:.0f} s)" for rp in late)
+                hint = "" if timeout is not None else " (the role's startupSeconds)"
+                raise TimeoutError(f"roles not ready in time{hint}: {names}")
             if waiting:
                 time.sleep(0.05)
         return time.monotonic() - started
