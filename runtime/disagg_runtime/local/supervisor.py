@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -44,17 +45,38 @@ HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 
 
-def free_ports() -> Iterator[int]:
-    """Ports the kernel says are free now (bound and released: good enough locally),
-    never the same one twice."""
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for port-0 binds (net.ipv4.ip_local_port_range)."""
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open("/proc/sys/net/ipv4/ip_local_port_range") as f,
+    ):
+        low, high = (int(p) for p in f.read().split())
+        return low, high
+    return 32768, 60999
+
+
+def free_ports(rng: random.Random | None = None) -> Iterator[int]:
+    """Ports free now, never the same one twice, and outside the kernel's ephemeral range:
+    a role's lane binds port 0 while its neighbours start, and the kernel could otherwise
+    hand it a port already promised to another role's ingress or metrics server."""
+    rng = rng or random.Random()
+    low, _ = ephemeral_range()
+    first = max(1024, low - 16384)
+    if low - first < 256:  # an unusual range: fall back to what the kernel picks
+        first, low = low, 65536
     seen: set[int] = set()
     while True:
+        port = rng.randrange(first, low)
+        if port in seen:
+            continue
+        seen.add(port)
         with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        if port not in seen:
-            seen.add(port)
-            yield port
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        yield port
 
 
 def plan_local(
