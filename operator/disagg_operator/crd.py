@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import yaml
 
-from disagg_core import autoscale, quantity
+from disagg_core import autoscale, quantity, relays
 from disagg_core.spec import model as m
 from disagg_core.spec.parse import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE
 from disagg_operator import names
@@ -155,7 +155,7 @@ def transport_schema() -> Schema:
         {
             "relay": _string(
                 "Default relay of an edge: auto (shared memory within a pod, TCP otherwise), "
-                "shm, tcp or cuda-ipc (roles on one GPU, i.e. one colocation group).",
+                f"{relays.describe()}.",
                 enum=list(m.RELAYS),
                 default=m.DEFAULT_RELAY,
             ),

@@ -22,46 +22,26 @@ segment is built unnamed (O_TMPFILE), locked and sized, then linked under its na
 name never shows a half-made or unlocked segment; a name taken by a dead owner's segment
 is reclaimed (`reclaim_stale`), one taken by a live owner is refused with who holds it.
 
-A slot holds one payload's tensors laid out by `manifest.layout`; `write_tensors` copies
-tensors in, `read_payload` returns views (or copies) that stay valid until the slot is
-freed.
-
-Device-aware copies. A copy with a GPU on either side runs on a dedicated copy stream
-(one per thread and device), never on the producer's stream:
-
-    producer stream   ──work──●(its current tail)───────────more work───>  (never waits)
-                               ╲ wait_stream
-    copy stream                 ●──copy slot<-tensor──●(Fence event)
-                                                       ╲ wait: host (Fence.wait) or,
-                                                          for CUDA IPC, the receiver
-
-`src.record_stream(copy)` keeps the caching allocator from reusing a source tensor's
-memory until the copy has read it, so the producer may drop its tensors at once.
-`write_tensors` returns a `Fence`; whoever hands the slot on waits on it first.
+A slot holds one payload's tensors laid out by `manifest.layout` (layout.py writes and
+reads them; copies.py moves them to and from GPUs); the pool is memory only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import itertools
 import logging
 import mmap
 import os
 import re
-import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 
 from disagg_core.spec.model import POOL_DEVICES, PoolDevice
-from disagg_runtime import codec
 from disagg_runtime.allocator import AllocatorError, BuddyAllocator
-from disagg_runtime.codec import tensor_from_buffer, unflatten
-from disagg_runtime.manifest import Manifest
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"
@@ -72,7 +52,6 @@ DEVICES: tuple[Device, ...] = (*POOL_DEVICES, "shm")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _counter = itertools.count()
-_local = threading.local()
 log = logging.getLogger(__name__)
 
 
@@ -443,210 +422,3 @@ class Pool:
     def close(self) -> None:
         self.allocator.reset()
         self.backing.close()
-
-
-# ---- device-aware copies ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Fence:
-    """Copies queued on copy streams; empty when every copy was host to host (done)."""
-
-    events: tuple[torch.cuda.Event, ...] = ()
-
-    def done(self) -> bool:
-        return all(bool(cast(Any, e).query()) for e in self.events)
-
-    def wait(self) -> None:
-        """Block this thread (only) until the copies are done."""
-        for event in self.events:
-            event.synchronize()
-
-
-def new_event(*, interprocess: bool = False) -> torch.cuda.Event:
-    """A CUDA event without timing (an interprocess one can be opened by another process)."""
-    event = cast(Any, torch.cuda).Event(interprocess=interprocess)
-    return cast(torch.cuda.Event, event)
-
-
-def new_stream(device: torch.device) -> torch.cuda.Stream:
-    return cast(torch.cuda.Stream, cast(Any, torch.cuda).Stream(device=device))
-
-
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's dedicated copy stream on `device` (created once)."""
-    streams: dict[torch.device, torch.cuda.Stream] = _local.__dict__.setdefault("streams", {})
-    stream = streams.get(device)
-    if stream is None:
-        stream = streams[device] = new_stream(device)
-    return stream
-
-
-def _copy_device(dst: torch.Tensor, src: torch.Tensor) -> torch.device:
-    return dst.device if dst.is_cuda else src.device
-
-
-def copy_async(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    stream: torch.cuda.Stream | None = None,
-    fresh_dst: bool = False,
-) -> Fence:
-    """`dst.copy_(src)` for each pair with a GPU on one side, on copy streams ordered after
-    the current streams of every device involved; never makes those streams wait. With
-    `fresh_dst`, the destinations were just allocated on the current stream and are kept
-    from reuse until the copy wrote them."""
-    groups: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for dst, src in pairs:
-        groups.setdefault(_copy_device(dst, src), []).append((dst, src))
-    events: list[torch.cuda.Event] = []
-    for device, group in groups.items():
-        s = stream if stream is not None and stream.device == device else copy_stream(device)
-        involved = {device} | {t.device for pair in group for t in pair if t.is_cuda}
-        for other in involved:
-            s.wait_stream(torch.cuda.current_stream(other))
-        with torch.cuda.stream(s):
-            for dst, src in group:
-                dst.copy_(src, non_blocking=True)
-                if src.is_cuda:
-                    src.record_stream(s)
-                if fresh_dst and dst.is_cuda:
-                    dst.record_stream(s)
-            event = new_event()
-            event.record(s)
-        events.append(event)
-    return Fence(tuple(events))
-
-
-def slot_views(backing: Backing, slot: int, manifest: Manifest) -> list[torch.Tensor]:
-    """Typed views of each tensor's place in the slot (on the backing's device)."""
-    views: list[torch.Tensor] = []
-    for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
-        start = slot + offset
-        raw = backing.tensor[start : start + meta.nbytes]
-        if meta.nbytes:
-            views.append(raw.view(meta.dtype).view(meta.shape))
-        else:
-            views.append(torch.empty(meta.shape, dtype=meta.dtype, device=raw.device))
-    return views
-
-
-def write_tensors(
-    backing: Backing,
-    slot: int,
-    manifest: Manifest,
-    tensors: Sequence[torch.Tensor],
-    *,
-    stream: torch.cuda.Stream | None = None,
-) -> Fence:
-    """Copy each tensor into its place in the slot (one copy; no temporaries). Host to
-    host copies are done on return; copies from or into a GPU are queued on a copy stream
-    (`stream` for its device, else this thread's) and the returned Fence says when."""
-    queued: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for meta, offset, src in zip(manifest.tensors, manifest.offsets, tensors, strict=True):
-        if meta.nbytes == 0:
-            continue
-        start = slot + offset
-        dst = backing.tensor[start : start + meta.nbytes]
-        if dst.is_cuda or src.is_cuda:
-            queued.append((dst.view(meta.dtype).view(meta.shape), src.detach()))
-        else:
-            dst.copy_(src.reshape(-1).view(torch.uint8))
-    return copy_async(queued, stream=stream) if queued else Fence()
-
-
-def to_device(payload: Any, device: torch.device | str) -> Any:
-    """`payload` with every tensor that is not on `device` copied there, on the dedicated
-    copy stream; returns once the copies are done (so a slot they came from may be freed).
-    Containers are rebuilt, tensors already on `device` are kept as they are."""
-    target = torch.device(device)
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def move(obj: Any, depth: int) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.device == target:
-                return obj
-            if not (obj.is_cuda or target.type == "cuda"):
-                return obj.to(target)
-            dst = torch.empty(obj.shape, dtype=obj.dtype, device=target)
-            pairs.append((dst, obj.detach()))
-            return dst
-        if depth > codec.MAX_DEPTH:
-            return obj
-        if isinstance(obj, dict):
-            return {k: move(v, depth + 1) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            items = [move(v, depth + 1) for v in obj]
-            return tuple(items) if isinstance(obj, tuple) else items
-        return obj
-
-    moved = move(payload, 0)
-    if pairs:
-        copy_async(pairs, fresh_dst=True).wait()
-    return moved
-
-
-def buffer_tensors(
-    buffer: memoryview, manifest: Manifest, *, copy: bool = False
-) -> list[torch.Tensor]:
-    """The tensors that `manifest` places in `buffer` (a slot's bytes), viewing it."""
-    return [
-        tensor_from_buffer(buffer[offset : offset + meta.nbytes], meta, copy=copy)
-        for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True)
-    ]
-
-
-def read_payload(
-    backing: Backing,
-    slot: int,
-    manifest: Manifest,
-    *,
-    copy: bool = False,
-    device: torch.device | str | None = None,
-) -> Any:
-    """Rebuild the payload; tensors view the slot unless `copy` (then they are clones), or
-    unless `device` differs from the pool's (then they are copies there, see `to_device`)."""
-    if backing.has_buffer:
-        tensors = buffer_tensors(
-            backing.buffer(slot, manifest.nbytes), manifest, copy=copy and device is None
-        )
-    else:
-        tensors = slot_views(backing, slot, manifest)
-        if copy and device is None:
-            tensors = [t.clone() for t in tensors]
-    payload = unflatten(manifest.tree, tensors)
-    return payload if device is None else to_device(payload, device)
-
-
-# ---- planning ----------------------------------------------------------------------------------
-
-
-def plan(payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
-    """Flatten a payload and lay its tensors out. CUDA tensors stay on their GPU (returned
-    as they are, possibly strided): `write_tensors` copies them once, straight into the
-    slot, instead of through fresh host memory first. CPU tensors come back contiguous."""
-    tree, tensors = codec.flatten(payload, keep_device=True)
-    return Manifest.of(tree, tensors), tensors
-
-
-def host_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with `t`'s bytes (`t` itself when it already is one)."""
-    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        return t
-    return t.detach().resolve_conj().resolve_neg().contiguous().cpu()
-
-
-def slot_image(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> bytearray:
-    """A slot's bytes built in fresh host memory: what a small payload carries inline, in
-    place of a pool slot (GPU tensors are copied to the host first: small payloads only)."""
-    image = bytearray(manifest.nbytes)
-    if not image:
-        return image
-    base = ctypes.addressof(ctypes.c_char.from_buffer(image))
-    for meta, offset, t in zip(manifest.tensors, manifest.offsets, tensors, strict=True):
-        if meta.nbytes:
-            # one memcpy from a contiguous host tensor: cheaper than building torch views
-            ctypes.memmove(base + offset, host_tensor(t).data_ptr(), meta.nbytes)
-    return image

@@ -59,6 +59,7 @@ from disagg_runtime.peers import (
 from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_namespace, shm_prefix
 from disagg_runtime.relay import Ingress, Message, RelayError
 from disagg_runtime.relay.auth import PeerKeyError, read_key
+from disagg_runtime.relay.select import relay_kind
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)
@@ -69,37 +70,6 @@ CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dr
 
 class ReplyFailed(RelayError):
     """The reply endpoint of a request could not be reached (so no error report can be)."""
-
-
-def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
-    """`auto` is cuda-ipc to a same-GPU peer when this process can use CUDA IPC, else shm
-    where peers share /dev/shm (same pod, or `disagg up`), else tcp; an automatic cuda-ipc
-    that is not possible falls back to shm with the reason logged. An explicit cuda-ipc
-    without CUDA is a start-up error naming CUDA (ContractError). Whether the receiver's
-    pool is on the GPU is only known at connect: the cuda-ipc sender then falls back to
-    the receiver's shared memory by itself, again with the reason logged."""
-    from disagg_core.contract import ContractError
-    from disagg_runtime.relay.cuda_ipc import unavailable_reason
-
-    if requested == "cuda-ipc":
-        reason = unavailable_reason()
-        if reason is not None:
-            raise ContractError(f"edge {config.role}->{role}: relay cuda-ipc needs CUDA: {reason}")
-        return "cuda-ipc"
-    if requested != "auto":
-        return requested
-    if role in config.same_gpu_peers:
-        reason = unavailable_reason()
-        if reason is None:
-            return "cuda-ipc"
-        log.info(  # expected on machines without GPUs: not a warning
-            "edge %s->%s: same GPU, but CUDA IPC is not possible (%s); using shm",
-            config.role,
-            role,
-            reason,
-        )
-        return "shm"
-    return "shm" if config.node_local else "tcp"
 
 
 @dataclass

@@ -4,7 +4,7 @@ Run as a script (`python tests/gpu/gpu_peer.py`), it prints one JSON line
 `{"control": endpoint}` and then answers JSON commands on a REP socket (no pickle):
 
     {"op": "ingress", "pool": "cuda", "size": N, "endpoint": "ipc"|"tcp", "lease": s}
-        -> {"id": k, "endpoint": ...}   a pool and an Ingress (a CudaIngress for cuda)
+        -> {"id": k, "endpoint": ...}   a pool and an Ingress (DeviceMemory for cuda)
     {"op": "check", "id": k, "expect": {...}, "timeout": s, "hold": false}
         -> receive one message, compare it bit for bit with `expected(expect)` on the GPU
            (`{"seed": n, "big": bytes}` or `{"fill": v, "n": bytes}`); release it unless held
@@ -133,7 +133,7 @@ class _Server:
         key = str(cmd["key"]).encode()  # the test's peer key (relay/auth.py)
         ingress = Ingress(endpoint, pool, lease_s=float(cmd.get("lease", 30.0)), key=key)
         self.rigs.append((pool, ingress))
-        return {"id": n, "endpoint": ingress.endpoint, "kind": type(ingress).__name__}
+        return {"id": n, "endpoint": ingress.endpoint, "kind": type(ingress.memory).__name__}
 
     def check(self, cmd: dict[str, Any]) -> dict[str, Any]:
         pool, ingress = self.rigs[cmd["id"]]

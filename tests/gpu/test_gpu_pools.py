@@ -12,17 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_runtime.pool import (
-    MiB,
-    Pool,
-    new_event,
-    new_stream,
-    plan,
-    read_payload,
-    shm_name,
-    to_device,
-    write_tensors,
-)
+from disagg_runtime.copies import new_event, new_stream, to_device
+from disagg_runtime.layout import plan, read_payload, write_tensors
+from disagg_runtime.pool import MiB, Pool, shm_name
 from tests.gpu import gpu_peer as peer
 
 pytestmark = pytest.mark.gpu

@@ -22,7 +22,7 @@ from disagg_runtime.pool import MiB
 from disagg_runtime.relay import Relay, RelayError, auth, connect
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.cuda_ipc import CudaIpcSender
-from disagg_runtime.role import relay_kind
+from disagg_runtime.relay.select import relay_kind
 from tests.gpu import gpu_peer as peer
 from tests.gpu.test_gpu_pools import SLEEP_CYCLES, report
 from tests.relay_rig import KEY, handshake
@@ -58,7 +58,7 @@ def rig(
 @pytest.fixture(scope="module")
 def cuda_rx(remote: peer.Peer) -> dict[str, Any]:
     rx = rig(remote, "cuda", size=1 << 30)
-    assert rx["kind"] == "CudaIngress"
+    assert rx["kind"] == "DeviceMemory"
     return rx
 
 

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from disagg_core import quantity
+from disagg_core import quantity, relays
 from disagg_core.spec import model as m
 from disagg_core.spec import podpolicy
 from disagg_core.spec.fields import Collector
@@ -406,14 +406,16 @@ def _check_cuda_ipc(
 ) -> None:
     for link in links:
         edge = pipeline.edges[link.index]
-        if pipeline.relay_for(edge) != "cuda-ipc":
+        relay = pipeline.relay_for(edge)
+        info = relays.BY_NAME.get(relay)
+        if info is None or not info.same_gpu:
             continue
         group = members.get(link.source)
         if group is None or members.get(link.target) != group:
             origin = "" if edge.relay else " (the default from spec.transport.relay)"
             out.add(
                 f"spec.edges[{link.index}]" + (".relay" if edge.relay else ""),
-                f"relay cuda-ipc{origin} needs {link.source!r} and {link.target!r} in one "
+                f"relay {relay}{origin} needs {link.source!r} and {link.target!r} in one "
                 "colocation group (the same GPU)",
             )
 

@@ -18,14 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from disagg_core.relays import RELAYS as RELAYS
+from disagg_core.relays import RelayKind as RelayKind
+
 API_VERSION = "disagg.dev/v1alpha1"
 KIND = "DisaggregatedPipeline"
 
-RelayKind = Literal["auto", "shm", "tcp", "cuda-ipc"]
 PoolDevice = Literal["cpu", "cpu-pinned", "cuda"]
 PortProtocol = Literal["TCP", "UDP", "SCTP"]
 GatewayApi = Literal["native", "openai"]
-RELAYS: tuple[RelayKind, ...] = get_args(RelayKind)
 POOL_DEVICES: tuple[PoolDevice, ...] = get_args(PoolDevice)
 PORT_PROTOCOLS: tuple[PortProtocol, ...] = get_args(PortProtocol)
 GATEWAY_APIS: tuple[GatewayApi, ...] = get_args(GatewayApi)

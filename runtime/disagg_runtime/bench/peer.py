@@ -21,7 +21,8 @@ import zmq
 
 from disagg_runtime import codec
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
-from disagg_runtime.pool import Device, Pool, shm_name, to_device
+from disagg_runtime.copies import to_device
+from disagg_runtime.pool import Device, Pool, shm_name
 from disagg_runtime.relay import Ingress, Message
 
 # --device cuda: where each relay's receiver lands payloads (all end on the GPU)

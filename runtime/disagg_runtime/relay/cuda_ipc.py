@@ -5,7 +5,7 @@ receiver owns a shared-memory pool, so flow control, slot leases and the occupan
 autoscaler reads work the same way. The control messages are the relay protocol's
 (`protocol.py`) with two additions:
 
-    sender (CudaIpcSender)                       receiver (CudaIngress, cuda pool)
+    sender (CudaIpcSender)                       receiver (CudaIpcLanding, cuda pool)
     hello {relay: "cuda-ipc"}              -->
                                            <--   welcome {..., cuda: EXPORT}
                                                  (the pool exported once for this peer;
@@ -45,21 +45,21 @@ import logging
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 
+from disagg_runtime.copies import new_event, new_stream
+from disagg_runtime.layout import write_tensors
 from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import (
-    Backing,
-    cuda_unavailable_reason,
-    new_event,
-    new_stream,
-    write_tensors,
-)
+from disagg_runtime.pool import Backing, cuda_unavailable_reason
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError
-from disagg_runtime.relay.sender import ShmSender
+from disagg_runtime.relay.registry import Backend
+from disagg_runtime.relay.shm import ShmSender
+
+if TYPE_CHECKING:
+    from disagg_runtime.relay.landing import Host, Landing
 
 log = logging.getLogger(__name__)
 EXPORT_VERSION = 1
@@ -379,3 +379,18 @@ class CudaIpcSender(ShmSender):
     def _on_close(self) -> None:
         self._release_mapping()
         super()._on_close()
+
+
+def _landing(host: Host) -> Landing:
+    from disagg_runtime.relay.cuda_landing import CudaIpcLanding  # it imports this module
+
+    return CudaIpcLanding(host)
+
+
+BACKEND = Backend(
+    "cuda-ipc",
+    sender=CudaIpcSender,
+    landing=_landing,
+    unavailable=lambda: unavailable_reason(),  # late-bound: looked up at each check
+    needs="CUDA",
+)

@@ -1,4 +1,10 @@
-"""The receiving end of every relay: a ZMQ ROUTER plus the role's receive pool.
+"""The receiving end of every relay: the I/O loop (a ZMQ ROUTER and the inline lane) over
+the role's receive pool.
+
+Its parts: the slot ledger (relay/ledger.py: reservations, grants, leases, delivered
+messages, aborts), the pool's `Memory` and each relay kind's `Landing` (relay/landing.py;
+a kind's landing is made when its first sender says hello, see relay/registry.py), and
+this loop, which alone touches the sockets.
 
 One I/O thread owns the socket (ZMQ sockets are single-threaded) and the inline lane
 (relay/lane.py). It answers reservations from the pool in arrival order, lands committed
@@ -24,107 +30,38 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import heapq
-import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from disagg_runtime import codec
 from disagg_runtime.codec import unflatten
+from disagg_runtime.layout import buffer_tensors, read_payload
 from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Pool, buffer_tensors, read_payload
-from disagg_runtime.relay import auth, lane
+from disagg_runtime.pool import Pool
+from disagg_runtime.relay import auth, lane, registry
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
+from disagg_runtime.relay.landing import Chunked, Landing, chunk_count, chunk_targets, memory_for
+from disagg_runtime.relay.ledger import Denial, Message, SlotLedger
 
 log = logging.getLogger(__name__)
 _SCRATCH = bytearray(1 << 20)
 HWM = 16
-MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
-MAX_WAIT_S = 3600.0
 LANE_HELLO = frozenset({"lane"})
 INLINE_OPS = frozenset({"inline", "abort"})
 LANE_OPS = frozenset({"inline", "abort", "reserve", "cancel", "commit"})
 MAX_PEERS = 4096  # authenticated senders remembered (least recently active forgotten first)
-MAX_PENDING_PER_PEER = 64  # a sender has one transfer at a time; leave room for abandoned ones
 MAX_UNAUTHENTICATED_LANES = 64  # lanes before their hello; more are refused at once
 LANE_HELLO_S = 5.0  # a lane must say its hello this soon after connecting
 LANE_CHECK_S = 0.5  # how often lanes are checked for those deadlines
-
-
-@dataclass(eq=False)
-class Message:
-    """One received payload. Tensors view the pool slot until `release()` (or abort)."""
-
-    request_id: str
-    payload: Any
-    nbytes: int
-    slot: int | None
-    received_at: float
-    meta: dict[str, Any] | None = None  # the sender's routing metadata, unread by relays
-    charge: int = 0  # inline bytes held against the ingress's inline budget until release
-    _release: Callable[[Message], None] | None = field(default=None, repr=False)
-    released: bool = False
-
-    def release(self) -> None:
-        if self._release is not None:
-            self._release(self)
-
-    def __enter__(self) -> Message:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-@dataclass
-class _Reservation:
-    ident: bytes
-    xid: int
-    rid: str
-    nbytes: int
-    deadline: float
-    offset: int | None = None
-    lane_sent: int = 0  # inline frames the sender had written to its lane before this
-
-
-@dataclass
-class _Landing:
-    """A tcp transfer in progress: where each of the sender's next chunk messages goes."""
-
-    grant: _Reservation
-    xid: int
-    manifest: Manifest
-    meta: dict[str, Any] | None
-    targets: Iterator[tuple[int, int]]
-    remaining: int
-    deadline: float
-    done: int = 0
-    error: str | None = None
-
-
-def chunk_count(manifest: Manifest, chunk: int) -> int:
-    if chunk < MIN_CHUNK:
-        raise proto.ProtocolError(f"chunk size {chunk} is below the minimum {MIN_CHUNK}")
-    if chunk > proto.MAX_FRAME_BYTES:
-        raise proto.ProtocolError(f"chunk size {chunk} is over {proto.MAX_FRAME_BYTES} B")
-    return sum(-(-meta.nbytes // chunk) for meta in manifest.tensors)
-
-
-def chunk_targets(slot: int, manifest: Manifest, chunk: int) -> Iterator[tuple[int, int]]:
-    """(pool offset, length) of every chunk, in the order the sender sends them (lazily:
-    a large slot in small chunks must not build a huge list on the I/O thread)."""
-    for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
-        for start in range(0, meta.nbytes, chunk):
-            yield slot + offset + start, min(chunk, meta.nbytes - start)
 
 
 def _meta(msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -165,17 +102,11 @@ class IngressStats:
 class Ingress:
     """Bind `endpoint` (tcp://0.0.0.0:7000, ipc:///run/disagg/x.sock) and land into `pool`.
 
-    Over a CUDA pool, `Ingress(...)` makes a `CudaIngress` (relay/cuda_ingress.py), which
-    exports the pool to cuda-ipc peers and lands tcp chunks through a pinned bounce buffer.
-    `key` is the pipeline's peer key: only senders that prove it are served.
+    The pool's memory decides how bytes land (`memory_for`: a CUDA pool through a pinned
+    bounce buffer); a sender's relay kind, what its welcome offers and how its commits
+    land (`Landing`). `key` is the pipeline's peer key: only senders that prove it are
+    served.
     """
-
-    def __new__(cls, endpoint: str, pool: Pool, **kwargs: Any) -> Ingress:
-        if cls is Ingress and pool.backing.device == "cuda":
-            from disagg_runtime.relay.cuda_ingress import CudaIngress
-
-            return super().__new__(CudaIngress)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -189,7 +120,8 @@ class Ingress:
         key: bytes,
         inline_budget: int | None = None,
     ) -> None:
-        self.pool = pool
+        self._pool = pool
+        self.memory = memory_for(pool)
         self._on_message = on_message
         self.lease_s = lease_s
         self._key = auth.check_key(key)
@@ -222,26 +154,20 @@ class Ingress:
         self.refusals = auth.Refusals(log, f"ingress {self.endpoint}")
         self._poller = zmq.Poller()  # the I/O thread's
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: fast hand-off
-        self._lock = threading.Lock()
-        self.inline_budget = inline_budget or max(
+        budget = inline_budget or max(
             2 * proto.MAX_INLINE_MESSAGE_BYTES, pool.allocator.capacity // 4
         )
-        self._inline_used = 0  # under _lock: released on the application's threads
-        # pending reservations in arrival order (O(1) head, removal by key), their deadlines
-        # in a heap (stale entries skipped), counted per sender and indexed by request
-        self._pending: collections.OrderedDict[tuple[bytes, int], _Reservation] = (
-            collections.OrderedDict()
+        self._ledger = SlotLedger(
+            pool,
+            lease_s=lease_s,
+            inline_budget=budget,
+            where=f"the receive pool at {self.endpoint}",
         )
-        self._deadlines: list[tuple[float, int, tuple[bytes, int]]] = []
-        self._seq = itertools.count()
-        self._pending_of: collections.Counter[bytes] = collections.Counter()
-        self._pending_rid: dict[str, set[tuple[bytes, int]]] = {}
-        self._granted: dict[tuple[bytes, int], _Reservation] = {}
-        self._landing: dict[bytes, _Landing] = {}
-        self._live: dict[str, list[Message]] = collections.defaultdict(list)
-        self._aborted: dict[str, float] = {}
+        self.inline_budget = budget
+        self._chunked: dict[bytes, Chunked] = {}  # tcp transfers landing, by sender
+        self._landings: dict[str, Landing] = {}  # by relay kind, made at its first hello
+        self._kinds: dict[bytes, str] = {}  # each peer's relay kind, from its hello
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._delivered = 0
         self._rejected = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -266,6 +192,14 @@ class Ingress:
             if not msg.released:
                 return msg
 
+    @property
+    def pool(self) -> Pool:
+        return self._pool
+
+    @property
+    def ledger(self) -> SlotLedger:
+        return self._ledger
+
     def abort(self, request_id: str) -> None:
         """Free every slot `request_id` holds here, now and for its late arrivals."""
         self._abort_delivered(request_id)
@@ -278,12 +212,12 @@ class Ingress:
             pool_used=s.used,
             occupancy=s.occupancy,
             queued=self._queue.qsize(),
-            pending_reservations=len(self._pending),
-            delivered=self._delivered,
+            pending_reservations=self._ledger.pending_count,
+            delivered=self._ledger.delivered,
             rejected=self._rejected,
             lanes=len(self._by_sender),
             refused=self.refusals.count,
-            inline_used=self._inline_used,
+            inline_used=self._ledger.inline_used,
             inline_budget=self.inline_budget,
             peers=len(self._peers),
         )
@@ -295,6 +229,8 @@ class Ingress:
         self._stop.set()
         self._wake()
         self._thread.join(timeout=5)
+        for landing in self._landings.values():
+            landing.close()
         self._sock.close(linger=0)
         for conn in self._lanes.values():
             conn.reader.close()
@@ -317,45 +253,12 @@ class Ingress:
             os.write(self._wake_w, b"x")
 
     def _release(self, msg: Message) -> None:
-        with self._lock:
-            if msg.released:
-                return
-            msg.released = True
-            live = self._live.get(msg.request_id)
-            if live is not None:
-                live.remove(msg)
-                if not live:
-                    del self._live[msg.request_id]
-            self._free(msg)
-        self._wake()
-
-    def _free(self, msg: Message) -> None:
-        """Give back what a message holds (call with _lock held)."""
-        if msg.slot is not None:
-            self.pool.free(msg.slot)
-        self._inline_used -= msg.charge
-        msg.charge = 0
-
-    def _take_inline(self, nbytes: int) -> bool:
-        """Hold `nbytes` of the inline budget; False when they do not fit now (one frame
-        always fits an empty budget, so no sender is starved for good)."""
-        with self._lock:
-            if self._inline_used and self._inline_used + nbytes > self.inline_budget:
-                return False
-            self._inline_used += nbytes
-            return True
-
-    def _give_inline(self, nbytes: int) -> None:
-        with self._lock:
-            self._inline_used -= nbytes
+        self.memory.before_release(msg)
+        if self._ledger.release(msg):
+            self._wake()  # waiting reservations may fit now
 
     def _abort_delivered(self, rid: str) -> None:
-        with self._lock:
-            self._aborted[rid] = time.monotonic() + self.lease_s
-            msgs = self._live.pop(rid, [])
-            for msg in msgs:
-                msg.released = True
-                self._free(msg)
+        self._ledger.abort_delivered(rid, time.monotonic())
         self._wake()
 
     # ---- I/O thread ---------------------------------------------------------------------
@@ -404,7 +307,7 @@ class Ingress:
                 self.refusals.refuse(f"{len(self._lanes)} lanes ({strangers} without a hello)")
                 conn.close()  # its sender goes over ZMQ
                 continue
-            reader = lane.LaneReader(conn, admit=self._take_inline, limits=lane.HELLO_LIMITS)
+            reader = lane.LaneReader(conn, admit=self._ledger.take_inline, limits=lane.HELLO_LIMITS)
             self._lanes[conn.fileno()] = _Lane(reader, time.monotonic())
             self._poller.register(conn.fileno(), zmq.POLLIN)
             self._read_lane(conn.fileno())  # its hello may be there already
@@ -425,17 +328,17 @@ class Ingress:
                 self._on_lane_frame(conn, frame)
             except lane.LaneError as exc:
                 closed = exc
-                self._give_inline(sum(f.charge for f in frames[i:]))
+                self._ledger.give_inline(sum(f.charge for f in frames[i:]))
                 break
             except (proto.ProtocolError, codec.CodecError) as exc:
                 if conn.ident is None:  # no hello: not a lane of ours
                     self.refusals.refuse(f"lane: {exc}")
                     closed = lane.LaneError(str(exc))
-                    self._give_inline(sum(f.charge for f in frames[i:]))
+                    self._ledger.give_inline(sum(f.charge for f in frames[i:]))
                     break
                 self._rejected += 1
                 log.warning("ingress %s rejected a lane message: %s", self.endpoint, exc)
-            self._give_inline(frame.charge)  # what no message took over
+            self._ledger.give_inline(frame.charge)  # what no message took over
             frame.charge = 0
         if closed is not None:
             log.debug("ingress %s: %s", self.endpoint, closed)
@@ -456,7 +359,7 @@ class Ingress:
             self._poller.unregister(fd)  # before closing: the number may be reused at once
         if conn.ident is not None and self._by_sender.get(conn.ident) is conn:
             del self._by_sender[conn.ident]
-        self._give_inline(conn.reader.abandon())  # a frame cut short holds no budget
+        self._ledger.give_inline(conn.reader.abandon())  # a frame cut short holds no budget
         conn.reader.close()
 
     def _expire_lanes(self, now: float) -> None:
@@ -515,12 +418,12 @@ class Ingress:
         self._inline(msg, manifest, frame.data, size, charge)
 
     def _poll_ms(self) -> int:
-        deadlines = [g.deadline for g in self._granted.values()]
-        deadlines += [landing.deadline for landing in self._landing.values()]
-        while self._deadlines and self._deadlines[0][2] not in self._pending:
-            heapq.heappop(self._deadlines)  # stale: granted, cancelled or aborted
-        if self._deadlines:
-            deadlines.append(self._deadlines[0][0])
+        if any(landing.busy() for landing in self._landings.values()):
+            return 1
+        deadlines = [chunked.deadline for chunked in self._chunked.values()]
+        ledger = self._ledger.next_deadline()
+        if ledger is not None:
+            deadlines.append(ledger)
         if not deadlines:
             return 1000
         return max(1, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
@@ -535,10 +438,10 @@ class Ingress:
                 self._stranger(ident)
                 return
             self._peers.move_to_end(ident)  # recently active: forgotten last
-            landing = self._landing.get(ident)
-            if landing is not None:
-                msg = {"op": "commit", "xid": landing.xid}
-                self._on_chunk(ident, landing)
+            chunked = self._chunked.get(ident)
+            if chunked is not None:
+                msg = {"op": "commit", "xid": chunked.xid}
+                self._on_chunk(ident, chunked)
                 return
             msg = proto.unpack(self._sock.recv(), proto.OPS_TO_INGRESS)
             if msg["op"] in proto.HANDSHAKE_OPS:  # a new handshake on this connection
@@ -550,7 +453,7 @@ class Ingress:
         except (proto.ProtocolError, codec.CodecError) as exc:
             self._rejected += 1
             log.warning("ingress %s rejected a message: %s", self.endpoint, exc)
-            if ident not in self._landing:
+            if ident not in self._chunked:
                 self._nack_commit(ident, msg, exc)
         finally:
             self._drain()
@@ -615,11 +518,14 @@ class Ingress:
     def _forget(self, ident: bytes) -> None:
         """`ident` is no longer a peer: drop what it holds that nobody else will free."""
         self._peers.pop(ident, None)
-        for key in [k for k in self._pending if k[0] == ident]:
-            self._unpend(key)
-        landing = self._landing.pop(ident, None)
-        if landing is not None and landing.grant.offset is not None:
-            self.pool.free(landing.grant.offset)
+        self._ledger.forget(ident)
+        chunked = self._chunked.pop(ident, None)
+        if chunked is not None and chunked.grant.offset is not None:
+            self._ledger.free(chunked.grant.offset)
+        kind = self._kinds.pop(ident, None)
+        landing = self._landings.get(kind) if kind is not None else None
+        if landing is not None:
+            landing.forget(ident)
         conn = self._by_sender.get(ident)
         if conn is not None:
             self._close_lane(conn)
@@ -668,28 +574,32 @@ class Ingress:
         return token
 
     def _welcome_extra(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        """Backend hook: relay-specific welcome fields (a CUDA pool exports itself)."""
-        if msg.get("relay") != "cuda-ipc":
+        """The sender's relay kind's welcome fields (a CUDA pool exports itself to cuda-ipc)."""
+        kind = msg.get("relay")
+        if not isinstance(kind, str):
             return {}
-        device = self.pool.backing.device
-        return {"cuda_unavailable": f"the receive pool at {self.endpoint} is {device} memory"}
+        self._kinds[ident] = kind
+        landing = self._landing_of(kind)
+        return landing.welcome(ident, msg) if landing is not None else {}
 
-    def _chunk_buffer(self, offset: int, length: int) -> memoryview:
-        """Backend hook: where the next tcp chunk for pool bytes [offset, +length) lands."""
-        return self.pool.backing.buffer(offset, length)
-
-    def _chunk_landed(self, offset: int, length: int) -> str | None:
-        """Backend hook: a chunk arrived in `_chunk_buffer`; an error message, or None."""
-        return None
+    def _landing_of(self, kind: str) -> Landing | None:
+        """`kind`'s landing, made (its backend imported) on first use; None: the plain paths."""
+        landing = self._landings.get(kind)
+        if landing is None:
+            backend = registry.find(kind)
+            if backend is None or backend.landing is None:
+                return None
+            landing = self._landings[kind] = backend.landing(self)
+        return landing
 
     def _on_inline(self, ident: bytes, msg: dict[str, Any]) -> None:
         manifest = Manifest.from_json(msg.get("manifest"), slot_size=proto.MAX_INLINE_MESSAGE_BYTES)
         if not self._sock.getsockopt(zmq.RCVMORE):
             raise proto.ProtocolError("inline message has no data frame")
-        if not self._take_inline(manifest.nbytes):  # over ZMQ there is no stalling it
+        if not self._ledger.take_inline(manifest.nbytes):  # over ZMQ there is no stalling it
             raise proto.ProtocolError(
-                f"inline payload of {manifest.nbytes} B dropped: {self._inline_used} B of the "
-                f"inline budget ({self.inline_budget} B) are held"
+                f"inline payload of {manifest.nbytes} B dropped: {self._ledger.inline_used} B "
+                f"of the inline budget ({self.inline_budget} B) are held"
             )
         try:
             data = bytearray(manifest.nbytes)  # bounded above; a longer frame is cut short
@@ -697,7 +607,7 @@ class Ingress:
             if self._sock.getsockopt(zmq.RCVMORE):
                 raise proto.ProtocolError("inline message carries unexpected frames")
         except BaseException:
-            self._give_inline(manifest.nbytes)
+            self._ledger.give_inline(manifest.nbytes)
             raise
         self._inline(msg, manifest, memoryview(data), got, manifest.nbytes)
 
@@ -714,7 +624,7 @@ class Ingress:
                 )
             payload = unflatten(manifest.tree, buffer_tensors(data, manifest))
         except BaseException:
-            self._give_inline(charge)
+            self._ledger.give_inline(charge)
             raise
         message = Message(rid, payload, manifest.nbytes, None, time.monotonic(), _meta(msg))
         message.charge = charge
@@ -724,75 +634,39 @@ class Ingress:
         xid = proto.nonneg_int(msg, "xid")
         rid = proto.field(msg, "rid", str)
         nbytes = proto.nonneg_int(msg, "nbytes")
-        if nbytes > self.pool.allocator.max_allocation:
-            reason = (
-                f"payload of {nbytes} B can never fit: largest block of the receive pool at "
-                f"{self.endpoint} is {self.pool.allocator.max_allocation} B"
-            )
-            self._reply(ident, "deny", xid=xid, reason=reason)
-            return
-        key = (ident, xid)
-        if key in self._granted or key in self._pending:
-            self._rejected += 1
-            self._reply(ident, "deny", xid=xid, reason=f"reservation xid {xid} is already in use")
-            return
-        if self._pending_of[ident] >= MAX_PENDING_PER_PEER:
-            self._rejected += 1
-            reason = f"more than {MAX_PENDING_PER_PEER} reservations of this sender are waiting"
-            self._reply(ident, "deny", xid=xid, reason=reason)
-            return
-        if rid in self._aborted:
-            self._reply(ident, "deny", xid=xid, reason=f"request {rid} was aborted")
-            return
         wait = msg.get("wait_s", self.lease_s)
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not wait >= 0:
             raise proto.ProtocolError("reserve: wait_s must be a non-negative number")
-        deadline = time.monotonic() + min(float(wait), MAX_WAIT_S)
-        lane_sent = proto.nonneg_int(msg, "lane") if "lane" in msg else 0
-        self._pending[key] = _Reservation(ident, xid, rid, nbytes, deadline, lane_sent=lane_sent)
-        self._pending_of[ident] += 1
-        self._pending_rid.setdefault(rid, set()).add(key)
-        heapq.heappush(self._deadlines, (deadline, next(self._seq), key))
-        if len(self._deadlines) > 2 * len(self._pending) + 64:  # mostly stale: rebuild
-            self._deadlines = [(r.deadline, next(self._seq), k) for k, r in self._pending.items()]
-            heapq.heapify(self._deadlines)
+        denial = self._ledger.reserve(
+            ident,
+            xid,
+            rid,
+            nbytes,
+            max_allocation=self.pool.allocator.max_allocation,
+            wait_s=float(wait),
+            now=time.monotonic(),
+            lane_sent=proto.nonneg_int(msg, "lane") if "lane" in msg else 0,
+        )
+        if denial is not None:
+            self._deny(denial)
 
-    def _unpend(self, key: tuple[bytes, int]) -> _Reservation | None:
-        """Take a reservation out of the pending ones (its heap entry goes stale)."""
-        r = self._pending.pop(key, None)
-        if r is None:
-            return None
-        self._pending_of[r.ident] -= 1
-        if not self._pending_of[r.ident]:
-            del self._pending_of[r.ident]
-        keys = self._pending_rid.get(r.rid)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._pending_rid[r.rid]
-        return r
+    def _deny(self, denial: Denial) -> None:
+        self._rejected += denial.counted
+        timeout = {"timeout": True} if denial.timeout else {}
+        self._reply(denial.ident, "deny", xid=denial.xid, reason=denial.reason, **timeout)
 
     def _grant_pending(self) -> None:
-        while self._pending:
-            head = next(iter(self._pending.values()))
+        def ready(head: Any) -> bool:  # inline frames sent before it are all here: keep order
             conn = self._by_sender.get(head.ident)
-            if conn is not None and conn.taken < head.lane_sent:
-                return  # inline frames sent before it are still on their way: keep order
-            offset = self.pool.allocate(head.nbytes)
-            if offset is None:
-                return  # arrival order: a large head is not overtaken by small ones
-            self._unpend((head.ident, head.xid))
-            head.offset = offset
-            head.deadline = time.monotonic() + self.lease_s
-            self._granted[(head.ident, head.xid)] = head
-            self._reply(head.ident, "grant", xid=head.xid, offset=offset, lease_s=self.lease_s)
+            return conn is None or conn.taken >= head.lane_sent
+
+        for grant in self._ledger.grant_pending(time.monotonic(), ready):
+            self._reply(
+                grant.ident, "grant", xid=grant.xid, offset=grant.offset, lease_s=self.lease_s
+            )
 
     def _on_cancel(self, ident: bytes, msg: dict[str, Any]) -> None:
-        xid = proto.nonneg_int(msg, "xid")
-        grant = self._granted.pop((ident, xid), None)
-        if grant is not None and grant.offset is not None:
-            self.pool.free(grant.offset)
-        self._unpend((ident, xid))
+        self._ledger.cancel(ident, proto.nonneg_int(msg, "xid"))
 
     def _on_abort(self, ident: bytes, msg: dict[str, Any]) -> None:
         rid = proto.field(msg, "rid", str)
@@ -800,19 +674,21 @@ class Ingress:
         self._abort_reservations(rid)
 
     def _abort_reservations(self, rid: str) -> None:
-        for key, grant in list(self._granted.items()):
-            if grant.rid == rid:
-                del self._granted[key]
-                if grant.offset is not None:
-                    self.pool.free(grant.offset)
-        for key in list(self._pending_rid.get(rid, ())):
-            r = self._unpend(key)
-            if r is not None:
-                self._reply(r.ident, "deny", xid=r.xid, reason=f"request {rid} was aborted")
+        for denial in self._ledger.abort_reservations(rid):
+            self._deny(denial)
 
     def _on_commit(self, ident: bytes, msg: dict[str, Any]) -> None:
+        kind = self._kinds.get(ident)
+        landing = self._landings.get(kind) if kind is not None else None
+        if landing is not None and landing.commit(ident, msg):
+            return
+        self.commit(ident, msg)
+
+    # ---- Host (relay/landing.py): what landings use ----------------------------------------
+    def commit(self, ident: bytes, msg: dict[str, Any]) -> None:
+        """The plain commit: the payload is in its slot (shm), or its chunks follow (tcp)."""
         xid = proto.nonneg_int(msg, "xid")
-        grant = self._granted.pop((ident, xid), None)
+        grant = self._ledger.take_grant(ident, xid)
         if grant is None or grant.offset is None:
             raise proto.ProtocolError(f"commit for xid {xid} without a live grant (lease expired?)")
         slot = grant.offset
@@ -828,41 +704,48 @@ class Ingress:
                 chunk = proto.nonneg_int(msg, "chunk")
                 count = chunk_count(manifest, chunk)
                 if count:
+                    self.memory.prepare_chunks(chunk)
                     targets = chunk_targets(slot, manifest, chunk)
                     deadline = time.monotonic() + self.lease_s
-                    self._landing[ident] = _Landing(
+                    self._chunked[ident] = Chunked(
                         grant, xid, manifest, meta, targets, count, deadline
                     )
                     return
         except BaseException:
-            self.pool.free(slot)
+            self._ledger.free(slot)
             raise
         self._finish(ident, xid, grant.rid, slot, manifest, meta)
 
-    def _on_chunk(self, ident: bytes, landing: _Landing) -> None:
+    def reject(self, ident: bytes, xid: int, reason: str) -> None:
+        self._rejected += 1
+        log.warning("ingress %s rejected a commit: %s", self.endpoint, reason)
+        self._reply(ident, "nack", xid=xid, reason=reason)
+
+    # ---- landing --------------------------------------------------------------------------------
+    def _on_chunk(self, ident: bytes, chunked: Chunked) -> None:
         """Land the next chunk of `ident`'s transfer straight into its slot."""
-        offset, length = next(landing.targets)
-        landing.done += 1
-        if landing.error is None:
-            got = self._sock.recv_into(self._chunk_buffer(offset, length))
+        offset, length = next(chunked.targets)
+        chunked.done += 1
+        if chunked.error is None:
+            got = self._sock.recv_into(self.memory.chunk_buffer(offset, length))
             if got != length:
-                landing.error = f"chunk {landing.done - 1}: {got} B, expected {length} B"
+                chunked.error = f"chunk {chunked.done - 1}: {got} B, expected {length} B"
             elif self._sock.getsockopt(zmq.RCVMORE):
-                landing.error = f"chunk {landing.done - 1}: unexpected extra frames"
+                chunked.error = f"chunk {chunked.done - 1}: unexpected extra frames"
             else:
-                landing.error = self._chunk_landed(offset, length)
+                chunked.error = self.memory.chunk_landed(offset, length)
         else:
             self._sock.recv_into(_SCRATCH)
         self._drain()
-        if landing.done < landing.remaining:
+        if chunked.done < chunked.remaining:
             return
-        del self._landing[ident]
-        slot = landing.grant.offset
-        assert slot is not None  # landings are made from live grants
-        if landing.error is not None:
-            self.pool.free(slot)
-            raise proto.ProtocolError(landing.error)  # counted and nacked by _handle_one
-        self._finish(ident, landing.xid, landing.grant.rid, slot, landing.manifest, landing.meta)
+        del self._chunked[ident]
+        slot = chunked.grant.offset
+        assert slot is not None  # transfers are made from live grants
+        if chunked.error is not None:
+            self._ledger.free(slot)
+            raise proto.ProtocolError(chunked.error)  # counted and nacked by _handle_one
+        self._finish(ident, chunked.xid, chunked.grant.rid, slot, chunked.manifest, chunked.meta)
 
     def _finish(
         self,
@@ -876,7 +759,7 @@ class Ingress:
         try:
             payload = read_payload(self.pool.backing, slot, manifest)
         except BaseException:
-            self.pool.free(slot)
+            self._ledger.free(slot)
             raise
         msg = Message(rid, payload, manifest.nbytes, slot, time.monotonic(), meta)
         if not self._admit(msg):
@@ -894,14 +777,7 @@ class Ingress:
 
     def _admit(self, msg: Message) -> bool:
         """Make `msg` one of its request's live messages; False (slot freed) if aborted."""
-        msg._release = self._release
-        with self._lock:
-            if msg.request_id in self._aborted:
-                self._free(msg)
-                return False
-            self._live[msg.request_id].append(msg)
-            self._delivered += 1
-        return True
+        return self._ledger.admit(msg, self._release)  # via the memory: CUDA synchronizes
 
     def _hand_over(self, msg: Message) -> None:
         """To `recv` through the queue, or to `on_message` right here on the I/O thread."""
@@ -915,35 +791,19 @@ class Ingress:
             msg.release()
 
     def _expire(self, now: float) -> None:
-        for ident, landing in list(self._landing.items()):
-            if landing.deadline <= now:  # sender vanished mid-transfer
-                del self._landing[ident]
-                if landing.grant.offset is not None:
-                    self.pool.free(landing.grant.offset)
+        for landing in self._landings.values():
+            landing.expire(now)
+        for ident, chunked in list(self._chunked.items()):
+            if chunked.deadline <= now:  # sender vanished mid-transfer
+                del self._chunked[ident]
+                if chunked.grant.offset is not None:
+                    self._ledger.free(chunked.grant.offset)
                 self._rejected += 1
-                reason = f"transfer for request {landing.grant.rid} stalled; slot freed"
+                reason = f"transfer for request {chunked.grant.rid} stalled; slot freed"
                 log.warning("%s", reason)
-                self._reply(ident, "nack", xid=landing.xid, reason=reason)
-        for key, grant in list(self._granted.items()):
-            if grant.deadline <= now:
-                del self._granted[key]
-                if grant.offset is not None:
-                    self.pool.free(grant.offset)
-                log.warning("grant for request %s expired uncommitted; slot freed", grant.rid)
-        while self._deadlines and self._deadlines[0][0] <= now:
-            key = heapq.heappop(self._deadlines)[2]
-            r = self._pending.get(key)
-            if r is None or r.deadline > now:
-                continue  # stale: no longer pending (or pending again, later)
-            self._unpend(key)
-            self._reply(
-                r.ident,
-                "deny",
-                xid=r.xid,
-                reason="no room in the receive pool in time",
-                timeout=True,
-            )
-        with self._lock:
-            for rid, until in list(self._aborted.items()):
-                if until <= now:
-                    del self._aborted[rid]
+                self._reply(ident, "nack", xid=chunked.xid, reason=reason)
+        expired = self._ledger.expire(now)
+        for grant in expired.lapsed:
+            log.warning("grant for request %s expired uncommitted; slot freed", grant.rid)
+        for denial in expired.denied:
+            self._deny(denial)

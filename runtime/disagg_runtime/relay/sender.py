@@ -1,6 +1,6 @@
-"""Sending ends of the relays: `ShmSender` (same node) and `TcpSender` (across nodes).
+"""The sending end every relay shares (relay/shm.py, relay/tcp.py, relay/cuda_ipc.py subclass it).
 
-Both speak `protocol` to an `Ingress`. Payloads up to `inline_max` bytes of tensors go as
+All speak `protocol` to an `Ingress`. Payloads up to `inline_max` bytes of tensors go as
 one message carrying their slot's bytes (latency-bound, no handshake), on the inline lane
 the ingress offers (relay/lane.py) or else over ZMQ. Larger ones reserve a slot in the
 receiver's pool first, so a slow receiver stalls its senders (flow control) rather than
@@ -41,19 +41,8 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
-from disagg_runtime import codec
+from disagg_runtime.layout import plan, slot_image
 from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import (
-    Backing,
-    PoolError,
-    attach_backing,
-    copy_async,
-    pinned_staging,
-    plan,
-    slot_image,
-    slot_views,
-    write_tensors,
-)
 from disagg_runtime.relay import auth, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import NotAPeer, RelayError, RelayTimeout
@@ -412,122 +401,3 @@ class Sender:
                 return msg
             if msg["op"] == "grant" and isinstance(msg.get("xid"), int):
                 self._control(proto.pack("cancel", xid=msg["xid"]))
-
-
-class ShmSender(Sender):
-    """Writes tensors once into the receiver's pre-faulted shared pool; sends the manifest.
-    With a lane, the whole handshake runs there: one thread wake-up per message instead of
-    three (the data itself never crosses a socket)."""
-
-    kind = "shm"
-    control_on_lane = True
-    _backing: Backing | None = None
-    _pin_tried = False
-
-    def _on_welcome(self, welcome: dict[str, Any]) -> None:
-        name = welcome.get("pool")
-        if not isinstance(name, str):
-            raise RelayError(
-                f"receiver at {self.endpoint} has no shared-memory pool; use the tcp relay"
-            )
-        if self.pools is not None and not name.startswith(self.pools):
-            raise RelayError(
-                f"receiver at {self.endpoint} offers pool {name[:80]!r}, not one of this "
-                f"pipeline's ({self.pools}*)"
-            )
-        try:
-            self._backing = attach_backing(name)
-        except PoolError as exc:
-            raise RelayError(f"cannot map the receive pool of {self.endpoint}: {exc}") from None
-
-    def _transfer(
-        self,
-        commit: bytes,
-        xid: int,
-        offset: int,
-        manifest: Manifest,
-        tensors: list[torch.Tensor],
-        write_by: float,
-    ) -> None:
-        assert self._backing is not None  # set by the handshake
-        if offset + manifest.nbytes > self._backing.size:
-            self._control(proto.pack("cancel", xid=xid))
-            raise RelayError(f"grant from {self.endpoint} lies outside its pool; not written")
-        if not self._pin_tried and any(t.is_cuda for t in tensors):
-            self._pin_for_gpu(self._backing)
-        self._check_lease(xid, write_by)
-        # copies from a GPU run on the copy stream; the receiver reads once it has the commit
-        write_tensors(self._backing, offset, manifest, tensors).wait()
-        self._control(commit)
-
-    def _pin_for_gpu(self, backing: Backing) -> None:
-        """Page-lock our mapping of the receiver's pool once, so that GPU tensors are copied
-        into it by DMA rather than through the driver's pageable bounce buffers."""
-        self._pin_tried = True
-        try:
-            backing.pin()
-        except PoolError as exc:
-            log.info(
-                "%s relay to %s copies from the GPU unpinned: %s", self.kind, self.endpoint, exc
-            )
-
-    def _on_close(self) -> None:
-        if self._backing is not None:
-            self._backing.close()
-
-
-class TcpSender(Sender):
-    """Streams tensors as zero-copy chunk frames that land in the receiver's pool."""
-
-    kind = "tcp"
-
-    def __init__(self, endpoint: str, *, chunk_bytes: int = CHUNK_BYTES, **kwargs: Any) -> None:
-        self.chunk_bytes = chunk_bytes
-        self._staging: Backing | None = None
-        super().__init__(endpoint, **kwargs)
-
-    def _commit_fields(self) -> dict[str, Any]:
-        return {"chunk": self.chunk_bytes}
-
-    def _transfer(
-        self,
-        commit: bytes,
-        xid: int,
-        offset: int,
-        manifest: Manifest,
-        tensors: list[torch.Tensor],
-        write_by: float,
-    ) -> None:
-        self._check_lease(xid, write_by)
-        chunks: list[memoryview] = []
-        for tensor in self._host_tensors(manifest, tensors):
-            raw = codec.tensor_bytes(tensor)
-            chunks.extend(
-                raw[i : i + self.chunk_bytes] for i in range(0, len(raw), self.chunk_bytes)
-            )
-        self._sock.send(commit)
-        for chunk in chunks:  # one message each: libzmq buffers a multipart message whole
-            self._sock.send(chunk, copy=len(chunk) < ZERO_COPY_MIN)
-
-    def _host_tensors(self, manifest: Manifest, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """GPU tensors are copied once, on the copy stream, into a private pinned staging
-        buffer (grown to the largest payload, then reused) and sent from there. Reuse is
-        safe: the previous transfer was acknowledged, so the receiver has all its chunks."""
-        if not any(t.is_cuda for t in tensors):
-            return tensors
-        if self._staging is None or self._staging.size < manifest.nbytes:
-            if self._staging is not None:
-                self._staging.close()
-                self._staging = None
-            try:
-                self._staging = pinned_staging(manifest.nbytes)
-            except PoolError as exc:
-                raise RelayError(f"tcp relay to {self.endpoint}: {exc}") from None
-        views = slot_views(self._staging, 0, manifest)
-        copy_async([(v, t) for v, t in zip(views, tensors, strict=True) if t.is_cuda]).wait()
-        return [v if t.is_cuda else t for v, t in zip(views, tensors, strict=True)]
-
-    def _on_close(self) -> None:
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None

@@ -29,28 +29,22 @@ from hypothesis import strategies as st
 from disagg_core.contract import ContractError, Peer, RoleConfig, RoleTopology, Topology
 from disagg_core.spec.model import PoolSettings
 from disagg_runtime import codec
+from disagg_runtime.copies import Fence, to_device
+from disagg_runtime.layout import buffer_tensors, plan, read_payload, slot_image, write_tensors
+from disagg_runtime.layout import plan as pool_plan
 from disagg_runtime.pool import (
     SHM_DIR,
     SHM_PREFIX,
     Backing,
-    Fence,
     MiB,
     Pool,
     PoolError,
-    buffer_tensors,
     create_backing,
     pinned_staging,
-    plan,
-    read_payload,
     shm_name,
-    slot_image,
-    to_device,
-    write_tensors,
 )
-from disagg_runtime.pool import plan as pool_plan
-from disagg_runtime.relay import Ingress, Relay, RelayError, auth, connect, cuda_ingress, cuda_ipc
+from disagg_runtime.relay import Ingress, Relay, RelayError, auth, connect, cuda_ipc, cuda_landing
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.cuda_ingress import CudaIngress
 from disagg_runtime.relay.cuda_ipc import (
     EVENT_HANDLE_BYTES,
     PROCESS_TOKEN,
@@ -60,7 +54,8 @@ from disagg_runtime.relay.cuda_ipc import (
     parse_event_handle,
     unavailable_reason,
 )
-from disagg_runtime.role import relay_kind
+from disagg_runtime.relay.cuda_landing import DeviceMemory
+from disagg_runtime.relay.select import relay_kind
 from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import KEY, handshake
 
@@ -141,14 +136,14 @@ def test_explicit_cuda_ipc_edge_is_a_start_up_error_naming_cuda() -> None:
 def test_same_gpu_peers_fall_back_to_shm_with_the_reason_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="disagg_runtime.role")
+    caplog.set_level(logging.INFO, logger="disagg_runtime.relay.select")
     assert relay_kind(_config(same_gpu=frozenset({"b"})), "b", "auto") == "shm"
     (record,) = [r for r in caplog.records if "CUDA IPC is not possible" in r.getMessage()]
     assert "edge a->b" in record.getMessage() and "CUDA" in record.getMessage()
 
 
 def test_relay_kind_leaves_other_edges_alone(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="disagg_runtime.role")
+    caplog.set_level(logging.INFO, logger="disagg_runtime.relay.select")
     assert relay_kind(_config(node_local=True), "b", "auto") == "shm"
     assert relay_kind(_config(), "b", "auto") == "tcp"
     assert relay_kind(_config(same_gpu=frozenset({"b"})), "b", "tcp") == "tcp"
@@ -450,7 +445,8 @@ def test_host_writes_are_done_on_return_and_to_device_cpu_keeps_tensors() -> Non
 # The CUDA calls (export/map of the pool, streams, the peer's interprocess event) are
 # replaced by fakes: the "GPU pool" is host memory both ends share in this process, and
 # the event completes `delay` s after each record. What runs for real is everything else:
-# Ingress dispatch to CudaIngress, the welcome export, the sender's handshake and commit,
+# an Ingress over a CUDA pool (DeviceMemory, CudaIpcLanding), the welcome export, the
+# sender's handshake and commit,
 # the receiver's wait for the copy (spin, deferral, lease, quarantine), validation, nacks,
 # the tcp bounce path, and the fallbacks. tests/gpu runs the same paths on a GPU.
 
@@ -523,8 +519,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(cuda_ipc, "local_device", lambda export: 0)
     monkeypatch.setattr(cuda_ipc, "new_stream", FakeStream)
     monkeypatch.setattr(cuda_ipc, "new_event", lambda interprocess=False: fake.event)
-    monkeypatch.setattr(cuda_ingress, "new_stream", FakeStream)
-    monkeypatch.setattr(cuda_ingress, "pinned_buffer", lambda n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(cuda_landing, "new_stream", FakeStream)
+    monkeypatch.setattr(cuda_landing, "pinned_buffer", lambda n: torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", staticmethod(from_ipc_handle))
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
@@ -586,7 +582,7 @@ def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
 
 def test_sim_cuda_ipc_round_trip_holds_the_slot_until_release(rig: CudaRig) -> None:
     ingress = rig.ingress()
-    assert isinstance(ingress, CudaIngress)
+    assert isinstance(ingress.memory, DeviceMemory)
     sender = rig.sender("cuda-ipc", ingress)
     assert isinstance(sender, CudaIpcSender) and sender.mode == "cuda-ipc"
     payload = big_payload(1)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_runtime.codec import DTYPES, CodecError, TensorMeta
+from disagg_runtime.layout import plan as pool_plan
 from disagg_runtime.manifest import (
     ALIGN,
     MANIFEST_VERSION,
@@ -19,7 +20,6 @@ from disagg_runtime.manifest import (
     layout,
     tensor_alignment,
 )
-from disagg_runtime.pool import plan as pool_plan
 
 # -- helpers -------------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from disagg_runtime.layout import plan as pool_plan
+from disagg_runtime.layout import read_payload, write_tensors
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import (
     SHM_DIR,
@@ -24,13 +26,10 @@ from disagg_runtime.pool import (
     Pool,
     PoolError,
     attach_backing,
-    read_payload,
     reclaim_stale,
     shm_name,
     shm_prefix,
-    write_tensors,
 )
-from disagg_runtime.pool import plan as pool_plan
 from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
 
 KiB = 1 << 10

@@ -1,0 +1,40 @@
+"""The relay kinds an edge may name: one table, read by the spec, the CRD and the docs.
+
+Core holds only the names and what they mean (it must stay torch-free and never import the
+runtime); each kind's implementation registers itself in the runtime
+(disagg_runtime/relay/registry.py), and a test checks that both sides list the same kinds.
+Adding a relay is: a row here, its module in the runtime, its tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+RelayKind = Literal["auto", "shm", "tcp", "cuda-ipc"]
+AUTO: RelayKind = "auto"
+
+
+@dataclass(frozen=True)
+class RelayInfo:
+    """What a relay kind is for, as the docs and the CRD say it."""
+
+    name: RelayKind
+    summary: str  # one phrase: when to use it
+    same_node: bool = False  # both roles must share a node (shared memory)
+    same_gpu: bool = False  # both roles must share a GPU (one colocation group)
+
+
+KINDS: tuple[RelayInfo, ...] = (
+    RelayInfo("shm", "shared memory within a node", same_node=True),
+    RelayInfo("tcp", "TCP streams across nodes"),
+    RelayInfo("cuda-ipc", "roles on one GPU, i.e. one colocation group", same_gpu=True),
+)
+BY_NAME: dict[str, RelayInfo] = {info.name: info for info in KINDS}
+RELAYS: tuple[RelayKind, ...] = get_args(RelayKind)  # `auto` first, then KINDS in order
+CONCRETE: tuple[RelayKind, ...] = tuple(info.name for info in KINDS)  # what `auto` picks from
+
+
+def describe() -> str:
+    """`shm (shared memory within a node), tcp (...), ...`: for field descriptions."""
+    return ", ".join(f"{info.name} ({info.summary})" for info in KINDS)

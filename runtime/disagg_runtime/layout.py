@@ -1,0 +1,119 @@
+"""Payload-to-slot layout: where a payload's tensors go in a pool slot, and back.
+
+A slot holds one payload's tensors at the offsets `Manifest.of` gives them;
+`write_tensors` copies tensors in (once; GPU copies through copies.py), `read_payload`
+returns views (or copies) that stay valid until the slot is freed, and `slot_image`
+builds a slot's bytes in fresh memory for payloads small enough to travel inline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from disagg_runtime import codec
+from disagg_runtime.codec import tensor_from_buffer, unflatten
+from disagg_runtime.copies import Fence, copy_async, to_device
+from disagg_runtime.manifest import Manifest
+from disagg_runtime.pool import Backing
+
+
+def slot_views(backing: Backing, slot: int, manifest: Manifest) -> list[torch.Tensor]:
+    """Typed views of each tensor's place in the slot (on the backing's device)."""
+    views: list[torch.Tensor] = []
+    for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
+        start = slot + offset
+        raw = backing.tensor[start : start + meta.nbytes]
+        if meta.nbytes:
+            views.append(raw.view(meta.dtype).view(meta.shape))
+        else:
+            views.append(torch.empty(meta.shape, dtype=meta.dtype, device=raw.device))
+    return views
+
+
+def write_tensors(
+    backing: Backing,
+    slot: int,
+    manifest: Manifest,
+    tensors: Sequence[torch.Tensor],
+    *,
+    stream: torch.cuda.Stream | None = None,
+) -> Fence:
+    """Copy each tensor into its place in the slot (one copy; no temporaries). Host to
+    host copies are done on return; copies from or into a GPU are queued on a copy stream
+    (`stream` for its device, else this thread's) and the returned Fence says when."""
+    queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for meta, offset, src in zip(manifest.tensors, manifest.offsets, tensors, strict=True):
+        if meta.nbytes == 0:
+            continue
+        start = slot + offset
+        dst = backing.tensor[start : start + meta.nbytes]
+        if dst.is_cuda or src.is_cuda:
+            queued.append((dst.view(meta.dtype).view(meta.shape), src.detach()))
+        else:
+            dst.copy_(src.reshape(-1).view(torch.uint8))
+    return copy_async(queued, stream=stream) if queued else Fence()
+
+
+def buffer_tensors(
+    buffer: memoryview, manifest: Manifest, *, copy: bool = False
+) -> list[torch.Tensor]:
+    """The tensors that `manifest` places in `buffer` (a slot's bytes), viewing it."""
+    return [
+        tensor_from_buffer(buffer[offset : offset + meta.nbytes], meta, copy=copy)
+        for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True)
+    ]
+
+
+def read_payload(
+    backing: Backing,
+    slot: int,
+    manifest: Manifest,
+    *,
+    copy: bool = False,
+    device: torch.device | str | None = None,
+) -> Any:
+    """Rebuild the payload; tensors view the slot unless `copy` (then they are clones), or
+    unless `device` differs from the pool's (then they are copies there, see `to_device`)."""
+    if backing.has_buffer:
+        tensors = buffer_tensors(
+            backing.buffer(slot, manifest.nbytes), manifest, copy=copy and device is None
+        )
+    else:
+        tensors = slot_views(backing, slot, manifest)
+        if copy and device is None:
+            tensors = [t.clone() for t in tensors]
+    payload = unflatten(manifest.tree, tensors)
+    return payload if device is None else to_device(payload, device)
+
+
+def plan(payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
+    """Flatten a payload and lay its tensors out. CUDA tensors stay on their GPU (returned
+    as they are, possibly strided): `write_tensors` copies them once, straight into the
+    slot, instead of through fresh host memory first. CPU tensors come back contiguous."""
+    tree, tensors = codec.flatten(payload, keep_device=True)
+    return Manifest.of(tree, tensors), tensors
+
+
+def host_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with `t`'s bytes (`t` itself when it already is one)."""
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return t
+    return t.detach().resolve_conj().resolve_neg().contiguous().cpu()
+
+
+def slot_image(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> bytearray:
+    """A slot's bytes built in fresh host memory: what a small payload carries inline, in
+    place of a pool slot (GPU tensors are copied to the host first: small payloads only)."""
+    image = bytearray(manifest.nbytes)
+    if not image:
+        return image
+    base = ctypes.addressof(ctypes.c_char.from_buffer(image))
+    for meta, offset, t in zip(manifest.tensors, manifest.offsets, tensors, strict=True):
+        if meta.nbytes:
+            # one memcpy from a contiguous host tensor: cheaper than building torch views
+            ctypes.memmove(base + offset, host_tensor(t).data_ptr(), meta.nbytes)
+    return image

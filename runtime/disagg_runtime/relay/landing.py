@@ -1,0 +1,134 @@
+"""How payloads land in the receiver's pool: the parts of the ingress that differ by relay
+kind or by pool memory, apart from its I/O loop (relay/ingress.py).
+
+- A `Landing` is one relay kind's receiving side, made (lazily, see relay/registry.py)
+  the first time a sender of that kind says hello: extra welcome fields, commits it takes
+  over (a cuda-ipc copy still running on the sender's stream), its own timers.
+- A `Memory` is how bytes get into the pool's memory: host pools receive tcp chunks in
+  place; device pools through a bounce buffer, and synchronize before a slot is reused.
+- `Chunked` follows one tcp transfer: where each of its next chunk messages goes.
+
+Both talk to the ingress through `Host`, so a landing can finish, nack or free what it
+took over, and never needs the socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from disagg_runtime.manifest import Manifest
+from disagg_runtime.pool import Pool
+from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.ledger import Message, Reservation, SlotLedger
+
+MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
+
+
+class Host(Protocol):
+    """What a landing may use of its ingress (all on the I/O thread)."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def pool(self) -> Pool: ...
+
+    @property
+    def ledger(self) -> SlotLedger: ...
+
+    def commit(self, ident: bytes, msg: dict[str, Any]) -> None:
+        """The plain commit path: validate, land (tcp chunks) and deliver, or raise."""
+
+    def reject(self, ident: bytes, xid: int, reason: str) -> None:
+        """Count and nack a commit the landing gave up on."""
+
+
+class Landing:
+    """One relay kind's receiving side; the defaults are what shm and tcp need."""
+
+    kind: str = ""
+
+    def welcome(self, ident: bytes, hello: dict[str, Any]) -> dict[str, Any]:
+        """Extra welcome fields for a sender of this kind."""
+        return {}
+
+    def commit(self, ident: bytes, msg: dict[str, Any]) -> bool:
+        """Take over a commit (True: it is answered later, or has been); False: plain."""
+        return False
+
+    def busy(self) -> bool:
+        """Work in progress the loop must poll for soon (it then wakes every millisecond)."""
+        return False
+
+    def expire(self, now: float) -> None:
+        """Timers: deferred commits and whatever the landing keeps."""
+
+    def forget(self, ident: bytes) -> None:
+        """`ident` is no longer a peer."""
+
+    def close(self) -> None:
+        """The ingress is closing."""
+
+
+class Memory:
+    """Host memory (cpu, shm, cpu-pinned pools): tcp chunks are received in place."""
+
+    kind = "host"
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def prepare_chunks(self, chunk: int) -> None:
+        """A transfer in chunks of `chunk` B is about to land; ProtocolError if it cannot."""
+
+    def chunk_buffer(self, offset: int, length: int) -> memoryview:
+        """Where the next tcp chunk for pool bytes [offset, +length) is received."""
+        return self.pool.backing.buffer(offset, length)
+
+    def chunk_landed(self, offset: int, length: int) -> str | None:
+        """A chunk arrived in `chunk_buffer`; an error message, or None."""
+        return None
+
+    def before_release(self, msg: Message) -> None:
+        """The application released `msg`: anything still reading its slot must end first."""
+
+
+def memory_for(pool: Pool) -> Memory:
+    if pool.backing.device == "cuda":  # imported here: only device pools need CUDA
+        from disagg_runtime.relay.cuda_landing import DeviceMemory
+
+        return DeviceMemory(pool)
+    return Memory(pool)
+
+
+@dataclass
+class Chunked:
+    """A tcp transfer in progress: where each of the sender's next chunk messages goes."""
+
+    grant: Reservation
+    xid: int
+    manifest: Manifest
+    meta: dict[str, Any] | None
+    targets: Iterator[tuple[int, int]]
+    remaining: int
+    deadline: float
+    done: int = 0
+    error: str | None = None
+
+
+def chunk_count(manifest: Manifest, chunk: int) -> int:
+    if chunk < MIN_CHUNK:
+        raise proto.ProtocolError(f"chunk size {chunk} is below the minimum {MIN_CHUNK}")
+    if chunk > proto.MAX_FRAME_BYTES:
+        raise proto.ProtocolError(f"chunk size {chunk} is over {proto.MAX_FRAME_BYTES} B")
+    return sum(-(-meta.nbytes // chunk) for meta in manifest.tensors)
+
+
+def chunk_targets(slot: int, manifest: Manifest, chunk: int) -> Iterator[tuple[int, int]]:
+    """(pool offset, length) of every chunk, in the order the sender sends them (lazily:
+    a large slot in small chunks must not build a huge list on the I/O thread)."""
+    for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
+        for start in range(0, meta.nbytes, chunk):
+            yield slot + offset + start, min(chunk, meta.nbytes - start)

@@ -1,0 +1,166 @@
+"""The receiver's slot ledger without sockets: reservations, grants, leases, aborts, expiry."""
+
+from __future__ import annotations
+
+from disagg_runtime.allocator import BuddyAllocator
+from disagg_runtime.relay.ledger import MAX_PENDING_PER_PEER, Denial, Message, SlotLedger
+
+MiB = 1 << 20
+A, B = b"a" * 16, b"b" * 16
+
+
+class Slots:
+    """A real buddy allocator, counting what is live."""
+
+    def __init__(self, size: int = 4 * MiB) -> None:
+        self.allocator = BuddyAllocator(size, MiB)
+        self.live: set[int] = set()
+
+    def allocate(self, nbytes: int) -> int | None:
+        offset = self.allocator.allocate(max(nbytes, 1))
+        if offset is not None:
+            self.live.add(offset)
+        return offset
+
+    def free(self, offset: int) -> None:
+        self.live.remove(offset)  # a double free fails the test
+        self.allocator.free(offset)
+
+
+def ledger(slots: Slots, lease_s: float = 10.0) -> SlotLedger:
+    return SlotLedger(slots, lease_s=lease_s, inline_budget=MiB)
+
+
+def reserve(
+    ledger: SlotLedger, ident: bytes, xid: int, rid: str, nbytes: int, now: float = 0.0
+) -> Denial | None:
+    return ledger.reserve(ident, xid, rid, nbytes, max_allocation=4 * MiB, wait_s=5.0, now=now)
+
+
+def ready(_: object) -> bool:
+    return True
+
+
+def test_grants_in_arrival_order_and_a_large_head_is_not_overtaken() -> None:
+    slots = Slots()
+    book = ledger(slots)
+    assert reserve(book, A, 1, "r1", 3 * MiB) is None
+    assert reserve(book, B, 1, "r2", 2 * MiB) is None  # cannot fit beside r1
+    assert reserve(book, A, 2, "r3", MiB) is None  # would fit, but waits behind r2
+    (first,) = book.grant_pending(0.0, ready)
+    assert (first.ident, first.xid, first.rid) == (A, 1, "r1")
+    assert book.grant_pending(0.0, ready) == []
+    grant = book.take_grant(A, 1)
+    assert grant is not None and grant.offset is not None
+    book.free(grant.offset)
+    granted = book.grant_pending(0.0, ready)
+    assert [g.rid for g in granted] == ["r2", "r3"]
+
+
+def test_a_sender_not_ready_holds_the_line() -> None:
+    book = ledger(Slots())
+    reserve(book, A, 1, "r", MiB)
+    assert book.grant_pending(0.0, lambda r: False) == []
+    assert book.pending_count == 1
+
+
+def test_refusals_name_the_reason() -> None:
+    book = ledger(Slots())
+    denial = book.reserve(A, 1, "r", 5 * MiB, max_allocation=4 * MiB, wait_s=1.0, now=0.0)
+    assert denial is not None and "can never fit" in denial.reason and not denial.counted
+    assert reserve(book, A, 1, "r", MiB) is None
+    again = reserve(book, A, 1, "r", MiB)
+    assert again is not None and "already in use" in again.reason and again.counted
+    book.abort_delivered("gone", now=0.0)
+    late = reserve(book, A, 2, "gone", MiB)
+    assert late is not None and "aborted" in late.reason
+
+
+def test_pending_reservations_per_sender_are_bounded() -> None:
+    book = ledger(Slots(MiB))
+    for xid in range(MAX_PENDING_PER_PEER):
+        assert reserve(book, A, xid, f"r{xid}", MiB) is None
+    denial = reserve(book, A, 999, "x", MiB)
+    assert denial is not None and denial.counted
+    assert reserve(book, B, 0, "y", MiB) is None  # another sender is not held back
+
+
+def test_a_lease_not_committed_in_time_frees_the_slot() -> None:
+    slots = Slots()
+    book = ledger(slots, lease_s=2.0)
+    reserve(book, A, 1, "r", MiB)
+    assert len(book.grant_pending(0.0, ready)) == 1
+    assert book.next_deadline() == 2.0
+    assert book.expire(1.9).lapsed == []
+    expired = book.expire(2.0)
+    assert [g.rid for g in expired.lapsed] == ["r"] and not slots.live
+    assert book.take_grant(A, 1) is None  # a late commit finds nothing
+
+
+def test_a_reservation_waiting_too_long_is_denied_as_a_timeout() -> None:
+    slots = Slots(MiB)
+    book = ledger(slots)
+    reserve(book, A, 1, "big", MiB)
+    book.grant_pending(0.0, ready)
+    reserve(book, B, 1, "waits", MiB, now=0.0)  # wait_s 5
+    assert book.expire(4.0).denied == []
+    (denial,) = book.expire(5.0).denied
+    assert (denial.ident, denial.xid, denial.timeout) == (B, 1, True)
+    assert book.pending_count == 0
+
+
+def test_abort_frees_grants_denies_pending_and_releases_delivered() -> None:
+    slots = Slots(2 * MiB)
+    book = ledger(slots)
+    reserve(book, A, 1, "r", MiB)
+    reserve(book, A, 2, "r", MiB)
+    reserve(book, B, 1, "r", MiB)  # no room: pending
+    reserve(book, B, 2, "other", MiB)
+    assert [(g.ident, g.xid) for g in book.grant_pending(0.0, ready)] == [(A, 1), (A, 2)]
+    taken = book.take_grant(A, 1)
+    assert taken is not None and taken.offset is not None
+    msg = Message("r", None, MiB, taken.offset, 0.0)
+    assert book.admit(msg)
+    denied = book.abort_reservations("r")
+    book.abort_delivered("r", now=0.0)
+    assert [(d.ident, d.xid) for d in denied] == [(B, 1)]
+    assert msg.released and not slots.live
+    msg.release()  # a second release is harmless
+    assert [g.rid for g in book.grant_pending(0.0, ready)] == ["other"]
+
+
+def test_a_message_of_an_aborted_request_is_not_admitted() -> None:
+    slots = Slots()
+    book = ledger(slots)
+    book.abort_delivered("r", now=0.0)
+    slot = slots.allocate(MiB)
+    assert slot is not None
+    assert not book.admit(Message("r", None, MiB, slot, 0.0))
+    assert not slots.live
+    book.expire(book.lease_s)  # the abort is forgotten after a lease
+    slot = slots.allocate(MiB)
+    assert slot is not None and book.admit(Message("r", None, MiB, slot, 0.0))
+
+
+def test_cancel_and_forget() -> None:
+    slots = Slots(MiB)
+    book = ledger(slots)
+    reserve(book, A, 1, "r", MiB)
+    reserve(book, A, 2, "r2", MiB)
+    book.grant_pending(0.0, ready)
+    book.cancel(A, 1)  # the grant's slot is free again
+    assert not slots.live
+    book.forget(A)  # and its pending one is gone
+    assert book.pending_count == 0 and book.grant_pending(0.0, ready) == []
+
+
+def test_the_inline_budget_always_admits_one_frame() -> None:
+    book = SlotLedger(Slots(), lease_s=1.0, inline_budget=100)
+    assert book.take_inline(500)  # an empty budget takes any one frame
+    assert not book.take_inline(1)
+    book.give_inline(500)
+    assert book.take_inline(60) and book.take_inline(40) and not book.take_inline(1)
+    msg = Message("r", None, 40, None, 0.0, charge=40)
+    assert book.admit(msg)
+    msg.release()
+    assert book.inline_used == 60
