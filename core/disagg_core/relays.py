@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-RelayKind = Literal["auto", "shm", "tcp", "cuda-ipc"]
+RelayKind = Literal["auto", "shm", "tcp", "cuda-ipc", "nixl"]
 AUTO: RelayKind = "auto"
 
 
@@ -29,6 +29,7 @@ KINDS: tuple[RelayInfo, ...] = (
     RelayInfo("shm", "shared memory within a node", same_node=True),
     RelayInfo("tcp", "TCP streams across nodes"),
     RelayInfo("cuda-ipc", "roles on one GPU, i.e. one colocation group", same_gpu=True),
+    RelayInfo("nixl", "one-sided NIXL writes, RDMA where the node has it; needs the nixl extra"),
 )
 BY_NAME: dict[str, RelayInfo] = {info.name: info for info in KINDS}
 RELAYS: tuple[RelayKind, ...] = get_args(RelayKind)  # `auto` first, then KINDS in order
