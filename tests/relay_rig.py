@@ -11,16 +11,24 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import zmq
 
 from disagg_runtime.pool import MiB, Pool, shm_name
-from disagg_runtime.relay import Ingress, Relay, auth, connect
+from disagg_runtime.relay import Ingress, Relay, auth, connect, registry
 from disagg_runtime.relay import protocol as proto
 from tests.payload_checks import assert_bit_exact
 
 KiB = 1 << 10
 KINDS = ["shm", "tcp"]
+# every relay test runs over nixl too where this machine has it (relay/nixl.py)
+NIXL_MISSING = registry.backend("nixl").unavailable()
+NIXL = pytest.param(
+    "nixl",
+    marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=f"no nixl here: {NIXL_MISSING}"),
+)
+RELAY_KINDS = [*KINDS, NIXL]
 WAIT = 10.0  # generous upper bound for anything that should happen "soon"
 KEY = auth.new_key()  # the peer key of every ingress and sender the rig makes
 

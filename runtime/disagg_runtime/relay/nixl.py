@@ -106,6 +106,8 @@ class Agent:
             raise RelayError(f"nixl is not installed ({exc})") from None
         except Exception as exc:  # its loader probes CUDA and shared libraries
             raise RelayError(f"nixl cannot be loaded: {type(exc).__name__}: {exc}") from None
+        if "NIXL_LOG_LEVEL" not in os.environ:  # its INFO lines go to stdout: keep it quiet
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         config = api.nixl_agent_config(
             # no NIXL progress thread: measured here it costs a quarter of a core when idle
             # and cut 64 MiB WRITEs from ~4 GB/s to ~0.5 GB/s on 2 cores; a WRITE progresses
