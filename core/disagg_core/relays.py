@@ -8,6 +8,7 @@ Adding a relay is: a row here, its module in the runtime, its tests.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -34,6 +35,16 @@ KINDS: tuple[RelayInfo, ...] = (
 BY_NAME: dict[str, RelayInfo] = {info.name: info for info in KINDS}
 RELAYS: tuple[RelayKind, ...] = get_args(RelayKind)  # `auto` first, then KINDS in order
 CONCRETE: tuple[RelayKind, ...] = tuple(info.name for info in KINDS)  # what `auto` picks from
+
+
+RDMA_MARK = "rdma"  # a pod resource whose name has it is an RDMA device (rdma/hca_shared_...)
+
+
+def requests_rdma(resource_names: Iterable[str]) -> bool:
+    """Whether a container's requested or limited resources include an RDMA device, the way
+    the RDMA device plugins name them (`rdma/hca_shared_devices_a`, `rdma/rdma_shared_device_a`,
+    `nvidia.com/rdma...`): `auto` then prefers nixl towards peers that have one too."""
+    return any(RDMA_MARK in name.lower() for name in resource_names)
 
 
 def describe() -> str:
