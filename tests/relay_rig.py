@@ -3,6 +3,7 @@ test, payloads to move, and waits with timeouts (nothing asserts durations)."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import shutil
@@ -11,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import zmq
 
@@ -21,6 +23,14 @@ from tests.payload_checks import assert_bit_exact
 
 KiB = 1 << 10
 KINDS = ["shm", "tcp"]
+# every relay test runs over nixl too where this machine has it (relay/nixl.py)
+# installed but unusable is a failure, not a skip; finding it loads nothing (no agent here)
+NIXL_MISSING = None if importlib.util.find_spec("nixl") else "the nixl package is not installed"
+NIXL = pytest.param(
+    "nixl",
+    marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=f"no nixl here: {NIXL_MISSING}"),
+)
+RELAY_KINDS = [*KINDS, NIXL]
 WAIT = 10.0  # generous upper bound for anything that should happen "soon"
 KEY = auth.new_key()  # the peer key of every ingress and sender the rig makes
 

@@ -182,6 +182,7 @@ class RoleConfig:
     topology: Topology
     downstream: tuple[Peer, ...] = ()
     same_gpu_peers: frozenset[str] = frozenset()
+    rdma_peers: frozenset[str] = frozenset()
     node_local: bool = False
     bind_host: str = "0.0.0.0"
     ingress_port: int = DEFAULT_INGRESS_PORT
@@ -412,6 +413,14 @@ ENV: Final[tuple[EnvVar, ...]] = (
         "same_gpu_peers",
         ROLES,
         "comma list of roles sharing this container's GPU (same pod)",
+        default="",
+    ),
+    EnvVar(
+        "RDMA_PEERS",
+        "rdma_peers",
+        ROLES,
+        "comma list of target roles whose pods, like this one, request an RDMA device "
+        "(relay auto prefers nixl to them where the image has it)",
         default="",
     ),
     EnvVar(

@@ -29,6 +29,7 @@ from disagg_core.contract import (
     RoleConfig,
     Topology,
 )
+from disagg_core.relays import requests_rdma
 from disagg_core.spec.model import Pipeline, RelayKind
 
 
@@ -62,6 +63,18 @@ def relays(pipeline: Pipeline, role: str) -> dict[str, RelayKind]:
     return {target: by_edge.get(target, "auto") for target in targets(pipeline, role)}
 
 
+def rdma_peers(pipeline: Pipeline, role: str) -> frozenset[str]:
+    """Targets of `role` whose pods request an RDMA device, when `role`'s pod does too."""
+
+    def rdma(name: str) -> bool:
+        resources = pipeline.role(name).resources
+        return requests_rdma([*resources.requests, *resources.limits])
+
+    if not rdma(role):
+        return frozenset()
+    return frozenset(target for target in targets(pipeline, role) if rdma(target))
+
+
 def role_config(pipeline: Pipeline, role: str, placement: Placement) -> RoleConfig:
     """The contract of one replica of `role` placed by `placement`."""
     group = pipeline.colocation_group_of(role)
@@ -79,6 +92,7 @@ def role_config(pipeline: Pipeline, role: str, placement: Placement) -> RoleConf
             for target, relay in relays(pipeline, role).items()
         ),
         same_gpu_peers=frozenset(group.roles) - {role} if group else frozenset(),
+        rdma_peers=rdma_peers(pipeline, role) - (frozenset(group.roles) if group else frozenset()),
         node_local=placement.node_local,
         bind_host=placement.bind_host,
         ingress_port=placement.ingress_port,

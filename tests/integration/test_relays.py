@@ -31,6 +31,7 @@ from tests.payload_checks import assert_bit_exact, tensors_of
 from tests.relay_rig import (
     KEY,
     KINDS,
+    RELAY_KINDS,
     WAIT,
     KiB,
     Rig,
@@ -48,7 +49,7 @@ from tests.support import wait_for
 # -- round trips ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_large_payload_round_trips_into_the_pool(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress)
@@ -73,7 +74,7 @@ def test_large_payload_round_trips_into_the_pool(rig: Rig, kind: str) -> None:
     assert ingress.pool.stats().used == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_small_payload_goes_inline(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress)
@@ -88,7 +89,7 @@ def test_small_payload_goes_inline(rig: Rig, kind: str) -> None:
     assert msg.released
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_inline_threshold_is_configurable(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress, inline_max=0)
@@ -100,7 +101,7 @@ def test_inline_threshold_is_configurable(rig: Rig, kind: str) -> None:
     assert ingress.pool.stats().used == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_context_manager_releases_the_slot(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress)
@@ -130,7 +131,7 @@ def test_recv_times_out_when_nothing_arrives(rig: Rig) -> None:
 # -- many senders, many threads ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_several_senders_into_one_ingress(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind)
     senders = [rig.sender(kind, ingress) for _ in range(3)]
@@ -173,7 +174,7 @@ def test_shm_and_tcp_senders_share_one_ingress(rig: Rig) -> None:
             assert all(in_pool(t, ingress.pool) for t in tensors_of(msg.payload) if t.numel())
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_threads_share_one_sender(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind, size=8 * MiB, min_block=256 * KiB)
     sender = rig.sender(kind, ingress)
@@ -214,7 +215,7 @@ def test_threads_share_one_sender(rig: Rig, kind: str) -> None:
 # -- flow control --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_full_pool_times_out_the_sender(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind, size=4 * MiB, min_block=MiB)
     sender = rig.sender(kind, ingress, timeout=60.0)
@@ -244,7 +245,7 @@ def test_full_pool_times_out_the_sender(rig: Rig, kind: str) -> None:
     assert ingress.pool.stats().used == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_blocked_sender_completes_once_room_is_released(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind, size=4 * MiB, min_block=MiB)
     sender = rig.sender(kind, ingress)
@@ -281,7 +282,7 @@ def test_blocked_sender_survives_a_wait_longer_than_half_the_lease(rig: Rig, kin
     assert result == {"ok": True}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_payload_larger_than_any_block_fails_at_once(rig: Rig, kind: str) -> None:
     # 6 MiB pool = 4 MiB + 2 MiB top blocks: 6 MiB total, yet no 5 MiB slot can ever exist.
     ingress = rig.ingress(kind, size=6 * MiB, min_block=MiB)
@@ -307,7 +308,7 @@ def test_payload_larger_than_any_block_fails_at_once(rig: Rig, kind: str) -> Non
 
 
 @pytest.mark.parametrize("who", ["sender", "ingress"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_abort_frees_delivered_but_unreleased_messages(rig: Rig, kind: str, who: str) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress)
@@ -336,7 +337,7 @@ def test_abort_frees_delivered_but_unreleased_messages(rig: Rig, kind: str, who:
 
 
 @pytest.mark.parametrize("who", ["sender", "ingress"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_late_messages_of_an_aborted_request_are_dropped(rig: Rig, kind: str, who: str) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress)
@@ -357,7 +358,7 @@ def test_late_messages_of_an_aborted_request_are_dropped(rig: Rig, kind: str, wh
     assert ingress.pool.stats().used == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_abort_fails_a_blocked_sender_promptly(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind, size=4 * MiB, min_block=MiB)
     sender = rig.sender(kind, ingress, timeout=60.0)
@@ -431,7 +432,7 @@ _MANIFEST_4_CHUNKS = {
         ),
     ],
 )
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_malformed_control_messages_are_rejected(rig: Rig, kind: str, frames: list[bytes]) -> None:
     ingress = rig.ingress(kind)
     raw = rig.raw(ingress)
@@ -550,7 +551,7 @@ def test_tcp_commit_with_bad_payload_is_nacked(rig: Rig, tree: Any, data: bytes)
     assert_still_serves(rig, ingress, "tcp")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_shm_commit_with_bad_payload_is_nacked(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind)
     raw = rig.raw(ingress)
@@ -593,7 +594,7 @@ def test_commit_whose_manifest_exceeds_the_slot_is_nacked(rig: Rig) -> None:
 # -- leases --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_uncommitted_grant_is_freed_after_the_lease(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind, lease_s=0.5)
     raw = rig.raw(ingress, authenticate=False)
@@ -667,7 +668,7 @@ def test_connect_to_nobody_times_out(rig: Rig) -> None:
         connect("tcp", endpoint, timeout=0.2, key=KEY)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_closed_sender_refuses_to_send(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress)

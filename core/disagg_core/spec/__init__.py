@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from disagg_core import relays
 from disagg_core.spec import checks, parse
 from disagg_core.spec.fields import ROOT, Problem, SpecError
 from disagg_core.spec.model import (
@@ -137,14 +138,30 @@ def validate_cli(files: Sequence[str], *, out: TextIO) -> int:
     status = 0
     for name in files:
         try:
-            load_pipeline_file(name)
+            pipeline = load_pipeline_file(name)
         except SpecError as error:
             status = 1
             for problem in error.problems:
                 print(f"{name}: {problem.path or ROOT}: {problem.reason}", file=out)
         else:
             print(f"{name}: ok", file=out)
+            for path, note in relay_notes(pipeline):
+                print(f"{name}: note: {path}: {note}", file=out)
     return status
+
+
+def relay_notes(pipeline: Pipeline) -> list[tuple[str, str]]:
+    """(field path, note) for each relay the pipeline names whose package is missing here."""
+    notes = []
+    written = [("spec.transport.relay", pipeline.transport.relay)]
+    written += [
+        (f"spec.edges[{i}].relay", e.relay) for i, e in enumerate(pipeline.edges) if e.relay
+    ]
+    for path, kind in written:
+        missing = relays.missing_here(kind)
+        if missing is not None:
+            notes.append((path, missing))
+    return notes
 
 
 class _AliasError(yaml.composer.ComposerError):

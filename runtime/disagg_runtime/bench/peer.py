@@ -26,7 +26,12 @@ from disagg_runtime.pool import Device, Pool, shm_name
 from disagg_runtime.relay import Ingress, Message
 
 # --device cuda: where each relay's receiver lands payloads (all end on the GPU)
-GPU_POOLS: dict[str, Device] = {"cuda_ipc": "cuda", "shm": "cpu-pinned", "tcp": "cuda"}
+GPU_POOLS: dict[str, Device] = {
+    "cuda_ipc": "cuda",
+    "shm": "cpu-pinned",
+    "tcp": "cuda",
+    "nixl": "cuda",
+}
 
 
 def serve(
@@ -45,7 +50,7 @@ def serve(
     pool: Pool | None = None
     sock: zmq.Socket[Any] | None = None
     try:
-        if method in ("shm", "tcp", "cuda_ipc"):
+        if method in ("shm", "tcp", "cuda_ipc", "nixl"):
             pool_device: Device = "shm" if method == "shm" else "cpu"
             if device == "cuda":
                 pool_device = GPU_POOLS[method]

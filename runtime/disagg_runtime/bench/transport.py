@@ -13,6 +13,12 @@ ratio is taken against. All processes use one torch thread, so it is like for li
 receiver's CUDA pool; `shm` stages through the receiver's pinned shared pool (the receiver
 copies to the GPU); `tcp` stages through a pinned buffer and lands through the receiver's
 bounce buffer into its CUDA pool.
+
+`nixl` (`--methods nixl`, with the nixl extra installed) writes one-sided into the
+receiver's registered pool through NIXL's UCX backend. Between two processes of one machine
+UCX moves the bytes with a single cross-memory-attach copy (process_vm_writev); across nodes
+it would use RDMA (InfiniBand/RoCE verbs) where the NICs have it: the NIC writes the slot
+with no copy by either CPU, which is what this relay is for.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ from disagg_runtime import codec
 from disagg_runtime.bench import peer
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.pool import cuda_unavailable_reason
-from disagg_runtime.relay import Relay, auth, connect
+from disagg_runtime.relay import Relay, auth, connect, registry
 
 METHODS = ("memcpy", "shm", "tcp", "pickle_zmq", "copy_clone_zmq")
 GPU_METHODS = ("d2d", "cuda_ipc", "shm", "tcp")
+OPTIONAL = ("nixl",)  # run when asked for (--methods), if this machine has the package
 LIMIT = {"cpu": "memcpy", "cuda": "d2d"}
-RELAYS = {"shm": "shm", "tcp": "tcp", "cuda_ipc": "cuda-ipc"}
+RELAYS = {"shm": "shm", "tcp": "tcp", "cuda_ipc": "cuda-ipc", "nixl": "nixl"}
 LATENCY_MAX = 64 * 1024
 _UNITS = {
     "": 1,
@@ -284,12 +291,16 @@ def run_cli(args: argparse.Namespace) -> int:
                 raise ValueError(f"--device cuda needs CUDA, and {reason}")
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
         methods = [m.strip() for m in (args.methods or ",".join(known)).split(",") if m.strip()]
-        unknown = sorted(set(methods) - set(known))
+        unknown = sorted(set(methods) - set(known) - set(OPTIONAL))
         if unknown:
             raise ValueError(
                 f"unknown method(s) {', '.join(unknown)} for --device {device}; "
-                f"choose from {', '.join(known)}"
+                f"choose from {', '.join((*known, *OPTIONAL))}"
             )
+        for method in set(methods) & set(OPTIONAL):
+            reason = registry.backend(RELAYS[method]).unavailable()
+            if reason is not None:
+                raise ValueError(f"{method} cannot run here: {reason}")
     except ValueError as exc:
         print(f"disagg bench transport: {exc}", file=sys.stderr)
         return 2

@@ -69,6 +69,7 @@ _MODULES: dict[str, str] = {
     "shm": "disagg_runtime.relay.shm",
     "tcp": "disagg_runtime.relay.tcp",
     "cuda-ipc": "disagg_runtime.relay.cuda_ipc",
+    "nixl": "disagg_runtime.relay.nixl",  # optional: imports nixl only when used
 }
 _loaded: dict[str, Backend] = {}
 

@@ -12,8 +12,10 @@ log = logging.getLogger(__name__)
 
 def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
     """`auto` is cuda-ipc to a same-GPU peer when this process can use CUDA IPC, else shm
-    where peers share /dev/shm (same pod, or `disagg up`), else tcp; an automatic cuda-ipc
-    that is not possible falls back to shm with the reason logged. An explicit kind that
+    where peers share /dev/shm (same pod, or `disagg up`), else nixl to a peer whose pod,
+    like ours, requests an RDMA device (`rdma_peers`) when this process has nixl, else
+    tcp; an automatic cuda-ipc or nixl that is not possible falls back (to shm, to tcp)
+    with the reason logged. An explicit kind that
     this process cannot use (cuda-ipc without CUDA) is a start-up error naming why
     (ContractError). Whether the receiver's pool is on the GPU is only known at connect:
     the cuda-ipc sender then falls back to the receiver's shared memory by itself, again
@@ -37,4 +39,17 @@ def relay_kind(config: RoleConfig, role: str, requested: str) -> str:
             reason,
         )
         return "shm"
-    return "shm" if config.node_local else "tcp"
+    if config.node_local:
+        return "shm"
+    if role in config.rdma_peers:
+        reason = registry.backend("nixl").unavailable()
+        if reason is None:
+            return "nixl"
+        log.info(  # an image without the nixl extra: tcp works, only slower
+            "edge %s->%s: both pods have RDMA devices, but the nixl relay is not possible "
+            "(%s); using tcp",
+            config.role,
+            role,
+            reason,
+        )
+    return "tcp"

@@ -35,6 +35,8 @@ def test_backends_are_imported_on_first_use_only() -> None:
         "import disagg_runtime.relay as r\n"
         "assert 'disagg_runtime.relay.cuda_ipc' not in sys.modules, 'eager'\n"
         "assert 'disagg_runtime.relay.cuda_landing' not in sys.modules, 'eager'\n"
+        "assert 'disagg_runtime.relay.nixl' not in sys.modules, 'eager'\n"
+        "assert 'nixl' not in sys.modules, 'eager'\n"
         "r.registry.backend('cuda-ipc')\n"
         "assert 'disagg_runtime.relay.cuda_ipc' in sys.modules\n"
     )
