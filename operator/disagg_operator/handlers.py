@@ -55,6 +55,11 @@ FINALIZER: Final = f"{ANNOTATION_PREFIX}/finalizer"
 CONFLICT_RETRY: Final = 30.0  # seconds before a pipeline with a conflicting child is retried
 API_RETRY: Final = 5.0  # ... after a retryable API error
 API_RETRY_SLOW: Final = 30.0  # ... after another API error (e.g. 403: RBAC being fixed)
+# Seconds kopf waits for the watch to bring back its own patch of a pipeline (its progress
+# annotations) before it acts on an older version. kopf's 5 s is less than a busy API server's
+# watch lag at a thousand pipelines: it then ran `reconcile` again for pipelines it had just
+# handled (5 % more reconciles in the burst, and a minute of them after it).
+CONSISTENCY_TIMEOUT: Final = 60.0
 STATEFULSET_SELECTOR: Final = f"{names.LABEL_MANAGED_BY}={names.MANAGER},{names.LABEL_PIPELINE}"
 CHILD_SELECTOR: Final = STATEFULSET_SELECTOR
 POD_SELECTOR: Final = f"{names.LABEL_PIPELINE},{names.LABEL_ROLE}"
@@ -76,6 +81,7 @@ def configure(settings: kopf.OperatorSettings, options: planner.PlanOptions | No
         prefix=ANNOTATION_PREFIX
     )
     settings.persistence.finalizer = FINALIZER
+    settings.persistence.consistency_timeout = CONSISTENCY_TIMEOUT
     settings.posting.reporting_component = names.MANAGER
     settings.watching.label_selectors["apps", "statefulsets"] = STATEFULSET_SELECTOR
     for group, plural in GUARDED:

@@ -24,14 +24,20 @@ handler never acts on an old spec):
 A status refresh (`refresh`, on any event of an owned StatefulSet) does steps 1 (no plan) and
 4. A deleted StatefulSet, NetworkPolicy or peer key Secret triggers a full reconcile, so a
 child removed by hand comes back.
+Reconciles and refreshes in flight are counted in `progress` (`liveness`: work that waits
+for minutes without any of it ending fails the liveness probe).
 Each pipeline has an `asyncio.Lock`: reconciles and refreshes of one pipeline never overlap
 (the operator is one process; kopf peering keeps other replicas passive), so a status
 computed from older reads never overwrites a newer one. Refreshes requested while one is
 waiting for the lock are merged into it.
 
 Reads come from the watch cache (`cache`: the children, and the pipeline for a refresh) when
-kopf has bound it, so a reconcile costs a GET of the pipeline plus one apply per child (and a
-GET for a child not cached yet), and a refresh no request at all unless the status changed.
+kopf has bound it, so a reconcile costs a GET of the pipeline, one fresh list of its
+StatefulSets and Deployment (a rollout must not act on a lagging cache; the apply compares
+against the same list), plus one apply per child (and a GET for a child not seen yet), and a
+refresh no request at all unless the status changed. The parsed spec is kept per pipeline
+until its content changes, and so is what the rollout reads of the plan: a refresh neither
+parses nor plans again.
 Child events are coalesced (`request_refresh`): events within `coalesce` seconds give one
 refresh. A refresh that fails on the API is tried again with jittered exponential backoff.
 The status last written is remembered, so a cache that has not caught up with our own write
