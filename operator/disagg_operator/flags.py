@@ -17,6 +17,12 @@ def add_operator_arguments(op: argparse.ArgumentParser) -> None:
         "--all-namespaces", action="store_true", help="watch every namespace (the default)"
     )
     op.add_argument("--liveness-port", type=int, default=8080, help="/healthz port (0: off)")
+    op.add_argument(
+        "--liveness-stall",
+        type=float,
+        default=300.0,
+        help="seconds a watch may stay silent, or work wait, before /healthz fails",
+    )
     op.add_argument("--metrics-port", type=int, default=9090, help="/metrics port (0: off)")
     peering = op.add_mutually_exclusive_group()
     peering.add_argument("--peering", metavar="NAME", help="kopf peering object for HA")

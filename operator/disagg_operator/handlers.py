@@ -15,7 +15,9 @@
 - indexes (`cache`): the pipelines by (namespace, name), and the StatefulSets and the pods
   by (namespace, pipeline label), one watch per kind, filtered server side by our labels
   (`configure`). kopf fills them before any handler runs; every handler binds them to the
-  reconciler's `Cache` (kopf hands indexes only to handlers).
+  reconciler's `Cache` (kopf hands indexes only to handlers). The index functions and
+  `forget` are coroutines although they never wait: kopf runs a plain function in its
+  thread pool, a thread hop per event (a tenth of the CPU at a thousand pipelines).
 - `guard_deleted` on the DELETED event of a peer key Secret or a NetworkPolicy with our
   labels (filtered server side too, so the operator never lists anyone else's Secrets):
   a full reconcile of the pipeline that controlled it, which makes a new key (a rotation)
@@ -53,6 +55,11 @@ FINALIZER: Final = f"{ANNOTATION_PREFIX}/finalizer"
 CONFLICT_RETRY: Final = 30.0  # seconds before a pipeline with a conflicting child is retried
 API_RETRY: Final = 5.0  # ... after a retryable API error
 API_RETRY_SLOW: Final = 30.0  # ... after another API error (e.g. 403: RBAC being fixed)
+# Seconds kopf waits for the watch to bring back its own patch of a pipeline (its progress
+# annotations) before it acts on an older version. kopf's 5 s is less than a busy API server's
+# watch lag at a thousand pipelines: it then ran `reconcile` again for pipelines it had just
+# handled (5 % more reconciles in the burst, and a minute of them after it).
+CONSISTENCY_TIMEOUT: Final = 60.0
 STATEFULSET_SELECTOR: Final = f"{names.LABEL_MANAGED_BY}={names.MANAGER},{names.LABEL_PIPELINE}"
 CHILD_SELECTOR: Final = STATEFULSET_SELECTOR
 POD_SELECTOR: Final = f"{names.LABEL_PIPELINE},{names.LABEL_ROLE}"
@@ -74,6 +81,7 @@ def configure(settings: kopf.OperatorSettings, options: planner.PlanOptions | No
         prefix=ANNOTATION_PREFIX
     )
     settings.persistence.finalizer = FINALIZER
+    settings.persistence.consistency_timeout = CONSISTENCY_TIMEOUT
     settings.posting.reporting_component = names.MANAGER
     settings.watching.label_selectors["apps", "statefulsets"] = STATEFULSET_SELECTOR
     for group, plural in GUARDED:
@@ -83,6 +91,17 @@ def configure(settings: kopf.OperatorSettings, options: planner.PlanOptions | No
             group, _, plural = resource_of(api_version, kind)
             settings.watching.label_selectors[group, plural] = CHILD_SELECTOR
     settings.watching.label_selectors["", "pods"] = POD_SELECTOR
+
+
+def watched_resources(options: planner.PlanOptions | None = None) -> tuple[str, ...]:
+    """The plurals of every resource the handlers and indexes watch (for `liveness`)."""
+    cached = [
+        resource_of(api_version, kind)[2]
+        for api_version, kind in planner.child_kinds(options)
+        if kind in cache.CACHED_KINDS
+    ]
+    guarded = [plural for _, plural in GUARDED]
+    return tuple(dict.fromkeys([PIPELINE[2], "statefulsets", *cached, *guarded, "pods"]))
 
 
 def login(connection: kopf.ConnectionInfo | None, **kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -125,7 +144,7 @@ def register(
     index_names = [cache.PIPELINE_INDEX]
 
     @kopf.index(*PIPELINE, registry=registry, id=cache.PIPELINE_INDEX)
-    def pipelines_by_name(
+    async def pipelines_by_name(
         name: str, namespace: str | None, body: kopf.Body, **_: Any
     ) -> dict[cache.Key, dict[str, Any]]:
         return {} if namespace is None else {(namespace, name): dict(body)}
@@ -179,7 +198,7 @@ def register(
             raise kopf.TemporaryError(message, delay=CONFLICT_RETRY)
 
     @kopf.on.event(*PIPELINE, registry=registry)
-    def forget(type: str | None, name: str, namespace: str | None, **_: Any) -> None:
+    async def forget(type: str | None, name: str, namespace: str | None, **_: Any) -> None:
         if type == "DELETED" and namespace is not None:
             reconciler.forget(namespace, name)
 
@@ -241,7 +260,7 @@ def _register_index(registry: kopf.OperatorRegistry, api_version: str, kind: str
     else:
         labels[names.LABEL_MANAGED_BY] = names.MANAGER
 
-    def by_pipeline(body: kopf.Body, **_: Any) -> dict[cache.Key, dict[str, Any]]:
+    async def by_pipeline(body: kopf.Body, **_: Any) -> dict[cache.Key, dict[str, Any]]:
         key = cache.index_key(body)
         return {} if key is None else {key: cache.slim(body, api_version, kind)}
 

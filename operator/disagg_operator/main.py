@@ -1,12 +1,15 @@
 """`disagg operator`: run the reconciler (kopf) with its liveness endpoint and metrics.
 
     disagg operator [--namespace NS ... | --all-namespaces] [--liveness-port 8080]
+                    [--liveness-stall 300]
                     [--metrics-port 9090] [--peering NAME | --standalone] [--priority N]
                     [--cluster-domain D] [--gpu-mode M] [--dra-api-version V]
                     [--progress-deadline S] [--metrics-namespace NS ...] [--log-level L]
 
 - Scope: the namespaces given (kopf globs like `team-*` work), else the whole cluster.
-- Liveness: kopf's probe endpoint at http://0.0.0.0:PORT/healthz (0 turns it off).
+- Liveness: kopf's probe endpoint at http://0.0.0.0:PORT/healthz (0 turns it off); it
+  answers 500 once a watch has been silent, or reconciles have waited without one ending,
+  for `--liveness-stall` seconds (default 300; see `liveness`).
 - Metrics: Prometheus text at http://0.0.0.0:PORT/metrics (0 turns it off); see `metrics`.
 - High availability: run several replicas with `--peering NAME` (the KopfPeering or
   ClusterKopfPeering object NAME must exist; peering is then mandatory); the one with the
@@ -38,6 +41,7 @@ from disagg_operator import (
     apply,
     handlers,
     kopfcost,
+    liveness,
     planner,
     podmetrics,
     reconcile,
@@ -54,6 +58,7 @@ DEFAULT_METRICS_PORT: Final = 9090
 class OperatorConfig:
     namespaces: tuple[str, ...] = ()  # empty: the whole cluster
     liveness_port: int = DEFAULT_LIVENESS_PORT  # 0: no liveness endpoint
+    liveness_stall: float = liveness.DEFAULT_STALL_AFTER  # seconds stuck before /healthz fails
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics endpoint
     peering: str | None = None
     standalone: bool = False
@@ -126,6 +131,13 @@ def build(
     registry = handlers.register(
         kopf.OperatorRegistry(), reconciler, connection=config.connection, scaler=scaler
     )
+    if config.liveness_port:
+        liveness.register(
+            registry,
+            reconciler.progress,
+            watched=handlers.watched_resources(config.options),
+            stall_after=config.liveness_stall,
+        )
     settings = kopf.OperatorSettings()
     handlers.configure(settings, config.options)
     return Operator(
@@ -144,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     return OperatorConfig(
         namespaces=tuple(namespaces),
         liveness_port=args.liveness_port,
+        liveness_stall=float(getattr(args, "liveness_stall", None) or liveness.DEFAULT_STALL_AFTER),
         metrics_port=args.metrics_port,
         peering=args.peering,
         standalone=args.standalone,

@@ -24,14 +24,20 @@ handler never acts on an old spec):
 A status refresh (`refresh`, on any event of an owned StatefulSet) does steps 1 (no plan) and
 4. A deleted StatefulSet, NetworkPolicy or peer key Secret triggers a full reconcile, so a
 child removed by hand comes back.
+Reconciles and refreshes in flight are counted in `progress` (`liveness`: work that waits
+for minutes without any of it ending fails the liveness probe).
 Each pipeline has an `asyncio.Lock`: reconciles and refreshes of one pipeline never overlap
 (the operator is one process; kopf peering keeps other replicas passive), so a status
 computed from older reads never overwrites a newer one. Refreshes requested while one is
 waiting for the lock are merged into it.
 
 Reads come from the watch cache (`cache`: the children, and the pipeline for a refresh) when
-kopf has bound it, so a reconcile costs a GET of the pipeline plus one apply per child (and a
-GET for a child not cached yet), and a refresh no request at all unless the status changed.
+kopf has bound it, so a reconcile costs a GET of the pipeline, one fresh list of its
+StatefulSets and Deployment (a rollout must not act on a lagging cache; the apply compares
+against the same list), plus one apply per child (and a GET for a child not seen yet), and a
+refresh no request at all unless the status changed. The parsed spec is kept per pipeline
+until its content changes, and so is what the rollout reads of the plan: a refresh neither
+parses nor plans again.
 Child events are coalesced (`request_refresh`): events within `coalesce` seconds give one
 refresh. A refresh that fails on the API is tried again with jittered exponential backoff.
 The status last written is remembered, so a cache that has not caught up with our own write
@@ -73,6 +79,7 @@ from disagg_operator import (
     apply,
     autoscaling,
     cache,
+    liveness,
     names,
     planner,
     pods,
@@ -103,6 +110,7 @@ PARALLEL: Final = 32  # reconciles and refreshes in flight at once (the rest que
 COALESCE: Final = 0.1  # seconds: child events within this window give one status refresh
 REFRESH_RETRY: Final = 1.0  # seconds before a failed refresh is tried again; doubles ...
 REFRESH_RETRY_CAP: Final = 60.0  # ... up to this, jittered
+WORKLOAD_KINDS: Final = (("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"))  # rollouts
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +150,8 @@ class PipelineState:
     generation: int = 0  # the newest generation read from the API
     written: dict[str, Any] = field(default_factory=dict)  # the status we last wrote
     applied: dict[str, dict[str, Any]] = field(default_factory=dict)  # StatefulSets, by name
+    parsed: tuple[tuple[str, str], Pipeline | SpecError] | None = None  # see `validated`
+    planned: tuple[tuple[object, ...], list[dict[str, Any]]] | None = None  # `_plan`: slim
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,7 @@ class Reconciler:
     cache: cache.Cache = field(default_factory=cache.Cache)
     coalesce: float = COALESCE
     parallel: int = PARALLEL
+    progress: liveness.Progress = field(default_factory=liveness.Progress)  # for the probe
     states: dict[Key, PipelineState] = field(default_factory=dict, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
@@ -183,6 +194,12 @@ class Reconciler:
         """Bring the children and the status in line with the spec; None if the pipeline is
         gone or being deleted. Raises apply.ApiError on API failures (after an Event)."""
         state = self.states.setdefault((namespace, name), PipelineState())
+        with self.progress.working():
+            return await self._reconcile_locked(namespace, name, state)
+
+    async def _reconcile_locked(
+        self, namespace: str, name: str, state: PipelineState
+    ) -> Outcome | None:
         async with state.lock, self._slot(), self._measured("spec"):
             body = await apply.get_pipeline(self.api, namespace, name)
             if body is None:
@@ -205,19 +222,20 @@ class Reconciler:
         if state.refresh_waiting:
             return None  # the waiting refresh reads after this request: nothing is missed
         state.refresh_waiting = True
-        try:
-            await state.lock.acquire()
-        finally:
-            state.refresh_waiting = False  # also when cancelled while waiting
-        try:
-            async with self._slot(), self._measured("status"):
-                body = await self._current_body(namespace, name, state)
-                if body is None:
-                    self.forget(namespace, name)
-                    return None
-                return await self._refresh(body, state)
-        finally:
-            state.lock.release()
+        with self.progress.working():
+            try:
+                await state.lock.acquire()
+            finally:
+                state.refresh_waiting = False  # also when cancelled while waiting
+            try:
+                async with self._slot(), self._measured("status"):
+                    body = await self._current_body(namespace, name, state)
+                    if body is None:
+                        self.forget(namespace, name)
+                        return None
+                    return await self._refresh(body, state)
+            finally:
+                state.lock.release()
 
     def request_refresh(self, namespace: str, name: str) -> None:
         """A child of the pipeline changed: refresh its status `coalesce` seconds from now,
@@ -273,7 +291,7 @@ class Reconciler:
         namespace = body["metadata"]["namespace"]
         owner = planner.Owner.of(body)
         options = self._options_for(state)
-        pipeline = validate(body, options)
+        pipeline = self.validated(body, state, options)
         if isinstance(pipeline, SpecError):
             state.conflicts = ()
             return await self._finish(body, state, pipeline, None)
@@ -281,17 +299,20 @@ class Reconciler:
         state.privileged = tuple(str(p) for p in podpolicy.findings(pipeline))
         key, created = await self._peer_key(pipeline, namespace, owner)
         digest = planner.peer_key_digest(peer_key_text(key))
-        objects = planner.plan(
-            pipeline, namespace=namespace, owner=owner, options=options, peer_key_hash=digest
-        )
+        objects = self._plan(pipeline, state, namespace, owner, options, digest)
         state.peer_key_hash = digest
-        live = await apply.owned_statefulsets(self.api, owner, namespace)  # fresh: rollouts
+        # fresh, not cached: a rollout must not act on a lagging cache; also what the apply
+        # compares these kinds against (no second list of them)
+        workloads = await apply.list_children(
+            self.api, WORKLOAD_KINDS, namespace=namespace, pipeline=owner.name
+        )
+        live = [
+            o for o in workloads.values() if (apply.controller_of(o) or {}).get("uid") == owner.uid
+        ]
         self._step_rollout(pipeline, objects, live, state)
         if self._options_for(state) != options:  # the rollout moved a partition
             options = self._options_for(state)
-            objects = planner.plan(
-                pipeline, namespace=namespace, owner=owner, options=options, peer_key_hash=digest
-            )
+            objects = self._plan(pipeline, state, namespace, owner, options, digest)
         kinds = planner.child_kinds(options)
         result = await apply.apply_children(
             self.api,
@@ -299,7 +320,12 @@ class Reconciler:
             owner=owner,
             namespace=namespace,
             kinds=kinds,
-            existing=await self._existing_children(kinds, namespace, owner.name),
+            existing={
+                **workloads,
+                **await self._existing_children(
+                    [k for k in kinds if k not in WORKLOAD_KINDS], namespace, owner.name
+                ),
+            },
         )
         if created:  # reported with the children
             made = (apply.ObjectRef.of(key), *result.created)
@@ -324,7 +350,65 @@ class Reconciler:
         return await apply.ensure_created(self.api, wanted)
 
     async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
-        return await self._finish(body, state, validate(body, self._options_for(state)), None)
+        parsed = self.validated(body, state, self._options_for(state))
+        return await self._finish(body, state, parsed, None)
+
+    def validated(
+        self, body: Mapping[str, Any], state: PipelineState, options: planner.PlanOptions
+    ) -> Pipeline | SpecError:
+        """`validate`, remembered per pipeline for the body's content (`cache.digest`: all
+        but status and server-kept metadata) and the options: the status refreshes that
+        child events cause, and the autoscaler's rounds, parse a pipeline once per edit,
+        not once per event (at a thousand pipelines, parsing was a tenth of the CPU). Of the
+        options, `planner.check` reads the GPU mode and the DRA version (not the replicas
+        and partitions, which change often)."""
+        key = (cache.digest(body), f"{options.gpu_mode} {options.dra_api_version}")
+        if state.parsed is not None and state.parsed[0] == key:
+            return state.parsed[1]
+        parsed = validate(body, options)
+        state.parsed = (key, parsed)
+        return parsed
+
+    def _plan(
+        self,
+        pipeline: Pipeline,
+        state: PipelineState,
+        namespace: str,
+        owner: planner.Owner,
+        options: planner.PlanOptions,
+        peer_key_hash: str,
+    ) -> list[dict[str, Any]]:
+        """`planner.plan`; what the rollout reads of it is kept for `_planned_for_rollout`."""
+        objects = planner.plan(
+            pipeline,
+            namespace=namespace,
+            owner=owner,
+            options=options,
+            peer_key_hash=peer_key_hash,
+        )
+        key = (pipeline, namespace, owner, repr(options), peer_key_hash)
+        state.planned = (key, _rollout_view(objects))
+        return objects
+
+    def _planned_for_rollout(
+        self,
+        pipeline: Pipeline,
+        state: PipelineState,
+        namespace: str,
+        owner: planner.Owner,
+        options: planner.PlanOptions,
+        peer_key_hash: str,
+    ) -> list[dict[str, Any]]:
+        """The planned StatefulSets as the rollout reads them, from the last plan when its
+        inputs are the same (the same parsed pipeline object, see `validated`): every status
+        refresh needs them, and planning is the costliest step of a reconcile."""
+        key = (pipeline, namespace, owner, repr(options), peer_key_hash)
+        memo = state.planned
+        if memo is not None and memo[0][0] is pipeline and memo[0][1:] == key[1:]:
+            return memo[1]
+        self._plan(pipeline, state, namespace, owner, options, peer_key_hash)
+        assert state.planned is not None
+        return state.planned[1]
 
     async def _finish(
         self,
@@ -418,12 +502,9 @@ class Reconciler:
         if state.peer_key_hash is None:  # no reconcile since start: the plan is not known yet
             return dict(built)
         meta = body["metadata"]
-        planned = planner.plan(
-            pipeline,
-            namespace=meta["namespace"],
-            owner=planner.Owner.of(body),
-            options=self._options_for(state),
-            peer_key_hash=state.peer_key_hash,
+        owner, options = planner.Owner.of(body), self._options_for(state)
+        planned = self._planned_for_rollout(
+            pipeline, state, meta["namespace"], owner, options, state.peer_key_hash
         )
         decision = rollout_state.decide(
             pipeline, planned, statefulsets, step_age_s=time.monotonic() - state.step_started
@@ -595,6 +676,30 @@ class _Measured:
 
 
 # ---------------------------------------------------------------------------- pure parts
+
+
+def _rollout_view(objects: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The planned StatefulSets with only what `rollout_state.observe` reads (the whole plan
+    of a thousand pipelines, kept, would be a third of the operator's memory)."""
+    view = []
+    for obj in objects:
+        if obj.get("kind") != "StatefulSet":
+            continue
+        meta = obj.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        kept = {k: annotations[k] for k in (names.ANNOTATION_TEMPLATE_HASH,) if k in annotations}
+        view.append(
+            {
+                "kind": "StatefulSet",
+                "metadata": {
+                    "name": meta.get("name"),
+                    "labels": dict(meta.get("labels") or {}),
+                    "annotations": kept,
+                },
+                "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 1)},
+            }
+        )
+    return view
 
 
 def _generation(obj: Mapping[str, Any]) -> int:

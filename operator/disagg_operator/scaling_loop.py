@@ -110,7 +110,7 @@ class ScalingLoop:
             body = await apply.get_pipeline(self.reconciler.api, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return []
-        parsed = reconcile.validate(body, self.reconciler.options)
+        parsed = self.reconciler.validated(body, state, self.reconciler.options)
         if isinstance(parsed, SpecError):
             return []
         plan = autoscaling.scaling_plan(parsed)

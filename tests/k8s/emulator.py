@@ -42,8 +42,8 @@ directly (``create_object``, ``patch_object``, ...) are synchronous and must run
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import copy
 import json
 import random
 import re
@@ -186,7 +186,11 @@ class KubeEmulator(kmock.KubernetesEmulator):
     ``bookmark_interval`` (seconds between BOOKMARKs on watches that allow them),
     ``event_log_limit`` (events kept per resource for watch resumption), ``keep_requests``
     (kmock's record of every request with its body, for its DSL; off for long runs: ``calls``
-    is kept either way), ``faults`` (a slow or failing server: see ``faults.Faults``).
+    is kept either way), ``faults`` (a slow or failing server: see ``faults.Faults``),
+    ``collect_orphans`` (an object created with ownerReferences none of which names a live
+    uid is deleted right after, as the garbage collector does: a controller that applies a
+    child just after its owner was deleted leaves nothing behind; off by default, because
+    tests make children of made-up owners).
     Objects live in an indexed ``store.ObjectStore``; watches are served by ``watch``.
     """
 
@@ -196,6 +200,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     event_log_limit: int = 10_000
     keep_requests: bool = True
     faults: Faults | None = None
+    collect_orphans: bool = False
 
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
     _types: dict[tuple[str, str, str], ResourceType] = attrs.field(factory=dict, init=False)
@@ -677,19 +682,21 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 self.objects[hkey].delete()
         else:
             self._store.put(key, obj)
+            if event_type == "ADDED" and self.collect_orphans and meta.get("ownerReferences"):
+                asyncio.get_running_loop().call_soon(self._collect_orphan, key, okey)
             if hkey not in self.objects:
-                self.objects[hkey] = copy.deepcopy(obj)
+                self.objects[hkey] = sem.clone(obj)
             elif event_type == "ADDED" or self.keep_history:
-                self.objects[hkey].create(copy.deepcopy(obj))
+                self.objects[hkey].create(sem.clone(obj))
             else:
-                self.objects[hkey].history[-1] = copy.deepcopy(obj)
+                self.objects[hkey].history[-1] = sem.clone(obj)
         self._log(key).append(WatchEvent(int(meta["resourceVersion"]), event_type, obj, old))
 
     def _view(self, rt: ResourceType, obj: Mapping[str, Any]) -> JSON:
         """A stored object as the client asked for it (its group/version, its field names)."""
         if rt.storage is not None and rt.group == "events.k8s.io":
-            return sem.core_event_to_events_v1(copy.deepcopy(dict(obj)))
-        result = copy.deepcopy(dict(obj))
+            return sem.core_event_to_events_v1(sem.clone(dict(obj)))
+        result = sem.clone(dict(obj))
         result["apiVersion"] = rt.api_version
         result["kind"] = rt.kind
         return result
@@ -698,7 +705,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         """A request body, checked against the URL and converted to the storage form."""
         if not isinstance(body, dict):
             raise _bad_request("the request body must be a JSON object")
-        body = copy.deepcopy(body)
+        body = sem.clone(body)
         api_version, kind = body.get("apiVersion"), body.get("kind")
         if api_version is not None and api_version != rt.api_version:
             raise _bad_request(
@@ -1046,7 +1053,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 "and try again",
             )
         if subresource == "status":
-            result = copy.deepcopy(old)
+            result = sem.clone(old)
             if "status" in new:
                 result["status"] = new["status"]
             else:
@@ -1055,7 +1062,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             result = new
             if rt.has_status:
                 if "status" in old:
-                    result["status"] = copy.deepcopy(old["status"])
+                    result["status"] = sem.clone(old["status"])
                 else:
                     result.pop("status", None)
             if rt.from_crd:
@@ -1077,7 +1084,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             else:
                 meta.pop(field, None)
         if rt.storage_key == NAMESPACE_KEY and "status" not in result:
-            result["status"] = copy.deepcopy(old.get("status", {"phase": "Active"}))
+            result["status"] = sem.clone(old.get("status", {"phase": "Active"}))
         new_types: list[ResourceType] = []
         if rt.storage_key == CRD_KEY:
             new_types = self._crd_accept(result, rt)
@@ -1166,7 +1173,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._orphan(uid)
         if meta.get("finalizers"):
             if not meta.get("deletionTimestamp"):
-                marked = copy.deepcopy(obj)
+                marked = sem.clone(obj)
                 marked["metadata"]["deletionTimestamp"] = sem.now_rfc3339()
                 marked["metadata"]["deletionGracePeriodSeconds"] = 0
                 marked["metadata"]["resourceVersion"] = str(self._next_rv())
@@ -1181,7 +1188,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return 200, self._remove(key, obj, policy)
 
     def _remove(self, key: StorageKey, obj: JSON, policy: str) -> JSON:
-        gone = copy.deepcopy(obj)
+        gone = sem.clone(obj)
         gone["metadata"]["resourceVersion"] = str(self._next_rv())
         self._write(key, "DELETED", gone, obj)
         if key == CRD_KEY:
@@ -1209,7 +1216,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             self._drop_owner(key, obj, uid)
 
     def _drop_owner(self, key: StorageKey, obj: JSON, uid: str) -> None:
-        result = copy.deepcopy(obj)
+        result = sem.clone(obj)
         refs = [r for r in result["metadata"].get("ownerReferences") or [] if r.get("uid") != uid]
         if refs:
             result["metadata"]["ownerReferences"] = refs
@@ -1217,6 +1224,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
             result["metadata"].pop("ownerReferences", None)
         result["metadata"]["resourceVersion"] = str(self._next_rv())
         self._write(key, "MODIFIED", result, obj)
+
+    def _collect_orphan(self, key: StorageKey, okey: ObjKey) -> None:
+        """Delete an object whose every owner is gone (``collect_orphans``)."""
+        current = self._store.get(key, okey)
+        refs = _meta(current).get("ownerReferences") if current is not None else None
+        if current is None or not refs or _meta(current).get("deletionTimestamp"):
+            return
+        if not any(self._store.live_uid(str(ref.get("uid"))) for ref in refs):
+            self._delete_stored(key, current, "Background")
 
     def _cascade(self, uid: str) -> None:
         """The garbage collector: dependents of a gone owner go too, unless owned elsewhere."""
@@ -1365,9 +1381,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         rt = self.resolve_kind(str(body.get("apiVersion", "")), str(body.get("kind", "")))
         ns = (namespace or _meta(body).get("namespace") or "default") if rt.namespaced else None
         name = str(_meta(body).get("name", ""))
-        return self.op_patch(
-            rt, ns, name, "application/apply-patch+yaml", copy.deepcopy(dict(body))
-        )[1]
+        return self.op_patch(rt, ns, name, "application/apply-patch+yaml", sem.clone(dict(body)))[1]
 
     def get_object(
         self, ref: str | ResourceType, name: str, namespace: str | None = None

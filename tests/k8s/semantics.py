@@ -11,7 +11,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jsonpatch  # a dependency of kopf
 import jsonpointer
@@ -59,14 +59,36 @@ def human_age(value: str, now: datetime.datetime | None = None) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Copies
+
+_ATOMS = (str, int, float, bool, type(None))
+T = TypeVar("T")
+
+
+def clone(value: T) -> T:
+    """A deep copy of JSON data (dicts, lists, scalars): `copy.deepcopy` without its memo and
+    dispatch, several times faster; it was a third of the emulator's CPU at a thousand
+    pipelines. Anything else is handed to `copy.deepcopy`."""
+    kind = type(value)
+    if kind is dict:
+        items = cast("dict[Any, Any]", value).items()
+        return cast(T, {k: v if type(v) in _ATOMS else clone(v) for k, v in items})
+    if kind is list:
+        return cast(T, [v if type(v) in _ATOMS else clone(v) for v in cast("list[Any]", value)])
+    if kind in _ATOMS:
+        return value
+    return copy.deepcopy(value)
+
+
+# --------------------------------------------------------------------------------------------
 # Patches
 
 
 def json_merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386: dicts merge recursively, ``null`` deletes a key, anything else replaces."""
     if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    result: dict[str, Any] = copy.deepcopy(dict(target)) if isinstance(target, Mapping) else {}
+        return clone(patch)
+    result: dict[str, Any] = clone(dict(target)) if isinstance(target, Mapping) else {}
     for key, value in patch.items():
         if value is None:
             result.pop(key, None)
@@ -80,7 +102,7 @@ def json_patch(target: Any, operations: Any) -> Any:
     if not isinstance(operations, list):
         raise PatchError("a JSON patch must be a list of operations")
     try:
-        return jsonpatch.JsonPatch(operations).apply(copy.deepcopy(target))
+        return jsonpatch.JsonPatch(operations).apply(clone(target))
     except jsonpatch.JsonPatchTestFailed as e:
         raise PatchTestFailed(f"testing value failed: {e}") from e
     except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as e:
@@ -126,7 +148,7 @@ def _strip_directives(value: Any) -> Any:
         }
     if isinstance(value, list):
         return [_strip_directives(v) for v in value if not _is_directive_only(v)]
-    return copy.deepcopy(value)
+    return clone(value)
 
 
 def _is_directive_only(value: Any) -> bool:
@@ -151,13 +173,13 @@ _DELETE = object()
 
 def _smp(target: Any, patch: Any, field: str | None) -> Any:
     if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
+        return clone(patch)
     directive = patch.get("$patch")
     if directive == "delete":
         return _DELETE
     if directive == "replace" or not isinstance(target, Mapping):
         return _strip_directives(patch)
-    result: dict[str, Any] = copy.deepcopy(dict(target))
+    result: dict[str, Any] = clone(dict(target))
     orders: dict[str, list[Any]] = {}
     for key, value in patch.items():
         if key.startswith("$setElementOrder/"):
@@ -178,7 +200,7 @@ def _smp(target: Any, patch: Any, field: str | None) -> Any:
         elif isinstance(value, list):
             result[key] = _smp_list(result.get(key), value, key)
         else:
-            result[key] = copy.deepcopy(value)
+            result[key] = clone(value)
     retain = patch.get("$retainKeys")
     if isinstance(retain, list):
         result = {k: v for k, v in result.items() if k in retain}
@@ -189,7 +211,7 @@ def _smp(target: Any, patch: Any, field: str | None) -> Any:
 
 
 def _smp_list(target: Any, patch: list[Any], field: str) -> list[Any]:
-    old: list[Any] = copy.deepcopy(target) if isinstance(target, list) else []
+    old: list[Any] = clone(target) if isinstance(target, list) else []
     if any(isinstance(i, Mapping) and i.get("$patch") == "replace" for i in patch):
         return [_strip_directives(i) for i in patch if not _is_directive_only(i)]
     if field in _MERGED_PRIMITIVE_LISTS:
@@ -352,7 +374,7 @@ def apply_schema_defaults(value: Any, schema: Mapping[str, Any] | None) -> Any:
     if isinstance(value, dict):
         for name, sub in (schema.get("properties") or {}).items():
             if name not in value and "default" in sub:
-                value[name] = copy.deepcopy(sub["default"])
+                value[name] = clone(sub["default"])
             if name in value:
                 apply_schema_defaults(value[name], sub)
         extra = schema.get("additionalProperties")
@@ -460,10 +482,10 @@ def _rename(
     obj: Mapping[str, Any], pairs: list[tuple[str, str]], api_version: str
 ) -> dict[str, Any]:
     result: dict[str, Any] = {"apiVersion": api_version, "kind": "Event"}
-    result["metadata"] = copy.deepcopy(obj.get("metadata") or {})
+    result["metadata"] = clone(obj.get("metadata") or {})
     for src, dst in pairs:
         if obj.get(src) is not None:
-            result[dst] = copy.deepcopy(obj[src])
+            result[dst] = clone(obj[src])
     return result
 
 

@@ -4,7 +4,8 @@
         [--latency 0.2 | 0.1:0.3] [--error-rate 0.05] [--user-agent disagg-operator ...]
 
 Writes a kubeconfig for it, prints its URL, serves until SIGINT or SIGTERM. Long-run options:
-no object history, no kmock request record (see ``KubeEmulator``).
+no object history, no kmock request record; orphans are garbage-collected, as in a cluster
+(see ``KubeEmulator``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ async def serve(args: argparse.Namespace) -> None:
         faults = Faults.parse(
             args.latency, args.error_rate, user_agents=tuple(args.user_agent or ())
         )
-    emulator = KubeEmulator(keep_history=False, keep_requests=False, faults=faults)
+    emulator = KubeEmulator(
+        keep_history=False, keep_requests=False, faults=faults, collect_orphans=True
+    )
     async with EmulatorServer(emulator, port=args.port) as server:
         Path(args.kubeconfig).write_text(yaml.safe_dump(kubeconfig_for(server.url)))
         print(server.url, flush=True)

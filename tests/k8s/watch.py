@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp.web
@@ -40,6 +40,9 @@ class WatchEvent:
     type: str  # ADDED, MODIFIED, DELETED
     obj: JSON  # storage form
     old: JSON | None  # the previous state, for selector transitions
+    # the event's JSON line as sent, by (API version, event type): serialized once for every
+    # stream that sends it, not once per stream
+    lines: dict[tuple[str, str], bytes] = field(default_factory=dict)
 
 
 class EventLog:
@@ -129,7 +132,7 @@ async def stream_watch(
     call.code = response.status
     first_table = True
 
-    async def send(event_type: str, obj: JSON) -> None:
+    def line(event_type: str, obj: JSON) -> bytes:
         nonlocal first_table
         if event_type == "ERROR" or event_type == "BOOKMARK":
             payload = obj
@@ -139,8 +142,19 @@ async def stream_watch(
             first_table = False
         else:
             payload = emu._view(rt, obj)
-        line = json.dumps({"type": event_type, "object": payload}) + "\n"
-        await response.write(line.encode())
+        return (json.dumps({"type": event_type, "object": payload}) + "\n").encode()
+
+    def event_line(event_type: str, event: WatchEvent) -> bytes:
+        if table:
+            return line(event_type, event.obj)
+        key = (rt.api_version, event_type)
+        found = event.lines.get(key)
+        if found is None:
+            found = event.lines[key] = line(event_type, event.obj)
+        return found
+
+    async def send(event_type: str, obj: JSON) -> None:
+        await response.write(line(event_type, obj))
 
     def bookmark(rv: int, initial_end: bool = False) -> JSON:
         meta: JSON = {"resourceVersion": str(rv)}
@@ -160,8 +174,8 @@ async def stream_watch(
         if gone:
             await send("ERROR", expired(log.trimmed_rv))
         else:
-            for event_type, obj in initial:
-                await send(event_type, obj)
+            for start in range(0, len(initial), 100):  # a hundred objects per write
+                await response.write(b"".join(line(t, o) for t, o in initial[start : start + 100]))
             if send_initial:
                 await send("BOOKMARK", bookmark(start_rv, initial_end=True))
         while not gone and not emu._closed:
@@ -169,15 +183,18 @@ async def stream_watch(
                 await send("ERROR", expired(log.trimmed_rv))
                 break
             pending = log.since(cursor)
+            batch: list[bytes] = []  # one write for all the events pending
             for event in pending:
                 cursor += 1
                 new_match, old_match = matches(event.obj), matches(event.old)
                 if event.type == "MODIFIED" and new_match and not old_match:
-                    await send("ADDED", event.obj)
+                    batch.append(event_line("ADDED", event))
                 elif event.type == "MODIFIED" and old_match and not new_match:
-                    await send("DELETED", event.obj)
+                    batch.append(event_line("DELETED", event))
                 elif new_match:
-                    await send(event.type, event.obj)
+                    batch.append(event_line(event.type, event))
+            if batch:
+                await response.write(b"".join(batch))
             if pending:
                 continue  # drain everything before a bookmark claims "up to here"
             now = loop.time()

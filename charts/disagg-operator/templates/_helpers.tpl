@@ -89,6 +89,7 @@ Both print "true" or nothing.
 {{- end }}
 {{- end }}
 - --liveness-port={{ .Values.liveness.port }}
+- --liveness-stall={{ .Values.liveness.stallSeconds }}
 - --metrics-port={{ ternary .Values.metrics.port 0 .Values.metrics.enabled }}
 {{- if .Values.peering.enabled }}
 - --peering={{ include "disagg-operator.peeringName" . }}

@@ -34,7 +34,7 @@ FULL: Obj = {
         "progressDeadlineSeconds": 120,
         "autoscaleIntervalSeconds": 5,
     },
-    "liveness": {"port": 18080},
+    "liveness": {"port": 18080, "stallSeconds": 120},
     "probes": {
         "liveness": {"initialDelaySeconds": 1, "periodSeconds": 3, "failureThreshold": 2},
         "readiness": {"periodSeconds": 2, "successThreshold": 1},

@@ -114,6 +114,7 @@ def test_the_arguments_are_the_operators(rendered: dict[str, list[c.Obj]]) -> No
     config = _parse(c.container(rendered["full"])["args"])
     assert config.namespaces == ("ml", "research")
     assert (config.liveness_port, config.metrics_port) == (18080, 19090)
+    assert config.liveness_stall == 120
     assert (config.peering, config.standalone) == ("disagg", False)
     assert config.options.cluster_domain == "k8s.example"
     assert config.options.gpu_mode == "device-plugin"
