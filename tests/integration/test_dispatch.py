@@ -16,7 +16,7 @@ import pytest
 from tests.support import REPO
 
 PIPELINE = REPO / "tests" / "integration" / "pipelines" / "slow-replica.yaml"
-REQUESTS = 120
+REQUESTS = 90
 
 
 def start_up(dispatch: str) -> subprocess.Popen[str]:
