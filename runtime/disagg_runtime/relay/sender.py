@@ -165,6 +165,8 @@ class Sender:
             try:
                 if not self.closed:
                     self._read_pending()
+            except (RelayError, zmq.ZMQError) as exc:  # cancelling a late grant failed
+                log.info("%s relay to %s: %s", self.kind, self.endpoint, exc)  # next send says
             finally:
                 self._lock.release()
         seen = self._load
