@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -191,9 +192,17 @@ def lane_hello(welcome: dict[str, Any], *, control: bool = False, key: bytes = K
     return proto.pack("lane", id=token, control=control, mac=auth.mac(key, "lane", token))
 
 
-def recv_reply(sock: zmq.Socket[Any], timeout: float = WAIT) -> dict[str, Any]:
-    assert sock.poll(int(timeout * 1000)), "no reply from the ingress"
-    return proto.unpack(sock.recv(), proto.OPS_TO_SENDER)
+def recv_reply(
+    sock: zmq.Socket[Any], timeout: float = WAIT, *, loads: bool = False
+) -> dict[str, Any]:
+    """The ingress's next reply; its unsolicited `load` reports are skipped unless `loads`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        assert sock.poll(int(left * 1000)), "no reply from the ingress"
+        msg = proto.unpack(sock.recv(), proto.OPS_TO_SENDER)
+        if loads or msg["op"] != "load":
+            return msg
 
 
 def assert_still_serves(rig: Rig, ingress: Ingress, kind: str) -> None:

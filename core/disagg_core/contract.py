@@ -80,6 +80,12 @@ class RoleTopology:
     def exit(self) -> bool:
         return not self.downstream
 
+    @property
+    def joins(self) -> bool:
+        """It gathers a request's inputs from more than one sender (fan-in, tensor
+        references): all of them must reach the same replica of it."""
+        return len(self.upstream) > 1 or bool(self.refs_in)
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -198,6 +204,7 @@ class RoleConfig:
     handler_args: Mapping[str, Any] = field(default_factory=dict)
     max_batch_size: int = 1
     max_batch_wait_ms: float = 0.0
+    dispatch: str = "load"
 
     @property
     def me(self) -> RoleTopology:
@@ -251,6 +258,15 @@ def _parse_device(name: str, raw: str) -> PoolDevice:
     return raw
 
 
+DISPATCH_MODES = ("load", "hash")
+
+
+def _parse_dispatch(name: str, raw: str) -> str:
+    if raw not in DISPATCH_MODES:
+        raise ContractError(f"{name}={raw!r}; expected one of {', '.join(DISPATCH_MODES)}")
+    return raw
+
+
 def _parse_json_object(name: str, raw: str) -> dict[str, Any]:
     try:
         value = json.loads(raw)
@@ -295,6 +311,7 @@ JSON_OBJECT = Kind(
 BATCH_SIZE = Kind(lambda v: str(v) if v > 1 else "", _parse_batch_size)
 MILLIS = Kind(lambda v: f"{v:g}" if v else "", _parse_millis)
 PEERS = Kind(lambda v: ",".join(p.render() for p in v), lambda name, raw: parse_downstream(raw))
+DISPATCH = Kind(lambda v: "" if v == "load" else str(v), _parse_dispatch)
 
 
 @dataclass(frozen=True)
@@ -429,6 +446,16 @@ ENV: Final[tuple[EnvVar, ...]] = (
         FLAG,
         '"1" when every peer shares this host\'s /dev/shm (disagg up)',
         default="0",
+    ),
+    EnvVar(
+        "DISPATCH",
+        "dispatch",
+        DISPATCH,
+        "how this role picks a downstream replica for a new request: `load` (power of two "
+        "choices over the load replicas advertise; roles that join inputs always hash) or "
+        "`hash` (rendezvous hash of the request id, as before loads were advertised)",
+        default="load",
+        optional=True,
     ),
     EnvVar(
         "TOPOLOGY_FILE",

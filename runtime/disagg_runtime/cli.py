@@ -9,6 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from disagg_core.contract import DISPATCH_MODES
 from disagg_operator import flags as operator_flags
 
 
@@ -52,6 +53,13 @@ def _build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="with --autoscale: keep deciding this many idle seconds after the load (scale-down)",
+    )
+    up.add_argument(
+        "--dispatch",
+        choices=DISPATCH_MODES,
+        default="load",
+        help="how senders pick a replica for a new request: by the load replicas advertise "
+        "(default) or by hashing the request id (to compare)",
     )
     up.add_argument(
         "--serve", action="store_true", help="serve HTTP (the gateway) until Ctrl-C instead"

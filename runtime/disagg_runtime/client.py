@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,7 +109,12 @@ class Client:
         resolver: Resolver = resolve_dns,
         peers_file: str = "",
         key: bytes | None = None,
+        dispatch: str = "load",
+        hashed_roles: Collection[str] = (),
     ) -> None:
+        """`dispatch` "load" sends each request to the entry replica whose advertised load
+        is lowest of two (dispatch.py), "hash" by its id; entry roles in `hashed_roles`
+        (those that join inputs) are always chosen by hash."""
         key = check_key(key) if key is not None else key_from_env()
         self.exits = frozenset(exits)
         self.timeout = timeout
@@ -129,7 +134,15 @@ class Client:
         self.reply = Reply(f"tcp://{advertise_host or bind_host}:{port}", reply_relay)
         listed = PeersFile(peers_file) if peers_file else None
         self.entries = [
-            PeerSet(p, entry_relay, resolver=resolver, peers_file=listed) for p in entries
+            PeerSet(
+                p,
+                entry_relay,
+                resolver=resolver,
+                peers_file=listed,
+                hashed=dispatch == "hash" or p.role in hashed_roles,
+                pin_s=timeout,
+            )
+            for p in entries
         ]
         self.relays = RelayCache(timeout=timeout, key=key, pools=shm_namespace(pipeline))
         self._pending: dict[str, _Pending] = {}
@@ -229,7 +242,8 @@ class Client:
         return rid, pending
 
     def _send(self, peers: PeerSet, meta: Meta, payload: Any) -> None:
-        endpoint = peers.endpoint_for(meta.rid)
+        new = meta.kind != "abort"  # an abort follows its request; it never chooses
+        endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
         relay = self.relays.get(peers.kind, endpoint)
         try:
             relay.send(payload, request_id=meta.rid, timeout=self.timeout, meta=meta.to_json())
@@ -257,6 +271,8 @@ class Client:
             pending.future.set_exception(exc)
         else:
             pending.future.set_result(result)
+        for peers in self.entries:
+            peers.unpin(rid)
         pending.chunks.put(_END)
 
     def _receive(self) -> None:

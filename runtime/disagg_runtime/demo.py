@@ -63,9 +63,10 @@ Conventions
     role name it has in the examples (``"denoise"`` or ``"denoiser"``), makes that handler
     raise ``RuntimeError("demo failure requested")``. ``"sleep_ms"`` (0 to 600000) makes
     ``denoise`` sleep that long first (a slow stage); so does ``DEMO_DENOISE_MS`` in the
-    denoiser's environment (examples/slow-denoiser.yaml). ``"request"`` (a JSON scalar, set by
-    ``sample_input``) tags a request. All three are carried from every handler's input to
-    its output (and into every streamed chunk), so later stages see them.
+    denoiser's environment (examples/slow-denoiser.yaml); ``DEMO_SLOW_REPLICA=<n>`` makes
+    replica n's sleep ``DEMO_SLOW_FACTOR`` (default 5) times longer. ``"request"`` (a JSON
+    scalar, set by ``sample_input``) tags a request. All three are carried from every
+    handler's input to its output (and into every streamed chunk), so later stages see them.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ _PROMPTS = (
 
 
 DENOISE_MS_ENV = "DEMO_DENOISE_MS"
+SLOW_REPLICA_ENV = "DEMO_SLOW_REPLICA"  # a test knob: this replica's denoiser sleeps longer
+SLOW_FACTOR_ENV = "DEMO_SLOW_FACTOR"  # by this factor (default 5)
 
 
 def _env_ms(name: str) -> float:
@@ -163,6 +166,23 @@ def _env_ms(name: str) -> float:
     if not math.isfinite(value) or not 0 <= value <= MAX_SLEEP_MS:
         raise ValueError(f"{name} must be in [0, {MAX_SLEEP_MS}] ms, got {raw!r}")
     return value
+
+
+def _slowdown() -> float:
+    """How much slower this replica's sleep is: DEMO_SLOW_FACTOR (default 5) when its
+    DISAGG_REPLICA is DEMO_SLOW_REPLICA, else 1 (one slow replica among fast ones, to
+    see dispatch by load route around it)."""
+    slow = os.environ.get(SLOW_REPLICA_ENV, "").strip()
+    if not slow or slow != os.environ.get("DISAGG_REPLICA", "").strip():
+        return 1.0
+    raw = os.environ.get(SLOW_FACTOR_ENV, "").strip() or "5"
+    try:
+        factor = float(raw)
+    except ValueError:
+        raise ValueError(f"{SLOW_FACTOR_ENV}={raw!r} is not a number") from None
+    if not math.isfinite(factor) or not 1 <= factor <= 1000:
+        raise ValueError(f"{SLOW_FACTOR_ENV} must be in [1, 1000], got {raw!r}")
+    return factor
 
 
 def demo_scale() -> float:
@@ -425,7 +445,7 @@ def denoise(payload: object) -> Payload:
         out["text_embedding"] = _tensor(p, "text_embedding", name, **_TEXT_DIMS)
     cond = _tensor(p, "cond", name, ndim=1, kind="float", shape={0: LATENT_CHANNELS})
     steps = _int(p, "steps", name, default=DEFAULT_STEPS, lo=1, hi=MAX_STEPS)
-    sleep_ms = float(out.get("sleep_ms") or 0.0) + _env_ms(DENOISE_MS_ENV)
+    sleep_ms = (float(out.get("sleep_ms") or 0.0) + _env_ms(DENOISE_MS_ENV)) * _slowdown()
     if sleep_ms:
         time.sleep(sleep_ms / 1000.0)
 

@@ -6,10 +6,12 @@ name returns one A record per ready pod) at most every `RESOLVE_EVERY` seconds, 
 never restarts peers. Locally (`disagg up`) a peers file plays the part of DNS: the
 launcher rewrites it when it scales, and roles re-read it when it changes.
 
-A request is pinned to one replica of each downstream role by rendezvous hashing of its
-id, so every message of a request (stream chunks, tensor references, aborts) meets at
-the same replica, in order; adding or removing a replica moves only the requests that
-hashed to it.
+A new request goes to the replica of each downstream role that its load reports favour
+(dispatch.py: power of two choices over what receivers advertise), and every later
+message of it from this sender (stream chunks, the end, aborts) follows it there: the
+choice is pinned by request id. Roles whose inputs meet from several senders (fan-in
+joins, tensor references) are chosen by rendezvous hashing of the request id instead,
+so all senders agree without talking; so is every role when dispatch is `hash`.
 """
 
 from __future__ import annotations
@@ -20,22 +22,25 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from disagg_core.contract import Peer
+from disagg_runtime import dispatch
 from disagg_runtime.relay import NotAPeer, Relay, RelayError, connect
 
 log = logging.getLogger(__name__)
 RESOLVE_EVERY = 5.0
 FILE_RESOLVE_EVERY = 0.25
+MAX_PINS = 1 << 16  # requests remembered per downstream role (least recently used go first)
 Resolver = Callable[[str, int], list[str]]
+Viewer = Callable[[str], dispatch.View | None]  # endpoint -> what we know of its load
 
 
 def resolve_dns(host: str, port: int) -> list[str]:
@@ -48,10 +53,7 @@ def resolve_dns(host: str, port: int) -> list[str]:
     return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addrs]
 
 
-def pick(endpoints: list[str], rid: str) -> str:
-    """The replica a request is pinned to (highest random weight)."""
-    key = rid.encode()
-    return max(endpoints, key=lambda e: (zlib.crc32(key + b"@" + e.encode()), e))
+pick = dispatch.rendezvous  # the replica a request hashes to
 
 
 class PeersFile:
@@ -218,6 +220,16 @@ class RelayCache:
             return f"the last {self.FAILURES} sends failed and none succeeded since"
         return None
 
+    def view(self, kind: str, endpoint: str) -> dispatch.View | None:
+        """What the open relay to `endpoint` knows of its load (None: no relay, no report);
+        opens nothing."""
+        with self._lock:
+            entry = self._relays.get((kind, endpoint))
+        return entry[0].view() if entry is not None else None
+
+    def viewer(self, kind: str) -> Viewer:
+        return lambda endpoint: self.view(kind, endpoint)
+
     def close(self) -> None:
         with self._lock:
             relays = [relay for relay, _ in self._relays.values()]
@@ -226,7 +238,11 @@ class RelayCache:
 
 
 class PeerSet:
-    """The replicas of one downstream role and the relay kind used to reach them."""
+    """The replicas of one downstream role and the relay kind used to reach them.
+
+    `hashed`: requests go where rendezvous hashing puts them (every sender agrees), never
+    by load; else a request's first message chooses by load and the rest follow it (pins
+    kept for `pin_s` after their last use, at most MAX_PINS)."""
 
     def __init__(
         self,
@@ -235,14 +251,23 @@ class PeerSet:
         *,
         resolver: Resolver = resolve_dns,
         peers_file: PeersFile | None = None,
+        hashed: bool = False,
+        pin_s: float = 300.0,
+        filters: tuple[dispatch.Filter, ...] = dispatch.DEFAULT_FILTERS,
+        rng: random.Random | None = None,
     ) -> None:
         self.peer = peer
         self.kind = kind
+        self.hashed = hashed
+        self.pin_s = pin_s
+        self.filters = filters
+        self._rng = rng or random.Random()
         self._resolver = resolver
         self._file = peers_file
         self._endpoints: list[str] = []
         self._resolved_at = float("-inf")
         self._lock = threading.Lock()
+        self._pins: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
 
     def endpoints(self, *, refresh: bool = False) -> list[str]:
         with self._lock:
@@ -261,10 +286,41 @@ class PeerSet:
                 self._resolved_at = time.monotonic()
             return list(self._endpoints)
 
-    def endpoint_for(self, rid: str) -> str:
+    def endpoint_for(self, rid: str, views: Viewer | None = None, *, new: bool = True) -> str:
+        """The replica for a message of request `rid`: where its earlier messages went
+        (while that replica is listed), else, for a `new` message with `views` to go by, the
+        one dispatch.choose picks (then pinned), else the one it hashes to (an abort of a
+        request never sent here, say, goes where hashing would have put it)."""
         endpoints = self.endpoints()
         if not endpoints:
             endpoints = self.endpoints(refresh=True)
         if not endpoints:
             raise RelayError(f"no replica of role {self.peer.role!r} is reachable")
-        return pick(endpoints, rid)
+        if self.hashed or views is None:
+            return pick(endpoints, rid)
+        now = time.monotonic()
+        with self._lock:
+            pinned = self._pins.get(rid)
+            if pinned is not None and pinned[0] in endpoints:
+                self._pins[rid] = (pinned[0], now)
+                self._pins.move_to_end(rid)
+                return pinned[0]
+        if not new:
+            return pick(endpoints, rid)
+        seen = {e: views(e) for e in endpoints}
+        chosen = dispatch.choose(endpoints, seen, rid, rng=self._rng, filters=self.filters)
+        if chosen is None:
+            raise RelayError(f"no replica of role {self.peer.role!r} may take request {rid}")
+        with self._lock:
+            self._pins[rid] = (chosen, now)
+            self._pins.move_to_end(rid)
+            while self._pins and (
+                len(self._pins) > MAX_PINS or now - next(iter(self._pins.values()))[1] > self.pin_s
+            ):
+                self._pins.popitem(last=False)
+        return chosen
+
+    def unpin(self, rid: str) -> None:
+        """Forget where `rid` went (its last message was sent)."""
+        with self._lock:
+            self._pins.pop(rid, None)

@@ -25,6 +25,11 @@
   the same of the other end. Deadlines are clamped on receipt to the request timeout, so
   no sender can hold a worker longer. Requests waiting for a worker are bounded
   (`max_queue`): beyond it a new request fails at once as `overloaded`.
+- Dispatch (dispatch.py): the ingress advertises this role's load (requests waiting for a
+  worker, being handled, workers, free pool bytes, draining) to its senders; this role
+  sends each new request to the downstream replica its load reports favour, and the
+  rest of the request after it. A downstream role that joins inputs (fan-in, tensor
+  references) is chosen by hash, so that every sender of a request meets there.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_core.contract import RoleConfig
-from disagg_runtime import envelope
+from disagg_runtime import dispatch, envelope
 from disagg_runtime.batching import BatchCancelled, BatchTimeout
 from disagg_runtime.envelope import Meta
 from disagg_runtime.handler import Handler as LoadedHandler
@@ -110,7 +115,13 @@ class RoleRuntime:
         peers_file = PeersFile(config.peers_file) if config.peers_file else None
         self.peers = {
             p.role: PeerSet(
-                p, relay_kind(config, p.role, p.relay), resolver=resolver, peers_file=peers_file
+                p,
+                relay_kind(config, p.role, p.relay),
+                resolver=resolver,
+                peers_file=peers_file,
+                # inputs that meet at one replica: only a hash has every sender agree on it
+                hashed=config.dispatch == "hash" or config.topology.roles[p.role].joins,
+                pin_s=config.request_timeout,
             )
             for p in config.downstream
         }
@@ -124,6 +135,7 @@ class RoleRuntime:
         self._stream_started: dict[str, float] = {}
         self._aborted: dict[str, float] = {}
         self._typical = config.pool.min_block
+        self._service_s = 0.0  # moving average of handler seconds (dispatch.Load.service_s)
         self._started = False
         self._stopping = threading.Event()
         self._draining = threading.Event()
@@ -157,6 +169,7 @@ class RoleRuntime:
                 lane_port=config.lane_port,
                 on_message=self._on_message,
                 key=self.key,
+                load=self._load,
             )
         except BaseException:
             self.pool.close()
@@ -297,6 +310,22 @@ class RoleRuntime:
             peer_rejected=ingress.refused + self.relays.refused,
         )
 
+    def _load(self) -> dispatch.Load:
+        """What the ingress advertises (on its I/O thread, per grant and ack: cheap reads)."""
+        with self._cond:
+            queued = len(self._runnable)
+            active = len(self._active)
+        capacity = self.pool.allocator.capacity
+        return dispatch.Load(
+            queued=queued,
+            active=active,
+            workers=self.config.concurrency,
+            free_bytes=max(0, capacity - self.pool.allocator.stats().used),
+            pool_bytes=capacity,
+            service_s=self._service_s,
+            draining=self._draining.is_set(),
+        )
+
     # ---- receiving ---------------------------------------------------------------------------
     def _on_message(self, msg: Message) -> None:
         """Runs on the ingress's I/O thread: route the message to its request's queue and
@@ -416,7 +445,7 @@ class RoleRuntime:
                 max(0.0, time.time() - (meta.deadline - self.config.request_timeout))
             )
             return
-        joins = len(self.me.upstream) > 1 or bool(self.me.refs_in)
+        joins = self.me.joins
         if meta.kind == "chunk":
             if joins:
                 msg.release()
@@ -490,7 +519,10 @@ class RoleRuntime:
         except Exception as exc:
             self._fail(meta, "handler", f"{type(exc).__name__}: {exc}", exc_type=type(exc).__name__)
         else:
-            self.metrics.handler_seconds(time.monotonic() - started)
+            took = time.monotonic() - started
+            self.metrics.handler_seconds(took)
+            # recent seconds per call, advertised in the load (a plain float store)
+            self._service_s = took if not self._service_s else 0.8 * self._service_s + 0.2 * took
             if not streaming_input:
                 self.metrics.request_done(time.monotonic() - started)
         finally:
@@ -523,7 +555,8 @@ class RoleRuntime:
 
     def _send_to(self, target: str, meta: Meta, payload: Any) -> None:
         peers = self.peers[target]
-        endpoint = peers.endpoint_for(meta.rid)
+        new = meta.kind not in ("end", "abort")  # those follow the request, never choose
+        endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
         started = time.monotonic()
         try:
             relay = self.relays.get(peers.kind, endpoint, timeout=self._remaining(meta))
@@ -535,6 +568,8 @@ class RoleRuntime:
             # the same type (a timeout stays a timeout), naming whom it could not reach
             raise type(exc)(f"{target} at {endpoint}: {exc}") from exc
         elapsed = time.monotonic() - started
+        if not new:  # the request's last message to it
+            peers.unpin(meta.rid)
         self.metrics.edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
 
     def _send_reply(self, meta: Meta, payload: Any) -> None:

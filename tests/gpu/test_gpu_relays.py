@@ -25,7 +25,7 @@ from disagg_runtime.relay.cuda_ipc import CudaIpcSender
 from disagg_runtime.relay.select import relay_kind
 from tests.gpu import gpu_peer as peer
 from tests.gpu.test_gpu_pools import SLEEP_CYCLES, report
-from tests.relay_rig import KEY, handshake
+from tests.relay_rig import KEY, handshake, recv_reply
 from tests.support import wait_for
 
 pytestmark = pytest.mark.gpu
@@ -283,8 +283,7 @@ class Raw:
         self.sock.send(proto.pack(op, **fields))
 
     def reply(self) -> dict[str, Any]:
-        assert self.sock.poll(int(WAIT * 1000)), "no reply"
-        return proto.unpack(self.sock.recv(), proto.OPS_TO_SENDER)
+        return recv_reply(self.sock)  # `load` reports skipped
 
     def close(self) -> None:
         self.sock.close(linger=0)

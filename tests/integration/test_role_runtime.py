@@ -201,6 +201,24 @@ def test_round_trip_is_bit_exact(linear: Running) -> None:
     linear.wait_idle()
 
 
+def test_roles_advertise_their_load_to_their_senders(linear: Running) -> None:
+    """b tells a (its sender) its workers, queue and pool (dispatch.py); a's relay to b
+    holds what b said, as does the client's relay to the entry role a."""
+    x = torch.ones(ph.BIG)
+    assert torch.equal(linear.submit({"x": x, "i": 1})["x"], x * 2)
+    report = linear.roles["b"]._load()
+    assert report.workers == 4 and not report.draining
+    assert report.pool_bytes == linear.roles["b"].pool.allocator.capacity
+    assert report.service_s > 0  # it handled one
+    a = linear.roles["a"]
+    peers = a.peers["b"]
+    view = a.relays.view(peers.kind, peers.endpoints()[0])
+    assert view is not None and view.load.workers == 4 and view.load.pool_bytes == report.pool_bytes
+    entry = linear.c.entries[0]
+    view = linear.c.relays.view(entry.kind, entry.endpoints()[0])
+    assert view is not None and view.load.workers == 4
+
+
 def test_results_are_copies_valid_after_the_request(linear: Running) -> None:
     first = linear.submit(mixed_payload())
     snapshot = {k: v.clone() for k, v in first.items() if isinstance(v, torch.Tensor)}

@@ -45,6 +45,7 @@ def client_for(config: GatewayConfig) -> Client:
         timeout=config.request_timeout,
         peers_file=config.peers_file,
         key=read_key(config.peer_key_file),
+        hashed_roles=[r for r in config.topology.entry_roles if config.topology.roles[r].joins],
     )
 
 

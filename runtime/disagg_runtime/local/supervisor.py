@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from disagg_core import placement
-from disagg_core.contract import Peer, RoleConfig, render_env, write_topology
+from disagg_core.contract import ENV, Peer, RoleConfig, render_env, write_topology
 from disagg_core.spec.model import Pipeline
 from disagg_runtime.client import Client
 from disagg_runtime.local.rundir import RunDir, open_run
@@ -147,6 +147,7 @@ class LocalPipeline:
 
     pipeline: Pipeline
     grace_s: float = 10.0
+    dispatch: str = "load"  # DISAGG_DISPATCH of every role, and the client's
     on_death: Callable[[RoleProcess, int], None] | None = None
     processes: list[RoleProcess] = field(default_factory=list)
     deaths: list[str] = field(default_factory=list)
@@ -235,8 +236,10 @@ class LocalPipeline:
             config,
             metrics_dump=os.path.join(self.workdir, f"{config.role}-{config.replica}.prom"),
             peer_key_file=self.key_file,
+            dispatch=self.dispatch,
         )
-        env = dict(os.environ)
+        contract = {var.name for var in ENV}  # only ours: an inherited one is not rendered
+        env = {k: v for k, v in os.environ.items() if k not in contract}
         env.update({e.name: e.value for e in role.env if e.value_from is None})
         env.update(render_env(config))
         env["PYTHONUNBUFFERED"] = "1"
@@ -308,6 +311,8 @@ class LocalPipeline:
             timeout=timeout or self.pipeline.transport.request_timeout_seconds,
             peers_file=self.peers_file,
             key=self.key,
+            dispatch=self.dispatch,
+            hashed_roles=[r for r in topology.entry_roles if topology.roles[r].joins],
         )
 
     def metrics(self) -> dict[str, dict[str, float]]:

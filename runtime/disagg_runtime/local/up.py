@@ -197,11 +197,20 @@ def summarize(local: LocalPipeline, tally: Tally, elapsed: float, ready_s: float
     for rp in local.processes:
         stats = roles.setdefault(
             rp.config.role,
-            {"replicas": 0, "completed": 0, "failed": 0, "_sum": 0.0, "_count": 0.0},
+            {
+                "replicas": 0,
+                "completed": 0,
+                "failed": 0,
+                "_sum": 0.0,
+                "_count": 0.0,
+                "by_replica": {},
+            },
         )
         stats["replicas"] += 1
         s = samples.get(rp.label, {})
-        stats["completed"] += int(s.get('disagg_requests_total{outcome="done"}', 0))
+        done = int(s.get('disagg_requests_total{outcome="done"}', 0))
+        stats["completed"] += done
+        stats["by_replica"][str(rp.config.replica)] = done  # each one's share of the work
         stats["failed"] += int(s.get('disagg_requests_total{outcome="failed"}', 0))
         stats["_sum"] += s.get("disagg_request_seconds_sum", 0.0)
         stats["_count"] += s.get("disagg_request_seconds_count", 0.0)
@@ -272,7 +281,7 @@ def run_cli(args: argparse.Namespace) -> int:
             print(f"{args.file}: {p.path or ROOT}: {p.reason}", file=sys.stderr)
         return 1
     stop = threading.Event()
-    local = LocalPipeline(pipeline, grace_s=args.grace)
+    local = LocalPipeline(pipeline, grace_s=args.grace, dispatch=args.dispatch)
     client: Client | None = None
     summary: dict[str, Any] | None = None
     interrupted = False

@@ -24,6 +24,11 @@ handshake size and dropped. Authenticated peers are bounded too: pending reserva
 per peer, inline bytes held at once (`inline_budget`: a lane whose next frame would
 overflow it is not read until messages are released, so its sender stalls, as on a full
 pool), and lanes that stay silent before their hello or stall mid-frame are closed.
+
+The ingress tells its senders how busy its role is (`load`, dispatch.Load, from the
+`load` callback; without one, its own queue and pool): in the welcome, on every grant and
+ack, and every `LOAD_EVERY_S` to the senders active in the last `LOAD_ACTIVE_S`, so they
+can send new requests to the least busy replica (dispatch.py).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from typing import Any
 
 import zmq
 
-from disagg_runtime import codec
+from disagg_runtime import codec, dispatch
 from disagg_runtime.codec import unflatten
 from disagg_runtime.layout import buffer_tensors, read_payload
 from disagg_runtime.manifest import Manifest
@@ -119,9 +124,11 @@ class Ingress:
         on_message: Callable[[Message], None] | None = None,
         key: bytes,
         inline_budget: int | None = None,
+        load: Callable[[], dispatch.Load] | None = None,
     ) -> None:
         self._pool = pool
         self.memory = memory_for(pool)
+        self._load = load or self._own_load
         self._on_message = on_message
         self.lease_s = lease_s
         self._key = auth.check_key(key)
@@ -151,6 +158,9 @@ class Ingress:
             collections.OrderedDict()
         )
         self._peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._active_at: dict[bytes, float] = {}  # peers' last message (they get `load`s)
+        self._load_due = 0.0
+        self._load_last: tuple[dict[str, Any] | None, float] = (None, float("-inf"))
         self.refusals = auth.Refusals(log, f"ingress {self.endpoint}")
         self._poller = zmq.Poller()  # the I/O thread's
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()  # C: fast hand-off
@@ -298,6 +308,9 @@ class Ingress:
             self._lane_check = now + LANE_CHECK_S
             self._expire_lanes(now)
         self._grant_pending()
+        if now >= self._load_due:
+            self._load_due = now + proto.LOAD_EVERY_S
+            self._send_loads(now)
 
     def _accept_lane(self) -> None:
         assert self._lane_listener is not None
@@ -400,6 +413,7 @@ class Ingress:
             self._by_sender[ident] = conn
             return
         conn.taken += 1  # every frame counts: the sender counted it too
+        self._active_at[conn.ident] = time.monotonic()
         msg: dict[str, Any] = {}
         try:
             msg = proto.unpack(frame.header, LANE_OPS if conn.control else INLINE_OPS)
@@ -424,6 +438,8 @@ class Ingress:
         ledger = self._ledger.next_deadline()
         if ledger is not None:
             deadlines.append(ledger)
+        if self._active_at:  # someone is sending: the next `load` is due
+            deadlines.append(self._load_due)
         if not deadlines:
             return 1000
         return max(1, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
@@ -438,6 +454,7 @@ class Ingress:
                 self._stranger(ident)
                 return
             self._peers.move_to_end(ident)  # recently active: forgotten last
+            self._active_at[ident] = time.monotonic()
             chunked = self._chunked.get(ident)
             if chunked is not None:
                 msg = {"op": "commit", "xid": chunked.xid}
@@ -518,6 +535,7 @@ class Ingress:
     def _forget(self, ident: bytes) -> None:
         """`ident` is no longer a peer: drop what it holds that nobody else will free."""
         self._peers.pop(ident, None)
+        self._active_at.pop(ident, None)
         self._ledger.forget(ident)
         chunked = self._chunked.pop(ident, None)
         if chunked is not None and chunked.grant.offset is not None:
@@ -560,9 +578,50 @@ class Ingress:
             **self._lane_offer,
             **({"lane_id": self._lane_token(ident)} if self._lane_offer else {}),
             **self._welcome_extra(ident, msg),
+            **self._load_field(),
         }
         fields["mac"] = auth.mac(self._key, "welcome", theirs, ours, auth.body(fields))
         self._reply(ident, "welcome", **fields)
+
+    def _own_load(self) -> dispatch.Load:
+        """Without a role's account: this ingress's own queue, its pool, one worker."""
+        capacity = self.pool.allocator.capacity
+        return dispatch.Load(
+            queued=self._queue.qsize(),
+            active=0,
+            workers=1,
+            free_bytes=max(0, capacity - self.pool.allocator.stats().used),
+            pool_bytes=capacity,
+        )
+
+    def _load_field(self) -> dict[str, Any]:
+        """`{"load": ...}` for a reply; empty when the role's account fails (logged: a
+        sender without a report treats this replica as unknown, it still works)."""
+        try:
+            return {"load": self._load().to_json()}
+        except Exception:
+            log.exception("ingress %s: the load callback failed", self.endpoint)
+            return {}
+
+    def _send_loads(self, now: float) -> None:
+        """`load` to each sender heard from in the last LOAD_ACTIVE_S, when it changed since
+        the last one or the keepalive is due (idle senders are not written to: nobody reads
+        their sockets). Always over ZMQ, never a lane: a ROUTER drops what a peer does not
+        take, where a lane write could fail, and a failed lane is closed with what it
+        still holds unread."""
+        for ident, at in list(self._active_at.items()):
+            if now - at > proto.LOAD_ACTIVE_S:
+                del self._active_at[ident]
+        if not self._active_at:
+            return
+        fields = self._load_field()
+        last, sent_at = self._load_last
+        if not fields or (fields["load"] == last and now - sent_at < proto.LOAD_KEEPALIVE_S):
+            return
+        self._load_last = (fields["load"], now)
+        header = proto.pack("load", **fields)
+        for ident in self._active_at:
+            self._sock.send_multipart([ident, header])
 
     def _lane_token(self, ident: bytes) -> str:
         """A random id under which the sender `ident` may open a lane (once): a lane that
@@ -662,7 +721,12 @@ class Ingress:
 
         for grant in self._ledger.grant_pending(time.monotonic(), ready):
             self._reply(
-                grant.ident, "grant", xid=grant.xid, offset=grant.offset, lease_s=self.lease_s
+                grant.ident,
+                "grant",
+                xid=grant.xid,
+                offset=grant.offset,
+                lease_s=self.lease_s,
+                **self._load_field(),
             )
 
     def _on_cancel(self, ident: bytes, msg: dict[str, Any]) -> None:
@@ -765,8 +829,8 @@ class Ingress:
         if not self._admit(msg):
             self._reply(ident, "nack", xid=xid, reason=f"request {rid} was aborted")
             return
-        self._reply(ident, "ack", xid=xid)  # the sender goes on while the message is handled
-        self._hand_over(msg)
+        self._hand_over(msg)  # routed, not handled: then the load in the ack counts it
+        self._reply(ident, "ack", xid=xid, **self._load_field())
 
     def _deliver(self, msg: Message) -> bool:
         """Queue a landed payload unless its request was aborted (then free its slot)."""

@@ -9,7 +9,7 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   challenge {nonce}
     auth {mac}                     -->   (relay/auth.py: both ends prove the peer key)
                                    <--   welcome {pool, pool_size, max_allocation, lease_s,
-                                                  lane_id[, lane_port | lane_path], mac}
+                                                  lane_id[, lane_port | lane_path], load, mac}
     inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
     reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
                                    <--   grant {xid, offset, lease_s} | deny {xid, reason}
@@ -20,6 +20,16 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
     abort {rid}                    -->   free every slot the request holds
                                    <--   refused {reason[, xid]}: the sender is not (or no
                                          longer) an authenticated peer here
+                                   <--   load {load}: every LOAD_EVERY_S while it changes
+                                         (at least every LOAD_KEEPALIVE_S), to senders that
+                                         sent something in the last LOAD_ACTIVE_S; over ZMQ
+                                         even where replies go on the lane
+
+`load` (dispatch.Load: queued, active, workers, free_bytes, pool_bytes, draining) is the
+receiver's own account of how busy it is, for senders choosing among replicas
+(dispatch.py); it rides on the welcome, every grant and ack, and the periodic `load`
+message (inline payloads get no reply, so that is how their senders hear). A malformed
+one fails the connection (welcome) or the reply it came on, like any bad field.
 
 `xid` numbers each operation of a sender so that a late grant for an operation that timed
 out is never mistaken for the current one (completions are per operation).
@@ -46,9 +56,14 @@ MAX_CONTROL_BYTES = 4 << 20
 MAX_INLINE_MESSAGE_BYTES = 16 << 20  # the most slot bytes an inline message may carry
 MAX_FRAME_BYTES = MAX_INLINE_MESSAGE_BYTES  # no ZMQ frame may be longer (tcp chunks included)
 OPS_TO_INGRESS = frozenset({"hello", "auth", "inline", "reserve", "commit", "cancel", "abort"})
-OPS_TO_SENDER = frozenset({"challenge", "welcome", "refused", "grant", "deny", "ack", "nack"})
+OPS_TO_SENDER = frozenset(
+    {"challenge", "welcome", "refused", "grant", "deny", "ack", "nack", "load"}
+)
 HANDSHAKE_OPS = frozenset({"hello", "auth"})  # all an unauthenticated peer may send
 MAX_HANDSHAKE_BYTES = 4096  # and no longer than this
+LOAD_EVERY_S = 0.1  # how often an ingress tells its active senders its load, when it changed
+LOAD_KEEPALIVE_S = 0.5  # and at least this often while they stay active
+LOAD_ACTIVE_S = 2.0  # a sender silent for longer gets no more `load` messages (nor reads them)
 
 
 class ProtocolError(ValueError):

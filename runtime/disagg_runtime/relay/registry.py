@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from disagg_core import relays
+from disagg_runtime.dispatch import View
 from disagg_runtime.relay.errors import RelayError
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class Relay(Protocol):
     ) -> int: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def view(self) -> View | None: ...
 
     def close(self) -> None: ...
 

@@ -24,6 +24,10 @@ A sender first proves the pipeline's peer key and checks the ingress's proof
 (relay/auth.py): a welcome without a valid mac fails the connection before anything in
 it (a pool to map, a lane) is used. An shm sender also maps only pools whose name starts
 with `pools` (its pipeline's namespace), and writes only inside the pool it mapped.
+
+A sender keeps the receiver's latest load report (welcome, grants, acks, `load`
+messages) and counts what it sent since; `view()` says what it knows now, reading
+pending reports without waiting, for senders choosing a replica (dispatch.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
+from disagg_runtime import dispatch
 from disagg_runtime.layout import plan, slot_image
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.relay import auth, lane
@@ -104,6 +109,10 @@ class Sender:
         self._lane_sent = 0
         self._lane_control = False  # reservations, commits and their replies on the lane too
         self._lane_replies: collections.deque[bytes] = collections.deque()
+        self._load: tuple[dispatch.Load, float] | None = None  # the last report, when
+        self._sent_since = 0  # requests sent after that report
+        self._sent_at = float("-inf")
+        self._lost: str | None = None  # a refusal read between transfers
         try:
             welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)
             self.max_allocation: int = proto.nonneg_int(welcome, "max_allocation")
@@ -131,7 +140,76 @@ class Sender:
             raise NotAPeer(
                 f"{self.endpoint} did not prove the pipeline's peer key; not a peer of ours"
             )
+        try:
+            self._note_load(welcome, time.monotonic())
+        except proto.ProtocolError as exc:
+            raise RelayError(f"bad welcome from {self.endpoint}: {exc}") from None
         return welcome
+
+    def _note_load(self, msg: dict[str, Any], at: float) -> None:
+        """Keep the load report a reply carries (as of `at`); ProtocolError if malformed."""
+        if "load" not in msg:
+            return
+        try:
+            load = dispatch.Load.from_json(msg["load"])
+        except dispatch.LoadError as exc:
+            raise proto.ProtocolError(f"relay {msg.get('op')}: {exc}") from None
+        self._load = (load, at)
+        self._sent_since = 0
+
+    def view(self) -> dispatch.View | None:
+        """What this sender knows of its receiver's load now (None: nothing yet). Reports
+        that arrived since the last transfer are read first, unless a transfer holds the
+        socket (it reads them itself)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self.closed:
+                    self._read_pending()
+            except (RelayError, zmq.ZMQError) as exc:  # cancelling a late grant failed
+                log.info("%s relay to %s: %s", self.kind, self.endpoint, exc)  # next send says
+            finally:
+                self._lock.release()
+        seen = self._load
+        if seen is None:
+            return None
+        load, at = seen
+        return dispatch.View(load, max(0.0, time.monotonic() - at), self._sent_since)
+
+    def _read_pending(self) -> None:
+        """Read the replies waiting now, without blocking (call with the lock held): load
+        reports are kept; a late grant is cancelled; a refusal fails the next send."""
+        now = time.monotonic()
+        # the ingress writes `load`s only while this sender is active: none is newer than that
+        at = min(now, self._sent_at + proto.LOAD_ACTIVE_S)
+        while (header := self._pending_reply()) is not None:
+            try:
+                msg = proto.unpack(header, proto.OPS_TO_SENDER)
+                self._note_load(msg, now if msg["op"] != "load" else at)
+            except proto.ProtocolError as exc:
+                log.warning("%s relay to %s: bad reply dropped: %s", self.kind, self.endpoint, exc)
+                self._load = None  # do not go on trusting what this receiver says
+                continue
+            if msg["op"] == "refused":
+                self._lost = str(msg.get("reason"))
+            elif msg["op"] == "grant" and isinstance(msg.get("xid"), int):
+                self._control(proto.pack("cancel", xid=msg["xid"]))
+
+    def _pending_reply(self) -> bytes | None:
+        """The next reply header already here, else None (never waits): replies on the
+        control lane, if this sender has one, then ZMQ (`load`s always come that way)."""
+        if self._lane_control and not self._lane_replies and self._lane_poll.poll(0):
+            try:
+                frames = self._lane_reader.read()
+            except lane.LaneError:
+                self._close_lane()  # the next transfer goes over ZMQ, or fails
+            else:
+                self._lane_replies.extend(bytes(f.header) for f in frames)
+        if self._lane_replies:
+            return self._lane_replies.popleft()
+        try:
+            return bytes(self._sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
 
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
         """Backend hook: e.g. attach the receiver's shared pool."""
@@ -185,6 +263,8 @@ class Sender:
             inline = (header, slot_image(manifest, tensors))
         with self._lock:
             self._check_open()
+            self._sent_since += 1
+            self._sent_at = time.monotonic()
             try:
                 if inline is not None and self._lane is not None:
                     self._send_lane(request_id, *inline)
@@ -304,6 +384,8 @@ class Sender:
     def _check_open(self) -> None:
         if self.closed:
             raise RelayError(f"{self.kind} relay to {self.endpoint} is closed")
+        if self._lost is not None:
+            raise NotAPeer(f"{self.endpoint} refused this sender: {self._lost}")
 
     def _send_staged(
         self,
@@ -393,6 +475,8 @@ class Sender:
                 raise RelayTimeout(f"{what} from {self.endpoint} timed out")
             try:
                 msg = proto.unpack(header, proto.OPS_TO_SENDER)
+                if msg["op"] != "welcome":  # whose load counts once its mac is checked
+                    self._note_load(msg, time.monotonic())
             except proto.ProtocolError as exc:
                 raise RelayError(f"bad reply from {self.endpoint}: {exc}") from None
             if msg["op"] == "refused":  # not (or no longer) a peer there: reconnect

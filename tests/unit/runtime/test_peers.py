@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import pytest
 
 from disagg_core.contract import Peer
-from disagg_runtime import peers
+from disagg_runtime import dispatch, peers
 from disagg_runtime.relay import RelayError
 
 
@@ -66,3 +67,61 @@ def test_no_replica_at_all_is_a_relay_error():
     ps = peers.PeerSet(Peer("d", ("svc:1",)), "tcp", resolver=resolver)
     with pytest.raises(RelayError, match="no replica of role 'd'"):
         ps.endpoint_for("r")
+
+
+def _views(table: Mapping[str, dispatch.View | None]) -> peers.Viewer:
+    return lambda endpoint: table.get(endpoint)
+
+
+def _load(queued: int) -> dispatch.View:
+    report = dispatch.Load(queued, 0, 1, 1 << 20, 1 << 20, service_s=0.1)
+    return dispatch.View(report, 0.0)
+
+
+def test_a_request_follows_its_first_choice(tmp_path):
+    """The first message chooses by load; later ones (chunks, the end, aborts) go where it
+    went even when the loads say otherwise now; after the end it is forgotten."""
+    path = str(tmp_path / "peers.json")
+    peers.write_peers_file(path, {"d": ["10.0.0.1:1", "10.0.0.2:1"]})
+    ps = peers.PeerSet(Peer("d", ()), "tcp", peers_file=peers.PeersFile(path))
+    a, b = ps.endpoints()
+    table = {a: _load(0), b: _load(9)}
+    assert ps.endpoint_for("r", _views(table)) == a
+    table.update({a: _load(9), b: _load(0)})
+    assert ps.endpoint_for("r", _views(table)) == a  # a chunk
+    assert ps.endpoint_for("r", _views(table), new=False) == a  # the end, an abort
+    assert ps.endpoint_for("s", _views(table)) == b  # a new request chooses afresh
+    ps.unpin("r")
+    assert ps.endpoint_for("r", _views(table)) == b
+    # an abort of a request never sent here goes where hashing puts it, and pins nothing
+    assert ps.endpoint_for("t", _views(table), new=False) == peers.pick([a, b], "t")
+    assert ps.endpoint_for("t", _views(table)) == b
+
+
+def test_a_pin_to_a_replica_that_left_chooses_again(tmp_path):
+    path = str(tmp_path / "peers.json")
+    peers.write_peers_file(path, {"d": ["10.0.0.1:1", "10.0.0.2:1"]})
+    ps = peers.PeerSet(Peer("d", ()), "tcp", peers_file=peers.PeersFile(path))
+    a, b = ps.endpoints()
+    assert ps.endpoint_for("r", _views({a: _load(0), b: _load(5)})) == a
+    peers.write_peers_file(path, {"d": ["10.0.0.2:1", "10.0.0.3:11"]})
+    time.sleep(peers.FILE_RESOLVE_EVERY + 0.05)
+    assert ps.endpoint_for("r", _views({})) in ps.endpoints()
+
+
+def test_hashed_peer_sets_ignore_loads():
+    """Roles that join inputs (and dispatch `hash`): every sender must agree."""
+    endpoints = [f"tcp://10.0.0.{i}:1" for i in range(4)]
+    ps = peers.PeerSet(Peer("j", tuple(e[6:] for e in endpoints)), "tcp", hashed=True)
+    for i in range(20):
+        busy = {e: _load(0 if e != peers.pick(endpoints, f"r{i}") else 50) for e in endpoints}
+        assert ps.endpoint_for(f"r{i}", _views(busy)) == peers.pick(endpoints, f"r{i}")
+
+
+def test_pins_are_bounded(monkeypatch, tmp_path):
+    monkeypatch.setattr(peers, "MAX_PINS", 8)
+    ps = peers.PeerSet(Peer("d", ("10.0.0.1:1", "10.0.0.2:1")), "tcp")
+    table = {e: _load(0) for e in ps.endpoints()}
+    for i in range(50):
+        ps.endpoint_for(f"r{i}", _views(table))
+    assert len(ps._pins) == 8
