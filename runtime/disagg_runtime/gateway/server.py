@@ -185,5 +185,6 @@ def main() -> int:
             )
         )
     finally:
+        gateway.pipeline.close()
         client.close()
     return 0
