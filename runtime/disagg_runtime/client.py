@@ -118,6 +118,7 @@ class Client:
         is lowest of two (dispatch.py), "hash" by its id; entry roles in `hashed_roles`
         (those that join inputs) are always chosen by hash."""
         key = check_key(key) if key is not None else key_from_env()
+        self.key = key  # the pipeline's peer key (readiness probes prove it again)
         self.exits = frozenset(exits)
         self.timeout = timeout
         self.reply_relay = reply_relay

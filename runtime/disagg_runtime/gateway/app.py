@@ -39,6 +39,7 @@ from disagg_runtime.client import RequestFailed, RequestOverloaded, RequestTimeo
 from disagg_runtime.gateway import native, openai, openapi, sse, upload
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.metrics import GatewayMetrics
+from disagg_runtime.gateway.token import BearerToken
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S: Final = 1
@@ -53,7 +54,7 @@ class Settings:
     pipeline: str
     api: str = "native"
     model: str = ""
-    token: str = ""
+    token: str | BearerToken = ""  # a file's token is read again when the file changes
     max_body: int = 256 * 2**20
     timeout: float = 30.0
 
@@ -115,16 +116,20 @@ def _nothing() -> None:
 
 @dataclass
 class Gateway:
-    """Routes over one `Pipeline` bridge; `ready` says whether entry roles answer."""
+    """Routes over one `Pipeline` bridge; `ready` says why the gateway cannot serve ("":
+    it can)."""
 
     settings: Settings
     pipeline: Pipeline
-    ready: Callable[[], Awaitable[bool]]
+    ready: Callable[[], Awaitable[str]]
     metrics: GatewayMetrics = field(init=False)
     arena: upload.Arena = field(init=False)
+    token: BearerToken = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
+        token = self.settings.token
+        self.token = token if isinstance(token, BearerToken) else BearerToken(token)
         self.metrics = GatewayMetrics(self.settings.pipeline)
         self.arena = upload.Arena(upload.arena_size(self.settings.max_body))
 
@@ -174,7 +179,7 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        token = self.settings.token
+        token = self.token.current()
         if token and request.path not in OPEN_PATHS:
             given = request.headers.get("Authorization", "")
             scheme, _, value = given.partition(" ")
@@ -195,9 +200,10 @@ class Gateway:
         return web.Response(text="ok\n")
 
     async def readyz(self, request: web.Request) -> web.Response:
-        if await self.ready():
+        problem = await self.ready()
+        if not problem:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text="entry roles not reachable\n")
+        return web.Response(status=503, text=f"not ready: {problem}\n")
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         body = self.metrics.render()
