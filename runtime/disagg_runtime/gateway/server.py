@@ -77,7 +77,7 @@ def _probe_all(client: Client) -> list[str]:
     for peers in client.entries:
         problem = _probe(peers, client.key)
         if problem:
-            problems.append(f"entry role {peers.peer.name}: {problem}")
+            problems.append(f"entry role {peers.peer.role}: {problem}")
     return problems
 
 

@@ -11,28 +11,7 @@ import pytest
 from disagg_core.contract import ContractError
 from disagg_runtime.gateway import token as token_mod
 from disagg_runtime.gateway.token import BearerToken
-
-
-class SecretVolume:
-    """A directory laid out as the kubelet lays out a Secret volume."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.generation = 0
-        (root / "token").symlink_to("..data/token")
-
-    def write(self, value: str) -> None:
-        self.generation += 1
-        fresh = self.root / f"..2026_12_01_{self.generation}"
-        fresh.mkdir()
-        (fresh / "token").write_text(value)
-        tmp = self.root / "..data_tmp"
-        tmp.symlink_to(fresh.name)
-        os.replace(tmp, self.root / "..data")  # the atomic swap
-
-    @property
-    def path(self) -> str:
-        return str(self.root / "token")
+from tests.support import SecretVolume
 
 
 @pytest.fixture
