@@ -1,5 +1,6 @@
 """What tests across the suite share: where the repository is, polling until something holds,
-a free loopback port, and a Secret volume as the kubelet lays it out. Plain Python, no pytest: the GPU checks run it on a bare machine."""
+a free loopback port, and a Secret volume as the kubelet lays it out. Plain Python, no
+pytest: the GPU checks run it on a bare machine."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ floats the strings "NaN", "Infinity", "-Infinity").
 
 safetensors (`application/vnd.safetensors`): the safetensors format. The body is read
 from the socket into reusable memory (gateway/upload.py) and parsed in place: tensors
-view it, no further copy (the `safetensors` library writes the answers). A tensor named `a.b` is `inputs["a"]["b"]`;
-every metadata entry `a.c` is `inputs["a"]["c"]`, its value JSON text (text that is not
-JSON is kept as a string, so `{"format": "pt"}` from `save_file` is harmless). Answers
-name list items by index (`frames.0`).
+view it, no further copy (the `safetensors` library writes the answers). A tensor named
+`a.b` is `inputs["a"]["b"]`; every metadata entry `a.c` is `inputs["a"]["c"]`, its value
+JSON text (text that is not JSON is kept as a string, so `{"format": "pt"}` from
+`save_file` is harmless). Answers name list items by index (`frames.0`).
 
 Every failure is an `InputError` whose `path` locates it (`$.inputs.image.shape[1]`).
 """
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import serialize
 from safetensors import TensorSpec as SafeSpec
+from safetensors import serialize
 
 from disagg_runtime import codec
 
@@ -212,7 +212,9 @@ def parse_safetensors(
         if dtype is None:
             raise InputError(f"{where}.dtype", f"dtype {entry['dtype']!r} is not allowed")
         try:
-            meta = codec.TensorMeta.from_json({"dtype": dtype, "shape": entry["shape"]}, where=where)
+            meta = codec.TensorMeta.from_json(
+                {"dtype": dtype, "shape": entry["shape"]}, where=where
+            )
         except codec.CodecError as exc:
             raise InputError(where, str(exc)) from None
         offsets = entry["data_offsets"]

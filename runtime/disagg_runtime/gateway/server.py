@@ -82,7 +82,7 @@ def _probe_all(client: Client) -> list[str]:
 
 
 def _probe(peers: PeerSet, key: bytes) -> str:
-    """"" if one replica of `peers` completes the handshake, else the last failure."""
+    """Empty if one replica of `peers` completes the handshake, else the last failure."""
     endpoints = peers.endpoints(refresh=True)
     if not endpoints:
         return "no replica listed"
