@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import json
 import os
 import shutil
@@ -201,20 +202,39 @@ def test_safetensors_body_and_answer_with_curl(served: Served, tmp_path: Path) -
 
 
 def test_large_safetensors_body_lands_in_the_arena(served: Served) -> None:
-    """A body over upload.MIN_TAKEOVER is read past aiohttp into the gateway's arena: the
-    answer is right, the connection closes after it (httpx reconnects for the next one),
-    and the arena slot is free again once the payload is in the entry role's pool."""
+    """A body over upload.MIN_TAKEOVER that aiohttp has not read whole (the client sends
+    its second half only once the gateway waits for it) is read past aiohttp into the
+    gateway's arena: the answer is right, the connection closes after it, and the slot is
+    free again once the payload is in the entry role's pool."""
     x = torch.arange(768 * 1024, dtype=torch.float32)  # 3 MiB
     content = st_save({"x": x}, metadata={"i": "7", "n": "1"})
     assert len(content) >= upload.MIN_TAKEOVER
-    headers = {"Content-Type": native.SAFETENSORS, "Accept": native.SAFETENSORS}
-    with httpx.Client(timeout=WAIT) as http:
-        for _ in range(2):
-            r = http.post(f"{served.url}/v1/infer", content=content, headers=headers)
-            assert r.status_code == 200, r.text[:300]
-            assert r.headers["connection"] == "close"
-            assert torch.equal(st_load(r.content)["0.x"], x)
-    assert served.gateway.arena.allocator.stats().used == 0
+    half = len(content) // 2
+    arena = served.gateway.arena.allocator
+
+    def halves() -> Iterator[bytes]:
+        yield content[:half]
+        wait_until(lambda: arena.stats().used > 0, what="the gateway reading into its arena")
+        yield content[half:]
+
+    headers = {
+        "Content-Type": native.SAFETENSORS,
+        "Accept": native.SAFETENSORS,
+        "Content-Length": str(len(content)),
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", int(served.url.rsplit(":", 1)[1]), timeout=WAIT)
+    try:
+        conn.request("POST", "/v1/infer", body=halves(), headers=headers)
+        answer = conn.getresponse()
+        assert answer.status == 200 and answer.getheader("Connection") == "close"
+        assert torch.equal(st_load(answer.read())["0.x"], x)
+    finally:
+        conn.close()
+    wait_until(lambda: arena.stats().used == 0, what="the arena slot freed")
+    r = httpx.post(  # a whole body at once: either way of reading it gives the same answer
+        f"{served.url}/v1/infer", content=content, headers=headers, timeout=WAIT
+    )
+    assert r.status_code == 200 and torch.equal(st_load(r.content)["0.x"], x)
 
 
 def test_disconnect_mid_body_frees_the_arena(served: Served) -> None:

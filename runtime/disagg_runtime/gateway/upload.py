@@ -20,7 +20,7 @@ import asyncio
 import mmap
 from typing import Final
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from disagg_runtime.allocator import BuddyAllocator, MiB
 
@@ -107,8 +107,10 @@ class _Reader(asyncio.BufferedProtocol):
 
 async def read_into(request: web.Request, view: memoryview, timeout: float) -> None:
     """Fill `view` with the request's whole body (len(view) == Content-Length)."""
-    filled = 0
     content = request.content
+    if content.is_eof():  # aiohttp has it all already: the connection stays in step
+        _drain(content, view, 0)
+        return
     transport = request.transport
     if transport is None:
         raise BodyError("connection already closed")
@@ -119,24 +121,31 @@ async def read_into(request: web.Request, view: memoryview, timeout: float) -> N
     transport.set_protocol(reader)
     request[CLOSES] = True
     try:
-        while piece := content.read_nowait(-1):  # what aiohttp read before the switch
-            if filled + len(piece) > len(view):
-                raise BodyError(f"body is longer than its Content-Length ({len(view)})")
-            view[filled : filled + len(piece)] = piece
-            filled += len(piece)
-        reader.filled = filled
-        if filled < len(view):
+        reader.filled = _drain(content, view, 0)
+        if reader.filled < len(view):
             transport.resume_reading()  # aiohttp may have paused it (its buffer was full)
             async with asyncio.timeout(timeout):
                 await reader.done
     except TimeoutError:
         raise BodyError(f"body not received within {timeout} s") from None
     finally:
+        if reader.done.done() and not reader.done.cancelled():
+            reader.done.exception()  # retrieved: a disconnect is reported by cancellation
         if not transport.is_closing():
             transport.set_protocol(owner)
             owner.close()  # aiohttp drops whatever else arrives and closes after the answer
             content.feed_eof()
             transport.resume_reading()  # so that a disconnect still cancels the request
+
+
+def _drain(content: StreamReader, view: memoryview, filled: int) -> int:
+    """Copy what aiohttp has buffered of the body into `view` from `filled`; the new end."""
+    while piece := content.read_nowait(-1):
+        if filled + len(piece) > len(view):
+            raise BodyError(f"body is longer than its Content-Length ({len(view)})")
+        view[filled : filled + len(piece)] = piece
+        filled += len(piece)
+    return filled
 
 
 async def close_after(request: web.Request, response: web.StreamResponse) -> None:
