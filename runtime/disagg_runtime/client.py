@@ -2,9 +2,7 @@
 
 The client owns a small receive pool and an `Ingress`: exit roles send results (and any
 role sends errors) straight to it, named in every request's envelope. Results are copied
-out of the pool before the slot is released, so they stay valid for the caller. Replies
-are handled on the ingress's I/O thread as they land (one thread hop less per reply);
-the client's own thread sends aborts (which may wait on a slow peer) and expires deadlines.
+out of the pool before the slot is released, so they stay valid for the caller.
 
     client = Client(entries=[Peer("encoder", ("127.0.0.1:7400",))], exits=["decoder"])
     video = client.submit({"prompt": tokens}, timeout=30)
@@ -34,7 +32,7 @@ from disagg_runtime import envelope
 from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name, shm_namespace
-from disagg_runtime.relay import Ingress, Message, RelayError
+from disagg_runtime.relay import Ingress, RelayError
 from disagg_runtime.relay.auth import check_key, key_from_env
 
 _END = object()
@@ -118,7 +116,7 @@ class Client:
         is lowest of two (dispatch.py), "hash" by its id; entry roles in `hashed_roles`
         (those that join inputs) are always chosen by hash."""
         key = check_key(key) if key is not None else key_from_env()
-        self.key = key  # the pipeline's peer key (readiness probes prove it again)
+        self.key = key  # the pipeline's peer key (the gateway's readiness probe proves it)
         self.exits = frozenset(exits)
         self.timeout = timeout
         self.reply_relay = reply_relay
@@ -126,17 +124,9 @@ class Client:
             self.pool = Pool.create(pool_size, device="shm", name=shm_name(pipeline, "client"))
         else:
             self.pool = Pool.create(pool_size, device="cpu")
-        self._pending: dict[str, _Pending] = {}
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._aborts: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         try:
             self.ingress = Ingress(
-                f"tcp://{bind_host}:{bind_port}",
-                self.pool,
-                lease_s=timeout,
-                key=key,
-                on_message=self._deliver,
+                f"tcp://{bind_host}:{bind_port}", self.pool, lease_s=timeout, key=key
             )
         except BaseException:
             self.pool.close()
@@ -156,6 +146,9 @@ class Client:
             for p in entries
         ]
         self.relays = RelayCache(timeout=timeout, key=key, pools=shm_namespace(pipeline))
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._receive, name="disagg-client", daemon=True)
         self._thread.start()
 
@@ -219,10 +212,9 @@ class Client:
             return
         self.fail_all("client closed")
         self._closed.set()
-        self._aborts.put(None)
         self._thread.join(timeout=5)
-        self.ingress.close()
         self.relays.close()
+        self.ingress.close()
         self.pool.close()
 
     # ---- internals -----------------------------------------------------------------------------
@@ -276,7 +268,7 @@ class Client:
         if pending is None:
             return
         if exc is not None:
-            self._aborts.put(rid)  # let every role drop what it holds of the request
+            self._abort(rid)  # let every role drop what it holds of the request
             pending.future.set_exception(exc)
         else:
             pending.future.set_result(result)
@@ -285,28 +277,20 @@ class Client:
         pending.chunks.put(_END)
 
     def _receive(self) -> None:
-        """The client's thread: send aborts, and fail requests whose deadline passed."""
-        while True:
-            try:
-                rid = self._aborts.get(timeout=0.1)
-            except queue.Empty:
-                rid = ""
-            if rid is None:  # closing: aborts still queued were sent before the marker
-                return
-            if rid:
-                self._abort(rid)
+        while not self._closed.is_set():
             self._expire()
-
-    def _deliver(self, msg: Message) -> None:
-        """On the ingress's I/O thread: one reply, copied out of the pool and handled."""
-        try:
-            meta = envelope.parse(msg.meta)
-            payload = detach(msg.payload)
-        except envelope.EnvelopeError:
-            return
-        finally:
-            msg.release()
-        self._on_message(meta, payload)
+            try:
+                msg = self.ingress.recv(timeout=0.1)
+            except TimeoutError:
+                continue
+            try:
+                meta = envelope.parse(msg.meta)
+                payload = detach(msg.payload)
+            except envelope.EnvelopeError:
+                continue
+            finally:
+                msg.release()
+            self._on_message(meta, payload)
 
     def _expire(self) -> None:
         now = time.monotonic()
