@@ -597,8 +597,7 @@ class Reconciler:
         writes; a status built from it would flap to ChildMissing or report the old spec)."""
         owner = planner.Owner.of(body)
         namespace = body["metadata"]["namespace"]
-        kinds = [("apps/v1", kind) for kind in sorted(cache.WORKLOAD_KINDS)]
-        found = self.cache.children(kinds, (namespace, owner.name))
+        found = self.cache.children(WORKLOAD_KINDS, (namespace, owner.name))
         if found is None:
             return await apply.owned_statefulsets(self.api, owner, namespace)
         ours = {
