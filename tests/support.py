@@ -1,8 +1,10 @@
 """What tests across the suite share: where the repository is, polling until something holds,
-and a free loopback port. Plain Python, no pytest: the GPU checks run it on a bare machine."""
+a free loopback port, and a Secret volume as the kubelet lays it out. Plain Python, no
+pytest: the GPU checks run it on a bare machine."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
 import time
@@ -42,3 +44,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class SecretVolume:
+    """A directory laid out as the kubelet lays out a Secret volume."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        self.root = root
+        self.generation = 0
+        (root / "token").symlink_to("..data/token")
+
+    def write(self, value: str) -> None:
+        self.generation += 1
+        fresh = self.root / f"..2026_12_01_{self.generation}"
+        fresh.mkdir()
+        (fresh / "token").write_text(value)
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(fresh.name)
+        os.replace(tmp, self.root / "..data")  # the atomic swap
+
+    @property
+    def path(self) -> str:
+        return str(self.root / "token")

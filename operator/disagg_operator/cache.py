@@ -29,10 +29,12 @@ Key = tuple[str, str]  # namespace, pipeline
 VOLATILE_META: Final = ("resourceVersion", "managedFields", "generation", "creationTimestamp")
 POD_KIND: Final = "Pod"
 # The child kinds with an index: the ones whose events matter (a StatefulSet's status moves
-# with its pods). ConfigMaps and Services change only when the operator writes them; a watch
-# of each would cost CPU per event at a thousand pipelines, for reads that happen only when
-# a pipeline is created or edited (a list by label each, as before).
-CACHED_KINDS: Final = frozenset({"StatefulSet"})
+# with its pods, the gateway Deployment's with its own). ConfigMaps and Services change only
+# when the operator writes them; a watch of each would cost CPU per event at a thousand
+# pipelines, for reads that happen only when a pipeline is created or edited (a list by
+# label each, as before).
+WORKLOAD_KINDS: Final = frozenset({"StatefulSet", "Deployment"})
+CACHED_KINDS: Final = WORKLOAD_KINDS
 
 
 def digest(obj: Mapping[str, Any]) -> str:
@@ -58,11 +60,11 @@ def slim(obj: Mapping[str, Any], api_version: str, kind: str) -> JSON:
     """The cache's entry for a child or pod (see the module docstring)."""
     meta = obj.get("metadata") or {}
     entry: JSON = {"apiVersion": api_version, "kind": kind, "metadata": _slim_meta(meta)}
-    if kind == "StatefulSet":  # what the status builder and the rollout read
+    if kind in WORKLOAD_KINDS:  # what the status builder and the rollout read
         spec = obj.get("spec") or {}
         entry["metadata"]["annotations"] = dict(meta.get("annotations") or {})
         entry["spec"] = {"replicas": spec.get("replicas", 1)}
-        if spec.get("updateStrategy") is not None:
+        if kind == "StatefulSet" and spec.get("updateStrategy") is not None:
             entry["spec"]["updateStrategy"] = spec["updateStrategy"]
         entry["status"] = dict(obj.get("status") or {})
     elif kind == POD_KIND:

@@ -9,11 +9,14 @@
   kopf's diff: only those get Events. Children held by someone else make the handler fail
   temporarily, so kopf retries after `CONFLICT_RETRY` seconds; API errors likewise.
 - `forget` on the pipeline's DELETED event: drops its in-memory state.
-- `workload_changed` on every event of a StatefulSet with our labels (also filtered server
-  side) whose controller is a pipeline: requests a (coalesced) refresh of that pipeline's
-  status; a deleted one is re-created by a full reconcile (unless the pipeline is gone).
-- indexes (`cache`): the pipelines by (namespace, name), and the StatefulSets and the pods
-  by (namespace, pipeline label), one watch per kind, filtered server side by our labels
+- `workload_changed` on every event of a StatefulSet (the roles) or a Deployment (the
+  gateway) with our labels (also filtered server side) whose controller is a pipeline:
+  requests a (coalesced) refresh of that pipeline's status, so `status.gateway` follows
+  the gateway's readiness as `status.roles` follows the roles'; a deleted one is re-created
+  by a full reconcile (unless the pipeline is gone).
+- indexes (`cache`): the pipelines by (namespace, name), and the StatefulSets, the
+  Deployments and the pods by (namespace, pipeline label), one watch per kind, filtered
+  server side by our labels
   (`configure`). kopf fills them before any handler runs; every handler binds them to the
   reconciler's `Cache` (kopf hands indexes only to handlers). The index functions and
   `forget` are coroutines although they never wait: kopf runs a plain function in its
@@ -65,6 +68,7 @@ CHILD_SELECTOR: Final = STATEFULSET_SELECTOR
 POD_SELECTOR: Final = f"{names.LABEL_PIPELINE},{names.LABEL_ROLE}"
 PIPELINE: Final = (names.GROUP, names.VERSION, names.PLURAL)
 GUARDED: Final = (("", "secrets"), ("networking.k8s.io", "networkpolicies"))  # (group, plural)
+WORKLOAD_PLURALS: Final = tuple(apply.PLURALS[kind] for kind in sorted(cache.WORKLOAD_KINDS))
 
 
 def resource_of(api_version: str, kind: str) -> tuple[str, str, str]:
@@ -83,7 +87,8 @@ def configure(settings: kopf.OperatorSettings, options: planner.PlanOptions | No
     settings.persistence.finalizer = FINALIZER
     settings.persistence.consistency_timeout = CONSISTENCY_TIMEOUT
     settings.posting.reporting_component = names.MANAGER
-    settings.watching.label_selectors["apps", "statefulsets"] = STATEFULSET_SELECTOR
+    for plural in WORKLOAD_PLURALS:
+        settings.watching.label_selectors["apps", plural] = STATEFULSET_SELECTOR
     for group, plural in GUARDED:
         settings.watching.label_selectors[group, plural] = STATEFULSET_SELECTOR
     for api_version, kind in planner.child_kinds(options):
@@ -202,13 +207,6 @@ def register(
         if type == "DELETED" and namespace is not None:
             reconciler.forget(namespace, name)
 
-    @kopf.on.event(
-        "apps",
-        "v1",
-        "statefulsets",
-        registry=registry,
-        labels={names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_PIPELINE: kopf.PRESENT},
-    )
     async def workload_changed(
         type: str | None, body: kopf.Body, namespace: str | None, **kwargs: Any
     ) -> None:
@@ -228,6 +226,16 @@ def register(
             kopf_logger = kwargs.get("logger")
             if kopf_logger is not None:
                 kopf_logger.warning("re-creating the children failed: %s", error)
+
+    for plural in WORKLOAD_PLURALS:
+        kopf.on.event(
+            "apps",
+            "v1",
+            plural,
+            registry=registry,
+            id=f"workload-{plural}",
+            labels={names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_PIPELINE: kopf.PRESENT},
+        )(workload_changed)
 
     async def guard_deleted(
         type: str | None, body: kopf.Body, namespace: str | None, **_: Any

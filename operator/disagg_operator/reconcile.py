@@ -426,7 +426,7 @@ class Reconciler:
         if result is not None:
             statefulsets = result.statefulsets()
             state.applied = {
-                o["metadata"]["name"]: cache.slim(o, "apps/v1", "StatefulSet") for o in statefulsets
+                o["metadata"]["name"]: cache.slim(o, "apps/v1", o["kind"]) for o in statefulsets
             }
         else:
             statefulsets = await self._statefulsets(body, state)
@@ -591,13 +591,13 @@ class Reconciler:
     async def _statefulsets(
         self, body: Mapping[str, Any], state: PipelineState
     ) -> list[dict[str, Any]]:
-        """The pipeline's StatefulSets (controlled by its uid): cached, else listed. One the
-        last reconcile applied that the cache has not seen yet, or has seen only in an older
-        generation, counts as it was applied (the watch lags our own writes; a status built
-        from it would flap to ChildMissing or report the old spec)."""
+        """The pipeline's StatefulSets and gateway Deployment (controlled by its uid): cached,
+        else listed. One the last reconcile applied that the cache has not seen yet, or has
+        seen only in an older generation, counts as it was applied (the watch lags our own
+        writes; a status built from it would flap to ChildMissing or report the old spec)."""
         owner = planner.Owner.of(body)
         namespace = body["metadata"]["namespace"]
-        found = self.cache.children([("apps/v1", "StatefulSet")], (namespace, owner.name))
+        found = self.cache.children(WORKLOAD_KINDS, (namespace, owner.name))
         if found is None:
             return await apply.owned_statefulsets(self.api, owner, namespace)
         ours = {

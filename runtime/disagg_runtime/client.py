@@ -116,6 +116,7 @@ class Client:
         is lowest of two (dispatch.py), "hash" by its id; entry roles in `hashed_roles`
         (those that join inputs) are always chosen by hash."""
         key = check_key(key) if key is not None else key_from_env()
+        self.key = key  # the pipeline's peer key (the gateway's readiness probe proves it)
         self.exits = frozenset(exits)
         self.timeout = timeout
         self.reply_relay = reply_relay

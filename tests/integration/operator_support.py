@@ -29,6 +29,7 @@ WAIT = 10.0  # upper bound for anything the operator should do "soon"
 NS = "default"
 PIPELINES = "disagg.dev/v1alpha1/disaggregatedpipelines"
 STS = "apps/v1/statefulsets"
+DEPLOY = "apps/v1/deployments"
 CHILD_REFS = (
     "v1/configmaps",
     "v1/services",

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import json
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -31,10 +33,14 @@ from safetensors.torch import save as st_save
 from disagg_core.contract import Peer
 from disagg_core.spec import load_pipeline_file
 from disagg_runtime.client import Client
+from disagg_runtime.gateway import native, upload
+from disagg_runtime.gateway import token as token_mod
 from disagg_runtime.gateway.app import Gateway, Settings
 from disagg_runtime.gateway.server import Server, gateway_for
+from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.local.supervisor import LocalPipeline
 from disagg_runtime.metrics import fetch, scrape
+from tests.support import SecretVolume
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -195,6 +201,59 @@ def test_safetensors_body_and_answer_with_curl(served: Served, tmp_path: Path) -
     assert json.loads(header["__metadata__"]["0.i"]) == 5
 
 
+def test_large_safetensors_body_lands_in_the_arena(served: Served) -> None:
+    """A body over upload.MIN_TAKEOVER that aiohttp has not read whole (the client sends
+    its second half only once the gateway waits for it) is read past aiohttp into the
+    gateway's arena: the answer is right, the connection closes after it, and the slot is
+    free again once the payload is in the entry role's pool."""
+    x = torch.arange(768 * 1024, dtype=torch.float32)  # 3 MiB
+    content = st_save({"x": x}, metadata={"i": "7", "n": "1"})
+    assert len(content) >= upload.MIN_TAKEOVER
+    half = len(content) // 2
+    arena = served.gateway.arena.allocator
+
+    def halves() -> Iterator[bytes]:
+        yield content[:half]
+        wait_until(lambda: arena.stats().used > 0, what="the gateway reading into its arena")
+        yield content[half:]
+
+    headers = {
+        "Content-Type": native.SAFETENSORS,
+        "Accept": native.SAFETENSORS,
+        "Content-Length": str(len(content)),
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", int(served.url.rsplit(":", 1)[1]), timeout=WAIT)
+    try:
+        conn.request("POST", "/v1/infer", body=halves(), headers=headers)
+        answer = conn.getresponse()
+        assert answer.status == 200 and answer.getheader("Connection") == "close"
+        assert torch.equal(st_load(answer.read())["0.x"], x)
+    finally:
+        conn.close()
+    wait_until(lambda: arena.stats().used == 0, what="the arena slot freed")
+    r = httpx.post(  # a whole body at once: either way of reading it gives the same answer
+        f"{served.url}/v1/infer", content=content, headers=headers, timeout=WAIT
+    )
+    assert r.status_code == 200 and torch.equal(st_load(r.content)["0.x"], x)
+
+
+def test_disconnect_mid_body_frees_the_arena(served: Served) -> None:
+    """A client that sends part of a large body and goes away: the slot comes back, and
+    the gateway goes on serving."""
+    size = 3 << 20
+    head = (
+        f"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: {native.SAFETENSORS}\r\n"
+        f"Content-Length: {size}\r\n\r\n"
+    ).encode()
+    port = int(served.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.sendall(head + bytes(size // 2))
+        wait_until(lambda: served.gateway.arena.allocator.stats().used > 0, what="slot taken")
+    wait_until(lambda: served.gateway.arena.allocator.stats().used == 0, what="slot freed")
+    r = httpx.post(f"{served.url}/v1/infer", json=body(3, n=1), timeout=WAIT)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(
     ("content", "ctype", "status", "param"),
     [
@@ -327,6 +386,46 @@ def test_unreachable_entry_role_is_503_and_not_ready(local: LocalPipeline) -> No
         assert r.status_code in (503, 504), r.text
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1"
+    finally:
+        server.close()
+        client.close()
+
+
+def test_readiness_needs_the_handshake_not_just_a_connection(local: LocalPipeline) -> None:
+    """The entry role is up and accepts TCP connections, but this gateway holds another
+    key: the handshake fails, so the gateway is not ready, and says why."""
+    fronts = tuple(
+        f"127.0.0.1:{rp.config.ingress_port}" for rp in local.processes if rp.config.role == "front"
+    )
+    client = Client([Peer("front", fronts[:1])], ["back"], timeout=2.0, key=b"k" * 32)
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", timeout=2.0)))
+    try:
+        r = httpx.get(f"{server.url}/readyz", timeout=WAIT)
+        assert r.status_code == 503 and "front" in r.text and "authentication" in r.text, r.text
+    finally:
+        server.close()
+        client.close()
+
+
+def test_a_rotated_token_file_takes_effect_without_a_restart(
+    local: LocalPipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(token_mod, "CHECK_S", 0.0)
+    volume = SecretVolume(tmp_path)
+    volume.write("old-token")
+    client = local.client()
+    settings = Settings(pipeline="itest-gateway", token=BearerToken.from_file(volume.path))
+    server = Served(gateway_for(client, settings))
+
+    def status(token: str) -> int:
+        headers = {"Authorization": f"Bearer {token}"}
+        url = f"{server.url}/v1/infer"
+        return httpx.post(url, json=body(1, n=1), headers=headers, timeout=WAIT).status_code
+
+    try:
+        assert (status("old-token"), status("new-token")) == (200, 401)
+        volume.write("new-token\n")
+        assert (status("old-token"), status("new-token")) == (401, 200)
     finally:
         server.close()
         client.close()

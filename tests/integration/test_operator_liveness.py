@@ -79,6 +79,7 @@ async def test_healthy_operator_answers_what_it_checked(k8s: EmulatorThread, dis
     assert set(heard) == {
         "disaggregatedpipelines",
         "statefulsets",
+        "deployments",  # the gateway's
         "secrets",
         "networkpolicies",
         "pods",

@@ -264,6 +264,28 @@ async def test_a_removed_role_is_pruned_and_a_deleted_child_comes_back(k8s_crd: 
         assert s.pipeline_status(k8s, "two")["observedGeneration"] == 2
 
 
+async def test_the_gateway_deployment_is_watched(k8s_crd: EmulatorThread):
+    """status.gateway follows the gateway Deployment's own events (no StatefulSet event,
+    no recheck: the roles are ready), and a deleted gateway Deployment comes back."""
+    k8s = k8s_crd
+    deployment = f"{NAME}-gateway"
+    async with s.running_operator(k8s):
+        await created(k8s)
+        await s.until(k8s, lambda: set(s.children(k8s, NAME)) == ALL_CHILDREN, "all children")
+        await s.call(s.mark_ready, k8s, NAME)
+        await s.until(k8s, lambda: s.pipeline_status(k8s, NAME).get("phase") == "Ready", "Ready")
+        assert s.pipeline_status(k8s, NAME)["gateway"]["ready"] == 0
+        await s.call(k8s.patch_status, s.DEPLOY, deployment, {"readyReplicas": 1}, NS)
+        await s.until(
+            k8s, lambda: s.pipeline_status(k8s, NAME)["gateway"]["ready"] == 1, "gateway ready"
+        )
+        await s.call(k8s.delete, s.DEPLOY, deployment, NS)
+        await s.until(k8s, lambda: k8s.get(s.DEPLOY, deployment, NS), "the gateway re-created")
+        await s.until(
+            k8s, lambda: s.pipeline_status(k8s, NAME)["gateway"]["ready"] == 0, "not ready again"
+        )
+
+
 async def test_deleting_the_pipeline_deletes_every_child(k8s_crd: EmulatorThread):
     k8s = k8s_crd
     async with s.running_operator(k8s) as operator:

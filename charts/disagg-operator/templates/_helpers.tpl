@@ -132,14 +132,15 @@ namespace with rbac.namespaced). */}}
   - apiGroups: ["disagg.dev"]
     resources: ["disaggregatedpipelines/status"]
     verbs: ["patch"]
-  # Their children: server-side applied, listed by label (StatefulSets: watched, the
-  # operator's cache), read when not found, pruned when the plan drops them.
+  # Their children: server-side applied, listed by label (StatefulSets and the gateway's
+  # Deployment: watched, the operator's cache), read when not found, pruned when the plan
+  # drops them.
   - apiGroups: ["apps"]
     resources: ["statefulsets"]
     verbs: ["get", "list", "watch", "patch", "delete"]
   - apiGroups: ["apps"]
     resources: ["deployments"]
-    verbs: ["get", "list", "patch", "delete"]
+    verbs: ["get", "list", "watch", "patch", "delete"]
   - apiGroups: [""]
     resources: ["services", "configmaps"]
     verbs: ["get", "list", "patch", "delete"]

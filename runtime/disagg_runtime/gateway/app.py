@@ -36,9 +36,10 @@ from aiohttp import web
 
 from disagg_runtime import codec
 from disagg_runtime.client import RequestFailed, RequestOverloaded, RequestTimeout
-from disagg_runtime.gateway import native, openai, openapi, sse
+from disagg_runtime.gateway import native, openai, openapi, sse, upload
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.metrics import GatewayMetrics
+from disagg_runtime.gateway.token import BearerToken
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S: Final = 1
@@ -53,7 +54,7 @@ class Settings:
     pipeline: str
     api: str = "native"
     model: str = ""
-    token: str = ""
+    token: str | BearerToken = ""  # a file's token is read again when the file changes
     max_body: int = 256 * 2**20
     timeout: float = 30.0
 
@@ -109,23 +110,34 @@ def from_failure(exc: BaseException) -> HttpError:
     raise exc
 
 
+def _nothing() -> None:
+    """`sent` for a payload that holds no memory of the gateway's."""
+
+
 @dataclass
 class Gateway:
-    """Routes over one `Pipeline` bridge; `ready` says whether entry roles answer."""
+    """Routes over one `Pipeline` bridge; `ready` says why the gateway cannot serve ("":
+    it can)."""
 
     settings: Settings
     pipeline: Pipeline
-    ready: Callable[[], Awaitable[bool]]
+    ready: Callable[[], Awaitable[str]]
     metrics: GatewayMetrics = field(init=False)
+    arena: upload.Arena = field(init=False)
+    token: BearerToken = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
+        token = self.settings.token
+        self.token = token if isinstance(token, BearerToken) else BearerToken(token)
         self.metrics = GatewayMetrics(self.settings.pipeline)
+        self.arena = upload.Arena(upload.arena_size(self.settings.max_body))
 
     def app(self) -> web.Application:
         app = web.Application(
             middlewares=[self._measure, self._auth], client_max_size=self.settings.max_body
         )
+        app.on_response_prepare.append(upload.close_after)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_text)
@@ -167,7 +179,7 @@ class Gateway:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        token = self.settings.token
+        token = self.token.current()
         if token and request.path not in OPEN_PATHS:
             given = request.headers.get("Authorization", "")
             scheme, _, value = given.partition(" ")
@@ -188,9 +200,10 @@ class Gateway:
         return web.Response(text="ok\n")
 
     async def readyz(self, request: web.Request) -> web.Response:
-        if await self.ready():
+        problem = await self.ready()
+        if not problem:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text="entry roles not reachable\n")
+        return web.Response(status=503, text=f"not ready: {problem}\n")
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         body = self.metrics.render()
@@ -201,12 +214,12 @@ class Gateway:
 
     # ---- native API ----------------------------------------------------------------------------
     async def infer(self, request: web.Request) -> web.StreamResponse:
-        payload = await self._native_input(request)
+        payload, sent = await self._native_input(request)
         accept = request.headers.get("Accept", "")
         if sse.CONTENT_TYPE in accept:
-            return await self._native_stream(request, payload)
+            return await self._native_stream(request, payload, sent)
         try:
-            result = await self.pipeline.call(payload)
+            result = await self.pipeline.call(payload, sent=sent)
         except Exception as exc:
             raise from_failure(exc) from None
         if native.SAFETENSORS in accept:
@@ -218,7 +231,8 @@ class Gateway:
         self.metrics.bytes_out.inc(len(body))
         return web.Response(body=body, content_type=content_type)
 
-    async def _native_input(self, request: web.Request) -> Any:
+    async def _native_input(self, request: web.Request) -> tuple[Any, Callable[[], None]]:
+        """The payload, and what to call once it is submitted (frees the body's memory)."""
         self._check_length(request)
         try:
             if request.content_type == native.SAFETENSORS:
@@ -231,7 +245,7 @@ class Gateway:
                     kind="unsupported_media_type",
                 )
             doc = native.loads(await self._read(request))
-            return native.request_from_json(doc)
+            return native.request_from_json(doc), _nothing
         except native.InputError as exc:
             raise from_failure(exc) from None
 
@@ -252,23 +266,30 @@ class Gateway:
                 413, f"body is over the limit of {self.settings.max_body} bytes", kind="too_large"
             ) from None
 
-    async def _read_safetensors(self, request: web.Request) -> Any:
+    async def _read_safetensors(self, request: web.Request) -> tuple[Any, Callable[[], None]]:
         length = request.content_length
         if length is None:
             raise HttpError(411, "a safetensors body needs Content-Length", kind="length_required")
-        spool = native.Spool(length)
+        if length < upload.MIN_TAKEOVER:
+            return native.request_from_safetensors(await self._read(request)), _nothing
+        slot = self.arena.take(length)
         try:
-            async for chunk in request.content.iter_any():
-                spool.write(chunk)
-            return await asyncio.to_thread(native.request_from_safetensors, spool)
-        finally:
-            spool.close()  # tensors keep the library's own mapping of the memory file
+            await upload.read_into(request, slot.view, self.settings.timeout)
+            return native.request_from_safetensors(slot.view), slot.release
+        except upload.BodyError as exc:
+            slot.release()
+            raise HttpError(400, str(exc), kind="invalid_input", param="$") from None
+        except BaseException:
+            slot.release()
+            raise
 
-    async def _native_stream(self, request: web.Request, payload: Any) -> web.StreamResponse:
+    async def _native_stream(
+        self, request: web.Request, payload: Any, sent: Callable[[], None]
+    ) -> web.StreamResponse:
         out = sse.EventStream(request)
         count = 0
         try:
-            async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
+            async with contextlib.aclosing(self.pipeline.stream(payload, sent=sent)) as chunks:
                 async for chunk in chunks:
                     if count == 0:
                         self.metrics.first_chunk("/v1/infer", time.monotonic() - request[STARTED])

@@ -8,20 +8,24 @@ matched) cancels the request, which sends an abort that frees every role's slots
 Small payloads are submitted on the loop's thread (a send to an entry role is a few tens
 of microseconds, less than a thread hop); large ones from a worker thread, so one upload
 does not stall every other connection while it is written into the entry role's pool.
+`sent` runs once the payload's memory is no longer read (the submission returned), even
+when the HTTP request was abandoned meanwhile: it may free the body the payload views.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
-from concurrent.futures import Future
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from disagg_runtime.client import Client, RequestFailed, Streamed
 
 INLINE_BYTES = 256 * 1024
+SUBMIT_THREADS = 4
 _END = object()
+Sent = Callable[[], None] | None
 
 
 def payload_nbytes(value: Any) -> int:
@@ -40,19 +44,41 @@ class Pipeline:
 
     def __init__(self, client: Client) -> None:
         self.client = client
+        self._submit = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="gateway-submit")
 
     async def _start(
-        self, payload: Any, on_chunk: Any = None, timeout: float | None = None
+        self, payload: Any, on_chunk: Any = None, timeout: float | None = None, sent: Sent = None
     ) -> tuple[str, Future[Any]]:
         if payload_nbytes(payload) <= INLINE_BYTES:
-            return self.client.start(payload, timeout=timeout, on_chunk=on_chunk)
-        return await asyncio.to_thread(
-            self.client.start, payload, timeout=timeout, on_chunk=on_chunk
-        )
+            try:
+                return self.client.start(payload, timeout=timeout, on_chunk=on_chunk)
+            finally:
+                if sent is not None:
+                    sent()
+        work = self._submit.submit(self.client.start, payload, timeout=timeout, on_chunk=on_chunk)
+        abandoned: list[bool] = []
 
-    async def call(self, payload: Any, *, timeout: float | None = None) -> Any:
+        def submitted(_: Future[tuple[str, Future[Any]]]) -> None:  # on the worker thread
+            if sent is not None:
+                sent()
+            if abandoned and work.exception() is None:
+                self.client.cancel(work.result()[0], "abandoned by the HTTP client")
+
+        work.add_done_callback(submitted)
+        try:
+            return await asyncio.wrap_future(work)
+        except asyncio.CancelledError:
+            abandoned.append(True)  # `submitted` cancels the request once it is sent
+            if work.done() and not work.cancelled() and work.exception() is None:
+                self.client.cancel(work.result()[0], "abandoned by the HTTP client")
+            raise
+
+    def close(self) -> None:
+        self._submit.shutdown(wait=True)
+
+    async def call(self, payload: Any, *, timeout: float | None = None, sent: Sent = None) -> Any:
         """The exit role's result (streams: the list of chunks)."""
-        rid, future = await self._start(payload, timeout=timeout)
+        rid, future = await self._start(payload, timeout=timeout, sent=sent)
         try:
             return await asyncio.wrap_future(future)
         finally:
@@ -60,7 +86,7 @@ class Pipeline:
                 self.client.cancel(rid, "abandoned by the HTTP client")
 
     async def stream(
-        self, payload: Any, *, timeout: float | None = None
+        self, payload: Any, *, timeout: float | None = None, sent: Sent = None
     ) -> AsyncGenerator[Any, None]:
         """Chunks as they arrive; a pipeline that does not stream yields its one result.
         Raises the request's failure (RequestFailed, RequestTimeout) where it happens."""
@@ -71,7 +97,7 @@ class Pipeline:
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
                 loop.call_soon_threadsafe(chunks.put_nowait, item)
 
-        rid, future = await self._start(payload, on_chunk=post, timeout=timeout)
+        rid, future = await self._start(payload, on_chunk=post, timeout=timeout, sent=sent)
         future.add_done_callback(lambda _: post(_END))
         try:
             while True:

@@ -10,12 +10,12 @@ endian, dtypes of the wire allow-list); everything else is JSON as it stands. An
 `{"outputs": ...}` the same way (tuples become lists, bytes a uint8 tensor, non-finite
 floats the strings "NaN", "Infinity", "-Infinity").
 
-safetensors (`application/vnd.safetensors`): the safetensors format, parsed by the
-`safetensors` library (the body is written once into an anonymous memory file, which the
-library maps: tensors view it, no further copy). A tensor named `a.b` is `inputs["a"]["b"]`;
-every metadata entry `a.c` is `inputs["a"]["c"]`, its value JSON text (text that is not
-JSON is kept as a string, so `{"format": "pt"}` from `save_file` is harmless). Answers
-name list items by index (`frames.0`).
+safetensors (`application/vnd.safetensors`): the safetensors format. The body is read
+from the socket into reusable memory (gateway/upload.py) and parsed in place: tensors
+view it, no further copy (the `safetensors` library writes the answers). A tensor named
+`a.b` is `inputs["a"]["b"]`; every metadata entry `a.c` is `inputs["a"]["c"]`, its value
+JSON text (text that is not JSON is kept as a string, so `{"format": "pt"}` from
+`save_file` is harmless). Answers name list items by index (`frames.0`).
 
 Every failure is an `InputError` whose `path` locates it (`$.inputs.image.shape[1]`).
 """
@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import math
-import mmap
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open, serialize
 from safetensors import TensorSpec as SafeSpec
+from safetensors import serialize
 
 from disagg_runtime import codec
 
@@ -162,54 +159,15 @@ def dumps(doc: Any) -> bytes:
 
 
 # ---- safetensors ------------------------------------------------------------------------------
-class Spool:
-    """A request body written once into an anonymous memory file (memfd) that the
-    safetensors library then maps; tensors parsed from it view that memory."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.fd = os.memfd_create("disagg-gateway-body", os.MFD_CLOEXEC)
-        self._map: mmap.mmap | None = None
-        self.filled = 0
-        if size:
-            os.ftruncate(self.fd, size)
-            self._map = mmap.mmap(self.fd, size)
-
-    def write(self, chunk: bytes) -> None:
-        if not chunk:
-            return
-        end = self.filled + len(chunk)
-        if end > self.size or self._map is None:
-            raise InputError("$", f"body is longer than its Content-Length ({self.size})")
-        self._map[self.filled : end] = chunk
-        self.filled = end
-
-    @property
-    def path(self) -> str:
-        return f"/proc/self/fd/{self.fd}"
-
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+MAX_HEADER = 100 << 20  # the safetensors library's own bound on the JSON header
 
 
-def request_from_safetensors(spool: Spool) -> Any:
-    """The entry payload of a safetensors body (see the module docstring)."""
-    if spool.filled != spool.size:
-        raise InputError("$", f"body ended after {spool.filled} of {spool.size} bytes")
-    try:
-        with safe_open(spool.path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            items = [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118
-    except (SafetensorError, OSError, ValueError, TypeError) as exc:
-        raise InputError("$", f"not a valid safetensors body: {exc}") from None
+def request_from_safetensors(body: memoryview | bytes | bytearray) -> Any:
+    """The entry payload of a safetensors body (see the module docstring); tensors view
+    `body`, which must outlive them."""
+    metadata, items = parse_safetensors(body)
     tree: dict[str, Any] = {}
     for name, tensor in items:
-        if tensor.dtype not in codec._NAMES:
-            raise InputError(f"$[{json.dumps(name)}]", f"dtype {tensor.dtype} is not allowed")
         _put(tree, name, tensor)
     for name, text in metadata.items():
         try:
@@ -218,6 +176,77 @@ def request_from_safetensors(spool: Spool) -> Any:
             value = text
         _put(tree, name, value)
     return tree
+
+
+def parse_safetensors(
+    body: memoryview | bytes | bytearray,
+) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
+    """(metadata, [(name, tensor)]) of a safetensors buffer, tensors viewing it.
+
+    The format's rules, as the `safetensors` library checks them: an 8-byte little-endian
+    header length, a JSON object header, `data_offsets` that tile the data section exactly
+    (no holes, no overlap) and match each tensor's dtype and shape. The library itself
+    parses only files or copies, hence this reader of memory the socket was read into."""
+    view = memoryview(body).cast("B")
+    if len(view) < 8:
+        raise InputError("$", f"not a safetensors body: {len(view)} bytes, no header length")
+    size = int.from_bytes(view[:8], "little")
+    if size > min(MAX_HEADER, len(view) - 8):
+        raise InputError("$", f"not a safetensors body: header of {size} bytes does not fit")
+    try:
+        header = codec._DECODER.decode(bytes(view[8 : 8 + size]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, codec.CodecError) as exc:
+        raise InputError("$", f"not a safetensors body: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise InputError("$", "not a safetensors body: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError("$.__metadata__", "safetensors metadata maps names to strings")
+    data = view[8 + size :]
+    spans: list[tuple[int, int, str, codec.TensorMeta]] = []
+    for name, entry in header.items():
+        where = f"$[{json.dumps(name)}]"
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise InputError(where, "expected {dtype, shape, data_offsets}")
+        dtype = _SAFE_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise InputError(f"{where}.dtype", f"dtype {entry['dtype']!r} is not allowed")
+        try:
+            meta = codec.TensorMeta.from_json(
+                {"dtype": dtype, "shape": entry["shape"]}, where=where
+            )
+        except codec.CodecError as exc:
+            raise InputError(where, str(exc)) from None
+        offsets = entry["data_offsets"]
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise InputError(f"{where}.data_offsets", "expected [begin, end], 0 <= begin <= end")
+        if offsets[1] - offsets[0] != meta.nbytes:
+            raise InputError(
+                f"{where}.data_offsets",
+                f"{offsets[1] - offsets[0]} bytes, but {dtype} {list(meta.shape)} needs "
+                f"{meta.nbytes}",
+            )
+        spans.append((offsets[0], offsets[1], name, meta))
+    spans.sort(key=lambda span: (span[0], span[1]))
+    end = 0
+    for begin, stop, name, _ in spans:
+        if begin != end:
+            raise InputError(f"$[{json.dumps(name)}]", "data_offsets leave a hole or overlap")
+        end = stop
+    if end != len(data):
+        raise InputError("$", f"data section is {len(data)} bytes, the tensors cover {end}")
+    items = []
+    for begin, stop, name, meta in spans:
+        try:
+            items.append((name, codec.tensor_from_buffer(data[begin:stop], meta)))
+        except codec.CodecError as exc:
+            raise InputError(f"$[{json.dumps(name)}]", str(exc)) from None
+    return metadata, items
 
 
 def _put(tree: dict[str, Any], name: str, value: Any) -> None:

@@ -15,6 +15,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -22,10 +23,14 @@ from disagg_core.contract import ContractError, GatewayConfig, parse_gateway_env
 from disagg_runtime.client import Client
 from disagg_runtime.gateway.app import READY_CACHE_S, Gateway, Settings
 from disagg_runtime.gateway.bridge import Pipeline
+from disagg_runtime.gateway.token import BearerToken
+from disagg_runtime.peers import PeerSet
+from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0
+PROBE_REPLICAS = 3
 READ_BUFSIZE = 4 << 20  # bytes a connection may buffer before reading pauses (aiohttp: 64 KiB)
 
 
@@ -49,56 +54,58 @@ def client_for(config: GatewayConfig) -> Client:
     )
 
 
-def read_token(path: str) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as exc:
-        raise ContractError(f"cannot read the gateway token file {path}: {exc}") from None
-    if not token:
-        raise ContractError(f"the gateway token file {path} is empty")
-    return token
+def entries_ready(client: Client) -> Callable[[], Awaitable[str]]:
+    """Readiness: for every entry role, one replica (of the first PROBE_REPLICAS listed)
+    completes the peer handshake within CONNECT_TIMEOUT_S: it is reachable, proves the
+    pipeline's key, and accepts ours. A fresh handshake each time, not a cached relay,
+    which could be to a replica that has gone since. "" when ready, else why not; checked
+    at most once per READY_CACHE_S."""
+    last: list[Any] = [float("-inf"), "not checked yet"]
 
-
-def entries_reachable(client: Client) -> Callable[[], Awaitable[bool]]:
-    """Readiness: a TCP connection to one replica of every entry role opens (checked at
-    most once per READY_CACHE_S)."""
-    last: list[float | bool] = [float("-inf"), False]
-
-    async def check() -> bool:
+    async def check() -> str:
         if time.monotonic() - float(last[0]) < READY_CACHE_S:
-            return bool(last[1])
-        ok = True
-        for peers in client.entries:
-            endpoints = await asyncio.to_thread(peers.endpoints)
-            if not endpoints or not await _connects(endpoints[0]):
-                ok = False
-                break
-        last[:] = [time.monotonic(), ok]
-        return ok
+            return str(last[1])
+        problems = await asyncio.to_thread(_probe_all, client)
+        last[:] = [time.monotonic(), "; ".join(problems)]
+        return str(last[1])
 
     return check
 
 
-async def _connects(endpoint: str) -> bool:
-    hostport = endpoint.removeprefix("tcp://")
-    host, _, port = hostport.rpartition(":")
-    try:
-        _, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port)), CONNECT_TIMEOUT_S
-        )
-    except (OSError, ValueError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
+def _probe_all(client: Client) -> list[str]:
+    problems = []
+    for peers in client.entries:
+        problem = _probe(peers, client.key)
+        if problem:
+            problems.append(f"entry role {peers.peer.role}: {problem}")
+    return problems
+
+
+def _probe(peers: PeerSet, key: bytes) -> str:
+    """Empty if one replica of `peers` completes the handshake, else the last failure."""
+    endpoints = peers.endpoints(refresh=True)
+    if not endpoints:
+        return "no replica listed"
+    problem = ""
+    for endpoint in endpoints[:PROBE_REPLICAS]:
+        try:
+            TcpSender(
+                endpoint,
+                key=key,
+                timeout=CONNECT_TIMEOUT_S,
+                lane=False,
+                inline_max=0,
+            ).close()
+            return ""
+        except NotAPeer as exc:
+            problem = f"{endpoint} failed authentication: {exc}"
+        except (RelayError, OSError) as exc:
+            problem = f"{endpoint} not reachable: {exc}"
+    return problem
 
 
 def gateway_for(client: Client, settings: Settings) -> Gateway:
-    return Gateway(settings=settings, pipeline=Pipeline(client), ready=entries_reachable(client))
+    return Gateway(settings=settings, pipeline=Pipeline(client), ready=entries_ready(client))
 
 
 class Server:
@@ -154,7 +161,7 @@ def settings_for(config: GatewayConfig) -> Settings:
         pipeline=config.pipeline,
         api=config.api,
         model=config.model,
-        token=read_token(config.token_file),
+        token=BearerToken.from_file(config.token_file) if config.token_file else BearerToken(),
         max_body=config.max_body,
         timeout=config.request_timeout,
     )
@@ -185,5 +192,6 @@ def main() -> int:
             )
         )
     finally:
+        gateway.pipeline.close()
         client.close()
     return 0

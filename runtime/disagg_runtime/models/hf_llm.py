@@ -7,6 +7,7 @@
              "first_token", "rng" (sampling: the generator's state), "params"} ──> Decode:
     rebuild the model's DynamicCache, continue token by token, stream chunks
         {"text": str, "token_ids": [int, ...], "finish_reason": None | "stop" | "length"}
+    (the first one also says "prompt_tokens": the prompt's length, for OpenAI's `usage`)
 
 `handlerArgs`: `model` (a directory `from_pretrained` loads: weights and tokenizer),
 `dtype` (compute dtype: float32 (default), bfloat16, float16), `kvDtype` (the cache on the
@@ -309,7 +310,10 @@ class Decode(_Model):
         if not params.greedy:
             generator = torch.Generator()
             generator.set_state(payload["rng"].clone())
-        return self._stream(cache, int(payload["first_token"]), params, generator)
+        prompt = payload.get("input_ids")
+        prompt_tokens = int(prompt.numel()) if isinstance(prompt, torch.Tensor) else 0
+        chunks = self._stream(cache, int(payload["first_token"]), params, generator)
+        return _counting_prompt(chunks, prompt_tokens)
 
     def _stream(
         self, cache: Any, token: int, params: Params, generator: torch.Generator | None
@@ -341,6 +345,14 @@ class Decode(_Model):
         ids = torch.tensor([[token]], device=self.device)
         out = self.model(input_ids=ids, cache=cache, use_cache=True)
         return sample(out.logits[:, -1, :].cpu(), params, generator)
+
+
+def _counting_prompt(
+    chunks: Iterator[dict[str, Any]], prompt_tokens: int
+) -> Iterator[dict[str, Any]]:
+    """`chunks`, the first one saying how many tokens the prompt had."""
+    for n, chunk in enumerate(chunks):
+        yield {**chunk, "prompt_tokens": prompt_tokens} if n == 0 else chunk
 
 
 def _eos_ids(model: Any) -> set[int]:

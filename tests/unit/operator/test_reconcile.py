@@ -205,9 +205,11 @@ def test_kopf_keeps_its_bookkeeping_in_annotations_of_its_own_prefix() -> None:
     }
     ours = "app.kubernetes.io/managed-by=disagg-operator,disagg.dev/pipeline"
     assert selectors.pop(("", "pods")) == "disagg.dev/pipeline,disagg.dev/role"
-    # StatefulSets (cached), and the Secrets and NetworkPolicies watched for deletion: only ours
+    # StatefulSets and the gateway Deployments (cached), and the Secrets and NetworkPolicies
+    # watched for deletion: only ours
     assert set(selectors) == {
         ("apps", "statefulsets"),
+        ("apps", "deployments"),
         ("", "secrets"),
         ("networking.k8s.io", "networkpolicies"),
     }

@@ -4,6 +4,7 @@ its contract and `spec.gateway`. The HTTP side is in tests/integration/test_gate
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 import pytest
@@ -56,61 +57,98 @@ def test_json_depth_is_bounded() -> None:
         native.request_from_json({"inputs": deep})
 
 
-def spooled(body: bytes) -> native.Spool:
-    spool = native.Spool(len(body))
-    spool.write(body)
-    return spool
-
-
 def test_safetensors_round_trip_with_nesting_and_metadata() -> None:
     payload: dict[str, Any] = {
         "a": {"b": torch.arange(6, dtype=torch.bfloat16)},
         "n": 3,
         "s": "txt",
     }
-    spool = spooled(native.to_safetensors(payload))
-    try:
-        back = native.request_from_safetensors(spool)
-    finally:
-        spool.close()
+    back = native.request_from_safetensors(native.to_safetensors(payload))
     assert torch.equal(back["a"]["b"], payload["a"]["b"]) and (back["n"], back["s"]) == (3, "txt")
 
 
-def test_safetensors_tensors_view_the_spooled_body() -> None:
-    """One write into the memory file, no copy by the parser: the tensor's bytes are the
-    body's (the library maps the same memory file)."""
+@given(
+    st.dictionaries(
+        st.from_regex(r"[a-z]{1,6}", fullmatch=True),
+        st.tuples(
+            st.sampled_from(["uint8", "int64", "float16", "bfloat16", "float32", "bool"]),
+            st.lists(st.integers(0, 5), max_size=3),
+        ),
+        max_size=4,
+    )
+)
+def test_safetensors_parse_equals_the_library(specs: dict[str, tuple[str, list[int]]]) -> None:
+    """Our in-place reader and the `safetensors` library agree on files the library wrote."""
+    from safetensors.torch import load, save
+
+    tensors = {
+        name: torch.randint(0, 2, shape, dtype=torch.uint8).to(getattr(torch, dtype))
+        for name, (dtype, shape) in specs.items()
+    }
+    body = bytearray(save(tensors, metadata={"k": "v"}))
+    metadata, items = native.parse_safetensors(body)
+    expected = load(bytes(body))
+    assert metadata == {"k": "v"} and sorted(dict(items)) == sorted(expected)
+    for name, tensor in items:
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name])
+
+
+def test_safetensors_tensors_view_the_body() -> None:
+    """No copy by the parser: the tensor's bytes are the body's."""
     x = torch.arange(1 << 16, dtype=torch.float32)
-    spool = spooled(native.to_safetensors({"x": x}))
-    back = native.request_from_safetensors(spool)["x"]
-    spool.close()
-    assert back.untyped_storage().nbytes() >= x.nbytes  # a view of the whole file
+    body = bytearray(native.to_safetensors({"x": x}))
+    back = native.request_from_safetensors(memoryview(body))["x"]
     assert torch.equal(back, x)
+    body[-4:] = torch.tensor([7.0]).numpy().tobytes()
+    assert back[-1].item() == 7.0
 
 
 @given(st.binary(max_size=64))
 def test_garbage_safetensors_is_a_400_never_a_crash(body: bytes) -> None:
-    spool = spooled(body)
-    try:
-        with pytest.raises(native.InputError):
-            native.request_from_safetensors(spool)
-    finally:
-        spool.close()
+    with pytest.raises(native.InputError):
+        native.request_from_safetensors(body)
+
+
+def _raw(header: dict[str, Any], data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "match"),
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "needs 8"),
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, "hole"),
+        (
+            {
+                "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+            },
+            b"\0" * 6,
+            "overlap",
+        ),
+        ({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 3, "cover 2"),
+        ({"a": {"dtype": "I4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", "not allowed"),
+        ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [-1, 0]}}, b"", "begin"),
+        ({"a": {"dtype": "U8", "shape": [1]}}, b"\0", "data_offsets"),
+        ({"__metadata__": {"n": 1}}, b"", "strings"),
+    ],
+)
+def test_safetensors_layout_errors_are_400s(header: Any, data: bytes, match: str) -> None:
+    with pytest.raises(native.InputError, match=match):
+        native.request_from_safetensors(_raw(header, data))
 
 
 def test_safetensors_key_clash_and_short_body() -> None:
     from safetensors.torch import save
 
-    spool = spooled(save({"a": torch.ones(1)}, metadata={"a": "1"}))
     with pytest.raises(native.InputError, match="given twice"):
-        native.request_from_safetensors(spool)
-    spool.close()
-    short = native.Spool(10)
-    short.write(b"12345")
-    with pytest.raises(native.InputError, match="5 of 10"):
-        native.request_from_safetensors(short)
-    with pytest.raises(native.InputError, match="longer"):
-        short.write(b"123456")
-    short.close()
+        native.request_from_safetensors(save({"a": torch.ones(1)}, metadata={"a": "1"}))
+    whole = save({"a": torch.ones(4)})
+    with pytest.raises(native.InputError, match="cover"):
+        native.request_from_safetensors(whole[:-3])
+    with pytest.raises(native.InputError, match="does not fit"):
+        native.request_from_safetensors(whole[:12])
 
 
 # ---- OpenAI mapping ----------------------------------------------------------------------------

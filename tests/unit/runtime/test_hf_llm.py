@@ -100,3 +100,19 @@ def test_cache_round_trip_is_zero_copy_on_the_decode_side(tmp_path: pathlib.Path
         assert layer.keys.data_ptr() == key.data_ptr()  # adopted, not copied
     with pytest.raises(hf_llm.RequestError, match="layers"):
         hf_llm.rebuild_cache(model.config, flat["keys"][:1], flat["values"][:1], torch.float32)
+
+
+def test_decode_reports_the_prompt_length_once(tmp_path: pathlib.Path, tok: Any) -> None:
+    """The first chunk carries `prompt_tokens` (the gateway's `usage.prompt_tokens`)."""
+    import logging
+
+    from disagg_runtime.handler import SetupContext
+
+    model = str(tiny.llm(tmp_path / "m"))
+    prefill, decode = hf_llm.Prefill(), hf_llm.Decode()
+    for role, handler in (("prefill", prefill), ("decode", decode)):
+        handler.setup(SetupContext(role, 0, "cpu", {"model": model}, logging.getLogger(role)))
+    prompt = "hello there, general"
+    chunks = list(decode(prefill({"prompt": prompt, "max_tokens": 4})))
+    assert chunks[0]["prompt_tokens"] == len(tok(prompt).input_ids) > 1
+    assert all("prompt_tokens" not in c for c in chunks[1:])
