@@ -93,17 +93,19 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure transports")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    transport = bench_sub.add_parser("transport", help="relays vs memcpy and naive baselines")
+    transport = bench_sub.add_parser("transport", help="relays vs their limits and naive baselines")
     transport.add_argument(
-        "--sizes", default="4KiB,1MiB,64MiB,256MiB", help="comma list, e.g. 64MiB,256MiB"
+        "--sizes",
+        default="4KiB,64KiB,1MiB,16MiB,64MiB,256MiB",
+        help="comma list, e.g. 64MiB,256MiB",
     )
     transport.add_argument("--repeats", type=int, default=0, help="repetitions (0 = by size)")
     transport.add_argument(
         "--methods",
         default=None,
         help="comma list of methods to run (default: all of the device's: "
-        "memcpy,shm,tcp,pickle_zmq,copy_clone_zmq; with --device cuda: d2d,cuda_ipc,shm,tcp; "
-        "nixl on request, with the nixl extra)",
+        "memcpy,memcpy_large,raw_unix,shm,tcp,pickle_zmq,copy_clone_zmq; "
+        "with --device cuda: d2d,cuda_ipc,shm,tcp; nixl on request, with the nixl extra)",
     )
     transport.add_argument(
         "--device",

@@ -32,8 +32,15 @@ def test_transport_json_has_every_method_and_size():
         assert row["ratio_to_memcpy"] > 0
         if row["method"] == "memcpy":
             assert row["ratio_to_memcpy"] == pytest.approx(1.0)
-        small = row["size_bytes"] <= 64 * 1024
-        assert (row["p50_us"] is not None) == (small and row["method"] != "memcpy")
+        # every row has its one-way percentiles and its ratios to each limit of the run
+        assert 0 < row["p50_us"] <= row["p99_us"]
+        assert row["gbps"] == pytest.approx(row["size_bytes"] / row["p50_us"] / 1e3, rel=1e-6)
+        if row["method"] not in ("memcpy",):
+            assert row["ratio_to_large"] > 0
+        if row["method"] not in ("memcpy", "memcpy_large"):
+            assert row["p50_over_raw"] > 0
+        if row["method"] == "raw_unix":
+            assert row["p50_over_raw"] == pytest.approx(1.0)
         if row["method"] in ("shm", "tcp"):
             assert row["pool_bytes"] >= row["size_bytes"]
             assert row["receiver_rss_delta_bytes"] is not None

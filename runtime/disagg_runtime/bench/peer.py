@@ -10,6 +10,7 @@ send and clones every tensor on receive.
 
 from __future__ import annotations
 
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -83,6 +84,24 @@ def serve(
         control.send({"rss_baseline": baseline, "rss_peak": peak_rss_bytes()})
         reply.close()
         ctx.term()
+
+
+def serve_raw(path: str, nbytes: int) -> None:
+    """`raw_unix`: receive `nbytes`-byte messages whole on a unix stream socket, answering
+    each with the one-way delay its first 8 bytes (the sender's stamp) say; until EOF."""
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        while True:
+            got = 0
+            while got < nbytes:
+                n = sock.recv_into(view[got:])
+                if n == 0:
+                    return
+                got += n
+            delay = time.perf_counter() - struct.unpack_from("d", buf, 0)[0]
+            sock.sendall(struct.pack("d", delay))
 
 
 def _one_way(payload: dict[str, Any]) -> bytes:

@@ -1,12 +1,22 @@
-"""`disagg bench transport`: relays against the memcpy limit and naive baselines, one run.
+"""`disagg bench transport`: relays against their limits and naive baselines, one run.
 
 Every method moves `{"x": uint8 tensor of SIZE, "sent": stamp}` from this process to a
-spawned receiver process and waits for a tiny reply; a figure is the median over
-repeats. `gbps = size / round_trip` (conservative: it includes the reply); `p50_us`
-(sizes <= 64 KiB) is the median one-way delay from before `send` to after the receiver's
-`recv`, both read from CLOCK_MONOTONIC, which all processes on a machine share.
-`memcpy` is one single-threaded torch `copy_` into a pre-faulted tensor: the limit every
-ratio is taken against. All processes use one torch thread, so it is like for like.
+spawned receiver process and waits for a tiny reply. `p50_us`/`p99_us` are the one-way
+delay from before `send` to the receiver holding the payload, both read from
+CLOCK_MONOTONIC, which all processes on a machine share; `gbps = size / p50` (the hand-off
+rate); `median_s` is the median round trip (the reply included). All processes use one
+torch thread, so it is like for like. The limits, measured in the same run:
+
+- `memcpy`: one single-threaded torch `copy_` into a pre-faulted tensor, the same
+  buffers every time (below the last-level cache size, they stay in it);
+- `memcpy_large`: the same copy, walking through buffers several times larger than the
+  last-level cache, so every copy reads and writes memory (the limit for medium sizes:
+  a payload handed to another process is rarely in the cache);
+- `raw_unix`: the message as bytes over one AF_UNIX stream socket to a receiver blocked
+  in `recv_into` (no framing, no flow control): the floor for a wake-up between processes.
+
+Every row carries its ratio to each limit (`x memcpy`, `x large`: rate over rate;
+`x raw`: p50 over raw_unix p50).
 
 `--device cuda`: the payload lives on the GPU and every receiver ends with it on the GPU.
 `d2d` (a device-to-device `copy_`, synchronized) is the limit; `cuda_ipc` copies into the
@@ -25,11 +35,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
+import os
 import re
+import socket
 import statistics
 import struct
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -43,10 +57,12 @@ from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.pool import cuda_unavailable_reason
 from disagg_runtime.relay import Relay, auth, connect, registry
 
-METHODS = ("memcpy", "shm", "tcp", "pickle_zmq", "copy_clone_zmq")
+METHODS = ("memcpy", "memcpy_large", "raw_unix", "shm", "tcp", "pickle_zmq", "copy_clone_zmq")
 GPU_METHODS = ("d2d", "cuda_ipc", "shm", "tcp")
 OPTIONAL = ("nixl",)  # run when asked for (--methods), if this machine has the package
 LIMIT = {"cpu": "memcpy", "cuda": "d2d"}
+LIMITS = ("memcpy", "d2d", "memcpy_large", "raw_unix")  # measured first, in this order
+LLC_FALLBACK = 32 << 20
 RELAYS = {"shm": "shm", "tcp": "tcp", "cuda_ipc": "cuda-ipc", "nixl": "nixl"}
 LATENCY_MAX = 64 * 1024
 _UNITS = {
@@ -85,7 +101,9 @@ def format_size(n: int) -> str:
 def default_repeats(size: int) -> int:
     if size <= LATENCY_MAX:
         return 300
-    if size <= 4 << 20:
+    if size <= 1 << 20:
+        return 200
+    if size <= 16 << 20:
         return 40
     return 7 if size <= 64 << 20 else 5
 
@@ -95,10 +113,13 @@ class Result:
     method: str
     size_bytes: int
     repeats: int
-    median_s: float
-    gbps: float
+    median_s: float  # round trip (reply included); for the copies, one copy
+    gbps: float  # size / p50: the one-way hand-off rate
     ratio_to_memcpy: float | None = None
     p50_us: float | None = None
+    p99_us: float | None = None
+    ratio_to_large: float | None = None  # gbps / memcpy_large gbps (same size, same run)
+    p50_over_raw: float | None = None  # p50 / raw_unix p50 (same size, same run)
     sender_rss_delta_bytes: int | None = None
     receiver_rss_delta_bytes: int | None = None
     pool_bytes: int | None = None
@@ -109,6 +130,80 @@ def pool_size_for(size: int) -> int:
     """Two buddy blocks of the payload (so one transfer can land while one is released)."""
     block = 1 << max(20, (size - 1).bit_length())
     return 2 * block
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in (0, 100]): a value that was measured."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def llc_bytes() -> int:
+    """The size of the largest CPU cache (sysfs), or 32 MiB when it cannot be read."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return LLC_FALLBACK
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, "size")) as f:
+                best = max(best, parse_size(f.read().strip().replace("K", "KiB")))
+        except (OSError, ValueError):
+            continue
+    return best or LLC_FALLBACK
+
+
+def measure_memcpy_large(size: int, repeats: int) -> list[float]:
+    """`size` bytes per copy, each at the next place in source and destination buffers of
+    at least four times the last-level cache: no copy finds its bytes in the cache."""
+    per_span = max(1, -(-4 * llc_bytes() // size))
+    src = torch.ones(per_span * size, dtype=torch.uint8)
+    dst = torch.zeros(per_span * size, dtype=torch.uint8)
+    dst.copy_(src)  # fault every page in first
+    times = []
+    for i in range(repeats + per_span):
+        at = (i % per_span) * size
+        t0 = time.perf_counter()
+        dst[at : at + size].copy_(src[at : at + size])
+        times.append(time.perf_counter() - t0)
+    return times[per_span:]
+
+
+def measure_raw_unix(size: int, repeats: int) -> list[float]:
+    """One-way delays of `size` bytes written whole to a unix stream socket whose receiver
+    (another process) is blocked in `recv_into`; it answers each with the delay it saw."""
+    spawn = mp.get_context("spawn")
+    nbytes = max(size, 8)  # the stamp travels in the message
+    buf = bytearray(nbytes)
+    delays: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
+        path = os.path.join(tmp, "raw.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        listener.settimeout(60)
+        proc = spawn.Process(target=peer.serve_raw, args=(path, nbytes), daemon=True)
+        proc.start()
+        try:
+            conn, _ = listener.accept()
+            conn.settimeout(60)
+            with conn:
+                for _ in range(repeats + 1):
+                    stamp = time.perf_counter()
+                    struct.pack_into("d", buf, 0, stamp)
+                    conn.sendall(buf)
+                    reply = conn.recv(8, socket.MSG_WAITALL)
+                    if len(reply) != 8:
+                        raise RuntimeError("raw_unix receiver went away")
+                    delays.append(struct.unpack("d", reply)[0])
+        finally:
+            listener.close()
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return delays[1:]
 
 
 def measure_memcpy(size: int, repeats: int) -> list[float]:
@@ -226,24 +321,42 @@ def run(
     results: list[Result] = []
     for size in sizes:
         n = repeats or default_repeats(size)
-        limit: float | None = None
+        rates: dict[str, float] = {}
+        raw_p50: float | None = None
         for method in methods:
             rss: dict[str, int] = {}
-            one_way: list[float] = []
             if method == "memcpy":
-                times = measure_memcpy(size, n)
+                times = one_way = measure_memcpy(size, n)
+            elif method == "memcpy_large":
+                times = one_way = measure_memcpy_large(size, n)
             elif method == "d2d":
-                times = measure_d2d(size, n)
+                times = one_way = measure_d2d(size, n)
+            elif method == "raw_unix":
+                times = one_way = measure_raw_unix(size, n)
             else:
                 times, one_way, rss = measure_remote(method, size, n, device)
-            median = statistics.median(times)
-            result = Result(method, size, n, median, size / median / 1e9, **rss, device=device)
-            if method == LIMIT[device]:
-                limit = result.gbps
-            if limit:
-                result.ratio_to_memcpy = result.gbps / limit
-            if size <= LATENCY_MAX and one_way:
-                result.p50_us = statistics.median(one_way) * 1e6
+            p50 = statistics.median(one_way)
+            result = Result(
+                method,
+                size,
+                n,
+                statistics.median(times),
+                size / p50 / 1e9,
+                p50_us=p50 * 1e6,
+                p99_us=percentile(one_way, 99) * 1e6,
+                **rss,
+                device=device,
+            )
+            if method in LIMITS:
+                rates[method] = result.gbps
+            if method == "raw_unix":
+                raw_p50 = p50
+            if LIMIT[device] in rates:
+                result.ratio_to_memcpy = result.gbps / rates[LIMIT[device]]
+            if "memcpy_large" in rates:
+                result.ratio_to_large = result.gbps / rates["memcpy_large"]
+            if raw_p50:
+                result.p50_over_raw = p50 / raw_p50
             results.append(result)
     return results
 
@@ -253,7 +366,8 @@ def _cell(value: float | None, fmt: str) -> str:
 
 
 def render_table(results: list[Result]) -> str:
-    columns = ("size", "GB/s", "x memcpy", "p50 us", "tx MiB", "rx MiB")
+    columns = ["size", "GB/s", "x memcpy", "x large", "p50 us", "p99 us", "x raw"]
+    columns += ["tx MiB", "rx MiB"]
     head = f"{'method':<16}" + "".join(f"{c:>9}" for c in columns)
     lines = [head, "-" * len(head)]
     for r in results:
@@ -261,7 +375,10 @@ def render_table(results: list[Result]) -> str:
             format_size(r.size_bytes),
             f"{r.gbps:.2f}",
             _cell(r.ratio_to_memcpy, ".2f"),
+            _cell(r.ratio_to_large, ".2f"),
             _cell(r.p50_us, ".0f"),
+            _cell(r.p99_us, ".0f"),
+            _cell(r.p50_over_raw, ".2f"),
             _cell(
                 None if r.sender_rss_delta_bytes is None else r.sender_rss_delta_bytes / 2**20,
                 ".0f",
@@ -272,6 +389,10 @@ def render_table(results: list[Result]) -> str:
             ),
         )
         lines.append(f"{r.method:<16}" + "".join(f"{c:>9}" for c in cells))
+    lines.append(
+        "GB/s: size / p50 one-way. x memcpy, x large: GB/s over memcpy's and memcpy_large's "
+        "(buffers beyond the LLC); x raw: p50 over raw_unix's p50."
+    )
     lines.append("tx/rx MiB: peak RSS growth of sender/receiver during the run (pool included).")
     if any(r.device == "cuda" for r in results):
         lines.append(
@@ -304,9 +425,8 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"disagg bench transport: {exc}", file=sys.stderr)
         return 2
-    limit = LIMIT[device]
-    if limit in methods:  # the limit first, so every later row has its ratio
-        methods = [limit, *[m for m in methods if m != limit]]
+    # the limits first, so every later row has its ratios
+    methods = [m for m in LIMITS if m in methods] + [m for m in methods if m not in LIMITS]
     results = run(sizes, methods, args.repeats, device)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))

@@ -349,6 +349,11 @@ class CudaIpcSender(ShmSender):
     def _commit_fields(self) -> dict[str, Any]:
         return {"event": self._event_b64} if self._mapped is not None else {}
 
+    def _spare_limit(self) -> int:
+        """No spares into a CUDA pool: its commits wait on a CUDA event first (kept apart
+        from the shared-memory path, whose spares are measured)."""
+        return 0 if self._mapped is not None else super()._spare_limit()
+
     def _transfer(
         self,
         commit: bytes,

@@ -55,7 +55,7 @@ from disagg_runtime.relay import auth, lane, registry
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.landing import Chunked, Landing, chunk_count, chunk_targets, memory_for
-from disagg_runtime.relay.ledger import Denial, Message, SlotLedger
+from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, SlotLedger
 
 log = logging.getLogger(__name__)
 _SCRATCH = bytearray(1 << 20)
@@ -102,6 +102,7 @@ class IngressStats:
     inline_used: int = 0  # bytes of inline payloads held (received, not yet released)
     inline_budget: int = 0  # the most inline bytes held at once
     peers: int = 0  # authenticated senders
+    spares_used: int = 0  # payloads committed into a slot granted ahead (no reservation)
 
 
 class Ingress:
@@ -179,6 +180,8 @@ class Ingress:
         self._kinds: dict[bytes, str] = {}  # each peer's relay kind, from its hello
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._rejected = 0
+        self._freed = False  # a release on the I/O thread: room for paused lanes, grants
+        self._spares_used = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
@@ -230,6 +233,7 @@ class Ingress:
             inline_used=self._ledger.inline_used,
             inline_budget=self.inline_budget,
             peers=len(self._peers),
+            spares_used=self._spares_used,
         )
 
     def close(self) -> None:
@@ -264,7 +268,11 @@ class Ingress:
 
     def _release(self, msg: Message) -> None:
         self.memory.before_release(msg)
-        if self._ledger.release(msg):
+        if not self._ledger.release(msg):
+            return
+        if threading.get_ident() == self._thread.ident:
+            self._freed = True  # on the I/O thread itself (on_message): seen before it polls
+        else:
             self._wake()  # waiting reservations may fit now
 
     def _abort_delivered(self, rid: str) -> None:
@@ -295,13 +303,16 @@ class Ingress:
         # lanes first: an inline frame is taken before a later ZMQ message of its sender
         for fd in [fd for fd in events if fd in self._lanes]:
             self._read_lane(fd)
-        if self._wake_r in events:  # a release may have made room for paused lanes
-            for conn in [c for c in self._lanes.values() if c.paused]:
-                self._read_lane(conn.reader.sock.fileno())
+        if self._wake_r in events:
+            self._freed = True
         if listener in events:
             self._accept_lane()
         while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._handle_one()
+        if self._freed:  # a release may have made room for paused lanes
+            self._freed = False
+            for conn in [c for c in self._lanes.values() if c.paused]:
+                self._read_lane(conn.reader.sock.fileno())
         now = time.monotonic()
         self._expire(now)
         if now >= self._lane_check:
@@ -432,6 +443,8 @@ class Ingress:
         self._inline(msg, manifest, frame.data, size, charge)
 
     def _poll_ms(self) -> int:
+        if self._freed:
+            return 0  # released on this thread after the paused lanes were looked at
         if any(landing.busy() for landing in self._landings.values()):
             return 1
         deadlines = [chunked.deadline for chunked in self._chunked.values()]
@@ -757,6 +770,9 @@ class Ingress:
             raise proto.ProtocolError(f"commit for xid {xid} without a live grant (lease expired?)")
         slot = grant.offset
         try:
+            if grant.spare:  # granted before its request was known
+                grant.rid = proto.field(msg, "rid", str)
+                self._spares_used += 1
             if proto.nonneg_int(msg, "offset") != slot:
                 raise proto.ProtocolError(f"commit offset differs from the grant ({slot})")
             size = self.pool.allocator.size_of(slot)
@@ -778,7 +794,7 @@ class Ingress:
         except BaseException:
             self._ledger.free(slot)
             raise
-        self._finish(ident, xid, grant.rid, slot, manifest, meta)
+        self._finish(ident, xid, grant.rid, slot, manifest, meta, msg.get("next"))
 
     def reject(self, ident: bytes, xid: int, reason: str) -> None:
         self._rejected += 1
@@ -819,6 +835,7 @@ class Ingress:
         slot: int,
         manifest: Manifest,
         meta: dict[str, Any] | None,
+        ask: Any = None,
     ) -> None:
         try:
             payload = read_payload(self.pool.backing, slot, manifest)
@@ -829,8 +846,26 @@ class Ingress:
         if not self._admit(msg):
             self._reply(ident, "nack", xid=xid, reason=f"request {rid} was aborted")
             return
-        self._hand_over(msg)  # routed, not handled: then the load in the ack counts it
-        self._reply(ident, "ack", xid=xid, **self._load_field())
+        # routed, not handled: then the load in the ack counts it, delivery does not wait
+        # for the ack's system call, and a message released at once leaves its room to a spare
+        self._hand_over(msg)
+        self._reply(ident, "ack", xid=xid, **self._load_field(), **self._spare(ident, ask))
+
+    def _spare(self, ident: bytes, ask: Any) -> dict[str, Any]:
+        """The ack's `spare`, when the commit asked for one (`next {xid, nbytes}`) and the
+        ledger grants it (relay/ledger.py `grant_spare`)."""
+        if not isinstance(ask, dict):
+            return {}
+        try:
+            xid = proto.nonneg_int(ask, "xid")
+            nbytes = proto.nonneg_int(ask, "nbytes")
+        except proto.ProtocolError:
+            return {}  # the payload is delivered; a malformed ask only gets no spare
+        grant = self._ledger.grant_spare(ident, xid, nbytes, time.monotonic())
+        if grant is None:
+            return {}
+        lease = min(SPARE_LEASE_S, self.lease_s)
+        return {"spare": {"xid": xid, "offset": grant.offset, "lease_s": lease}}
 
     def _deliver(self, msg: Message) -> bool:
         """Queue a landed payload unless its request was aborted (then free its slot)."""
@@ -868,6 +903,9 @@ class Ingress:
                 self._reply(ident, "nack", xid=chunked.xid, reason=reason)
         expired = self._ledger.expire(now)
         for grant in expired.lapsed:
-            log.warning("grant for request %s expired uncommitted; slot freed", grant.rid)
+            if grant.spare:  # its sender had nothing more to send in time
+                log.debug("a spare grant expired unused; slot freed")
+            else:
+                log.warning("grant for request %s expired uncommitted; slot freed", grant.rid)
         for denial in expired.denied:
             self._deny(denial)

@@ -4,9 +4,9 @@ Why: one ZMQ message crosses three threads (the sender's ZMQ I/O thread, the rec
 ZMQ I/O thread, then the application thread), and on small VMs each wake-up costs
 20-50 us. A plain socket read by the ingress's own poll loop is woken once: a 4 KiB
 payload arrives in about a third of the time. Every sender puts its `inline` and `abort`
-messages on the lane; an shm sender (whose data never crosses a socket) says `control`
-in its hello and runs its whole credit protocol there, replies included. tcp chunks stay
-on ZMQ.
+messages on the lane, and says `control` in its hello: it runs its credit protocol there,
+replies included (an shm sender all of it; a tcp sender all but the commit, whose chunks
+follow it on ZMQ).
 
 Frames, all lengths little-endian u32:
 

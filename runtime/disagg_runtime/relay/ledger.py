@@ -3,6 +3,7 @@
 Every slot has an owner and a deadline:
 
     reserve ──> pending (arrival order; waits at most wait_s for room) ──> granted (a lease)
+    ack of a commit that asks ──> a spare: granted ahead, for the sender's next payload
     granted ──commit──> taken by a landing (the I/O side's; ends in deliver, nack or free)
     delivered ──release()──> free;   abort(rid) frees all a request holds, now and later
 
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 MAX_WAIT_S = 3600.0
+SPARE_MAX = 16 << 20  # the largest slot granted ahead (relay/sender.py, "spare grants")
+SPARE_LEASE_S = 1.0  # a spare nobody committed is freed this soon
 MAX_PENDING_PER_PEER = 64  # a sender has one transfer at a time; leave room for abandoned ones
 
 Key = tuple[bytes, int]  # (sender identity, its transfer id)
@@ -72,6 +75,7 @@ class Reservation:
     deadline: float
     offset: int | None = None
     lane_sent: int = 0  # inline frames the sender had written to its lane before this
+    spare: bool = False  # granted ahead with an ack, for the sender's next payload
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class SlotLedger:
         self._pending_of: collections.Counter[bytes] = collections.Counter()
         self._pending_rid: dict[str, set[Key]] = {}
         self._granted: dict[Key, Reservation] = {}
+        self._spares: dict[bytes, Key] = {}  # the spare each sender was granted last
         self._live: dict[str, list[Message]] = collections.defaultdict(list)
         self._aborted: dict[str, float] = {}
         self.delivered = 0
@@ -193,6 +198,31 @@ class SlotLedger:
             granted.append(head)
         return granted
 
+    def grant_spare(self, ident: bytes, xid: int, nbytes: int, now: float) -> Reservation | None:
+        """A slot for a sender's next payload, granted ahead (with the ack of this one):
+        only when nobody waits for room, the sender holds no other spare, and the pool has
+        room for it and one more of its size (a spare never takes the last room). Its
+        lease is short, so an idle sender's spare never keeps a reservation waiting long."""
+        key = (ident, xid)
+        held = self._spares.get(ident)
+        if self._pending or (held is not None and held in self._granted):
+            return None
+        if not 0 < nbytes <= SPARE_MAX or key in self._granted:
+            return None
+        offset = self.slots.allocate(nbytes)
+        if offset is None:
+            return None
+        headroom = self.slots.allocate(nbytes)
+        if headroom is None:
+            self.slots.free(offset)
+            return None
+        self.slots.free(headroom)
+        lease = min(SPARE_LEASE_S, self.lease_s)
+        grant = Reservation(ident, xid, "", nbytes, now + lease, offset, spare=True)
+        self._granted[key] = grant
+        self._spares[ident] = key
+        return grant
+
     def cancel(self, ident: bytes, xid: int) -> None:
         """The sender gave up on this reservation (granted or not): its slot is free."""
         grant = self._granted.pop((ident, xid), None)
@@ -230,6 +260,7 @@ class SlotLedger:
         """`ident` is gone: its pending reservations go (its grants lapse with their lease)."""
         for key in [k for k in self._pending if k[0] == ident]:
             self._unpend(key)
+        self._spares.pop(ident, None)
 
     def expire(self, now: float) -> Expired:
         """Free grants past their lease, deny reservations that waited too long, forget

@@ -14,8 +14,8 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
     reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
                                    <--   grant {xid, offset, lease_s} | deny {xid, reason}
     (shm: sender writes the slot in the shared pool)
-    commit {rid, xid, offset, manifest[, chunk]} [+ chunk frames for tcp]  -->
-                                   <--   ack {xid} | nack {xid, reason}
+    commit {rid, xid, offset, manifest[, chunk][, next]} [+ chunk frames for tcp]  -->
+                                   <--   ack {xid[, spare]} | nack {xid, reason}
     cancel {xid}                   -->   sender gave up waiting: drop the reservation/grant
     abort {rid}                    -->   free every slot the request holds
                                    <--   refused {reason[, xid]}: the sender is not (or no
@@ -30,6 +30,11 @@ receiver's own account of how busy it is, for senders choosing among replicas
 (dispatch.py); it rides on the welcome, every grant and ack, and the periodic `load`
 message (inline payloads get no reply, so that is how their senders hear). A malformed
 one fails the connection (welcome) or the reply it came on, like any bad field.
+
+Spare grants: a commit may ask for a slot for the sender's next payload, `next {xid,
+nbytes}` (a fresh xid); the ack then may grant it at once, `spare {xid, offset, lease_s}`,
+with a short lease. The sender writes its next payload that fits there and commits it
+under that xid without a reservation (one round trip instead of two), or cancels it.
 
 `xid` numbers each operation of a sender so that a late grant for an operation that timed
 out is never mistaken for the current one (completions are per operation).

@@ -7,6 +7,8 @@ receiver's pool first, so a slow receiver stalls its senders (flow control) rath
 dropping or over-allocating:
 
     shm:  reserve -> grant -> copy tensors into the receiver's shared pool -> commit -> ack
+          (in a stream of medium payloads the ack grants the next slot ahead, a spare:
+          then copy -> commit -> ack)
     tcp:  reserve -> grant -> commit, then one message per chunk (zero-copy sends; the
           receiver `recv_into`s each chunk at its place in the slot) -> ack
 
@@ -40,6 +42,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -58,6 +61,18 @@ CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN = 64 * 1024
 HWM = 16
 LANE_CONNECT_S = 2.0  # a filtered port must not stall start-up long
+SPARE_MAX = 16 << 20  # the largest payload that asks for its successor's slot ahead
+SPARE_STREAM_S = 0.1  # ... when the one before it was sent less than this earlier
+
+
+@dataclass(frozen=True)
+class _Spare:
+    """A slot granted ahead, with an ack: usable for `nbytes` until `use_by`."""
+
+    xid: int
+    nbytes: int
+    offset: int
+    use_by: float
 
 
 def _full(exc: OSError) -> bool:
@@ -113,6 +128,8 @@ class Sender:
         self._sent_since = 0  # requests sent after that report
         self._sent_at = float("-inf")
         self._lost: str | None = None  # a refusal read between transfers
+        self._spare: _Spare | None = None
+        self._last_staged = -SPARE_STREAM_S  # when the last staged payload was sent
         try:
             welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)
             self.max_allocation: int = proto.nonneg_int(welcome, "max_allocation")
@@ -177,7 +194,8 @@ class Sender:
 
     def _read_pending(self) -> None:
         """Read the replies waiting now, without blocking (call with the lock held): load
-        reports are kept; a late grant is cancelled; a refusal fails the next send."""
+        reports are kept; a late grant (or a late ack's spare) is cancelled; a refusal fails
+        the next send."""
         now = time.monotonic()
         # the ingress writes `load`s only while this sender is active: none is newer than that
         at = min(now, self._sent_at + proto.LOAD_ACTIVE_S)
@@ -189,10 +207,13 @@ class Sender:
                 log.warning("%s relay to %s: bad reply dropped: %s", self.kind, self.endpoint, exc)
                 self._load = None  # do not go on trusting what this receiver says
                 continue
+            spare = msg.get("spare") if msg["op"] == "ack" else None
             if msg["op"] == "refused":
                 self._lost = str(msg.get("reason"))
             elif msg["op"] == "grant" and isinstance(msg.get("xid"), int):
                 self._control(proto.pack("cancel", xid=msg["xid"]))
+            elif isinstance(spare, dict) and isinstance(spare.get("xid"), int):
+                self._control(proto.pack("cancel", xid=spare["xid"]))  # a late ack's spare
 
     def _pending_reply(self) -> bytes | None:
         """The next reply header already here, else None (never waits): replies on the
@@ -400,17 +421,45 @@ class Sender:
                 f"payload of {manifest.nbytes} B can never fit the receive pool at "
                 f"{self.endpoint} (largest block {self.max_allocation} B)"
             )
+        spare = self._use_spare(manifest.nbytes)
+        if spare is not None:  # granted with the last ack: no reservation round trip
+            xid, offset, write_by = spare.xid, spare.offset, spare.use_by
+        else:
+            xid, offset, write_by = self._reserve(rid, manifest.nbytes, deadline)
+        ask = self._ask_spare(manifest.nbytes)
+        commit = proto.pack(
+            "commit",
+            rid=rid,
+            xid=xid,
+            offset=offset,
+            manifest=manifest.to_json(),
+            meta=meta,
+            **self._commit_fields(),
+            **({"next": ask} if ask else {}),
+        )
+        before_commit = time.monotonic()  # any spare in the ack is granted after this
+        self._transfer(commit, xid, offset, manifest, tensors, write_by)
+        reply = self._await(xid, {"ack", "nack"}, deadline, "acknowledgement")
+        if reply["op"] == "nack":
+            raise RelayError(
+                f"receiver at {self.endpoint} rejected request {rid}: {reply.get('reason')}"
+            )
+        if ask:
+            self._keep_spare(reply, ask, before_commit)
+
+    def _reserve(self, rid: str, nbytes: int, deadline: float) -> tuple[int, int, float]:
+        """reserve -> grant: (xid, offset, the time by which the slot must be written)."""
         xid = next(self._xids)
         wait = max(0.0, deadline - time.monotonic())
         # over ZMQ beside a lane, the ingress grants only once it has the inline frames sent
         # on the lane before this (on the lane itself, the order is the lane's)
         lanes = {"lane": self._lane_sent} if self._lane and not self._lane_control else {}
         self._control(
-            proto.pack("reserve", rid=rid, xid=xid, nbytes=manifest.nbytes, wait_s=wait, **lanes),
+            proto.pack("reserve", rid=rid, xid=xid, nbytes=nbytes, wait_s=wait, **lanes),
             opens=True,
         )
         no_room = RelayTimeout(
-            f"receiver at {self.endpoint} had no room for {manifest.nbytes} B "
+            f"receiver at {self.endpoint} had no room for {nbytes} B "
             f"within the timeout; request {rid} not sent"
         )
         try:
@@ -425,22 +474,59 @@ class Sender:
             raise RelayError(
                 f"receiver at {self.endpoint} refused request {rid}: {grant.get('reason')}"
             )
-        offset = proto.nonneg_int(grant, "offset")
-        commit = proto.pack(
-            "commit",
-            rid=rid,
-            xid=xid,
-            offset=offset,
-            manifest=manifest.to_json(),
-            meta=meta,
-            **self._commit_fields(),
-        )
-        self._transfer(commit, xid, offset, manifest, tensors, granted + self.lease_s / 2)
-        reply = self._await(xid, {"ack", "nack"}, deadline, "acknowledgement")
-        if reply["op"] == "nack":
-            raise RelayError(
-                f"receiver at {self.endpoint} rejected request {rid}: {reply.get('reason')}"
-            )
+        return xid, proto.nonneg_int(grant, "offset"), granted + self.lease_s / 2
+
+    # ---- spare grants: the next slot, granted with an ack ---------------------------------
+    # A sender of medium payloads asks, in each commit, for a slot for its next one
+    # (`next {xid, nbytes}`); the ingress grants it in the ack when its pool has room and
+    # nobody waits (`spare {xid, offset, lease_s}`, a short lease). The next payload that
+    # fits is written there at once and committed: one round trip instead of two. A spare
+    # that does not fit, or whose lease is half gone, is cancelled, and the payload
+    # reserves as usual; the ingress frees spares nobody committed when their lease ends.
+
+    def _spare_limit(self) -> int:
+        """Backend hook: the largest payload that asks for a spare (0: never). Only where
+        commits travel on the lane: a reservation there is what keeps a staged payload
+        behind the inline ones sent before it, and a spare commit must be ordered too."""
+        return 0
+
+    def _ask_spare(self, nbytes: int) -> dict[str, int] | None:
+        """Ask only in a stream: when the previous staged payload went moments ago (a
+        lone payload leaves no slot held behind it)."""
+        now = time.monotonic()
+        streaming = now - self._last_staged < SPARE_STREAM_S
+        self._last_staged = now
+        if not streaming or not 0 < nbytes <= self._spare_limit():
+            return None
+        return {"xid": next(self._xids), "nbytes": nbytes}
+
+    def _keep_spare(self, ack: dict[str, Any], ask: dict[str, int], before: float) -> None:
+        """Hold the spare an ack carries. Its lease is counted from `before` (just before
+        the commit went), not from when the ack was read: the ingress granted it after it
+        had the commit, so however late this sender reads the ack, writing into the spare
+        by half its lease from `before` is always within the lease."""
+        spare = ack.get("spare")
+        if not isinstance(spare, dict):
+            return
+        try:
+            xid = proto.nonneg_int(spare, "xid")
+            offset = proto.nonneg_int(spare, "offset")
+            lease = float(proto.field(spare, "lease_s", (int, float)))
+        except proto.ProtocolError as exc:
+            raise RelayError(f"bad ack from {self.endpoint}: {exc}") from None
+        if xid != ask["xid"]:
+            raise RelayError(f"bad ack from {self.endpoint}: a spare for another xid")
+        self._spare = _Spare(xid, ask["nbytes"], offset, before + min(lease, self.lease_s) / 2)
+
+    def _use_spare(self, nbytes: int) -> _Spare | None:
+        """The spare, when it fits `nbytes` and has time left; otherwise it is given back."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        if nbytes <= spare.nbytes and time.monotonic() < spare.use_by:
+            return spare
+        self._control(proto.pack("cancel", xid=spare.xid), opens=True)
+        return None
 
     def _commit_fields(self) -> dict[str, Any]:
         """Backend hook: extra fields of the commit header."""
@@ -485,3 +571,6 @@ class Sender:
                 return msg
             if msg["op"] == "grant" and isinstance(msg.get("xid"), int):
                 self._control(proto.pack("cancel", xid=msg["xid"]))
+            spare = msg.get("spare")  # a late ack's spare: give its slot back at once
+            if msg["op"] == "ack" and isinstance(spare, dict) and isinstance(spare.get("xid"), int):
+                self._control(proto.pack("cancel", xid=spare["xid"]))

@@ -1,5 +1,7 @@
 """The `shm` relay: roles on one node; the sender writes tensors once into the receiver's
-shared pool (reserve -> grant -> copy -> commit -> ack) and sends only the manifest.
+shared pool (reserve -> grant -> copy -> commit -> ack; in a stream of medium payloads
+the ack grants the next slot ahead, a spare: copy -> commit -> ack) and sends only the
+manifest.
 The receiver needs no landing of its own: the bytes are in its pool at commit.
 """
 
@@ -16,7 +18,7 @@ from disagg_runtime.pool import Backing, PoolError, attach_backing
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError
 from disagg_runtime.relay.registry import Backend
-from disagg_runtime.relay.sender import Sender
+from disagg_runtime.relay.sender import SPARE_MAX, Sender
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ class ShmSender(Sender):
             self._backing = attach_backing(name)
         except PoolError as exc:
             raise RelayError(f"cannot map the receive pool of {self.endpoint}: {exc}") from None
+
+    def _spare_limit(self) -> int:
+        return SPARE_MAX if self._lane_control else 0
 
     def _transfer(
         self,
