@@ -21,7 +21,7 @@ from disagg_runtime.client import Client, RequestFailed
 from disagg_runtime.local import supervisor
 from disagg_runtime.relay import RelayError
 from disagg_runtime.role import RoleRuntime
-from tests.integration.test_role_runtime import pipeline_doc
+from tests.integration.handler_pipelines import pipeline_doc
 from tests.relay_rig import KEY, Rig, write_key
 from tests.support import wait_for
 
@@ -63,8 +63,7 @@ class _Pair:
         accepts: frozenset[str] = frozenset(),
         timeout: float = 10.0,
     ) -> None:
-        doc = pipeline_doc("it-pairing", [("p", "identity"), ("d", "identity")], [])
-        doc["spec"]["edges"] = [{"from": "p", "to": "d"}]
+        doc = pipeline_doc("it-pairing", [("p", "identity"), ("d", "identity")])
         doc["spec"]["transport"]["requestTimeoutSeconds"] = timeout
         doc["spec"]["roles"][1]["replicas"] = len(decode)
         pipeline = parse_pipeline(doc)
