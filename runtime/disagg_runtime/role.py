@@ -75,6 +75,7 @@ QUEUE_PER_WORKER = 16  # requests that may wait for each worker before new ones 
 PROBES_PER_CHECK = 4  # downstream replicas asked their revision per readiness check
 PROBE_S = 1.0  # how long asking one may take
 PAIR_WAIT_S = 0.25  # re-resolve this often while no downstream replica pairs with us
+PAIR_MARGIN_S = 1.0  # give up this long before the deadline, so the reason reaches the client
 CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
 
 
@@ -603,13 +604,13 @@ class RoleRuntime:
     def _paired(self, peers: PeerSet, meta: Meta, new: bool) -> tuple[Relay, str]:
         """A relay to the replica of `peers` the request goes to, among those that pair
         with this role's revision. A replica found incompatible is skipped and the choice
-        made again; while none pairs (a rollout's partner not ready yet) it waits, up to
-        the request's deadline."""
+        made again; while none pairs (a rollout's partner not ready yet) it waits, until
+        shortly before the request's deadline."""
         while True:
             try:
                 endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
             except NoCompatibleReplica:
-                if meta.deadline - time.time() <= PAIR_WAIT_S:
+                if meta.deadline - time.time() <= PAIR_WAIT_S + PAIR_MARGIN_S:
                     raise
                 time.sleep(PAIR_WAIT_S)
                 peers.endpoints(refresh=True)
