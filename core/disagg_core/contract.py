@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from disagg_core import compat
 from disagg_core.quantity import format_bytes, parse_bytes
 from disagg_core.spec.model import (
     DEFAULT_CONCURRENCY,
@@ -205,6 +206,8 @@ class RoleConfig:
     max_batch_size: int = 1
     max_batch_wait_ms: float = 0.0
     dispatch: str = "load"
+    compat: str = ""  # the role's compat token (disagg_core.compat; "": auto from the handler)
+    compatible_with: frozenset[str] = frozenset()
 
     @property
     def me(self) -> RoleTopology:
@@ -310,6 +313,26 @@ JSON_OBJECT = Kind(
 )
 BATCH_SIZE = Kind(lambda v: str(v) if v > 1 else "", _parse_batch_size)
 MILLIS = Kind(lambda v: f"{v:g}" if v else "", _parse_millis)
+
+
+def _parse_compat(name: str, raw: str) -> str:
+    if not raw:
+        return ""
+    try:
+        return compat.Compat.from_wire({"token": raw}, name).token
+    except compat.CompatError as exc:
+        raise ContractError(str(exc)) from None
+
+
+def _parse_tokens(name: str, raw: str) -> frozenset[str]:
+    try:
+        return frozenset(compat.check_token(t, name) for t in filter(None, raw.split(",")))
+    except compat.CompatError as exc:
+        raise ContractError(str(exc)) from None
+
+
+COMPAT = Kind(str, _parse_compat)
+TOKENS = Kind(lambda v: ",".join(sorted(v)), _parse_tokens)
 PEERS = Kind(lambda v: ",".join(p.render() for p in v), lambda name, raw: parse_downstream(raw))
 DISPATCH = Kind(lambda v: "" if v == "load" else str(v), _parse_dispatch)
 
@@ -478,6 +501,25 @@ ENV: Final[tuple[EnvVar, ...]] = (
         "metrics_dump",
         TEXT,
         "the role writes its final metrics to this path on exit",
+        default="",
+        optional=True,
+    ),
+    EnvVar(
+        "COMPAT",
+        "compat",
+        COMPAT,
+        "the role's compat token (roles[].compat, else auto: plus a hash of its handler and "
+        "image), advertised to senders, which pair only with compatible revisions "
+        "(docs/rollout.md)",
+        default="",
+        optional=True,
+    ),
+    EnvVar(
+        "COMPATIBLE_WITH",
+        "compatible_with",
+        TOKENS,
+        "comma list of further compat tokens this revision interoperates with "
+        "(roles[].compatibleWith)",
         default="",
         optional=True,
     ),

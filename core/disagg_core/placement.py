@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from disagg_core import compat
 from disagg_core.contract import (
     DEFAULT_INGRESS_PORT,
     DEFAULT_LANE_PORT,
@@ -106,4 +107,6 @@ def role_config(pipeline: Pipeline, role: str, placement: Placement) -> RoleConf
         handler_args=me.handler_args,
         max_batch_size=me.batching.max_batch_size if me.batching else 1,
         max_batch_wait_ms=me.batching.max_wait_milliseconds if me.batching else 0.0,
+        compat=me.compat or compat.default_token(me.handler, pipeline.image_for(role)),
+        compatible_with=frozenset(me.compatible_with),
     )

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import yaml
 
-from disagg_core import autoscale, quantity, relays
+from disagg_core import autoscale, compat, quantity, relays
 from disagg_core.spec import model as m
 from disagg_core.spec.parse import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE
 from disagg_operator import names
@@ -403,6 +403,20 @@ def role_schema() -> Schema:
                     ),
                 },
                 required=("maxBatchSize",),
+            ),
+            "compat": _string(
+                "Compat token of the role's payload contract: bump it (on both sides of an "
+                "edge, to the same value) when what the role sends or reads changes; senders "
+                "route only to replicas whose token pairs with theirs, so a rollout never "
+                "crosses incompatible revisions (docs/rollout.md). Unset: auto, which pairs "
+                "with anything.",
+                pattern=f"^{compat.TOKEN_PATTERN}$",
+                maxLength=63,
+            ),
+            "compatibleWith": _array(
+                "Further compat tokens this revision still interoperates with.",
+                _string("A compat token.", pattern=f"^{compat.TOKEN_PATTERN}$", maxLength=63),
+                maxItems=compat.MAX_ACCEPTS,
             ),
             "startupSeconds": _integer(
                 "How long the startup probe allows the handler's setup (model loading).",

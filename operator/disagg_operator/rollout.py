@@ -20,6 +20,12 @@ rules:
                but at least u + 1 for the units at the minimum f (progress: a maxSkew
                smaller than one pod's share is rounded up to one pod), never above cap
     partition = n - next
+    senders first (`feeds`: unit -> the coupled units that send to it, given where the
+               roles pair by compat token): a unit keeps at least one pod on the old
+               revision while a unit feeding it has old pods left (next <= cap - 1), so
+               an old sender never loses its last partner; new senders wait for a new
+               partner by themselves (not ready until one pairs). When that would leave a
+               step with nothing to move, it is dropped for the step (progress first).
 
 Because a step starts only when the last one is done and bounds every target by the
 *current* minimum fraction plus maxSkew, every fraction observed during the step lies in
@@ -117,14 +123,36 @@ def coupled(units: Sequence[str], groups: Sequence[Sequence[str]]) -> list[froze
     return [frozenset(c) for c in components.values()]
 
 
+def _senders_first(
+    units: Mapping[str, Unit],
+    rolling: Sequence[str],
+    caps: Mapping[str, int],
+    targets: dict[str, int],
+    feeds: Mapping[str, frozenset[str]],
+) -> None:
+    """Hold back the last old pod of units whose senders still have old pods (in place),
+    unless then nothing of the component would move."""
+    held = {
+        name: max(units[name].updated, caps[name] - 1)
+        for name in rolling
+        if targets[name] >= caps[name]
+        and any(units[u].updated < caps[u] for u in feeds.get(name, ()) if u in rolling)
+    }
+    moves = any(held.get(name, targets[name]) > units[name].updated for name in rolling)
+    if moves:
+        targets.update(held)
+
+
 def step(
     policy: Policy,
     units: Mapping[str, Unit],
     groups: Sequence[Sequence[str]] = (),
     *,
     step_age_s: float = 0.0,
+    feeds: Mapping[str, frozenset[str]] | None = None,
 ) -> Step:
-    """The next partitions. `step_age_s`: how long the current step has been running."""
+    """The next partitions. `step_age_s`: how long the current step has been running;
+    `feeds`: per unit, the units that send to it (the senders-first rule)."""
     components = tuple(coupled(list(units), groups))
     current = {name: unit.target if unit.rolling else unit.replicas for name, unit in units.items()}
     waiting = tuple(sorted(n for n, u in units.items() if not u.step_done))
@@ -158,6 +186,7 @@ def step(
             if unit.fraction <= lowest:
                 nxt = max(nxt, min(caps[name], unit.updated + 1))
             targets[name] = max(unit.updated, nxt)
+        _senders_first(units, rolling, caps, targets, feeds or {})
     return Step(
         partitions={n: units[n].replicas - t for n, t in targets.items()},
         targets=targets,

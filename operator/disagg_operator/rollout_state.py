@@ -51,6 +51,25 @@ def groups_of(pipeline: Pipeline) -> list[list[str]]:
     ]
 
 
+def feeds_of(pipeline: Pipeline) -> dict[str, frozenset[str]]:
+    """Per unit, the units that send to it where both roles declare a compat token (their
+    replicas pair by revision, so senders roll first: rollout.py)."""
+    unit_of = {role.name: unit.unit for unit in planner.workloads(pipeline) for role in unit.roles}
+    declared = {role.name for role in pipeline.roles if role.compat is not None}
+    links = [(e.source, e.target) for e in pipeline.edges]
+    links += [(e.source, ref.to) for e in pipeline.edges for ref in e.tensor_refs]
+    feeds: dict[str, set[str]] = {}
+    for source, target in links:
+        if (
+            {source, target} <= declared
+            and source in unit_of
+            and target in unit_of
+            and unit_of[source] != unit_of[target]
+        ):
+            feeds.setdefault(unit_of[target], set()).add(unit_of[source])
+    return {unit: frozenset(senders) for unit, senders in feeds.items()}
+
+
 def _unit_name(obj: Mapping[str, Any]) -> str:
     return str(((obj.get("metadata") or {}).get("labels") or {}).get(names.LABEL_ROLE, ""))
 
@@ -111,7 +130,13 @@ def decide(
     step_age_s: float = 0.0,
 ) -> Decision:
     units = observe(planned, live)
-    step = rollout.step(policy_of(pipeline), units, groups_of(pipeline), step_age_s=step_age_s)
+    step = rollout.step(
+        policy_of(pipeline),
+        units,
+        groups_of(pipeline),
+        step_age_s=step_age_s,
+        feeds=feeds_of(pipeline),
+    )
     return Decision(step=step, units=units)
 
 

@@ -12,6 +12,12 @@ message of it from this sender (stream chunks, the end, aborts) follows it there
 choice is pinned by request id. Roles whose inputs meet from several senders (fan-in
 joins, tensor references) are chosen by rendezvous hashing of the request id instead,
 so all senders agree without talking; so is every role when dispatch is `hash`.
+
+Revision pairing (disagg_core.compat): each replica advertises its compat token in the
+relay welcome. Before a replica is chosen, `compatible_endpoints` filters out those found
+incompatible with this role's own token (a verdict is kept for `VERDICT_S`, then asked
+again: a pod's address may be reused by another revision), so whatever policy picks among
+replicas only ever sees compatible ones.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import zmq
 
+from disagg_core.compat import Compat, compatible
 from disagg_core.contract import Peer
 from disagg_runtime import dispatch
 from disagg_runtime.relay import NotAPeer, Relay, RelayError, connect
@@ -39,6 +46,7 @@ log = logging.getLogger(__name__)
 RESOLVE_EVERY = 5.0
 FILE_RESOLVE_EVERY = 0.25
 MAX_PINS = 1 << 16  # requests remembered per downstream role (least recently used go first)
+VERDICT_S = 10.0  # how long a replica's pairing verdict is trusted before it is asked again
 Resolver = Callable[[str, int], list[str]]
 Viewer = Callable[[str], dispatch.View | None]  # endpoint -> what we know of its load
 
@@ -54,6 +62,17 @@ def resolve_dns(host: str, port: int) -> list[str]:
 
 
 pick = dispatch.rendezvous  # the replica a request hashes to
+
+
+def compatible_endpoints(
+    endpoints: list[str], rejected: Mapping[str, float], now: float
+) -> list[str]:
+    """`endpoints` less those found incompatible (`rejected`: endpoint -> until when)."""
+    return [e for e in endpoints if rejected.get(e, float("-inf")) <= now]
+
+
+class NoCompatibleReplica(RelayError):
+    """Replicas of the role are reachable, but none pairs with this role's revision."""
 
 
 class PeersFile:
@@ -255,6 +274,7 @@ class PeerSet:
         pin_s: float = 300.0,
         filters: tuple[dispatch.Filter, ...] = dispatch.DEFAULT_FILTERS,
         rng: random.Random | None = None,
+        compat: Compat | None = None,
     ) -> None:
         self.peer = peer
         self.kind = kind
@@ -262,8 +282,11 @@ class PeerSet:
         self.pin_s = pin_s
         self.filters = filters
         self._rng = rng or random.Random()
+        self.compat = compat  # this role's own revision: replicas must pair with it
         self._resolver = resolver
         self._file = peers_file
+        self._rejected: dict[str, float] = {}  # endpoint -> until when it is skipped
+        self._verdicts: dict[str, tuple[bool, float, Compat | None]] = {}  # ok, when, theirs
         self._endpoints: list[str] = []
         self._resolved_at = float("-inf")
         self._lock = threading.Lock()
@@ -283,8 +306,16 @@ class PeerSet:
                         log.debug("cannot resolve %s for %s: %s", address, self.peer.role, exc)
                 if found or not self._endpoints:
                     self._endpoints = sorted(set(found))
+                    for gone in set(self._verdicts) - set(self._endpoints):
+                        self._verdicts.pop(gone, None)
+                        self._rejected.pop(gone, None)
                 self._resolved_at = time.monotonic()
             return list(self._endpoints)
+
+    @property
+    def pairing(self) -> bool:
+        """Whether replicas are filtered at all (this role declared a compat token)."""
+        return self.compat is not None and self.compat.declared
 
     def endpoint_for(self, rid: str, views: Viewer | None = None, *, new: bool = True) -> str:
         """The replica for a message of request `rid`: where its earlier messages went
@@ -296,6 +327,11 @@ class PeerSet:
             endpoints = self.endpoints(refresh=True)
         if not endpoints:
             raise RelayError(f"no replica of role {self.peer.role!r} is reachable")
+        with self._lock:
+            usable = compatible_endpoints(endpoints, self._rejected, time.monotonic())
+        if not usable:
+            raise NoCompatibleReplica(self._no_pair(len(endpoints)))
+        endpoints = usable  # the choice below sees only replicas that pair with us
         if self.hashed or views is None:
             return pick(endpoints, rid)
         now = time.monotonic()
@@ -324,3 +360,55 @@ class PeerSet:
         """Forget where `rid` went (its last message was sent)."""
         with self._lock:
             self._pins.pop(rid, None)
+
+    def admit(self, endpoint: str, theirs: Compat | None) -> bool:
+        """Record whether the replica at `endpoint`, advertising `theirs`, pairs with us."""
+        ok = compatible(self.compat, theirs)
+        now = time.monotonic()
+        with self._lock:
+            before = self._verdicts.get(endpoint)
+            self._verdicts[endpoint] = (ok, now, theirs)
+            if ok:
+                self._rejected.pop(endpoint, None)
+            else:
+                self._rejected[endpoint] = now + VERDICT_S
+        if not ok and (before is None or before[0]):
+            log.info(
+                "replica %s of role %s runs compat %s, which does not pair with ours (%s): skipped",
+                endpoint,
+                self.peer.role,
+                theirs.token if theirs else None,
+                self.compat.token if self.compat else None,
+            )
+        return ok
+
+    def unchecked(self) -> list[str]:
+        """Resolved replicas whose pairing verdict is missing or older than VERDICT_S."""
+        endpoints = self.endpoints()
+        now = time.monotonic()
+        with self._lock:
+            asked = {e: v[1] for e, v in self._verdicts.items()}
+        return [e for e in endpoints if now - asked.get(e, float("-inf")) > VERDICT_S]
+
+    def trouble(self) -> str | None:
+        """Why this role cannot send on to this peer role now: replicas were reached, and
+        none pairs with our revision (the role is then not ready: upstream keeps sending
+        to replicas of ours that do have a partner). None otherwise."""
+        if not self.pairing:
+            return None
+        endpoints = self.endpoints()
+        with self._lock:
+            checked = [self._verdicts[e] for e in endpoints if e in self._verdicts]
+            if not checked or any(ok for ok, _, _ in checked):
+                return None
+        return self._no_pair(len(endpoints))
+
+    def _no_pair(self, count: int) -> str:
+        with self._lock:
+            theirs = sorted({v[2].token for v in self._verdicts.values() if v[2] is not None})
+        mine = self.compat.token if self.compat else None
+        return (
+            f"none of the {count} replicas of role {self.peer.role!r} pairs with compat "
+            f"token {mine!r} (they run {', '.join(theirs) or 'unknown'}); waiting for a "
+            "compatible revision"
+        )

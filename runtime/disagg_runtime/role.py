@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg_core.compat import Compat, default_token
 from disagg_core.contract import RoleConfig
 from disagg_runtime import dispatch, envelope
 from disagg_runtime.batching import BatchCancelled, BatchTimeout
@@ -55,6 +56,7 @@ from disagg_runtime.handler import HandlerError, Runner, SetupContext, default_d
 from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
 from disagg_runtime.peers import (
     RESOLVE_EVERY,
+    NoCompatibleReplica,
     PeerSet,
     PeersFile,
     RelayCache,
@@ -62,7 +64,7 @@ from disagg_runtime.peers import (
     resolve_dns,
 )
 from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_namespace, shm_prefix
-from disagg_runtime.relay import Ingress, Message, RelayError
+from disagg_runtime.relay import Ingress, Message, Relay, RelayError
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
 
@@ -70,6 +72,10 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)
 ABORT_MEMORY_S = 120.0
 QUEUE_PER_WORKER = 16  # requests that may wait for each worker before new ones are refused
+PROBES_PER_CHECK = 4  # downstream replicas asked their revision per readiness check
+PROBE_S = 1.0  # how long asking one may take
+PAIR_WAIT_S = 0.25  # re-resolve this often while no downstream replica pairs with us
+PAIR_MARGIN_S = 1.0  # give up this long before the deadline, so the reason reaches the client
 CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
 
 
@@ -113,6 +119,9 @@ class RoleRuntime:
         self.max_queue = max_queue or QUEUE_PER_WORKER * config.concurrency
         # relay choices first: one that cannot work fails start-up before memory is taken
         peers_file = PeersFile(config.peers_file) if config.peers_file else None
+        self.compat = Compat(
+            config.compat or default_token(config.handler, None), config.compatible_with
+        )
         self.peers = {
             p.role: PeerSet(
                 p,
@@ -122,6 +131,7 @@ class RoleRuntime:
                 # inputs that meet at one replica: only a hash has every sender agree on it
                 hashed=config.dispatch == "hash" or config.topology.roles[p.role].joins,
                 pin_s=config.request_timeout,
+                compat=self.compat,
             )
             for p in config.downstream
         }
@@ -170,6 +180,7 @@ class RoleRuntime:
                 on_message=self._on_message,
                 key=self.key,
                 load=self._load,
+                compat=self.compat,
             )
         except BaseException:
             self.pool.close()
@@ -286,10 +297,29 @@ class RoleRuntime:
     def _ready(self) -> bool:
         """Serving, not draining, and able to send on (a role out of sockets, or whose
         sends all fail, is taken out of its Service rather than failing silently)."""
-        trouble = self.relays.trouble()
+        trouble = self.relays.trouble() or self._pairing_trouble()
         if trouble is not None:
             log.warning("role %s not ready: %s", self.name, trouble)
         return self._started and not self._draining.is_set() and trouble is None
+
+    def _pairing_trouble(self) -> str | None:
+        """Ask replicas of downstream roles not asked lately which revision they run
+        (a cached relay's welcome says it); a role none of whose replicas of some downstream
+        role pairs with it is not ready, so upstream sends to ones that have a partner."""
+        for peers in self.peers.values():
+            if not peers.pairing:
+                continue
+            for endpoint in peers.unchecked()[:PROBES_PER_CHECK]:
+                try:
+                    relay = self.relays.get(peers.kind, endpoint, timeout=PROBE_S)
+                except RelayError:
+                    continue
+                if not peers.admit(endpoint, relay.peer_compat):
+                    self.relays.drop(peers.kind, endpoint)  # a later pod may reuse the address
+            trouble = peers.trouble()
+            if trouble is not None:
+                return trouble
+        return None
 
     def _sample(self) -> RoleSample:
         stats = self.pool.stats()
@@ -556,10 +586,9 @@ class RoleRuntime:
     def _send_to(self, target: str, meta: Meta, payload: Any) -> None:
         peers = self.peers[target]
         new = meta.kind not in ("end", "abort")  # those follow the request, never choose
-        endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
         started = time.monotonic()
+        relay, endpoint = self._paired(peers, meta, new)
         try:
-            relay = self.relays.get(peers.kind, endpoint, timeout=self._remaining(meta))
             nbytes = relay.send(
                 payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
             )
@@ -571,6 +600,29 @@ class RoleRuntime:
         if not new:  # the request's last message to it
             peers.unpin(meta.rid)
         self.metrics.edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
+
+    def _paired(self, peers: PeerSet, meta: Meta, new: bool) -> tuple[Relay, str]:
+        """A relay to the replica of `peers` the request goes to, among those that pair
+        with this role's revision. A replica found incompatible is skipped and the choice
+        made again; while none pairs (a rollout's partner not ready yet) it waits, until
+        shortly before the request's deadline."""
+        while True:
+            try:
+                endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
+            except NoCompatibleReplica:
+                if meta.deadline - time.time() <= PAIR_WAIT_S + PAIR_MARGIN_S:
+                    raise
+                time.sleep(PAIR_WAIT_S)
+                peers.endpoints(refresh=True)
+                continue
+            try:
+                relay = self.relays.get(peers.kind, endpoint, timeout=self._remaining(meta))
+            except RelayError as exc:
+                self.relays.drop(peers.kind, endpoint)
+                raise type(exc)(f"{peers.peer.role} at {endpoint}: {exc}") from exc
+            if peers.admit(endpoint, relay.peer_compat):
+                return relay, endpoint
+            self.relays.drop(peers.kind, endpoint)  # asked afresh once its verdict expires
 
     def _send_reply(self, meta: Meta, payload: Any) -> None:
         """To the request's reply endpoint, which must prove the peer key (so it is one of

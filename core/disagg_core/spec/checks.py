@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from disagg_core import quantity, relays
+from disagg_core import compat, quantity, relays
 from disagg_core.spec import model as m
 from disagg_core.spec import podpolicy
 from disagg_core.spec.fields import Collector
@@ -38,6 +38,7 @@ def check(pipeline: m.Pipeline, out: Collector) -> None:
     links = _links(pipeline, roles, out)
     acyclic = _check_cycles(roles, links, out)
     _check_entry(roles, links, out)
+    _check_compat(pipeline, roles, links, out)
     if acyclic:
         _check_tensor_refs(pipeline, roles, links, out)
     members = _check_colocation(pipeline, roles, out)
@@ -289,6 +290,32 @@ def _check_entry(roles: dict[str, int], links: Sequence[_Link], out: Collector) 
         out.add(
             "spec.edges", "no entry role: every role has an incoming edge, so none takes requests"
         )
+
+
+def _check_compat(
+    pipeline: m.Pipeline, roles: dict[str, int], links: Sequence[_Link], out: Collector
+) -> None:
+    """Two neighbouring roles that both declare a compat token must pair (disagg_core.compat),
+    else no request could cross their edge."""
+    pairs = {(link.source, link.target) for link in links}
+    pairs |= {
+        (link.source, ref.to)
+        for link in links
+        for ref in pipeline.edges[link.index].tensor_refs
+        if ref.to in roles
+    }
+    for source, target in sorted(pairs):
+        a, b = (pipeline.roles[roles[name]] for name in (source, target))
+        if a.compat is None or b.compat is None:
+            continue
+        mine = compat.Compat(a.compat, frozenset(a.compatible_with))
+        theirs = compat.Compat(b.compat, frozenset(b.compatible_with))
+        if not compat.compatible(mine, theirs):
+            out.add(
+                f"spec.roles[{roles[target]}].compat",
+                f"{b.compat!r} does not pair with {a.compat!r} of role {source!r}, which sends "
+                "to it: give both the same token or list one in the other's compatibleWith",
+            )
 
 
 def _check_tensor_refs(

@@ -211,6 +211,8 @@ class Role:
     handler_args: Mapping[str, Any] = field(default_factory=dict)  # JSON, given to setup()
     batching: Batching | None = None
     startup_seconds: int = DEFAULT_STARTUP_SECONDS
+    compat: str | None = None  # payload-contract token (disagg_core.compat); None: auto
+    compatible_with: tuple[str, ...] = ()  # further tokens this revision interoperates with
 
     @property
     def handler_module(self) -> str:

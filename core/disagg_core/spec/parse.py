@@ -15,7 +15,7 @@ import keyword
 import re
 from typing import TypeVar
 
-from disagg_core import quantity
+from disagg_core import compat, quantity
 from disagg_core.spec import fields as f
 from disagg_core.spec import model as m
 from disagg_core.spec.fields import Collector, child
@@ -47,7 +47,7 @@ POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
 ROLE_KEYS = (
     "name", "replicas", "handler", "image", "command", "args", "env", "resources", "ports",
     "transport", "concurrency", "autoscaling", "podTemplate", "handlerArgs", "batching",
-    "startupSeconds",
+    "startupSeconds", "compat", "compatibleWith",
 )  # fmt: skip
 BATCHING_KEYS = ("maxBatchSize", "maxWaitMilliseconds")
 PORT_KEYS = ("name", "containerPort", "protocol")
@@ -283,7 +283,26 @@ def _role(out: Collector, raw: object, path: str) -> m.Role:
         startup_seconds=_or(
             f.integer(out, r, "startupSeconds", path, minimum=1), m.DEFAULT_STARTUP_SECONDS
         ),
+        compat=_compat_token(out, r["compat"], child(path, "compat")) if "compat" in r else None,
+        compatible_with=_compatible_with(out, r, path),
     )
+
+
+def _compat_token(out: Collector, value: object, path: str) -> str | None:
+    try:
+        return compat.check_token(value, path)
+    except compat.CompatError as error:
+        out.add(path, str(error).removeprefix(f"{path}: "))
+        return None
+
+
+def _compatible_with(out: Collector, r: dict[str, object], path: str) -> tuple[str, ...]:
+    """`compatibleWith`: further compat tokens this revision interoperates with."""
+    found = [_compat_token(out, item, p) for p, item in f.items(out, r, "compatibleWith", path)]
+    if len(found) > compat.MAX_ACCEPTS:
+        out.add(child(path, "compatibleWith"), f"at most {compat.MAX_ACCEPTS} tokens")
+        return ()
+    return tuple(dict.fromkeys(t for t in found if t is not None))
 
 
 def _handler_args(out: Collector, r: dict[str, object], path: str) -> dict[str, object]:

@@ -46,6 +46,7 @@ from typing import Any
 
 import zmq
 
+from disagg_core.compat import Compat
 from disagg_runtime import codec, dispatch
 from disagg_runtime.codec import unflatten
 from disagg_runtime.layout import buffer_tensors, read_payload
@@ -126,10 +127,12 @@ class Ingress:
         key: bytes,
         inline_budget: int | None = None,
         load: Callable[[], dispatch.Load] | None = None,
+        compat: Compat | None = None,
     ) -> None:
         self._pool = pool
         self.memory = memory_for(pool)
         self._load = load or self._own_load
+        self.compat = compat  # advertised in every welcome (revision pairing, disagg_core.compat)
         self._on_message = on_message
         self.lease_s = lease_s
         self._key = auth.check_key(key)
@@ -592,6 +595,7 @@ class Ingress:
             **({"lane_id": self._lane_token(ident)} if self._lane_offer else {}),
             **self._welcome_extra(ident, msg),
             **self._load_field(),
+            **({"compat": self.compat.to_wire()} if self.compat is not None else {}),
         }
         fields["mac"] = auth.mac(self._key, "welcome", theirs, ours, auth.body(fields))
         self._reply(ident, "welcome", **fields)

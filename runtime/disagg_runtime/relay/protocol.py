@@ -9,7 +9,8 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   challenge {nonce}
     auth {mac}                     -->   (relay/auth.py: both ends prove the peer key)
                                    <--   welcome {pool, pool_size, max_allocation, lease_s,
-                                                  lane_id[, lane_port | lane_path], load, mac}
+                                                  lane_id[, lane_port | lane_path], load,
+                                                  [compat,] mac}
     inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
     reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
                                    <--   grant {xid, offset, lease_s} | deny {xid, reason}
@@ -36,6 +37,10 @@ nbytes}` (a fresh xid); the ack then may grant it at once, `spare {xid, offset, 
 with a short lease. The sender writes its next payload that fits there and commits it
 under that xid without a reservation (one round trip instead of two), or cancels it.
 
+`compat` ({token, accepts}) is the receiving replica's compat token (disagg_core.compat):
+senders route a request only to replicas whose token pairs with their own. Absent (a
+client's or gateway's reply ingress): it pairs with anything.
+
 `xid` numbers each operation of a sender so that a late grant for an operation that timed
 out is never mistaken for the current one (completions are per operation).
 
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagg_core.compat import Compat, CompatError
 from disagg_runtime.codec import CodecError, decode_header, encode_header
 
 PROTOCOL_VERSION = 1
@@ -107,6 +113,16 @@ def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ProtocolError(f"relay {msg.get('op')}: field {name!r} missing or not {kind}")
     return value
+
+
+def compat(msg: dict[str, Any]) -> Compat | None:
+    """The welcome's advertised compat token, validated; None when it advertises none."""
+    if "compat" not in msg:
+        return None
+    try:
+        return Compat.from_wire(msg["compat"], f"relay {msg.get('op')}: field 'compat'")
+    except CompatError as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 def nonneg_int(msg: dict[str, Any], name: str) -> int:

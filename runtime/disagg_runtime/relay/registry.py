@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from disagg_core import relays
+from disagg_core.compat import Compat
 from disagg_runtime.dispatch import View
 from disagg_runtime.relay.errors import RelayError
 
@@ -32,6 +33,9 @@ class Relay(Protocol):
 
     @property
     def endpoint(self) -> str: ...
+
+    @property
+    def peer_compat(self) -> Compat | None: ...  # the receiver's advertised revision
 
     def send(
         self,

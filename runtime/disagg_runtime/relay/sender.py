@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
+from disagg_core.compat import Compat
 from disagg_runtime import dispatch
 from disagg_runtime.layout import plan, slot_image
 from disagg_runtime.manifest import Manifest
@@ -132,8 +133,13 @@ class Sender:
         self._last_staged = -SPARE_STREAM_S  # when the last staged payload was sent
         try:
             welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)
-            self.max_allocation: int = proto.nonneg_int(welcome, "max_allocation")
-            self.lease_s = float(proto.field(welcome, "lease_s", (int, float)))
+            try:
+                self.max_allocation: int = proto.nonneg_int(welcome, "max_allocation")
+                self.lease_s = float(proto.field(welcome, "lease_s", (int, float)))
+                # the receiver's revision: whom a request may go to (disagg_core.compat)
+                self.peer_compat: Compat | None = proto.compat(welcome)
+            except proto.ProtocolError as exc:
+                raise RelayError(f"bad welcome from {endpoint}: {exc}") from None
             self._on_welcome(welcome)
             self._open_lane(welcome)
         except BaseException:

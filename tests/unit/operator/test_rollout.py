@@ -4,6 +4,7 @@ simulated StatefulSet controller that moves one pod at a time, as the real one d
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -18,13 +19,17 @@ def fresh(replicas: int) -> Unit:
 
 
 def simulate(
-    policy: Policy, replicas: dict[str, int], groups: list[list[str]], max_steps: int = 500
+    policy: Policy,
+    replicas: dict[str, int],
+    groups: list[list[str]],
+    max_steps: int = 500,
+    feeds: dict[str, frozenset[str]] | None = None,
 ) -> tuple[list[dict[str, float]], Step]:
     """Roll to the end; return every observed {unit: updated fraction} (one pod at a time)."""
     units = {n: fresh(r) for n, r in replicas.items()}
     seen = [{n: u.fraction for n, u in units.items()}]
     for _ in range(max_steps):
-        decision = step(policy, units, groups)
+        decision = step(policy, units, groups, feeds=feeds)
         if decision.complete:
             return seen, decision
         assert not decision.held, decision
@@ -122,3 +127,61 @@ def test_any_coupled_rollout_finishes_and_never_exceeds_the_skew(replicas, skew,
     for fractions in seen:
         assert max(fractions.values()) - min(fractions.values()) <= max(skew, one_pod) + 1e-9
     assert list(itertools.islice(seen, 1)) == [dict.fromkeys(names, 0.0)]
+
+
+def test_senders_roll_first_so_an_old_sender_keeps_a_partner():
+    """prefill -> decode pairing by compat, 2 + 2 pods, maxSkew 0.5 (the e2e_local rollout):
+    decode's last old pod waits until prefill has no old pod left."""
+    feeds = {"decode": frozenset({"prefill"})}
+    for order in (["prefill", "decode"], ["decode", "prefill"]):
+        replicas = {n: 2 for n in order}  # the simulated controller moves in this order
+        seen, last = simulate(Policy(max_skew=0.5), replicas, [order], feeds=feeds)
+        assert last.complete
+        assert all(f["decode"] < 1 or f["prefill"] == 1 for f in seen), seen
+        assert all(abs(f["prefill"] - f["decode"]) <= 0.5 for f in seen)
+    seen, _ = simulate(Policy(max_skew=0.5), {"decode": 2, "prefill": 2}, [["prefill", "decode"]])
+    assert any(f["decode"] == 1 and f["prefill"] < 1 for f in seen)  # without feeds it may
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    replicas=st.lists(st.integers(1, 9), min_size=2, max_size=4),
+    skew=st.sampled_from([0.1, 0.25, 0.34, 0.5, 1.0]),
+    unavailable=st.integers(1, 3),
+)
+def test_senders_first_still_finishes_within_the_skew(replicas, skew, unavailable):
+    names = [f"u{i}" for i in range(len(replicas))]
+    feeds = {b: frozenset({a}) for a, b in itertools.pairwise(names)}  # a chain u0 -> u1 ...
+    seen, last = simulate(
+        Policy(max_skew=skew, max_unavailable=unavailable),
+        dict(zip(names, replicas, strict=True)),
+        [names],
+        feeds=feeds,
+    )
+    assert last.complete
+    one_pod = max(1 / r for r in replicas)
+    for fractions in seen:
+        assert max(fractions.values()) - min(fractions.values()) <= max(skew, one_pod) + 1e-9
+
+
+def test_feeds_only_where_both_roles_pair_by_a_declared_token():
+    from disagg_core.spec import parse_pipeline
+    from disagg_operator.rollout_state import feeds_of
+
+    doc: dict[str, Any] = {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedPipeline",
+        "metadata": {"name": "pd"},
+        "spec": {
+            "image": "img:1",
+            "roles": [
+                {"name": "prefill", "handler": "m:p", "compat": "kv-1"},
+                {"name": "decode", "handler": "m:d", "compat": "kv-1"},
+                {"name": "post", "handler": "m:q"},
+            ],
+            "edges": [{"from": "prefill", "to": "decode"}, {"from": "decode", "to": "post"}],
+        },
+    }
+    assert feeds_of(parse_pipeline(doc)) == {"decode": frozenset({"prefill"})}
+    del doc["spec"]["roles"][0]["compat"]
+    assert feeds_of(parse_pipeline(doc)) == {}

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 
+from disagg_core.compat import Compat, default_token
 from disagg_core.contract import Peer
 from disagg_runtime import dispatch, peers
 from disagg_runtime.relay import RelayError
@@ -125,3 +126,49 @@ def test_pins_are_bounded(monkeypatch, tmp_path):
     for i in range(50):
         ps.endpoint_for(f"r{i}", _views(table))
     assert len(ps._pins) == 8
+
+
+# -- revision pairing ------------------------------------------------------------------------
+
+
+def test_compatible_endpoints_drops_the_rejected_until_their_mark_expires():
+    eps = ["tcp://a:1", "tcp://b:1", "tcp://c:1"]
+    rejected = {"tcp://b:1": 10.0}
+    assert peers.compatible_endpoints(eps, rejected, now=5.0) == ["tcp://a:1", "tcp://c:1"]
+    assert peers.compatible_endpoints(eps, rejected, now=10.0) == eps
+
+
+def _pairing_set(monkeypatch, clock):
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    eps = [f"tcp://10.0.0.{i}:1" for i in range(3)]
+    return peers.PeerSet(
+        Peer("decode", ("svc:1",)), "tcp", resolver=lambda h, p: eps, compat=Compat("v2")
+    ), eps
+
+
+def test_a_peerset_picks_only_among_replicas_that_pair(monkeypatch):
+    clock = [100.0]
+    ps, eps = _pairing_set(monkeypatch, clock)
+    assert ps.pairing and ps.trouble() is None and ps.unchecked() == eps
+    assert not ps.admit(eps[0], Compat("v1"))
+    assert not ps.admit(eps[1], Compat("v3", frozenset({"v1"})))
+    assert ps.admit(eps[2], Compat("v1", frozenset({"v2"})))
+    assert {ps.endpoint_for(f"r{i}") for i in range(50)} == {eps[2]}
+    assert ps.trouble() is None and ps.unchecked() == []
+    assert not ps.admit(eps[2], Compat("v1"))  # the address now serves another revision
+    with pytest.raises(peers.NoCompatibleReplica, match="pairs with compat token 'v2'"):
+        ps.endpoint_for("r")
+    assert "none of the 3 replicas of role 'decode'" in (ps.trouble() or "")
+    clock[0] += peers.VERDICT_S + 1  # verdicts age out: every replica is asked again
+    assert ps.unchecked() == eps
+    assert ps.endpoint_for("r") in eps
+
+
+def test_a_role_without_a_declared_token_filters_nothing(monkeypatch):
+    eps = ["tcp://10.0.0.1:1"]
+    ps = peers.PeerSet(Peer("d", ("svc:1",)), "tcp", resolver=lambda h, p: eps)
+    assert not ps.pairing
+    assert ps.admit(eps[0], Compat("v1")) and ps.endpoint_for("r") == eps[0]
+    auto = Compat(default_token("m:h", None))
+    ps = peers.PeerSet(Peer("d", ("svc:1",)), "tcp", resolver=lambda h, p: eps, compat=auto)
+    assert not ps.pairing and ps.admit(eps[0], Compat("v1")) and ps.trouble() is None

@@ -1,0 +1,91 @@
+"""Scaling in the middle of a coordinated rollout, against the emulator: the real operator
+steps partitions while the StatefulSet controller (played here, as in
+test_operator_rollout.py, plus what the real one does on a resize: new ordinals at or above
+the partition start at the update revision, those below at the current one; scale-down
+removes the highest ordinals first) moves pods. Replicas change mid-rollout; the rollout
+must still finish with every pod at the new revision (no update lost, no new pod scaled
+away for good) and end Complete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.integration import operator_support as s
+from tests.integration.test_operator_rollout import (
+    NAME,
+    NS,
+    Controller,
+    all_at_new_revision,
+    doc,
+    k8s_crd,  # noqa: F401  (fixture)
+    rollout_phase,
+    settled,
+)
+from tests.k8s.server import EmulatorThread
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
+
+
+class ResizingController(Controller):
+    """`Controller` that also follows spec.replicas changes the way the real one does."""
+
+    def tick(self) -> None:
+        for sts in self.k8s.list(s.STS, NS, f"disagg.dev/pipeline={NAME}"):
+            name = sts["metadata"]["name"]
+            pods = self.pods.get(name)
+            n = sts["spec"]["replicas"]
+            if pods is None or len(pods) == n:
+                continue
+            partition = sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
+            update = self.revisions.get(name, "")
+            current = pods[0]  # the lowest ordinal moves last: it holds the current revision
+            del pods[n:]
+            pods += [update if i >= partition else current for i in range(len(pods), n)]
+        super().tick()
+
+
+def with_replicas(d: dict[str, Any], prefill: int, decode: int) -> dict[str, Any]:
+    d["spec"]["roles"][0]["replicas"] = prefill
+    d["spec"]["roles"][1]["replicas"] = decode
+    return d
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(6, 6), (2, 3)], ids=["up", "down"])
+async def test_scaling_during_a_rollout_keeps_partitions_and_finishes(
+    k8s_crd: EmulatorThread,  # noqa: F811
+    prefill: int,
+    decode: int,
+) -> None:
+    k8s = k8s_crd
+    controller = ResizingController(k8s)
+    async with s.running_operator(k8s), controller.running():
+        await s.call(k8s.create, doc("ghcr.io/disagg/runtime:0.1.0"), NS)
+        await settled(k8s, controller)
+        old = controller.baseline = dict(controller.revisions)
+        new = doc("ghcr.io/disagg/runtime:0.2.0")
+        await s.call(k8s.patch, s.PIPELINES, NAME, {"spec": new["spec"]}, NS)
+        await s.until(
+            k8s,
+            lambda: any(0 < f["prefill"] < 1 for f in controller.seen[-1:]),
+            "the rollout under way",
+            60,
+        )
+        resized = with_replicas(doc("ghcr.io/disagg/runtime:0.2.0"), prefill, decode)
+        await s.call(k8s.patch, s.PIPELINES, NAME, {"spec": resized["spec"]}, NS)
+        await s.until(
+            k8s,
+            lambda: (
+                [len(controller.pods[f"{NAME}-{u}"]) for u in ("prefill", "decode")]
+                == [prefill, decode]
+            ),
+            "the new sizes",
+            60,
+        )
+        await s.until(k8s, lambda: all_at_new_revision(controller, old), "every pod updated", 120)
+        await s.until(k8s, lambda: rollout_phase(k8s) == "Complete", "Complete", 30)
+        for unit, n in (("prefill", prefill), ("decode", decode)):
+            sts = k8s.get(s.STS, f"{NAME}-{unit}", NS) or {}
+            assert sts["spec"]["replicas"] == n
+            assert sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"] == 0

@@ -1,0 +1,139 @@
+"""Revision pairing with real parts: the compat token travels in the authenticated welcome
+(an ingress advertises it, a sender validates it), and a role sends each request only to
+downstream replicas whose token pairs with its own; with none, it is not ready."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from disagg_core import contract
+from disagg_core.compat import Compat
+from disagg_core.contract import Peer
+from disagg_core.spec import parse_pipeline
+from disagg_runtime.client import Client, RequestFailed
+from disagg_runtime.local import supervisor
+from disagg_runtime.relay import RelayError
+from disagg_runtime.role import RoleRuntime
+from tests.integration.handler_pipelines import pipeline_doc
+from tests.relay_rig import KEY, Rig, write_key
+from tests.support import wait_for
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    r = Rig()
+    yield r
+    r.close()
+
+
+def test_the_welcome_carries_the_receivers_compat(rig: Rig) -> None:
+    advertised = Compat("kv-2", frozenset({"kv-1"}))
+    assert rig.sender("tcp", rig.ingress("tcp", compat=advertised)).peer_compat == advertised
+    assert rig.sender("tcp", rig.ingress("tcp")).peer_compat is None
+
+
+def test_a_malformed_compat_in_the_welcome_fails_the_connection(rig: Rig) -> None:
+    ingress = rig.ingress("tcp", compat=Compat("not a token"))
+    with pytest.raises(RelayError, match="field 'compat'"):
+        rig.sender("tcp", ingress)
+
+
+def _tagging(replica: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def handler(payload: dict[str, Any]) -> dict[str, Any]:
+        return {**payload, "by": torch.tensor([replica])}
+
+    return handler
+
+
+class _Pair:
+    """prefill (1 replica) -> decode (3 replicas), each with the compat it is given."""
+
+    def __init__(
+        self,
+        prefill: str,
+        decode: list[str],
+        *,
+        accepts: frozenset[str] = frozenset(),
+        timeout: float = 10.0,
+    ) -> None:
+        doc = pipeline_doc("it-pairing", [("p", "identity"), ("d", "identity")])
+        doc["spec"]["transport"]["requestTimeoutSeconds"] = timeout
+        doc["spec"]["roles"][1]["replicas"] = len(decode)
+        pipeline = parse_pipeline(doc)
+        self.dir = tempfile.mkdtemp(prefix="disagg-pair-")
+        topology_file = os.path.join(self.dir, "topology.json")
+        configs = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+        contract.write_topology(configs[0].topology, topology_file)
+        key_file = write_key(self.dir)
+        self.roles: list[RoleRuntime] = []
+        self.client: Client | None = None
+        try:
+            for config in configs:
+                token = prefill if config.role == "p" else decode[config.replica]
+                also = accepts if config.role == "p" else frozenset()
+                config = dataclasses.replace(
+                    config, peer_key_file=key_file, compat=token, compatible_with=also
+                )
+                handler = _tagging(config.replica) if config.role == "d" else _tagging(-1)
+                self.roles.append(RoleRuntime(config, handler=handler, grace_s=2.0))
+            for role in self.roles:
+                role.start()
+            self.prefill = self.roles[0]
+            address = f"127.0.0.1:{self.prefill.config.ingress_port}"
+            self.client = Client(
+                [Peer("p", (address,))],
+                ("d",),
+                pipeline="it-pairing",
+                entry_relay="shm",
+                reply_relay="shm",
+                timeout=timeout,
+                key=KEY,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def served_by(self, n: int) -> set[int]:
+        assert self.client is not None
+        futures = [self.client.submit_async({"i": i}) for i in range(n)]
+        return {int(f.result(timeout=30)["by"].item()) for f in futures}
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        for role in self.roles:
+            role.stop(grace_s=2.0)
+
+
+def test_requests_go_only_to_replicas_that_pair_and_the_rest_keep_serving() -> None:
+    pair = _Pair("kv-2", ["kv-1", "kv-2", "kv-1"])
+    try:
+        assert pair.served_by(40) == {1}  # 40 request ids hash across all 3 otherwise
+        assert pair.prefill._ready()
+    finally:
+        pair.close()
+
+
+def test_without_a_partner_the_sender_is_not_ready_and_requests_fail_naming_why() -> None:
+    pair = _Pair("kv-3", ["kv-1", "kv-2"], timeout=2.0)
+    try:
+        wait_for(lambda: not pair.prefill._ready(), 10.0, message="prefill not ready")
+        with pytest.raises(RequestFailed, match="pairs with compat token 'kv-3'"):
+            pair.served_by(1)
+    finally:
+        pair.close()
+
+
+def test_a_declared_compatibility_list_lets_both_revisions_serve() -> None:
+    pair = _Pair("kv-2", ["kv-1", "kv-2"], accepts=frozenset({"kv-1"}))
+    try:
+        assert pair.served_by(40) == {0, 1}
+    finally:
+        pair.close()
