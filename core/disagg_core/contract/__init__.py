@@ -1,0 +1,99 @@
+"""The operator <-> runtime contract: what a role container is told, and nothing else.
+
+Two parts, both rendered by the operator (and by `disagg up` for local processes) and
+parsed into a `RoleConfig`. Torch-free: the operator imports it.
+
+- The environment: the `ENV` table is the one list of variables (name, default, meaning).
+  `render_env` and `parse_env` are driven by it, and docs/contract.md prints it.
+- The topology file (JSON, mounted from a ConfigMap): the pipeline's graph as the runtime
+  needs it: per role whether it is an entry or exit, its upstream roles (fan-in joins wait
+  for all), its tensor references in and out. See `Topology`.
+
+Which values a role gets is decided by `disagg_core.placement.role_config`, the one
+derivation shared by the operator's planner and `disagg up`.
+
+The gateway (`disagg gateway`, the pipeline's HTTP front door) is configured the same way:
+`GATEWAY_ENV` is its table (the role variables it shares keep their meaning: DISAGG_DOWNSTREAM
+names the entry roles, DISAGG_INGRESS_PORT is where exit roles send replies,
+DISAGG_POOL_SIZE sizes its reply pool), parsed by `parse_gateway_env` into a
+`GatewayConfig`.
+
+Modules: role (ENV, RoleConfig), topology, gateway (GATEWAY_ENV, GatewayConfig), env (the
+value kinds and the table machinery both tables use). This package only re-exports.
+"""
+
+from __future__ import annotations
+
+from disagg_core.contract.env import (
+    DISPATCH_MODES,
+    PREFIX,
+    ContractError,
+    EnvVar,
+    Kind,
+    Peer,
+    parse_downstream,
+)
+from disagg_core.contract.gateway import (
+    DEFAULT_GATEWAY_MAX_BODY,
+    DEFAULT_GATEWAY_PORT,
+    GATEWAY_APIS,
+    GATEWAY_ENV,
+    GatewayConfig,
+    env_table,
+    parse_gateway_env,
+    render_gateway_env,
+)
+from disagg_core.contract.role import (
+    DEFAULT_INGRESS_PORT,
+    DEFAULT_LANE_PORT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_PEER_KEY_FILE,
+    ENV,
+    RoleConfig,
+    from_environ,
+    parse_env,
+    render_env,
+)
+from disagg_core.contract.topology import (
+    DEFAULT_TOPOLOGY_FILE,
+    TOPOLOGY_VERSION,
+    RefSpec,
+    RoleTopology,
+    Topology,
+    read_topology,
+    write_topology,
+)
+
+__all__ = [
+    "DEFAULT_GATEWAY_MAX_BODY",
+    "DEFAULT_GATEWAY_PORT",
+    "DEFAULT_INGRESS_PORT",
+    "DEFAULT_LANE_PORT",
+    "DEFAULT_METRICS_PORT",
+    "DEFAULT_PEER_KEY_FILE",
+    "DEFAULT_TOPOLOGY_FILE",
+    "DISPATCH_MODES",
+    "ENV",
+    "GATEWAY_APIS",
+    "GATEWAY_ENV",
+    "PREFIX",
+    "TOPOLOGY_VERSION",
+    "ContractError",
+    "EnvVar",
+    "GatewayConfig",
+    "Kind",
+    "Peer",
+    "RefSpec",
+    "RoleConfig",
+    "RoleTopology",
+    "Topology",
+    "env_table",
+    "from_environ",
+    "parse_downstream",
+    "parse_env",
+    "parse_gateway_env",
+    "read_topology",
+    "render_env",
+    "render_gateway_env",
+    "write_topology",
+]

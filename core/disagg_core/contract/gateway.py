@@ -1,0 +1,150 @@
+"""What `disagg gateway` (the pipeline's HTTP front door) is told: `GATEWAY_ENV`, its table.
+The role variables it shares keep their meaning: DISAGG_DOWNSTREAM names the entry roles,
+DISAGG_INGRESS_PORT is where exit roles send replies, DISAGG_POOL_SIZE sizes its reply pool."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from disagg_core.contract.env import (
+    BYTES,
+    INT,
+    PREFIX,
+    TEXT,
+    ContractError,
+    EnvVar,
+    Kind,
+    Peer,
+    parse_values,
+    render,
+)
+from disagg_core.contract.role import DEFAULT_INGRESS_PORT, ENV
+from disagg_core.contract.topology import DEFAULT_TOPOLOGY_FILE, Topology, read_topology
+from disagg_core.quantity import format_bytes
+from disagg_core.spec.model import DEFAULT_POOL_SIZE, DEFAULT_REQUEST_TIMEOUT_SECONDS
+
+DEFAULT_GATEWAY_PORT = 8080
+DEFAULT_GATEWAY_MAX_BODY = 256 * 2**20
+GATEWAY_APIS = ("native", "openai")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """What `disagg gateway` is told: where the entry roles are and how to serve."""
+
+    pipeline: str
+    namespace: str
+    topology: Topology
+    entries: tuple[Peer, ...]
+    bind_host: str = "0.0.0.0"
+    port: int = DEFAULT_GATEWAY_PORT
+    reply_port: int = DEFAULT_INGRESS_PORT
+    advertise_host: str = ""
+    api: str = "native"
+    model: str = ""
+    token_file: str = ""
+    max_body: int = DEFAULT_GATEWAY_MAX_BODY
+    pool_size: int = DEFAULT_POOL_SIZE
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
+    node_local: bool = False
+    peers_file: str = ""
+    topology_file: str = DEFAULT_TOPOLOGY_FILE
+    peer_key_file: str = ""
+
+
+def _parse_api(name: str, raw: str) -> str:
+    if raw not in GATEWAY_APIS:
+        raise ContractError(f"{name}={raw!r}; expected one of {GATEWAY_APIS}")
+    return raw
+
+
+def _role_var(key: str, field: str) -> EnvVar:
+    """A role variable the gateway reads too: same name, kind and default."""
+    var = next(v for v in ENV if v.key == key)
+    return EnvVar(key, field, var.kind, var.doc, var.default, var.optional)
+
+
+GATEWAY_ENV: Final[tuple[EnvVar, ...]] = (
+    _role_var("PIPELINE", "pipeline"),
+    _role_var("NAMESPACE", "namespace"),
+    _role_var("BIND_HOST", "bind_host"),
+    _role_var("INGRESS_PORT", "reply_port"),
+    _role_var("POOL_SIZE", "pool_size"),
+    _role_var("REQUEST_TIMEOUT", "request_timeout"),
+    _role_var("DOWNSTREAM", "entries"),
+    _role_var("NODE_LOCAL", "node_local"),
+    _role_var("TOPOLOGY_FILE", "topology_file"),
+    _role_var("PEERS_FILE", "peers_file"),
+    _role_var("PEER_KEY_FILE", "peer_key_file"),
+    EnvVar("GATEWAY_PORT", "port", INT, "gateway: HTTP port", str(DEFAULT_GATEWAY_PORT)),
+    EnvVar(
+        "GATEWAY_API",
+        "api",
+        Kind(str, _parse_api),
+        "gateway: native | openai (adds /v1/models, /v1/completions, /v1/chat/completions)",
+        "native",
+    ),
+    EnvVar(
+        "GATEWAY_MODEL",
+        "model",
+        TEXT,
+        "gateway: the model name the OpenAI API serves (required with api openai)",
+        default="",
+        optional=True,
+    ),
+    EnvVar(
+        "GATEWAY_TOKEN_FILE",
+        "token_file",
+        TEXT,
+        "gateway: path of a bearer token; when set, API routes need `Authorization: Bearer`",
+        default="",
+        optional=True,
+    ),
+    EnvVar(
+        "GATEWAY_MAX_BODY",
+        "max_body",
+        BYTES,
+        "gateway: largest request body (bytes or a quantity)",
+        format_bytes(DEFAULT_GATEWAY_MAX_BODY),
+    ),
+    EnvVar(
+        "POD_IP",
+        "advertise_host",
+        TEXT,
+        "gateway: the address exit roles send replies to (downward API status.podIP; "
+        "default the bind host, 127.0.0.1 for a wildcard)",
+        default="",
+        optional=True,
+    ),
+)
+_GATEWAY_ONLY: Final = frozenset(v.key for v in GATEWAY_ENV) - frozenset(v.key for v in ENV)
+
+
+def render_gateway_env(config: GatewayConfig) -> dict[str, str]:
+    """The environment of a gateway container (the operator and `disagg bench`)."""
+    return render(GATEWAY_ENV, config)
+
+
+def parse_gateway_env(env: Mapping[str, str], topology: Topology | None = None) -> GatewayConfig:
+    """Build a GatewayConfig from the environment; reads the topology file unless given."""
+    values = parse_values(GATEWAY_ENV, env)
+    if topology is None:
+        topology = read_topology(values["topology_file"])
+    if values["api"] == "openai" and not values["model"]:
+        raise ContractError(f"{PREFIX}GATEWAY_MODEL is required with {PREFIX}GATEWAY_API=openai")
+    missing = set(topology.entry_roles) - {p.role for p in values["entries"]}
+    if missing:
+        raise ContractError(f"{PREFIX}DOWNSTREAM lacks addresses for entry roles {sorted(missing)}")
+    if not values["advertise_host"]:
+        wildcard = values["bind_host"] in ("0.0.0.0", "::")
+        values["advertise_host"] = "127.0.0.1" if wildcard else values["bind_host"]
+    return GatewayConfig(**values, topology=topology)
+
+
+def env_table() -> list[tuple[str, str | None, str]]:
+    """(name, default or None if required, meaning) per variable, for docs/contract.md: the
+    roles' variables, then those only the gateway reads."""
+    gateway = [var for var in GATEWAY_ENV if var.key in _GATEWAY_ONLY]
+    return [(var.name, var.default, var.doc) for var in (*ENV, *gateway)]

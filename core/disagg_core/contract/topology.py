@@ -1,0 +1,138 @@
+"""The topology file (JSON, mounted from a ConfigMap): the pipeline's graph as the runtime
+needs it: per role whether it is an entry or exit, its upstream roles (fan-in joins wait for
+all), its tensor references in and out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from disagg_core.contract.env import ContractError
+from disagg_core.spec.model import Pipeline
+
+DEFAULT_TOPOLOGY_FILE = "/etc/disagg/topology.json"
+TOPOLOGY_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RefSpec:
+    """A tensor reference: `path` of `source`'s output goes straight to `target`."""
+
+    source: str
+    path: str
+    target: str
+
+
+@dataclass(frozen=True)
+class RoleTopology:
+    name: str
+    upstream: tuple[str, ...]
+    downstream: tuple[str, ...]
+    refs_out: tuple[RefSpec, ...] = ()
+    refs_in: tuple[RefSpec, ...] = ()
+
+    @property
+    def entry(self) -> bool:
+        return not self.upstream
+
+    @property
+    def exit(self) -> bool:
+        return not self.downstream
+
+    @property
+    def joins(self) -> bool:
+        """It gathers a request's inputs from more than one sender (fan-in, tensor
+        references): all of them must reach the same replica of it."""
+        return len(self.upstream) > 1 or bool(self.refs_in)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The pipeline graph, as every role of it sees it."""
+
+    pipeline: str
+    namespace: str
+    roles: Mapping[str, RoleTopology]
+
+    @property
+    def entry_roles(self) -> tuple[str, ...]:
+        return tuple(n for n, r in self.roles.items() if r.entry)
+
+    @property
+    def exit_roles(self) -> tuple[str, ...]:
+        return tuple(n for n, r in self.roles.items() if r.exit)
+
+    @classmethod
+    def from_pipeline(cls, pipeline: Pipeline, namespace: str | None = None) -> Topology:
+        refs = [
+            RefSpec(edge.source, ref.path, ref.to)
+            for edge in pipeline.edges
+            for ref in edge.tensor_refs
+        ]
+        roles = {
+            name: RoleTopology(
+                name=name,
+                upstream=pipeline.upstream(name),
+                downstream=pipeline.downstream(name),
+                refs_out=tuple(r for r in refs if r.source == name),
+                refs_in=tuple(r for r in refs if r.target == name),
+            )
+            for name in pipeline.topological_order
+        }
+        ns = namespace if namespace is not None else (pipeline.namespace or "")
+        return cls(pipeline=pipeline.name, namespace=ns, roles=roles)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": TOPOLOGY_VERSION,
+            "pipeline": self.pipeline,
+            "namespace": self.namespace,
+            "roles": [
+                {
+                    "name": r.name,
+                    "upstream": list(r.upstream),
+                    "downstream": list(r.downstream),
+                    "refsOut": [{"path": x.path, "to": x.target} for x in r.refs_out],
+                    "refsIn": [{"path": x.path, "from": x.source} for x in r.refs_in],
+                }
+                for r in self.roles.values()
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, obj: object) -> Topology:
+        try:
+            if not isinstance(obj, dict) or obj.get("version") != TOPOLOGY_VERSION:
+                raise ContractError(f"topology: expected version {TOPOLOGY_VERSION} object")
+            roles: dict[str, RoleTopology] = {}
+            for r in obj["roles"]:
+                name = str(r["name"])
+                roles[name] = RoleTopology(
+                    name=name,
+                    upstream=tuple(str(x) for x in r["upstream"]),
+                    downstream=tuple(str(x) for x in r["downstream"]),
+                    refs_out=tuple(
+                        RefSpec(name, str(x["path"]), str(x["to"])) for x in r["refsOut"]
+                    ),
+                    refs_in=tuple(
+                        RefSpec(str(x["from"]), str(x["path"]), name) for x in r["refsIn"]
+                    ),
+                )
+            return cls(pipeline=str(obj["pipeline"]), namespace=str(obj["namespace"]), roles=roles)
+        except (KeyError, TypeError) as exc:
+            raise ContractError(f"topology: malformed ({exc!r})") from None
+
+
+def write_topology(topology: Topology, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(topology.to_json(), f, indent=2)
+
+
+def read_topology(path: str) -> Topology:
+    try:
+        with open(path) as f:
+            return Topology.from_json(json.load(f))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ContractError(f"cannot read topology file {path}: {exc}") from None
