@@ -59,16 +59,18 @@ class Rig:
         min_block: int = MiB,
         lease_s: float = 30.0,
         device: Any = None,
+        endpoint: str | None = None,
         **options: Any,
     ) -> Ingress:
-        """`options` go to the Ingress (on_message, lane_port)."""
+        """`options` go to the Ingress (on_message, lane_port); `endpoint`: bind there (e.g.
+        where an ingress that was closed listened: a receiver restarted in place)."""
         device = device or ("shm" if kind == "shm" else "cpu")
         name = shm_name("relaytest", f"rx{kind}") if device == "shm" else None
         pool = Pool.create(size, device=device, min_block=min_block, name=name)
         self.pools.append(pool)
-        if kind == "shm":
+        if endpoint is None and kind == "shm":
             endpoint = f"ipc://{self.dir}/{next(self._n)}.sock"
-        else:
+        elif endpoint is None:
             endpoint = "tcp://127.0.0.1:0"
         options.setdefault("key", KEY)
         ingress = Ingress(endpoint, pool, lease_s=lease_s, **options)

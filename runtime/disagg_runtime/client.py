@@ -245,12 +245,15 @@ class Client:
     def _send(self, peers: PeerSet, meta: Meta, payload: Any) -> None:
         new = meta.kind != "abort"  # an abort follows its request; it never chooses
         endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
-        relay = self.relays.get(peers.kind, endpoint)
-        try:
-            relay.send(payload, request_id=meta.rid, timeout=self.timeout, meta=meta.to_json())
-        except RelayError:
-            self.relays.drop(peers.kind, endpoint)
-            raise
+        self.relays.send(
+            peers.kind,
+            endpoint,
+            payload,
+            request_id=meta.rid,
+            timeout=self.timeout,
+            meta=meta.to_json(),
+            repick=lambda: peers.reroute(meta.rid, self.relays.viewer(peers.kind), new=new),
+        )
 
     def _abort(self, rid: str) -> None:
         meta = Meta(rid, "abort", "client", time.time() + 5, self.reply)

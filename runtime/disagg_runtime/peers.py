@@ -40,7 +40,7 @@ import zmq
 from disagg_core.compat import Compat, compatible
 from disagg_core.contract import Peer
 from disagg_runtime import dispatch
-from disagg_runtime.relay import NotAPeer, Relay, RelayError, connect
+from disagg_runtime.relay import NotAPeer, PeerLost, Relay, RelayError, connect
 
 log = logging.getLogger(__name__)
 RESOLVE_EVERY = 5.0
@@ -216,12 +216,56 @@ class RelayCache:
         for relay in relays:  # waits for a send in progress on it, if any
             relay.close()
 
-    def drop(self, kind: str, endpoint: str) -> None:
-        """Forget a relay that failed, so the next send reconnects."""
+    def drop(self, kind: str, endpoint: str, relay: Relay | None = None) -> None:
+        """Forget a relay that failed (only `relay`, when given: not a fresh one another
+        thread opened since), so the next send reconnects."""
         with self._lock:
-            entry = self._relays.pop((kind, endpoint), None)
+            entry = self._relays.get((kind, endpoint))
+            if entry is not None and relay in (None, entry[0]):
+                del self._relays[(kind, endpoint)]
+            else:
+                entry = None
         if entry is not None:
             entry[0].close()
+        elif relay is not None:
+            relay.close()
+
+    def send(
+        self,
+        kind: str,
+        endpoint: str,
+        payload: Any,
+        *,
+        request_id: str,
+        timeout: float,
+        meta: Mapping[str, Any] | None = None,
+        repick: Callable[[], str] | None = None,
+    ) -> tuple[Relay, int]:
+        """Send on the relay to `endpoint` (opening it if need be); returns it and the bytes
+        moved. A relay whose receiver lost its session (PeerLost: it restarted, or its pod
+        went away; nothing of the payload was delivered) is replaced by a fresh connection
+        once, within `timeout`, to the endpoint `repick` names then (a fresh look at the
+        replicas: a pod scaled away is no longer among them), else to the same one. A relay
+        that failed otherwise is dropped, and the error raised."""
+        deadline = time.monotonic() + timeout
+        for attempt in (1, 2):
+            remaining = max(0.05, deadline - time.monotonic())
+            relay = self.get(kind, endpoint, timeout=remaining)
+            try:
+                remaining = max(0.05, deadline - time.monotonic())
+                return relay, relay.send(
+                    payload, request_id=request_id, timeout=remaining, meta=meta
+                )
+            except PeerLost as exc:
+                self.drop(kind, endpoint, relay)
+                if attempt == 2:
+                    raise
+                endpoint = repick() if repick is not None else endpoint
+                log.info("sending again, to %s: %s", endpoint, exc)
+            except RelayError:
+                self.drop(kind, endpoint, relay)
+                raise
+        raise AssertionError("unreachable")
 
     def succeeded(self) -> None:
         self._ok_at = time.monotonic()
@@ -412,3 +456,10 @@ class PeerSet:
             f"token {mine!r} (they run {', '.join(theirs) or 'unknown'}); waiting for a "
             "compatible revision"
         )
+
+    def reroute(self, rid: str, views: Viewer | None = None, *, new: bool = True) -> str:
+        """The replica for `rid` once the one it went to was lost (PeerLost): its pin
+        forgotten, the replicas looked up afresh (a pod scaled away is gone from them)."""
+        self.unpin(rid)
+        self.endpoints(refresh=True)
+        return self.endpoint_for(rid, views, new=new)

@@ -64,7 +64,7 @@ from disagg_runtime.peers import (
     resolve_dns,
 )
 from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_namespace, shm_prefix
-from disagg_runtime.relay import Ingress, Message, Relay, RelayError
+from disagg_runtime.relay import Ingress, Message, PeerLost, Relay, RelayError
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
 
@@ -589,11 +589,20 @@ class RoleRuntime:
         started = time.monotonic()
         relay, endpoint = self._paired(peers, meta, new)
         try:
-            nbytes = relay.send(
-                payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
-            )
+            try:
+                nbytes = relay.send(
+                    payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
+                )
+            except PeerLost:  # it restarted, or its pod went away: once more, chosen afresh
+                self.relays.drop(peers.kind, endpoint, relay)
+                peers.unpin(meta.rid)
+                peers.endpoints(refresh=True)
+                relay, endpoint = self._paired(peers, meta, new)
+                nbytes = relay.send(
+                    payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
+                )
         except RelayError as exc:
-            self.relays.drop(peers.kind, endpoint)
+            self.relays.drop(peers.kind, endpoint, relay)
             # the same type (a timeout stays a timeout), naming whom it could not reach
             raise type(exc)(f"{target} at {endpoint}: {exc}") from exc
         elapsed = time.monotonic() - started
@@ -630,12 +639,15 @@ class RoleRuntime:
         longer than the request has left."""
         kind, endpoint = meta.reply.relay, meta.reply.endpoint
         try:
-            relay = self.relays.get(kind, endpoint, timeout=self._remaining(meta))
-            relay.send(
-                payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
+            self.relays.send(
+                kind,
+                endpoint,
+                payload,
+                request_id=meta.rid,
+                timeout=self._remaining(meta),
+                meta=meta.to_json(),
             )
         except RelayError as exc:
-            self.relays.drop(kind, endpoint)
             self.relays.failed()
             raise ReplyFailed(f"reply to {endpoint}: {exc}") from exc
         self.relays.succeeded()

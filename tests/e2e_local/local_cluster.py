@@ -78,8 +78,15 @@ def entries_and_exits(doc: Obj) -> tuple[list[Obj], list[str]]:
 
 class LocalCluster:
     def __init__(
-        self, workdir: pathlib.Path, *, backoff: float = 1.0, operator_args: tuple[str, ...] = ()
+        self,
+        workdir: pathlib.Path,
+        *,
+        backoff: float = 1.0,
+        operator_args: tuple[str, ...] = (),
+        image_env: dict[str, str] | None = None,
     ) -> None:
+        """`image_env`: environment every container starts with, as an image's ENV would
+        set it (the pod's own env comes on top)."""
         self.workdir = workdir
         self.operator_args = operator_args
         self.k8s = EmulatorThread().start()
@@ -90,7 +97,7 @@ class LocalCluster:
         kubectl = pathlib.Path(sys.executable).parent / "kubectl"
         self.kubectl = Kubectl(str(kubectl), self.kubeconfig, cache)
         self.k8s.apply_file(CRD)
-        self.node = Node(self.k8s.url, backoff=backoff).start()
+        self.node = Node(self.k8s.url, backoff=backoff, extra_env=image_env).start()
         self.operator: subprocess.Popen[bytes] | None = None
         self.operator_log = workdir / "operator.log"
         self.start_operator()

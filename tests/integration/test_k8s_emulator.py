@@ -712,6 +712,26 @@ async def test_delete_cascades_through_owner_references(k8s, policy):
     assert [r["name"] for r in left["metadata"]["ownerReferences"]] == ["other-owner"]
 
 
+def test_a_dependent_created_after_its_owner_was_deleted_is_collected(k8s):
+    """A controller acting on a stale cache (its StatefulSet already deleted) creates a pod
+    owned by it: the garbage collector removes it, as it removes any dependent whose owners
+    are all gone. A dependent with one owner still alive stays."""
+    root, _, _ = _tree(k8s)
+    alive = k8s.create(configmap("alive"))
+    k8s.delete("configmaps", "root", "default")
+    assert _names(k8s) == {"alive"}
+    late = configmap("late")
+    late["metadata"]["ownerReferences"] = [owner_ref(root)]
+    assert k8s.create(late)["metadata"]["uid"]  # created (201), then collected
+    both = configmap("both")
+    both["metadata"]["ownerReferences"] = [
+        owner_ref(root),
+        {**owner_ref(alive), "controller": False},
+    ]
+    k8s.create(both)
+    assert _names(k8s) == {"alive", "both"}
+
+
 @pytest.mark.asyncio
 async def test_orphan_deletion_keeps_dependents_and_finalizers_hold_objects(k8s):
     _tree(k8s)

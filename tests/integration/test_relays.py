@@ -17,9 +17,11 @@ import torch
 import zmq
 
 from disagg_runtime.codec import encode_header
+from disagg_runtime.peers import RelayCache
 from disagg_runtime.pool import SHM_DIR, SHM_PREFIX, MiB
 from disagg_runtime.relay import (
     Message,
+    PeerLost,
     RelayError,
     RelayTimeout,
     ShmSender,
@@ -705,6 +707,64 @@ def test_closed_sender_refuses_to_send(rig: Rig, kind: str) -> None:
     with pytest.raises(RelayError, match="closed"):
         sender.send(small_payload(), request_id="late")
     sender.abort("late")  # harmless
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("payload", [small_payload, large_payload], ids=["inline", "staged"])
+def test_a_receiver_restarted_in_place_gets_a_new_handshake_not_refused_messages(
+    rig: Rig, kind: str, payload: Callable[[int], dict[str, Any]]
+) -> None:
+    """A role's container restarted (kill -9): libzmq reconnects by itself to the new process,
+    which knows nothing of the old session. The sender says PeerLost (nothing delivered);
+    `RelayCache.send` reconnects with a fresh handshake and the payload arrives."""
+    first = rig.ingress(kind)
+    relays = RelayCache(timeout=WAIT, key=KEY)
+    try:
+        relay, _ = relays.send(kind, first.endpoint, payload(0), request_id="before", timeout=WAIT)
+        with first.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "before"
+        first.close()  # the process died: its sockets closed, its sessions forgotten
+        second = rig.ingress(kind, endpoint=first.endpoint)  # the restart, at the same address
+        time.sleep(0.5)  # what a restart takes at least: libzmq has seen the connection go
+        with pytest.raises(PeerLost, match="reconnect"):
+            relay.send(payload(1), request_id="stale", timeout=WAIT)
+        for i in range(3):
+            relays.send(kind, first.endpoint, payload(i), request_id=f"after-{i}", timeout=WAIT)
+            with second.recv(timeout=WAIT) as msg:
+                assert msg.request_id == f"after-{i}"
+                assert_bit_exact(msg.payload, payload(i))
+        assert second.refusals.count == 0, "nothing was sent to it unauthenticated"
+    finally:
+        relays.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_receiver_gone_for_good_is_replaced_by_the_replica_picked_afresh(
+    rig: Rig, kind: str
+) -> None:
+    """A replica scaled away: its sender's connection is lost; the payload goes to the
+    replica a fresh look at the peers picks (`repick`), not into the void."""
+    gone, other = rig.ingress(kind), rig.ingress(kind)
+    relays = RelayCache(timeout=WAIT, key=KEY)
+    try:
+        relays.send(kind, gone.endpoint, small_payload(), request_id="before", timeout=WAIT)
+        with gone.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "before"
+        gone.close()
+        time.sleep(0.5)  # libzmq has seen the connection go
+        relay, _ = relays.send(
+            kind,
+            gone.endpoint,
+            small_payload(1),
+            request_id="after",
+            timeout=WAIT,
+            repick=lambda: other.endpoint,
+        )
+        assert relay.endpoint == other.endpoint
+        with other.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "after"
+    finally:
+        relays.close()
 
 
 def test_nothing_is_left_in_dev_shm_after_closing() -> None:

@@ -15,7 +15,9 @@ cannot carry a kopf operator or kubectl, so this subclass serves the API itself:
 - deletion: finalizers (``deletionTimestamp`` until the last one is removed), ownerReference
   cascades (Background and Foreground delete dependents recursively; a dependent with another
   live owner only loses the reference; Orphan strips the references), namespace contents,
-  a CRD's custom objects;
+  a CRD's custom objects; an object created with owners that were all deleted already (a
+  controller that acted on a stale cache) is collected at once, as the garbage collector
+  collects dependents whose owners are verified absent;
 - list: real ``metadata.resourceVersion``, ``kind: <Kind>List``, ``limit``/``continue``,
   label selectors (``=``, ``==``, ``!=``, ``in``, ``notin``, exists, ``!``), field selectors (any
   dotted path, ``=``/``!=``); ``kubectl get`` tables (``Accept: ...;as=Table``) with a CRD's
@@ -209,6 +211,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _store: ObjectStore = attrs.field(factory=ObjectStore, init=False)
     _logs: dict[StorageKey, EventLog] = attrs.field(factory=dict, init=False)
     _pending_policy: dict[str, str] = attrs.field(factory=dict, init=False)
+    _gone_uids: set[str] = attrs.field(factory=set, init=False)  # of deleted objects
     _rv: int = attrs.field(default=0, init=False)
     _closed: bool = attrs.field(default=False, init=False)
 
@@ -833,7 +836,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
         for new_rt in new_types:
             self._register(new_rt)
         self._write(rt.storage_key, "ADDED", obj, None)
+        if self._owners_gone(meta):
+            self._delete_stored(rt.storage_key, obj, "Background")
         return self._view(rt, obj)
+
+    def _owners_gone(self, meta: JSON) -> bool:
+        """Every owner this object names was deleted (its creator acted on a stale view, e.g.
+        a StatefulSet controller that had not yet seen its StatefulSet deleted)."""
+        refs = meta.get("ownerReferences") or []
+        uids = [str(r.get("uid")) for r in refs]
+        return bool(uids) and all(u in self._gone_uids for u in uids)
 
     def op_get(self, rt: ResourceType, ns: str | None, name: str) -> JSON:
         obj = self._stored(rt, ns, name)
@@ -1188,6 +1200,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return 200, self._remove(key, obj, policy)
 
     def _remove(self, key: StorageKey, obj: JSON, policy: str) -> JSON:
+        self._gone_uids.add(obj["metadata"]["uid"])
         gone = sem.clone(obj)
         gone["metadata"]["resourceVersion"] = str(self._next_rv())
         self._write(key, "DELETED", gone, obj)

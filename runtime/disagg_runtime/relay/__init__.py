@@ -15,7 +15,7 @@ from typing import Any
 
 from disagg_core.relays import CONCRETE
 from disagg_runtime.relay import registry
-from disagg_runtime.relay.errors import NotAPeer, RelayError, RelayTimeout
+from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout
 from disagg_runtime.relay.ingress import Ingress
 from disagg_runtime.relay.ledger import Message
 from disagg_runtime.relay.registry import Relay
@@ -28,6 +28,7 @@ __all__ = [
     "Ingress",
     "Message",
     "NotAPeer",
+    "PeerLost",
     "Relay",
     "RelayError",
     "RelayTimeout",

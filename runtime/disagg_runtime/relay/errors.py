@@ -11,3 +11,9 @@ class RelayTimeout(RelayError, TimeoutError):
 
 class NotAPeer(RelayError):
     """The other end did not prove the pipeline's peer key, or refused ours."""
+
+
+class PeerLost(NotAPeer):
+    """The receiver no longer holds this sender's authenticated session (its process
+    restarted, or the connection the handshake proved was lost): nothing of the payload was
+    delivered. The caller reconnects (a fresh handshake) and may send it again."""

@@ -22,6 +22,13 @@ A sender is thread-safe: one transfer at a time holds the socket; each waits for
 with its own operation id (`xid`), so a late reply to an abandoned operation is never
 taken for the current one.
 
+Authentication holds for the ZMQ connection the handshake ran on: libzmq reconnects by
+itself when a receiver restarts, but the new process knows nothing of this sender and
+refuses what it sends. So a sender watches its socket for a lost connection (a ZMQ socket
+monitor) and for refusals, and from then on refuses to send with `PeerLost`, which tells
+the caller to reconnect (a fresh handshake) and send again: nothing of that payload was
+delivered.
+
 A sender first proves the pipeline's peer key and checks the ingress's proof
 (relay/auth.py): a welcome without a valid mac fails the connection before anything in
 it (a pool to map, a lane) is used. An shm sender also maps only pools whose name starts
@@ -54,7 +61,7 @@ from disagg_runtime.layout import plan, slot_image
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.relay import auth, lane
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.errors import NotAPeer, RelayError, RelayTimeout
+from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout
 
 log = logging.getLogger(__name__)
 INLINE_THRESHOLD = 64 * 1024
@@ -62,6 +69,7 @@ CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN = 64 * 1024
 HWM = 16
 LANE_CONNECT_S = 2.0  # a filtered port must not stall start-up long
+LOST_GRACE_S = 0.2  # after a lane broke: how long libzmq may take to report its connection lost
 SPARE_MAX = 16 << 20  # the largest payload that asks for its successor's slot ahead
 SPARE_STREAM_S = 0.1  # ... when the one before it was sent less than this earlier
 
@@ -117,6 +125,8 @@ class Sender:
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         self._sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())  # unguessable, never reused
         self._sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
+        # reports the connection lost (the receiver restarted or went away): _check_session
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
         self._xids = itertools.count(1)
@@ -128,7 +138,7 @@ class Sender:
         self._load: tuple[dispatch.Load, float] | None = None  # the last report, when
         self._sent_since = 0  # requests sent after that report
         self._sent_at = float("-inf")
-        self._lost: str | None = None  # a refusal read between transfers
+        self._lost: str | None = None  # a refusal read between transfers, a lost connection
         self._spare: _Spare | None = None
         self._last_staged = -SPARE_STREAM_S  # when the last staged payload was sent
         try:
@@ -143,8 +153,37 @@ class Sender:
             self._on_welcome(welcome)
             self._open_lane(welcome)
         except BaseException:
-            self._sock.close(linger=0)
+            self._close_sockets()
             raise
+
+    def _drain_monitor(self) -> bool:
+        """Read the monitor's pending events; whether there were any (connection lost)."""
+        seen = False
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+            seen = True
+        return seen
+
+    def _check_session(self, grace: float = 0.0) -> None:
+        """Raise PeerLost once the receiver refused this sender, or the connection it
+        authenticated on was lost (waiting up to `grace` s for libzmq to report it). Any
+        loss counts, even one during the handshake: a needless reconnect costs one round
+        trip, a stale session loses every message."""
+        if self._lost is None:
+            self._read_pending()  # a refusal of an inline send waits here (none waits for it)
+        if self._lost is None and (
+            self._drain_monitor()
+            or (grace and self._monitor.poll(int(grace * 1000)) and self._drain_monitor())
+        ):
+            self._lost = "the connection was lost (the receiver restarted or went away)"
+        if self._lost is not None:
+            self._close_lane()
+            raise PeerLost(f"{self.kind} relay to {self.endpoint}: {self._lost}; reconnect")
+
+    def _close_sockets(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
 
     def _handshake(self, timeout: float) -> dict[str, Any]:
         """hello, challenge, auth, welcome (relay/auth.py); the welcome is trusted only if
@@ -290,6 +329,7 @@ class Sender:
             inline = (header, slot_image(manifest, tensors))
         with self._lock:
             self._check_open()
+            self._check_session()
             self._sent_since += 1
             self._sent_at = time.monotonic()
             try:
@@ -319,6 +359,7 @@ class Sender:
             raise RelayTimeout(
                 f"receiver at {self.endpoint} is not draining; request {rid} not sent"
             ) from None
+        self._check_session(LOST_GRACE_S)  # the receiver went away: reconnect, not ZMQ
         log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
         self._sock.send_multipart([header, data])
 
@@ -357,6 +398,7 @@ class Sender:
             raise RelayError(
                 f"lost the connection to {self.endpoint} mid-transfer (receiver gone?): {exc}"
             ) from None
+        self._check_session(LOST_GRACE_S)  # the receiver went away: reconnect, not ZMQ
         log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
         self._sock.send(header)
 
@@ -393,7 +435,7 @@ class Sender:
             # arrivals of an aborted request are dropped whichever way they come)
             if self._lane is not None and self._lane_frame(header) is None:
                 return
-            if not self.closed:
+            if not self.closed and self._lost is None:  # a receiver that restarted holds nothing
                 self._sock.send(header)
 
     def close(self) -> None:
@@ -401,7 +443,7 @@ class Sender:
             if self.closed:
                 return
             self.closed = True
-            self._sock.close(linger=0)
+            self._close_sockets()
             self._close_lane()
             self._on_close()
 
@@ -411,8 +453,6 @@ class Sender:
     def _check_open(self) -> None:
         if self.closed:
             raise RelayError(f"{self.kind} relay to {self.endpoint} is closed")
-        if self._lost is not None:
-            raise NotAPeer(f"{self.endpoint} refused this sender: {self._lost}")
 
     def _send_staged(
         self,
@@ -571,8 +611,11 @@ class Sender:
                     self._note_load(msg, time.monotonic())
             except proto.ProtocolError as exc:
                 raise RelayError(f"bad reply from {self.endpoint}: {exc}") from None
-            if msg["op"] == "refused":  # not (or no longer) a peer there: reconnect
+            if msg["op"] == "refused" and what == "handshake":
                 raise NotAPeer(f"{self.endpoint} refused this sender: {msg.get('reason')}")
+            if msg["op"] == "refused":  # no longer a peer there (e.g. it restarted): reconnect
+                self._lost = str(msg.get("reason"))
+                raise PeerLost(f"{self.endpoint} refused this sender: {self._lost}")
             if msg["op"] in ops and msg.get("xid") == xid:
                 return msg
             if msg["op"] == "grant" and isinstance(msg.get("xid"), int):
