@@ -44,7 +44,6 @@ directly (``create_object``, ``patch_object``, ...) are synchronous and must run
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import random
@@ -202,7 +201,6 @@ class KubeEmulator(kmock.KubernetesEmulator):
     event_log_limit: int = 10_000
     keep_requests: bool = True
     faults: Faults | None = None
-    collect_orphans: bool = False
 
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
     _types: dict[tuple[str, str, str], ResourceType] = attrs.field(factory=dict, init=False)
@@ -685,8 +683,6 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 self.objects[hkey].delete()
         else:
             self._store.put(key, obj)
-            if event_type == "ADDED" and self.collect_orphans and meta.get("ownerReferences"):
-                asyncio.get_running_loop().call_soon(self._collect_orphan, key, okey)
             if hkey not in self.objects:
                 self.objects[hkey] = sem.clone(obj)
             elif event_type == "ADDED" or self.keep_history:
@@ -1237,15 +1233,6 @@ class KubeEmulator(kmock.KubernetesEmulator):
             result["metadata"].pop("ownerReferences", None)
         result["metadata"]["resourceVersion"] = str(self._next_rv())
         self._write(key, "MODIFIED", result, obj)
-
-    def _collect_orphan(self, key: StorageKey, okey: ObjKey) -> None:
-        """Delete an object whose every owner is gone (``collect_orphans``)."""
-        current = self._store.get(key, okey)
-        refs = _meta(current).get("ownerReferences") if current is not None else None
-        if current is None or not refs or _meta(current).get("deletionTimestamp"):
-            return
-        if not any(self._store.live_uid(str(ref.get("uid"))) for ref in refs):
-            self._delete_stored(key, current, "Background")
 
     def _cascade(self, uid: str) -> None:
         """The garbage collector: dependents of a gone owner go too, unless owned elsewhere."""

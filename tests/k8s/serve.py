@@ -29,9 +29,7 @@ async def serve(args: argparse.Namespace) -> None:
         faults = Faults.parse(
             args.latency, args.error_rate, user_agents=tuple(args.user_agent or ())
         )
-    emulator = KubeEmulator(
-        keep_history=False, keep_requests=False, faults=faults, collect_orphans=True
-    )
+    emulator = KubeEmulator(keep_history=False, keep_requests=False, faults=faults)
     async with EmulatorServer(emulator, port=args.port) as server:
         Path(args.kubeconfig).write_text(yaml.safe_dump(kubeconfig_for(server.url)))
         print(server.url, flush=True)
