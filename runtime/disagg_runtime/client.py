@@ -253,6 +253,7 @@ class Client:
             timeout=self.timeout,
             meta=meta.to_json(),
             repick=lambda: peers.reroute(meta.rid, self.relays.viewer(peers.kind), new=new),
+            role=peers.peer.role,
         )
 
     def _abort(self, rid: str) -> None:

@@ -40,7 +40,7 @@ import zmq
 from disagg_core.compat import Compat, compatible
 from disagg_core.contract import Peer
 from disagg_runtime import dispatch
-from disagg_runtime.relay import NotAPeer, PeerLost, Relay, RelayError, connect
+from disagg_runtime.relay import NotAPeer, PeerLost, Relay, RelayError, WrongRole, connect
 
 log = logging.getLogger(__name__)
 RESOLVE_EVERY = 5.0
@@ -151,9 +151,22 @@ class RelayCache:
     def __len__(self) -> int:
         return len(self._relays)
 
-    def get(self, kind: str, endpoint: str, *, timeout: float | None = None) -> Relay:
+    def get(
+        self, kind: str, endpoint: str, *, timeout: float | None = None, role: str | None = None
+    ) -> Relay:
         """The relay to `endpoint`, connecting (within `timeout`, at most the cache's own)
-        if there is none; RelayError when it cannot be opened."""
+        if there is none; RelayError when it cannot be opened. With `role`, an endpoint whose
+        welcome names another role is dropped and WrongRole raised (its address was reused)."""
+        relay = self._get(kind, endpoint, timeout)
+        if role is not None and relay.peer_role not in (None, role):
+            self.drop(kind, endpoint, relay)
+            raise WrongRole(
+                f"{endpoint} serves role {relay.peer_role!r}, not {role!r} (its address was "
+                "taken over by another pod); look the role up again"
+            )
+        return relay
+
+    def _get(self, kind: str, endpoint: str, timeout: float | None) -> Relay:
         key = (kind, endpoint)
         now = time.monotonic()
         with self._lock:
@@ -240,30 +253,35 @@ class RelayCache:
         timeout: float,
         meta: Mapping[str, Any] | None = None,
         repick: Callable[[], str] | None = None,
+        role: str | None = None,
     ) -> tuple[Relay, int]:
         """Send on the relay to `endpoint` (opening it if need be); returns it and the bytes
         moved. A relay whose receiver lost its session (PeerLost: it restarted, or its pod
         went away; nothing of the payload was delivered) is replaced by a fresh connection
         once, within `timeout`, to the endpoint `repick` names then (a fresh look at the
-        replicas: a pod scaled away is no longer among them), else to the same one. A relay
-        that failed otherwise is dropped, and the error raised."""
+        replicas: a pod scaled away is no longer among them), else to the same one; so is one
+        that serves another `role` than the one named (WrongRole). A relay that failed
+        otherwise is dropped, and the error raised."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
             remaining = max(0.05, deadline - time.monotonic())
-            relay = self.get(kind, endpoint, timeout=remaining)
+            relay: Relay | None = None
             try:
+                relay = self.get(kind, endpoint, timeout=remaining, role=role)
                 remaining = max(0.05, deadline - time.monotonic())
                 return relay, relay.send(
                     payload, request_id=request_id, timeout=remaining, meta=meta
                 )
             except PeerLost as exc:
-                self.drop(kind, endpoint, relay)
+                if relay is not None:  # (one that failed to open, or WrongRole, is not kept)
+                    self.drop(kind, endpoint, relay)
                 if attempt == 2:
                     raise
                 endpoint = repick() if repick is not None else endpoint
                 log.info("sending again, to %s: %s", endpoint, exc)
             except RelayError:
-                self.drop(kind, endpoint, relay)
+                if relay is not None:
+                    self.drop(kind, endpoint, relay)
                 raise
         raise AssertionError("unreachable")
 

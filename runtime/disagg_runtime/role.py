@@ -64,7 +64,7 @@ from disagg_runtime.peers import (
     resolve_dns,
 )
 from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_namespace, shm_prefix
-from disagg_runtime.relay import Ingress, Message, PeerLost, Relay, RelayError
+from disagg_runtime.relay import Ingress, Message, PeerLost, Relay, RelayError, WrongRole
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
 
@@ -181,6 +181,7 @@ class RoleRuntime:
                 key=self.key,
                 load=self._load,
                 compat=self.compat,
+                role=config.role,
             )
         except BaseException:
             self.pool.close()
@@ -311,7 +312,9 @@ class RoleRuntime:
                 continue
             for endpoint in peers.unchecked()[:PROBES_PER_CHECK]:
                 try:
-                    relay = self.relays.get(peers.kind, endpoint, timeout=PROBE_S)
+                    relay = self.relays.get(
+                        peers.kind, endpoint, timeout=PROBE_S, role=peers.peer.role
+                    )
                 except RelayError:
                     continue
                 if not peers.admit(endpoint, relay.peer_compat):
@@ -625,7 +628,17 @@ class RoleRuntime:
                 peers.endpoints(refresh=True)
                 continue
             try:
-                relay = self.relays.get(peers.kind, endpoint, timeout=self._remaining(meta))
+                relay = self.relays.get(
+                    peers.kind, endpoint, timeout=self._remaining(meta), role=peers.peer.role
+                )
+            except WrongRole as exc:  # its address is another role's pod now: look again
+                if meta.deadline - time.time() <= PAIR_WAIT_S + PAIR_MARGIN_S:
+                    raise WrongRole(f"{peers.peer.role} at {endpoint}: {exc}") from exc
+                log.info("role %s: %s", self.name, exc)
+                peers.unpin(meta.rid)
+                time.sleep(PAIR_WAIT_S)
+                peers.endpoints(refresh=True)
+                continue
             except RelayError as exc:
                 self.relays.drop(peers.kind, endpoint)
                 raise type(exc)(f"{peers.peer.role} at {endpoint}: {exc}") from exc

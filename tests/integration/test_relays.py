@@ -26,6 +26,7 @@ from disagg_runtime.relay import (
     RelayTimeout,
     ShmSender,
     TcpSender,
+    WrongRole,
     connect,
 )
 from disagg_runtime.relay import protocol as proto
@@ -763,6 +764,40 @@ def test_a_receiver_gone_for_good_is_replaced_by_the_replica_picked_afresh(
         assert relay.endpoint == other.endpoint
         with other.recv(timeout=WAIT) as msg:
             assert msg.request_id == "after"
+    finally:
+        relays.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_address_another_role_took_over_is_refused_and_the_role_looked_up_again(
+    rig: Rig, kind: str
+) -> None:
+    """Pod IPs are reused: until its DNS lookup catches up, a sender may dial an address
+    that is now another role's pod of the same pipeline (same peer key). The welcome names
+    the role it serves, so nothing goes there; the payload goes where `repick` looks."""
+    other_role = rig.ingress(kind, role="audio")
+    right = rig.ingress(kind, role="vision")
+    anonymous = rig.ingress(kind)  # a client's reply ingress names no role
+    relays = RelayCache(timeout=WAIT, key=KEY)
+    try:
+        with pytest.raises(WrongRole, match="serves role 'audio', not 'vision'"):
+            relays.get(kind, other_role.endpoint, role="vision")
+        assert len(relays) == 0  # not kept for the next send either
+        assert relays.get(kind, right.endpoint, role="vision").peer_role == "vision"
+        assert relays.get(kind, anonymous.endpoint, role="vision").peer_role is None
+        relay, _ = relays.send(
+            kind,
+            other_role.endpoint,
+            small_payload(1),
+            request_id="misdialled",
+            timeout=WAIT,
+            repick=lambda: right.endpoint,
+            role="vision",
+        )
+        assert relay.endpoint == right.endpoint
+        with right.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "misdialled"
+        assert other_role.stats().queued == 0
     finally:
         relays.close()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from disagg_core.relays import CONCRETE
 from disagg_runtime.relay import registry
-from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout
+from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout, WrongRole
 from disagg_runtime.relay.ingress import Ingress
 from disagg_runtime.relay.ledger import Message
 from disagg_runtime.relay.registry import Relay
@@ -35,6 +35,7 @@ __all__ = [
     "Sender",
     "ShmSender",
     "TcpSender",
+    "WrongRole",
     "connect",
 ]
 KINDS: tuple[str, ...] = CONCRETE  # what `auto` resolves to

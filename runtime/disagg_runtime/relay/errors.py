@@ -17,3 +17,9 @@ class PeerLost(NotAPeer):
     """The receiver no longer holds this sender's authenticated session (its process
     restarted, or the connection the handshake proved was lost): nothing of the payload was
     delivered. The caller reconnects (a fresh handshake) and may send it again."""
+
+
+class WrongRole(PeerLost):
+    """The endpoint proved the peer key but serves another role of the pipeline: its
+    address was reused by another pod before this sender's name lookup caught up. Nothing
+    was sent to it; the caller looks the role up afresh."""

@@ -128,11 +128,13 @@ class Ingress:
         inline_budget: int | None = None,
         load: Callable[[], dispatch.Load] | None = None,
         compat: Compat | None = None,
+        role: str = "",
     ) -> None:
         self._pool = pool
         self.memory = memory_for(pool)
         self._load = load or self._own_load
         self.compat = compat  # advertised in every welcome (revision pairing, disagg_core.compat)
+        self.role = role  # named in every welcome ("": a client's or gateway's reply ingress)
         self._on_message = on_message
         self.lease_s = lease_s
         self._key = auth.check_key(key)
@@ -596,6 +598,7 @@ class Ingress:
             **self._welcome_extra(ident, msg),
             **self._load_field(),
             **({"compat": self.compat.to_wire()} if self.compat is not None else {}),
+            **({"role": self.role} if self.role else {}),
         }
         fields["mac"] = auth.mac(self._key, "welcome", theirs, ours, auth.body(fields))
         self._reply(ident, "welcome", **fields)

@@ -10,7 +10,7 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
     auth {mac}                     -->   (relay/auth.py: both ends prove the peer key)
                                    <--   welcome {pool, pool_size, max_allocation, lease_s,
                                                   lane_id[, lane_port | lane_path], load,
-                                                  [compat,] mac}
+                                                  [compat,] [role,] mac}
     inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
     reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
                                    <--   grant {xid, offset, lease_s} | deny {xid, reason}
@@ -49,6 +49,10 @@ and `abort` messages in the same JSON: the welcome says where it listens and und
 one-time id (`lane_id`) the sender introduces itself there; a reservation's `lane` is how many lane
 frames the sender had written before it, and it is granted only once they are all taken.
 
+`role` names the role an ingress serves, under the welcome's mac: a sender that dialled
+a role's address checks it, so an address another role's pod has taken over (before the
+sender's DNS lookup caught up) is refused rather than sent to (WrongRole).
+
 cuda-ipc (relay/cuda_ipc.py) adds two fields: the welcome to a `hello {relay: "cuda-ipc"}`
 carries `cuda` (the CUDA pool's IPC export for this peer) or `cuda_unavailable` (why not),
 and its commits carry `event` (the sender's interprocess CUDA event; the receiver delivers
@@ -57,6 +61,7 @@ only once it has completed).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from disagg_core.compat import Compat, CompatError
@@ -123,6 +128,17 @@ def compat(msg: dict[str, Any]) -> Compat | None:
         return Compat.from_wire(msg["compat"], f"relay {msg.get('op')}: field 'compat'")
     except CompatError as exc:
         raise ProtocolError(str(exc)) from None
+
+
+def role(msg: dict[str, Any]) -> str | None:
+    """The role a welcome says its ingress serves (a DNS label); None when it names none
+    (a client's or gateway's reply ingress, or an older runtime)."""
+    if "role" not in msg:
+        return None
+    name: str = field(msg, "role", str)
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
+        raise ProtocolError(f"relay {msg.get('op')}: field 'role' is not a role name")
+    return name
 
 
 def nonneg_int(msg: dict[str, Any], name: str) -> int:

@@ -37,6 +37,9 @@ class Relay(Protocol):
     @property
     def peer_compat(self) -> Compat | None: ...  # the receiver's advertised revision
 
+    @property
+    def peer_role(self) -> str | None: ...  # the role the receiver serves (None: not a role)
+
     def send(
         self,
         payload: Any,

@@ -148,6 +148,7 @@ class Sender:
                 self.lease_s = float(proto.field(welcome, "lease_s", (int, float)))
                 # the receiver's revision: whom a request may go to (disagg_core.compat)
                 self.peer_compat: Compat | None = proto.compat(welcome)
+                self.peer_role: str | None = proto.role(welcome)  # whom it serves, if a role
             except proto.ProtocolError as exc:
                 raise RelayError(f"bad welcome from {endpoint}: {exc}") from None
             self._on_welcome(welcome)
