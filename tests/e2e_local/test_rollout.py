@@ -91,7 +91,7 @@ def fractions(cluster: LocalCluster, token: str) -> dict[str, float]:
 
 
 @pytest.mark.xfail(
-    reason="issue 19: in about 2 of the last 4 full e2e-local runs 1-2 of 400 requests were "
+    reason="issue 19: in 3 of the last 5 full e2e-local runs 1-2 of 400 requests were "
     "lost during the pod replacements (RequestTimeout after 60 s; none crossed revisions); "
     "the cause is not established, so this runs and reports but does not gate CI",
     strict=False,
