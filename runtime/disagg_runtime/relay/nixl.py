@@ -375,9 +375,7 @@ class NixlSender(Sender):
     ) -> None:
         offer, remote = self._offer, self._remote
         assert offer is not None and remote is not None  # set by the handshake
-        if offset + manifest.nbytes > offer.size:
-            self._control(proto.pack("cancel", xid=xid))
-            raise RelayError(f"grant from {self.endpoint} lies outside its pool; not written")
+        self._check_grant(xid, offset, manifest.nbytes, offer.size)
         self._check_lease(xid, write_by)
         sources = _sources(manifest, tensors)
         if sources:

@@ -593,6 +593,13 @@ class Sender:
         grant leaves the other half for the grant's own transit."""
         raise NotImplementedError
 
+    def _check_grant(self, xid: int, offset: int, nbytes: int, pool_size: int) -> None:
+        """A grant must lie inside the receiver's pool as the welcome described it; one that
+        does not is cancelled and nothing is written."""
+        if offset + nbytes > pool_size:
+            self._control(proto.pack("cancel", xid=xid))
+            raise RelayError(f"grant from {self.endpoint} lies outside its pool; not written")
+
     def _check_lease(self, xid: int, write_by: float) -> None:
         if time.monotonic() > write_by:
             self._control(proto.pack("cancel", xid=xid))

@@ -15,7 +15,6 @@ import torch
 from disagg_runtime.layout import write_tensors
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import Backing, PoolError, attach_backing
-from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import SPARE_MAX, Sender
@@ -62,9 +61,7 @@ class ShmSender(Sender):
         write_by: float,
     ) -> None:
         assert self._backing is not None  # set by the handshake
-        if offset + manifest.nbytes > self._backing.size:
-            self._control(proto.pack("cancel", xid=xid))
-            raise RelayError(f"grant from {self.endpoint} lies outside its pool; not written")
+        self._check_grant(xid, offset, manifest.nbytes, self._backing.size)
         if not self._pin_tried and any(t.is_cuda for t in tensors):
             self._pin_for_gpu(self._backing)
         self._check_lease(xid, write_by)
