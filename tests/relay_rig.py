@@ -17,6 +17,8 @@ import pytest
 import torch
 import zmq
 
+from disagg_core.contract import Peer, RoleConfig, RoleTopology, Topology
+from disagg_core.spec.model import PoolSettings
 from disagg_runtime.pool import MiB, Pool, shm_name
 from disagg_runtime.relay import Ingress, Relay, auth, connect
 from disagg_runtime.relay import protocol as proto
@@ -216,3 +218,23 @@ def assert_still_serves(rig: Rig, ingress: Ingress, kind: str) -> None:
             assert msg.request_id == rid
             assert_bit_exact(msg.payload, payload)
     assert ingress.pool.stats().used == 0
+
+
+def a_to_b_config(**fields: Any) -> RoleConfig:
+    """Role `a` of a two-role pipeline a -> b, with `b` at b:7400 (relay choice tests);
+    `fields` set the rest (same_gpu_peers, rdma_peers, node_local, ...)."""
+    roles = {
+        "a": RoleTopology("a", upstream=(), downstream=("b",)),
+        "b": RoleTopology("b", upstream=("a",), downstream=()),
+    }
+    return RoleConfig(
+        pipeline="p",
+        namespace="",
+        role="a",
+        replica=0,
+        handler="m:f",
+        pool=PoolSettings(),
+        topology=Topology("p", "", roles),
+        downstream=(Peer("b", ("b:7400",)),),
+        **fields,
+    )

@@ -26,8 +26,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg_core.contract import ContractError, Peer, RoleConfig, RoleTopology, Topology
-from disagg_core.spec.model import PoolSettings
+from disagg_core.contract import ContractError
 from disagg_runtime import codec
 from disagg_runtime.copies import Fence, to_device
 from disagg_runtime.layout import buffer_tensors, plan, read_payload, slot_image, write_tensors
@@ -57,7 +56,7 @@ from disagg_runtime.relay.cuda_ipc import (
 from disagg_runtime.relay.cuda_landing import DeviceMemory
 from disagg_runtime.relay.select import relay_kind
 from tests.payload_checks import assert_bit_exact
-from tests.relay_rig import KEY, handshake, recv_reply
+from tests.relay_rig import KEY, a_to_b_config, handshake, recv_reply
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks machines without CUDA")
 WAIT = 10.0
@@ -107,29 +106,10 @@ def test_cuda_ipc_relay_fails_at_start_naming_cuda() -> None:
     assert time.monotonic() - started < 2.0  # refused before any handshake wait
 
 
-def _config(*, same_gpu: frozenset[str] = frozenset(), node_local: bool = False) -> RoleConfig:
-    roles = {
-        "a": RoleTopology("a", upstream=(), downstream=("b",)),
-        "b": RoleTopology("b", upstream=("a",), downstream=()),
-    }
-    return RoleConfig(
-        pipeline="p",
-        namespace="",
-        role="a",
-        replica=0,
-        handler="m:f",
-        pool=PoolSettings(),
-        topology=Topology("p", "", roles),
-        downstream=(Peer("b", ("b:7400",)),),
-        same_gpu_peers=same_gpu,
-        node_local=node_local,
-    )
-
-
 @no_cuda
 def test_explicit_cuda_ipc_edge_is_a_start_up_error_naming_cuda() -> None:
     with pytest.raises(ContractError, match=r"edge a->b: relay cuda-ipc needs CUDA: "):
-        relay_kind(_config(same_gpu=frozenset({"b"})), "b", "cuda-ipc")
+        relay_kind(a_to_b_config(same_gpu_peers=frozenset({"b"})), "b", "cuda-ipc")
 
 
 @no_cuda
@@ -137,17 +117,17 @@ def test_same_gpu_peers_fall_back_to_shm_with_the_reason_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="disagg_runtime.relay.select")
-    assert relay_kind(_config(same_gpu=frozenset({"b"})), "b", "auto") == "shm"
+    assert relay_kind(a_to_b_config(same_gpu_peers=frozenset({"b"})), "b", "auto") == "shm"
     (record,) = [r for r in caplog.records if "CUDA IPC is not possible" in r.getMessage()]
     assert "edge a->b" in record.getMessage() and "CUDA" in record.getMessage()
 
 
 def test_relay_kind_leaves_other_edges_alone(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="disagg_runtime.relay.select")
-    assert relay_kind(_config(node_local=True), "b", "auto") == "shm"
-    assert relay_kind(_config(), "b", "auto") == "tcp"
-    assert relay_kind(_config(same_gpu=frozenset({"b"})), "b", "tcp") == "tcp"
-    assert relay_kind(_config(), "b", "shm") == "shm"
+    assert relay_kind(a_to_b_config(node_local=True), "b", "auto") == "shm"
+    assert relay_kind(a_to_b_config(), "b", "auto") == "tcp"
+    assert relay_kind(a_to_b_config(same_gpu_peers=frozenset({"b"})), "b", "tcp") == "tcp"
+    assert relay_kind(a_to_b_config(), "b", "shm") == "shm"
     assert not [r for r in caplog.records if "CUDA" in r.getMessage()]
 
 

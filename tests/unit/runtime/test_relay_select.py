@@ -9,38 +9,21 @@ from typing import Any
 import pytest
 
 from disagg_core import placement, spec
-from disagg_core.contract import ContractError, Peer, RoleConfig, RoleTopology, Topology, render_env
-from disagg_core.spec.model import PoolSettings
+from disagg_core.contract import ContractError, render_env
 from disagg_runtime.relay import nixl
 from disagg_runtime.relay.select import relay_kind
-from tests.relay_rig import NIXL_MISSING
-
-
-def _config(*, rdma: frozenset[str] = frozenset(), node_local: bool = False) -> RoleConfig:
-    roles = {
-        "a": RoleTopology("a", upstream=(), downstream=("b",)),
-        "b": RoleTopology("b", upstream=("a",), downstream=()),
-    }
-    return RoleConfig(
-        pipeline="p",
-        namespace="",
-        role="a",
-        replica=0,
-        handler="m:f",
-        pool=PoolSettings(),
-        topology=Topology("p", "", roles),
-        downstream=(Peer("b", ("b:7400",)),),
-        rdma_peers=rdma,
-        node_local=node_local,
-    )
+from tests.relay_rig import NIXL_MISSING, a_to_b_config
 
 
 @pytest.mark.skipif(NIXL_MISSING is not None, reason=f"no nixl: {NIXL_MISSING}")
 def test_auto_is_nixl_to_rdma_peers_where_nixl_is_here() -> None:
-    assert relay_kind(_config(rdma=frozenset({"b"})), "b", "auto") == "nixl"
-    assert relay_kind(_config(), "b", "auto") == "tcp"
-    assert relay_kind(_config(rdma=frozenset({"b"}), node_local=True), "b", "auto") == "shm"
-    assert relay_kind(_config(), "b", "nixl") == "nixl"  # asked for: no RDMA needed
+    assert relay_kind(a_to_b_config(rdma_peers=frozenset({"b"})), "b", "auto") == "nixl"
+    assert relay_kind(a_to_b_config(), "b", "auto") == "tcp"
+    assert (
+        relay_kind(a_to_b_config(rdma_peers=frozenset({"b"}), node_local=True), "b", "auto")
+        == "shm"
+    )
+    assert relay_kind(a_to_b_config(), "b", "nixl") == "nixl"  # asked for: no RDMA needed
 
 
 def test_without_nixl_auto_falls_back_to_tcp_and_an_explicit_nixl_fails_at_start(
@@ -48,10 +31,10 @@ def test_without_nixl_auto_falls_back_to_tcp_and_an_explicit_nixl_fails_at_start
 ) -> None:
     monkeypatch.setattr(nixl, "unavailable_reason", lambda: "nixl is not installed")
     caplog.set_level(logging.INFO, logger="disagg_runtime.relay.select")
-    assert relay_kind(_config(rdma=frozenset({"b"})), "b", "auto") == "tcp"
+    assert relay_kind(a_to_b_config(rdma_peers=frozenset({"b"})), "b", "auto") == "tcp"
     assert "nixl relay is not possible (nixl is not installed); using tcp" in caplog.text
     with pytest.raises(ContractError, match=r"edge a->b: relay nixl needs the nixl package"):
-        relay_kind(_config(), "b", "nixl")
+        relay_kind(a_to_b_config(), "b", "nixl")
 
 
 def _pipeline(resources: dict[str, dict[str, Any]]) -> spec.Pipeline:
