@@ -14,6 +14,7 @@ import torch
 from disagg_runtime.pool import MiB
 from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.sender import Sender
 from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import (
     KINDS,
@@ -340,6 +341,7 @@ def test_malformed_lane_messages_are_rejected_and_the_lane_keeps_serving(
 def test_senders_write_binary_inline_headers_and_every_layout_and_meta_arrives(rig: Rig) -> None:
     ingress = rig.ingress("shm")
     sender = rig.sender("shm", ingress)
+    assert isinstance(sender, Sender)
     wait_for(lambda: ingress.stats().lanes == 1)
     assert sender._inline_wire  # the welcome offered it
     # more layouts than either end keeps, then the first ones again

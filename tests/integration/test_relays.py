@@ -31,6 +31,7 @@ from disagg_runtime.relay import (
     connect,
 )
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.sender import Sender
 from tests.payload_checks import assert_bit_exact, tensors_of
 from tests.relay_rig import (
     KEY,
@@ -834,6 +835,7 @@ def test_a_grant_outside_the_pool_is_cancelled_and_nothing_is_written(rig: Rig, 
     and the reservation it answered is cancelled; the sender goes on working."""
     ingress = rig.ingress(kind, size=4 * MiB)
     sender = rig.sender(kind, ingress)
+    assert isinstance(sender, Sender)
     manifest, tensors = plan({"x": torch.full((MiB,), 7, dtype=torch.uint8)})
     end = ingress.pool.backing.size
     with sender._lock:
