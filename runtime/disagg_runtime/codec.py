@@ -497,12 +497,33 @@ _C_ENCODE: Callable[[Any, int], tuple[str, ...]] | None = (
 
 def encode_header(obj: Mapping[str, Any]) -> bytes:
     """Compact strict JSON (no NaN/Infinity), UTF-8 (in fact ASCII: non-ASCII is escaped)."""
-    header = obj if type(obj) is dict else dict(obj)
+    return encode_json(obj if type(obj) is dict else dict(obj), "header")
+
+
+def encode_json(value: Any, what: str = "value") -> bytes:
+    """Any JSON value as compact strict JSON, ASCII; CodecError naming `what` if it is not."""
     try:
-        text = "".join(_C_ENCODE(header, 0)) if _C_ENCODE else _ENCODER.encode(header)
+        text = "".join(_C_ENCODE(value, 0)) if _C_ENCODE else _ENCODER.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
-        raise CodecError(f"header is not strict JSON: {exc}") from None
+        raise CodecError(f"{what} is not strict JSON: {exc}") from None
     return text.encode("ascii")
+
+
+def decode_json(view: memoryview, what: str) -> Any:
+    """Strict JSON (UTF-8, no NaN/Infinity, no repeated keys) -> any JSON value;
+    CodecError naming `what`. The caller bounds the size."""
+    try:
+        text = str(view, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise CodecError(f"{what} is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        return _DECODER.decode(text)
+    except CodecError:
+        raise
+    except RecursionError:
+        raise CodecError(f"{what} JSON is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, or an int with too many digits
+        raise CodecError(f"{what} is not valid JSON: {exc}") from None
 
 
 def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
@@ -510,18 +531,7 @@ def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str,
     view = _byte_view(frame, "header frame")
     if view.nbytes > max_bytes:
         raise CodecError(f"header frame is {view.nbytes} bytes, over the limit of {max_bytes}")
-    try:
-        text = str(view, "utf-8")
-    except UnicodeDecodeError as exc:
-        raise CodecError(f"header frame is not UTF-8: {exc.reason} at byte {exc.start}") from None
-    try:
-        obj = _DECODER.decode(text)
-    except CodecError:
-        raise
-    except RecursionError:
-        raise CodecError("header JSON is nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, or an int with too many digits
-        raise CodecError(f"header frame is not valid JSON: {exc}") from None
+    obj = decode_json(view, "header frame")
     if type(obj) is not dict:
         raise CodecError(f"header must be a JSON object, got {type(obj).__name__}")
     if "v" not in obj:

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from disagg_runtime.pool import MiB
-from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, lane
+from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.sender import Sender
 from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import (
     KINDS,
@@ -66,6 +67,16 @@ def inline_frame(rid: str, data: bytes = b"\x07" * 16) -> tuple[bytes, bytes]:
         "tensors": [{"dtype": "uint8", "shape": [len(data)], "offset": 0}],
     }
     return proto.pack("inline", rid=rid, manifest=manifest), data
+
+
+def binary_frame(rid: str, data: bytes = b"\x07" * 16, **fixed: int) -> tuple[bytes, bytes]:
+    """inline_frame's message with a binary header (relay/inline_wire.py); `fixed` overrides
+    fields of its fixed part (kind, version)."""
+    layout = b'{"v":1,"nbytes":16,"tensors":[{"dtype":"uint8","shape":[16],"offset":0}]}'
+    header = inline_wire.pack(rid, layout, {"t": 0}, None)
+    kind, version, *lengths = inline_wire.FIXED.unpack_from(header)
+    fields = (fixed.get("kind", kind), fixed.get("version", version), *lengths)
+    return inline_wire.FIXED.pack(*fields) + header[inline_wire.FIXED.size :], data
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -302,6 +313,13 @@ def test_an_oversized_lane_frame_closes_the_lane(rig: Rig) -> None:
         (proto.pack("reserve", rid="r", xid=1, nbytes=10), b""),  # not an op of the lane
         (inline_frame("short")[0], b"\x07" * 15),  # data shorter than the manifest says
         (inline_frame("long")[0], b"\x07" * 17),
+        (binary_frame("short")[0], b"\x07" * 15),  # the same with binary headers
+        (binary_frame("long")[0], b"\x07" * 17),
+        (binary_frame("cut")[0][:-1], b"\x07" * 16),  # truncated
+        (binary_frame("cut")[0][:10], b"\x07" * 16),
+        (binary_frame("extra")[0] + b"}", b"\x07" * 16),  # longer than its parts
+        binary_frame("kind", kind=9),  # unknown kind
+        binary_frame("version", version=7),
     ],
 )
 def test_malformed_lane_messages_are_rejected_and_the_lane_keeps_serving(
@@ -318,6 +336,25 @@ def test_malformed_lane_messages_are_rejected_and_the_lane_keeps_serving(
         assert ingress.stats().lanes == 1
     finally:
         sock.close()
+
+
+def test_senders_write_binary_inline_headers_and_every_layout_and_meta_arrives(rig: Rig) -> None:
+    ingress = rig.ingress("shm")
+    sender = rig.sender("shm", ingress)
+    assert isinstance(sender, Sender)
+    wait_for(lambda: ingress.stats().lanes == 1)
+    assert sender._inline_wire  # the welcome offered it
+    # more layouts than either end keeps, then the first ones again
+    sizes = [*range(1, inline_wire.LAYOUT_CACHE_ENTRIES + 6), 1, 2, 3]
+    for i, n in enumerate(sizes):
+        payload = {"x": torch.arange(n, dtype=torch.int16), "i": i, "t": (small_payload(i), None)}
+        sender.send(payload, request_id=f"b{i}", meta={"seq": i} if i % 2 else None)
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == f"b{i}"
+            assert msg.meta == ({"seq": i} if i % 2 else None)
+            assert_bit_exact(msg.payload, payload)
+    assert ingress.stats().rejected == 0
+    assert len(sender._layouts) == inline_wire.LAYOUT_CACHE_ENTRIES
 
 
 def test_the_lane_listens_on_the_declared_port(rig: Rig) -> None:

@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from disagg_runtime.codec import encode_header
+from disagg_runtime.layout import plan
 from disagg_runtime.peers import RelayCache
 from disagg_runtime.pool import SHM_DIR, SHM_PREFIX, MiB
 from disagg_runtime.relay import (
@@ -30,10 +31,12 @@ from disagg_runtime.relay import (
     connect,
 )
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.sender import Sender
 from tests.payload_checks import assert_bit_exact, tensors_of
 from tests.relay_rig import (
     KEY,
     KINDS,
+    NIXL,
     RELAY_KINDS,
     WAIT,
     KiB,
@@ -823,3 +826,26 @@ def test_nothing_is_left_in_dev_shm_after_closing() -> None:
     assert ours() == before
     assert pool_name not in ours()
     assert_bit_exact(kept[0].payload, large_payload())  # views outlive the unlinked name
+
+
+@pytest.mark.parametrize("kind", ["shm", NIXL])
+def test_a_grant_outside_the_pool_is_cancelled_and_nothing_is_written(rig: Rig, kind: str) -> None:
+    """Sender._check_grant in each backend's transfer: a grant that does not lie inside the
+    pool the welcome described (here one starting at its end) is refused before any write,
+    and the reservation it answered is cancelled; the sender goes on working."""
+    ingress = rig.ingress(kind, size=4 * MiB)
+    sender = rig.sender(kind, ingress)
+    assert isinstance(sender, Sender)
+    manifest, tensors = plan({"x": torch.full((MiB,), 7, dtype=torch.uint8)})
+    end = ingress.pool.backing.size
+    with sender._lock:
+        xid, offset, write_by = sender._reserve("r", manifest.nbytes, time.monotonic() + WAIT)
+        assert ingress.stats().pool_used > 0
+        with pytest.raises(RelayError, match="outside its pool; not written"):
+            sender._transfer(b"", xid, end, manifest, tensors, write_by)
+    wait_for(lambda: ingress.stats().pool_used == 0)  # the grant was cancelled
+    assert not ingress.pool.backing.tensor[offset : offset + MiB].any()  # nor written there
+    payload = small_payload(1) | {"big": torch.ones(MiB, dtype=torch.uint8)}
+    sender.send(payload, request_id="after")
+    with ingress.recv(timeout=WAIT) as msg:
+        assert_bit_exact(msg.payload, payload)

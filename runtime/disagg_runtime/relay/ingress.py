@@ -41,7 +41,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -52,7 +52,7 @@ from disagg_runtime.codec import unflatten
 from disagg_runtime.layout import buffer_tensors, read_payload
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import Pool
-from disagg_runtime.relay import auth, lane, registry
+from disagg_runtime.relay import auth, inline_wire, lane, registry
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.landing import Chunked, Landing, chunk_count, chunk_targets, memory_for
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 _SCRATCH = bytearray(1 << 20)
 HWM = 16
 LANE_HELLO = frozenset({"lane"})
+JSON_START = ord("{")  # a lane header that does not start so is binary (relay/inline_wire.py)
 INLINE_OPS = frozenset({"inline", "abort"})
 LANE_OPS = frozenset({"inline", "abort", "reserve", "cancel", "commit"})
 MAX_PEERS = 4096  # authenticated senders remembered (least recently active forgotten first)
@@ -87,6 +88,7 @@ class _Lane:
     control: bool = False  # the sender runs its whole protocol here, replies included
     taken: int = 0  # frames read after the hello: the sender counts the ones it wrote
     paused: bool = False  # its next frame does not fit the inline budget: not polled
+    layouts: inline_wire.LayoutCache = field(default_factory=inline_wire.LayoutCache)
 
 
 @dataclass(frozen=True)
@@ -430,6 +432,13 @@ class Ingress:
             return
         conn.taken += 1  # every frame counts: the sender counted it too
         self._active_at[conn.ident] = time.monotonic()
+        if frame.header.nbytes and frame.header[0] != JSON_START:  # relay/inline_wire.py
+            head = inline_wire.unpack(frame.header)
+            manifest = conn.layouts.manifest(head.layout, head.tree)
+            charge, frame.charge = frame.charge, 0
+            fields = {"rid": head.rid, "meta": head.meta}
+            self._inline(fields, manifest, frame.data, len(frame.data), charge)
+            return
         msg: dict[str, Any] = {}
         try:
             msg = proto.unpack(frame.header, LANE_OPS if conn.control else INLINE_OPS)
@@ -595,6 +604,7 @@ class Ingress:
             "lease_s": self.lease_s,
             **self._lane_offer,
             **({"lane_id": self._lane_token(ident)} if self._lane_offer else {}),
+            **({"inline_wire": inline_wire.WIRE_VERSION} if self._lane_offer else {}),
             **self._welcome_extra(ident, msg),
             **self._load_field(),
             **({"compat": self.compat.to_wire()} if self.compat is not None else {}),

@@ -59,7 +59,7 @@ from disagg_core.compat import Compat
 from disagg_runtime import dispatch
 from disagg_runtime.layout import plan, slot_image
 from disagg_runtime.manifest import Manifest
-from disagg_runtime.relay import auth, lane
+from disagg_runtime.relay import auth, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout
 
@@ -82,6 +82,16 @@ class _Spare:
     nbytes: int
     offset: int
     use_by: float
+
+
+def _json_inline(rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -> bytes:
+    return proto.pack("inline", rid=rid, meta=meta, manifest=manifest.to_json())
+
+
+def _over_zmq(header: bytes, rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -> bytes:
+    """The inline header to send over ZMQ, which reads JSON only (`header` was built for
+    the lane, which may have closed since)."""
+    return header if header[:1] == b"{" else _json_inline(rid, manifest, meta)
 
 
 def _full(exc: OSError) -> bool:
@@ -140,6 +150,8 @@ class Sender:
         self._sent_at = float("-inf")
         self._lost: str | None = None  # a refusal read between transfers, a lost connection
         self._spare: _Spare | None = None
+        self._inline_wire = False  # the ingress reads binary inline headers on the lane
+        self._layouts: dict[tuple[Any, ...], bytes] = {}  # their layout parts, by manifest
         self._last_staged = -SPARE_STREAM_S  # when the last staged payload was sent
         try:
             welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)
@@ -152,6 +164,7 @@ class Sender:
             except proto.ProtocolError as exc:
                 raise RelayError(f"bad welcome from {endpoint}: {exc}") from None
             self._on_welcome(welcome)
+            self._inline_wire = welcome.get("inline_wire") == inline_wire.WIRE_VERSION
             self._open_lane(welcome)
         except BaseException:
             self._close_sockets()
@@ -324,20 +337,23 @@ class Sender:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         manifest, tensors = plan(payload)  # GPU tensors stay on their GPU until copied once
         nbytes = sum(meta.nbytes for meta in manifest.tensors)
-        inline: tuple[bytes, bytearray] | None = None
+        image: bytearray | None = None
+        header = b""
         if self._inline(tensors, nbytes):  # the slot's bytes travel with the message
-            header = proto.pack("inline", rid=request_id, meta=meta, manifest=manifest.to_json())
-            inline = (header, slot_image(manifest, tensors))
+            header = self._lane_header(request_id, manifest, meta)  # bad input fails here
+            image = slot_image(manifest, tensors)
         with self._lock:
             self._check_open()
             self._check_session()
             self._sent_since += 1
             self._sent_at = time.monotonic()
             try:
-                if inline is not None and self._lane is not None:
-                    self._send_lane(request_id, *inline)
-                elif inline is not None:
-                    self._sock.send_multipart(list(inline))
+                if image is not None and self._lane is not None:
+                    self._send_lane(request_id, header, manifest, meta, image)
+                elif image is not None:
+                    self._sock.send_multipart(
+                        [_over_zmq(header, request_id, manifest, meta), image]
+                    )
                 else:
                     self._send_staged(request_id, manifest, tensors, deadline, meta)
                 return nbytes
@@ -346,7 +362,28 @@ class Sender:
                     f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
                 ) from None
 
-    def _send_lane(self, rid: str, header: bytes, data: bytearray) -> None:
+    def _lane_header(self, rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -> bytes:
+        """An inline payload's lane header: binary where the ingress reads it, with the
+        layout part encoded once per layout (relay/inline_wire.py); else JSON."""
+        if not self._inline_wire or self._lane is None:
+            return _json_inline(rid, manifest, meta)
+        key = (manifest.tensors, manifest.offsets)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = inline_wire.layout_bytes(manifest)
+            if len(self._layouts) >= inline_wire.LAYOUT_CACHE_ENTRIES:
+                del self._layouts[next(iter(self._layouts))]
+            self._layouts[key] = layout
+        return inline_wire.pack(rid, layout, manifest.tree, meta)
+
+    def _send_lane(
+        self,
+        rid: str,
+        header: bytes,
+        manifest: Manifest,
+        meta: Mapping[str, Any] | None,
+        data: bytearray,
+    ) -> None:
         """One frame on the lane, waiting at most the sender's `timeout` for room (the
         kernel's send timeout: cheaper than a deadline per call). A failure cuts the stream
         mid-frame, which the ingress drops whole, and closes the lane. A broken connection
@@ -362,7 +399,7 @@ class Sender:
             ) from None
         self._check_session(LOST_GRACE_S)  # the receiver went away: reconnect, not ZMQ
         log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
-        self._sock.send_multipart([header, data])
+        self._sock.send_multipart([_over_zmq(header, rid, manifest, meta), data])
 
     def _lane_frame(self, header: bytes, data: bytes | bytearray = b"") -> OSError | None:
         """Write one frame on the lane and count it; on failure close the lane and return

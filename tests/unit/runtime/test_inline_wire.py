@@ -1,0 +1,161 @@
+"""The binary inline header (relay/inline_wire.py): round trips, the layout cache's bounds,
+and every way a malformed header is refused (a ProtocolError or CodecError, never a crash)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg_runtime.codec import CodecError
+from disagg_runtime.layout import plan
+from disagg_runtime.manifest import Manifest
+from disagg_runtime.relay import inline_wire as wire
+from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, ProtocolError
+
+
+def planned(n: int = 16, dtype: torch.dtype = torch.uint8) -> Manifest:
+    manifest, _ = plan({"x": torch.zeros(n, dtype=dtype), "sent": 1.25, "tag": ("a", [1, None])})
+    return manifest
+
+
+def header(
+    rid: bytes = b"r1",
+    layout: bytes | None = None,
+    tree: bytes = b'{"t":0}',
+    meta: bytes = b"",
+    *,
+    kind: int = wire.KIND_INLINE,
+    version: int = wire.WIRE_VERSION,
+    lengths: tuple[int, int, int, int] | None = None,
+) -> memoryview:
+    """A header built by hand, so that each field can be wrong on its own."""
+    if layout is None:
+        layout = b'{"v":1,"nbytes":16,"tensors":[{"dtype":"uint8","shape":[16],"offset":0}]}'
+    n = lengths or (len(rid), len(layout), len(tree), len(meta))
+    return memoryview(wire.FIXED.pack(kind, version, *n) + rid + layout + tree + meta)
+
+
+def parse(head: memoryview, cache: wire.LayoutCache | None = None) -> Manifest:
+    inline = wire.unpack(head)
+    return (cache if cache is not None else wire.LayoutCache()).manifest(inline.layout, inline.tree)
+
+
+def test_a_header_round_trips_with_its_tree_meta_and_request_id() -> None:
+    manifest = planned()
+    meta = {"route": "decode", "n": [1, 2.5]}
+    head = wire.unpack(
+        memoryview(wire.pack("réq-7", wire.layout_bytes(manifest), manifest.tree, meta))
+    )
+    assert head.rid == "réq-7"
+    assert head.meta == meta
+    assert wire.LayoutCache().manifest(head.layout, head.tree) == manifest
+
+
+def test_no_meta_travels_as_nothing_and_reads_as_none() -> None:
+    manifest = planned()
+    packed = wire.pack("r", wire.layout_bytes(manifest), manifest.tree, None)
+    assert wire.FIXED.unpack_from(packed)[5] == 0
+    assert wire.unpack(memoryview(packed)).meta is None
+
+
+def test_a_repeated_layout_is_taken_from_the_cache_with_this_message_s_tree() -> None:
+    cache = wire.LayoutCache()
+    first = parse(header(tree=b'{"t":0}'), cache)
+    again = parse(header(tree=b'{"d":{"x":{"t":0},"s":2}}'), cache)
+    assert len(cache) == 1
+    assert again.tree == {"d": {"x": {"t": 0}, "s": 2}}
+    assert (again.tensors, again.offsets, again.nbytes) == (
+        first.tensors,
+        first.offsets,
+        first.nbytes,
+    )
+
+
+def test_the_cache_keeps_a_bounded_number_of_small_layouts() -> None:
+    cache = wire.LayoutCache()
+    for n in range(1, wire.LAYOUT_CACHE_ENTRIES + 10):
+        manifest = planned(n)
+        cache.manifest(wire.layout_bytes(manifest), manifest.tree)
+    assert len(cache) == wire.LAYOUT_CACHE_ENTRIES
+    big, _ = plan([torch.zeros(1, dtype=torch.uint8) for _ in range(200)])
+    layout = wire.layout_bytes(big)
+    assert len(layout) > wire.MAX_CACHED_LAYOUT_BYTES
+    fresh = wire.LayoutCache()
+    assert fresh.manifest(layout, big.tree) == big  # validated, not kept
+    assert len(fresh) == 0
+
+
+def test_a_refused_layout_is_not_cached() -> None:
+    cache = wire.LayoutCache()
+    bad = b'{"v":1,"nbytes":8,"tensors":[{"dtype":"uint8","shape":[16],"offset":0}]}'
+    for _ in range(2):
+        with pytest.raises(CodecError, match="exceed 8"):
+            cache.manifest(bad, {"t": 0})
+    assert len(cache) == 0
+
+
+@pytest.mark.parametrize(
+    ("head", "match"),
+    [
+        (memoryview(b""), "shorter than 16"),
+        (header()[:10], "shorter than 16"),  # truncated in the fixed part
+        (header()[:-1], "add up to"),  # truncated in a part
+        (header(lengths=(2, 70, 7, 5)), "add up to"),  # lengths that say more than there is
+        (memoryview(bytes(header()) + b" "), "add up to"),  # trailing bytes
+        (header(kind=2), "unknown binary header kind 2"),
+        (header(kind=ord("x")), "unknown binary header kind"),
+        (header(version=2), "unsupported inline header version 2"),
+        (header(rid=b"\xff\xfe"), "request id is not UTF-8"),
+        (header(tree=b"{nope"), "inline tree is not valid JSON"),
+        (header(tree=b'{"t":0,"t":0}'), "repeats the key"),
+        (header(tree=b"NaN"), "NaN"),
+        (header(meta=b"[1]"), "'meta' must be an object"),
+        (header(meta=b'{"a":1,"a":2}'), "repeats the key"),
+    ],
+)
+def test_malformed_headers_are_refused(head: memoryview, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        wire.unpack(head)
+
+
+def test_a_header_over_the_control_limit_is_refused_before_parsing() -> None:
+    fixed = wire.FIXED.pack(wire.KIND_INLINE, wire.WIRE_VERSION, 0, 0, MAX_CONTROL_BYTES, 0)
+    with pytest.raises(ProtocolError, match="over"):
+        wire.unpack(memoryview(fixed + b" " * MAX_CONTROL_BYTES))
+
+
+@pytest.mark.parametrize(
+    ("layout", "match"),
+    [
+        (b"[]", "expected an object without a tree"),
+        (b'{"v":1,"tree":{"t":0},"nbytes":0,"tensors":[]}', "without a tree"),
+        (b'{"v":2,"nbytes":0,"tensors":[]}', "unsupported version"),
+        (b'{"v":1,"nbytes":16,"tensors":[{"dtype":"pickle","shape":[16],"offset":0}]}', "dtype"),
+        (
+            b'{"v":1,"nbytes":16,"tensors":[{"dtype":"uint8","shape":[16],"offset":3}]}',
+            "misaligned",
+        ),
+        (b'{"v":1,"nbytes":99999999999,"tensors":[]}', "does not fit"),
+        (b"\xff", "not UTF-8"),
+    ],
+)
+def test_malformed_layouts_are_refused(layout: bytes, match: str) -> None:
+    with pytest.raises(CodecError, match=match):
+        parse(header(layout=layout))
+
+
+def test_the_sender_refuses_what_it_cannot_send() -> None:
+    manifest = planned()
+    layout = wire.layout_bytes(manifest)
+    with pytest.raises(CodecError, match="request id"):
+        wire.pack("x" * (wire.MAX_RID_BYTES + 1), layout, manifest.tree, None)
+    with pytest.raises(CodecError, match="not strict JSON"):
+        wire.pack("r", layout, manifest.tree, {"bad": float("nan")})
+    with pytest.raises(CodecError, match="over the limit"):
+        wire.pack("r", layout, manifest.tree, {"big": "x" * MAX_CONTROL_BYTES})
+
+
+def test_a_json_header_and_a_binary_one_differ_in_their_first_byte() -> None:
+    manifest = planned()
+    packed = wire.pack("r", wire.layout_bytes(manifest), manifest.tree, None)
+    assert packed[0] == wire.KIND_INLINE != ord("{")
