@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from disagg_operator import names
+from disagg_operator import names, pods
 
 JSON = dict[str, Any]
 Key = tuple[str, str]  # namespace, pipeline
@@ -35,6 +35,9 @@ POD_KIND: Final = "Pod"
 # label each, as before).
 WORKLOAD_KINDS: Final = frozenset({"StatefulSet", "Deployment"})
 CACHED_KINDS: Final = WORKLOAD_KINDS
+# The peer key Secret is watched anyway (a deleted one is made again), so it is indexed too:
+# a reconcile then reads its key from the cache instead of a GET per reconcile.
+SECRET_KIND: Final = "Secret"
 
 
 def digest(obj: Mapping[str, Any]) -> str:
@@ -67,6 +70,9 @@ def slim(obj: Mapping[str, Any], api_version: str, kind: str) -> JSON:
         if kind == "StatefulSet" and spec.get("updateStrategy") is not None:
             entry["spec"]["updateStrategy"] = spec["updateStrategy"]
         entry["status"] = dict(obj.get("status") or {})
+    elif kind == SECRET_KIND:
+        data = obj.get("data") or {}
+        entry["data"] = {k: data[k] for k in (pods.PEER_KEY_KEY,) if k in data}
     elif kind == POD_KIND:
         containers = (obj.get("spec") or {}).get("containers") or ()
         entry["spec"] = {
@@ -128,6 +134,10 @@ class Cache:
                 return None
             result.extend(values)
         return result
+
+    def secrets(self, key: Key) -> list[JSON] | None:
+        """The pipeline's labelled Secrets (its peer key), None when not cached."""
+        return self._values(index_name(SECRET_KIND), key)
 
     def pods(self, key: Key) -> list[JSON] | None:
         return self._values(index_name(POD_KIND), key)

@@ -31,10 +31,11 @@ Each pipeline has an `asyncio.Lock`: reconciles and refreshes of one pipeline ne
 computed from older reads never overwrites a newer one. Refreshes requested while one is
 waiting for the lock are merged into it.
 
-Reads come from the watch cache (`cache`: the children, and the pipeline for a refresh) when
-kopf has bound it, so a reconcile costs a GET of the pipeline, one fresh list of its
-StatefulSets and Deployment (a rollout must not act on a lagging cache; the apply compares
-against the same list), plus one apply per child (and a GET for a child not seen yet), and a
+Reads come from the watch cache (`cache`: the workloads, the peer key Secret, and the
+pipeline for a refresh) when kopf has bound it, so a reconcile costs a GET of the pipeline,
+one fresh list of its StatefulSets and Deployment (a rollout must not act on a lagging cache;
+the apply compares against the same list), one list per other child kind, plus one apply per
+child (and a GET for a child not seen yet; a POST for a peer key Secret not seen yet), and a
 refresh no request at all unless the status changed. The parsed spec is kept per pipeline
 until its content changes, and so is what the rollout reads of the plan: a refresh neither
 parses nor plans again.
@@ -347,7 +348,12 @@ class Reconciler:
             key=secrets.token_hex(PEER_KEY_BYTES),
             owner=owner,
         )
-        return await apply.ensure_created(self.api, wanted)
+        cached = self.cache.secrets((namespace, owner.name))
+        name = wanted["metadata"]["name"]
+        found = next((s for s in cached or () if s["metadata"]["name"] == name), None)
+        if found is not None and peer_key_text(found):
+            return found, False
+        return await apply.ensure_created(self.api, wanted, likely_absent=cached is not None)
 
     async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
         parsed = self.validated(body, state, self._options_for(state))
