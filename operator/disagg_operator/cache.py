@@ -9,10 +9,12 @@ sees a half-filled cache; a child that the cache lacks (not ours, or not seen ye
 with one GET before it is applied (see `apply.apply_children`).
 
 Entries are slim (`slim`): what ownership, pruning, the status builder and the autoscaler
-read, plus a digest of the object's content (everything but its status and the fields the
-server keeps changing), so that "did this apply change the object" needs no resourceVersion
-from a possibly older cache entry. A full StatefulSet is ~5 KiB of JSON; 3,000 of them as
-Python objects would be most of the operator's memory.
+read. A cached kind that an apply compares against (none today: the workloads are listed
+fresh before an apply, for the rollout) would also carry a digest of the object's content
+(everything but its status and the fields the server keeps changing), so that "did this apply
+change the object" needs no resourceVersion from a possibly older cache entry; computing it
+per event costs a JSON dump of the whole object. A full StatefulSet is ~5 KiB of JSON; 3,000
+of them as Python objects would be most of the operator's memory.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def _slim_meta(meta: Mapping[str, Any]) -> JSON:
     return result
 
 
-def slim(obj: Mapping[str, Any], api_version: str, kind: str) -> JSON:
-    """The cache's entry for a child or pod (see the module docstring)."""
+def slim(obj: Mapping[str, Any], api_version: str, kind: str, *, digested: bool = False) -> JSON:
+    """The cache's entry for a child or pod (see the module docstring); `digested`: with the
+    digest of its content."""
     meta = obj.get("metadata") or {}
     entry: JSON = {"apiVersion": api_version, "kind": kind, "metadata": _slim_meta(meta)}
     if kind in WORKLOAD_KINDS:  # what the status builder and the rollout read
@@ -91,7 +94,7 @@ def slim(obj: Mapping[str, Any], api_version: str, kind: str) -> JSON:
                 if c.get("type") == "Ready"
             ],
         }
-    if kind != POD_KIND:
+    if digested:
         entry["digest"] = digest(obj)
     return entry
 

@@ -294,9 +294,11 @@ def _register_index(registry: kopf.OperatorRegistry, api_version: str, kind: str
 
     async def by_pipeline(body: kopf.Body, **_: Any) -> dict[cache.Key, dict[str, Any]]:
         key = cache.index_key(body)
-        return {} if key is None else {key: cache.slim(body, api_version, kind)}
+        return {} if key is None else {key: cache.slim(body, api_version, kind, digested=digested)}
 
     resource = (group, version, plural) if group else (version, plural)
+    # the kinds an apply compares against the cache (`Reconciler._existing_children`)
+    digested = kind in cache.CACHED_KINDS and kind not in cache.WORKLOAD_KINDS
     kopf.index(*resource, registry=registry, id=cache.index_name(kind), labels=labels)(by_pipeline)
 
 
