@@ -99,6 +99,17 @@ def slim(obj: Mapping[str, Any], api_version: str, kind: str, *, digested: bool 
     return entry
 
 
+def pipeline_entry(body: Mapping[str, Any]) -> JSON:
+    """The cache's entry for a pipeline: the whole document but its managedFields (a record
+    of every writer's fields, a few KiB per pipeline on a cluster, which nothing here reads;
+    `digest` ignores them too, so a cached and a fetched pipeline parse once)."""
+    entry = dict(body)
+    meta = entry.get("metadata") or {}
+    if "managedFields" in meta:
+        entry["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
+    return entry
+
+
 def index_key(obj: Mapping[str, Any]) -> Key | None:
     """(namespace, pipeline) of a labelled object, else None (not ours to index)."""
     meta = obj.get("metadata") or {}

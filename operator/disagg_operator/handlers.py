@@ -176,7 +176,7 @@ def register(
     async def pipelines_by_name(
         name: str, namespace: str | None, body: kopf.Body, **_: Any
     ) -> dict[cache.Key, dict[str, Any]]:
-        return {} if namespace is None else {(namespace, name): dict(body)}
+        return {} if namespace is None else {(namespace, name): cache.pipeline_entry(body)}
 
     cached = [k for k in planner.child_kinds(reconciler.options) if k[1] in cache.CACHED_KINDS]
     for api_version, kind in [*cached, ("v1", cache.SECRET_KIND), ("v1", cache.POD_KIND)]:

@@ -105,3 +105,17 @@ def test_a_scraping_round_is_bounded_by_the_per_pod_timeout():
     assert result["readings"] == 197
     # three hung pods cost one timeout each in their own slot, not the round's time each
     assert result["wall_s"] < 10
+
+
+def test_a_cached_pipeline_drops_only_its_managed_fields():
+    body = {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedPipeline",
+        "metadata": {"name": "p", "generation": 2, "managedFields": [{"manager": "kubectl"}]},
+        "spec": {"roles": []},
+        "status": {"phase": "Ready"},
+    }
+    entry = cache.pipeline_entry(body)
+    assert "managedFields" not in entry["metadata"] and "managedFields" in body["metadata"]
+    assert {**entry, "metadata": body["metadata"]} == body
+    assert cache.digest(entry) == cache.digest(body)
