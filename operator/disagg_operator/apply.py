@@ -483,7 +483,7 @@ async def apply_children(
     conflicts: list[Conflict] = []
     refs = [ObjectRef.of(desired) for desired in planned]
     unknown = [ref for ref in refs if ref not in existing]
-    fetched = await _all([api.get(ref) for ref in unknown])
+    fetched = await all_of([api.get(ref) for ref in unknown])
     current_of: dict[ObjectRef, JSON | None] = {r: existing[r] for r in refs if r in existing}
     current_of.update(zip(unknown, fetched, strict=True))
     allowed = []
@@ -494,7 +494,7 @@ async def apply_children(
         else:
             allowed.append((desired, ref))
     for wave in _waves(allowed):
-        stored_wave = await _all([api.apply(desired) for desired, _ in wave])
+        stored_wave = await all_of([api.apply(desired) for desired, _ in wave])
         for (_, ref), stored in zip(wave, stored_wave, strict=True):
             current = current_of[ref]
             objects.append(stored)
@@ -547,7 +547,7 @@ async def ensure_created(
 T = TypeVar("T")
 
 
-async def _all(requests: Sequence[Awaitable[T]]) -> list[T]:
+async def all_of(requests: Sequence[Awaitable[T]]) -> list[T]:
     """Every request's result, all in flight at once; the first failure is raised once all
     have ended (none is left running behind the caller's back)."""
     results = await asyncio.gather(*requests, return_exceptions=True)
