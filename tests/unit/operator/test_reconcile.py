@@ -200,6 +200,8 @@ def test_kopf_keeps_its_bookkeeping_in_annotations_of_its_own_prefix() -> None:
     # kopf waits longer than its default 5 s for its own patches to come back through a
     # lagging watch (else it runs the handler again on the older version)
     assert settings.persistence.consistency_timeout == handlers.CONSISTENCY_TIMEOUT > 5.0
+    # an idle worker (and the last body it processed) goes sooner than kopf's 5 s
+    assert settings.queueing.idle_timeout == handlers.WORKER_IDLE_TIMEOUT < 5.0
     selectors = {
         (getattr(k, "group", None), getattr(k, "any_name", None)): v
         for k, v in settings.watching.label_selectors.items()
