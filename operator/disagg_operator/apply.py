@@ -28,9 +28,10 @@ pipeline's uid as precondition (a pipeline recreated under the same name is not 
 
 Pods (`pipeline_pods`): listed, never written, for the autoscaler (`scaling_loop`).
 
-The peer key Secret (`ensure_created`): read, and created (POST) only when absent; never
-patched, so a key once made stays until someone deletes the Secret (which rotates it: the
-reconciler makes a new one). A create that loses a race (409) reads the winner's.
+The peer key Secret (`ensure_created`): read (from the watch cache when it has it), and
+created (POST) only when absent; never patched, so a key once made stays until someone
+deletes the Secret (which rotates it: the reconciler makes a new one). A create that finds
+the name taken (409: a race, or a cache behind) reads the one stored.
 """
 
 from __future__ import annotations
@@ -482,7 +483,7 @@ async def apply_children(
     conflicts: list[Conflict] = []
     refs = [ObjectRef.of(desired) for desired in planned]
     unknown = [ref for ref in refs if ref not in existing]
-    fetched = await _all([api.get(ref) for ref in unknown])
+    fetched = await all_of([api.get(ref) for ref in unknown])
     current_of: dict[ObjectRef, JSON | None] = {r: existing[r] for r in refs if r in existing}
     current_of.update(zip(unknown, fetched, strict=True))
     allowed = []
@@ -493,7 +494,7 @@ async def apply_children(
         else:
             allowed.append((desired, ref))
     for wave in _waves(allowed):
-        stored_wave = await _all([api.apply(desired) for desired, _ in wave])
+        stored_wave = await all_of([api.apply(desired) for desired, _ in wave])
         for (_, ref), stored in zip(wave, stored_wave, strict=True):
             current = current_of[ref]
             objects.append(stored)
@@ -520,19 +521,24 @@ async def apply_children(
     )
 
 
-async def ensure_created(api: Api, obj: Mapping[str, Any]) -> tuple[JSON, bool]:
+async def ensure_created(
+    api: Api, obj: Mapping[str, Any], *, likely_absent: bool = False
+) -> tuple[JSON, bool]:
     """The stored object of `obj`'s name, created from `obj` when absent; and whether this
-    call created it. An existing object is returned as it is, never changed."""
+    call created it. An existing object is returned as it is, never changed.
+    `likely_absent` (the watch cache has not seen it): create first and read only when
+    the name is taken (409), one request instead of two for a new object."""
     ref = ObjectRef.of(obj)
-    current = await api.get(ref)
-    if current is not None:
-        return current, False
+    if not likely_absent:
+        current = await api.get(ref)
+        if current is not None:
+            return current, False
     try:
         return await api.create(obj), True
     except ApiError as error:
         if error.status != 409:
             raise
-    current = await api.get(ref)  # someone else created it meanwhile
+    current = await api.get(ref)  # it exists (made by someone else, or not yet in the cache)
     if current is None:
         raise ApiError(409, "Conflict", f"{ref} was created and deleted while we created it")
     return current, False
@@ -541,7 +547,7 @@ async def ensure_created(api: Api, obj: Mapping[str, Any]) -> tuple[JSON, bool]:
 T = TypeVar("T")
 
 
-async def _all(requests: Sequence[Awaitable[T]]) -> list[T]:
+async def all_of(requests: Sequence[Awaitable[T]]) -> list[T]:
     """Every request's result, all in flight at once; the first failure is raised once all
     have ended (none is left running behind the caller's back)."""
     results = await asyncio.gather(*requests, return_exceptions=True)

@@ -9,10 +9,12 @@ sees a half-filled cache; a child that the cache lacks (not ours, or not seen ye
 with one GET before it is applied (see `apply.apply_children`).
 
 Entries are slim (`slim`): what ownership, pruning, the status builder and the autoscaler
-read, plus a digest of the object's content (everything but its status and the fields the
-server keeps changing), so that "did this apply change the object" needs no resourceVersion
-from a possibly older cache entry. A full StatefulSet is ~5 KiB of JSON; 3,000 of them as
-Python objects would be most of the operator's memory.
+read. A cached kind that an apply compares against (none today: the workloads are listed
+fresh before an apply, for the rollout) would also carry a digest of the object's content
+(everything but its status and the fields the server keeps changing), so that "did this apply
+change the object" needs no resourceVersion from a possibly older cache entry; computing it
+per event costs a JSON dump of the whole object. A full StatefulSet is ~5 KiB of JSON; 3,000
+of them as Python objects would be most of the operator's memory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from disagg_operator import names
+from disagg_operator import names, pods
 
 JSON = dict[str, Any]
 Key = tuple[str, str]  # namespace, pipeline
@@ -35,6 +37,9 @@ POD_KIND: Final = "Pod"
 # label each, as before).
 WORKLOAD_KINDS: Final = frozenset({"StatefulSet", "Deployment"})
 CACHED_KINDS: Final = WORKLOAD_KINDS
+# The peer key Secret is watched anyway (a deleted one is made again), so it is indexed too:
+# a reconcile then reads its key from the cache instead of a GET per reconcile.
+SECRET_KIND: Final = "Secret"
 
 
 def digest(obj: Mapping[str, Any]) -> str:
@@ -56,8 +61,9 @@ def _slim_meta(meta: Mapping[str, Any]) -> JSON:
     return result
 
 
-def slim(obj: Mapping[str, Any], api_version: str, kind: str) -> JSON:
-    """The cache's entry for a child or pod (see the module docstring)."""
+def slim(obj: Mapping[str, Any], api_version: str, kind: str, *, digested: bool = False) -> JSON:
+    """The cache's entry for a child or pod (see the module docstring); `digested`: with the
+    digest of its content."""
     meta = obj.get("metadata") or {}
     entry: JSON = {"apiVersion": api_version, "kind": kind, "metadata": _slim_meta(meta)}
     if kind in WORKLOAD_KINDS:  # what the status builder and the rollout read
@@ -67,6 +73,9 @@ def slim(obj: Mapping[str, Any], api_version: str, kind: str) -> JSON:
         if kind == "StatefulSet" and spec.get("updateStrategy") is not None:
             entry["spec"]["updateStrategy"] = spec["updateStrategy"]
         entry["status"] = dict(obj.get("status") or {})
+    elif kind == SECRET_KIND:
+        data = obj.get("data") or {}
+        entry["data"] = {k: data[k] for k in (pods.PEER_KEY_KEY,) if k in data}
     elif kind == POD_KIND:
         containers = (obj.get("spec") or {}).get("containers") or ()
         entry["spec"] = {
@@ -85,8 +94,19 @@ def slim(obj: Mapping[str, Any], api_version: str, kind: str) -> JSON:
                 if c.get("type") == "Ready"
             ],
         }
-    if kind != POD_KIND:
+    if digested:
         entry["digest"] = digest(obj)
+    return entry
+
+
+def pipeline_entry(body: Mapping[str, Any]) -> JSON:
+    """The cache's entry for a pipeline: the whole document but its managedFields (a record
+    of every writer's fields, a few KiB per pipeline on a cluster, which nothing here reads;
+    `digest` ignores them too, so a cached and a fetched pipeline parse once)."""
+    entry = dict(body)
+    meta = entry.get("metadata") or {}
+    if "managedFields" in meta:
+        entry["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
     return entry
 
 
@@ -128,6 +148,10 @@ class Cache:
                 return None
             result.extend(values)
         return result
+
+    def secrets(self, key: Key) -> list[JSON] | None:
+        """The pipeline's labelled Secrets (its peer key), None when not cached."""
+        return self._values(index_name(SECRET_KIND), key)
 
     def pods(self, key: Key) -> list[JSON] | None:
         return self._values(index_name(POD_KIND), key)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,25 @@ from disagg_operator import kopfcost
 DEFAULT_STALL_AFTER: Final = 300.0  # seconds
 PROBE_ID: Final = "disagg-liveness"
 Clock = Callable[[], float]
+SERVER_LOGGER: Final = "aiohttp.server"  # where aiohttp logs a request handler's exception
+
+
+class ProbeFailureLogged(logging.Filter):
+    """Drops aiohttp's report of a failing /healthz: kopf has already logged why, in one line
+    (`Handler 'disagg-liveness' failed permanently: stuck: ...`), and aiohttp's "Error
+    handling request" adds a full traceback of kopf's internals on every probe (kubelet
+    probes every few seconds)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(getattr(error, "__cause__", None), kopf.PermanentError)
+
+
+def quiet_probe_failures() -> None:
+    """Install `ProbeFailureLogged` on aiohttp's server logger (once)."""
+    logger = logging.getLogger(SERVER_LOGGER)
+    if not any(isinstance(f, ProbeFailureLogged) for f in logger.filters):
+        logger.addFilter(ProbeFailureLogged())
 
 
 @dataclass
@@ -115,6 +135,7 @@ def register(
     """Add the probe handler to `registry`; the `Watches` it reads (None when kopf's watches
     cannot be observed)."""
     resources = tuple(watched)
+    quiet_probe_failures()
     watches = Watches(clock=clock)
     observed = kopfcost.observe_watches(watches.hear)
     started = clock()

@@ -31,10 +31,11 @@ Each pipeline has an `asyncio.Lock`: reconciles and refreshes of one pipeline ne
 computed from older reads never overwrites a newer one. Refreshes requested while one is
 waiting for the lock are merged into it.
 
-Reads come from the watch cache (`cache`: the children, and the pipeline for a refresh) when
-kopf has bound it, so a reconcile costs a GET of the pipeline, one fresh list of its
-StatefulSets and Deployment (a rollout must not act on a lagging cache; the apply compares
-against the same list), plus one apply per child (and a GET for a child not seen yet), and a
+Reads come from the watch cache (`cache`: the workloads, the peer key Secret, and the
+pipeline for a refresh) when kopf has bound it, so a reconcile costs a GET of the pipeline,
+one fresh list of its StatefulSets and Deployment (a rollout must not act on a lagging cache;
+the apply compares against the same list), one list per other child kind, plus one apply per
+child (and a GET for a child not seen yet; a POST for a peer key Secret not seen yet), and a
 refresh no request at all unless the status changed. The parsed spec is kept per pipeline
 until its content changes, and so is what the rollout reads of the plan: a refresh neither
 parses nor plans again.
@@ -297,15 +298,21 @@ class Reconciler:
             return await self._finish(body, state, pipeline, None)
         extra = privileged_events(pipeline, state.privileged)
         state.privileged = tuple(str(p) for p in podpolicy.findings(pipeline))
-        key, created = await self._peer_key(pipeline, namespace, owner)
+        kinds = planner.child_kinds(options)
+        others = [k for k in kinds if k not in WORKLOAD_KINDS]
+        # the reads, all at once (one round trip: a slow API server costs one wait, not three)
+        secret = asyncio.ensure_future(self._peer_key(pipeline, namespace, owner))
+        # fresh, not cached: a rollout must not act on a lagging cache; also what the apply
+        # compares these kinds against (no second list of them)
+        listed = asyncio.ensure_future(
+            apply.list_children(self.api, WORKLOAD_KINDS, namespace=namespace, pipeline=owner.name)
+        )
+        children = asyncio.ensure_future(self._existing_children(others, namespace, owner.name))
+        await apply.all_of([secret, listed, children])
+        (key, created), workloads, existing = secret.result(), listed.result(), children.result()
         digest = planner.peer_key_digest(peer_key_text(key))
         objects = self._plan(pipeline, state, namespace, owner, options, digest)
         state.peer_key_hash = digest
-        # fresh, not cached: a rollout must not act on a lagging cache; also what the apply
-        # compares these kinds against (no second list of them)
-        workloads = await apply.list_children(
-            self.api, WORKLOAD_KINDS, namespace=namespace, pipeline=owner.name
-        )
         live = [
             o for o in workloads.values() if (apply.controller_of(o) or {}).get("uid") == owner.uid
         ]
@@ -313,19 +320,13 @@ class Reconciler:
         if self._options_for(state) != options:  # the rollout moved a partition
             options = self._options_for(state)
             objects = self._plan(pipeline, state, namespace, owner, options, digest)
-        kinds = planner.child_kinds(options)
         result = await apply.apply_children(
             self.api,
             objects,
             owner=owner,
             namespace=namespace,
             kinds=kinds,
-            existing={
-                **workloads,
-                **await self._existing_children(
-                    [k for k in kinds if k not in WORKLOAD_KINDS], namespace, owner.name
-                ),
-            },
+            existing={**workloads, **existing},
         )
         if created:  # reported with the children
             made = (apply.ObjectRef.of(key), *result.created)
@@ -347,7 +348,12 @@ class Reconciler:
             key=secrets.token_hex(PEER_KEY_BYTES),
             owner=owner,
         )
-        return await apply.ensure_created(self.api, wanted)
+        cached = self.cache.secrets((namespace, owner.name))
+        name = wanted["metadata"]["name"]
+        found = next((s for s in cached or () if s["metadata"]["name"] == name), None)
+        if found is not None and peer_key_text(found):
+            return found, False
+        return await apply.ensure_created(self.api, wanted, likely_absent=cached is not None)
 
     async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
         parsed = self.validated(body, state, self._options_for(state))

@@ -193,3 +193,19 @@ async def test_ensure_created_creates_once_and_never_overwrites(
     assert not created and reconcile.peer_key_text(again) == "a" * 64
     assert again["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
     assert {c.verb for c in k8s.calls if c.resource == "secrets"} == {"get"}  # no writes
+
+
+async def test_ensure_created_when_likely_absent_creates_first_and_reads_a_taken_name(
+    k8s: EmulatorThread, api: apply.Api
+):
+    _, pipeline, owner = await make_pipeline(k8s)
+    first = planner.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
+    k8s.clear_calls()
+    stored, created = await apply.ensure_created(api, first, likely_absent=True)
+    assert created and reconcile.peer_key_text(stored) == "a" * 64
+    assert [c.verb for c in k8s.calls if c.resource == "secrets"] == ["create"]  # no GET
+    second = planner.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
+    k8s.clear_calls()
+    again, created = await apply.ensure_created(api, second, likely_absent=True)
+    assert not created and reconcile.peer_key_text(again) == "a" * 64  # kept, not overwritten
+    assert [c.verb for c in k8s.calls if c.resource == "secrets"] == ["create", "get"]

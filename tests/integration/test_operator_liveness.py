@@ -36,6 +36,13 @@ def healthz(port: int) -> tuple[int, str]:
         return 0, ""
 
 
+def assert_one_line_per_failure(caplog: pytest.LogCaptureFixture) -> None:
+    """Each failed probe is kopf's one line with the reason; no traceback from aiohttp."""
+    failed = [r for r in caplog.records if "stuck:" in r.getMessage()]
+    assert failed and all(r.exc_info is None for r in failed)
+    assert not [r for r in caplog.records if r.name == liveness.SERVER_LOGGER]
+
+
 def operator_for(k8s: EmulatorThread, port: int) -> main.Operator:
     # BOOKMARKs well within the stall limit, as a cluster's (about one a minute) are within
     # the default 300 s: a quiet but healthy watch is heard from
@@ -99,6 +106,7 @@ async def test_reconciles_that_cannot_end_fail_liveness(k8s: EmulatorThread, dis
         await s.call(k8s.call, setattr, k8s.emulator, "faults", None)
     assert body  # kopf's error page; the reason is in the operator's log
     assert "without one ending" in caplog.text
+    assert_one_line_per_failure(caplog)
 
 
 async def test_silent_watches_fail_liveness(k8s: EmulatorThread, disagg_crd, caplog):
@@ -114,3 +122,4 @@ async def test_silent_watches_fail_liveness(k8s: EmulatorThread, disagg_crd, cap
         await answers(port, 500, FAILS_WITHIN)
         await s.call(k8s.call, setattr, k8s.emulator, "faults", None)
     assert "has been silent for" in caplog.text
+    assert_one_line_per_failure(caplog)

@@ -2,7 +2,8 @@
 operator_rbac_observed.json for the Helm chart's ClusterRole test to compare with.
 
 The scenario below exercises every path: create (with a colocation group, so a
-ResourceClaimTemplate; every pipeline's peer key Secret and NetworkPolicy), status
+ResourceClaimTemplate; every pipeline's peer key Secret and NetworkPolicy; a peer key Secret
+that already exists), status
 refreshes, edits that prune (the group dissolved, a role removed, the NetworkPolicy turned
 off), a re-created child, an invalid spec, a conflict, deletion, with cluster-wide
 kopf peering (`--peering`: clusterkopfpeerings; kopf patches its status, which the emulator
@@ -16,6 +17,7 @@ file, and the chart, learn it)."""
 
 from __future__ import annotations
 
+import base64
 import os
 from typing import Any
 
@@ -98,6 +100,11 @@ async def test_the_operator_rbac_is_recorded(
 
         taken = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "held-topology"}}
         await s.call(k8s.create, taken, s.NS)
+        # a peer key Secret made by hand (unlabelled: not in the watch cache): the operator's
+        # create finds the name taken and reads it
+        key = base64.b64encode(b"k" * 64).decode()
+        by_hand = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "held-peer-key"}}
+        await s.call(k8s.create, {**by_hand, "data": {"key": key}}, s.NS)
         await s.call(k8s.create, s.pipeline_doc("held", [{"name": "a"}]), s.NS)
         await s.until(
             k8s, lambda: s.pipeline_status(k8s, "held").get("phase") == "Degraded", "conflict"

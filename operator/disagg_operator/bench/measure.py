@@ -23,7 +23,7 @@ from disagg_operator.bench.workload import Json
 
 API_REQUESTS: Final = "disagg_operator_api_requests"
 SERVER_CPU: Final = ("emulator_cpu_seconds_total", "process_cpu_seconds_total")
-TOP: Final = 12  # request kinds listed per phase
+TOP: Final = 40  # request kinds listed per phase (the operator sends about 25)
 
 Counts = dict[tuple[str, str, str, str], float]  # (client, verb, resource, outcome) -> count
 

@@ -56,7 +56,8 @@ def test_the_digest_ignores_status_and_server_kept_fields_but_not_content():
     other["spec"]["replicas"] = 4
     assert cache.digest(obj) != cache.digest(other)
     # an apply whose answer has the cached content is not an update, whatever the versions
-    entry = cache.slim(obj, "apps/v1", "StatefulSet")
+    entry = cache.slim(obj, "apps/v1", "StatefulSet", digested=True)
+    assert "digest" not in cache.slim(obj, "apps/v1", "StatefulSet")  # listed before applies
     assert not apply._changed(
         entry, {**obj, "metadata": {**obj["metadata"], "resourceVersion": "8"}}
     )
@@ -104,3 +105,17 @@ def test_a_scraping_round_is_bounded_by_the_per_pod_timeout():
     assert result["readings"] == 197
     # three hung pods cost one timeout each in their own slot, not the round's time each
     assert result["wall_s"] < 10
+
+
+def test_a_cached_pipeline_drops_only_its_managed_fields():
+    body = {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedPipeline",
+        "metadata": {"name": "p", "generation": 2, "managedFields": [{"manager": "kubectl"}]},
+        "spec": {"roles": []},
+        "status": {"phase": "Ready"},
+    }
+    entry = cache.pipeline_entry(body)
+    assert "managedFields" not in entry["metadata"] and "managedFields" in body["metadata"]
+    assert {**entry, "metadata": body["metadata"]} == body
+    assert cache.digest(entry) == cache.digest(body)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+import kopf
+
 from disagg_operator import liveness
 
 WATCHED = ("disaggregatedpipelines", "statefulsets")
@@ -60,3 +64,21 @@ def test_progress_starts_counting_when_work_arrives():
     now[0] = 1000.0  # idle until now
     with progress.working():
         assert progress.stalled_for(1010.0) == 10.0
+
+
+def _record(error: BaseException | None) -> logging.LogRecord:
+    exc_info = None if error is None else (type(error), error, error.__traceback__)
+    return logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "x", (), exc_info)
+
+
+def test_a_failed_probe_logs_no_traceback_but_other_request_errors_do():
+    quiet = liveness.ProbeFailureLogged()
+    try:
+        try:
+            raise kopf.PermanentError("stuck: reconciles have waited")
+        except kopf.PermanentError as reason:
+            raise RuntimeError("One or more handlers failed.") from reason  # as kopf does
+    except RuntimeError as probe_failed:
+        assert not quiet.filter(_record(probe_failed))
+    assert quiet.filter(_record(ValueError("a bug in a request handler")))
+    assert quiet.filter(_record(None))

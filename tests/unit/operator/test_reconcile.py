@@ -5,8 +5,9 @@ the progress deadline needs a recheck, ownership and pruning rules, kopf setting
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import pytest
@@ -199,6 +200,8 @@ def test_kopf_keeps_its_bookkeeping_in_annotations_of_its_own_prefix() -> None:
     # kopf waits longer than its default 5 s for its own patches to come back through a
     # lagging watch (else it runs the handler again on the older version)
     assert settings.persistence.consistency_timeout == handlers.CONSISTENCY_TIMEOUT > 5.0
+    # an idle worker (and the last body it processed) goes sooner than kopf's 5 s
+    assert settings.queueing.idle_timeout == handlers.WORKER_IDLE_TIMEOUT < 5.0
     selectors = {
         (getattr(k, "group", None), getattr(k, "any_name", None)): v
         for k, v in settings.watching.label_selectors.items()
@@ -214,6 +217,30 @@ def test_kopf_keeps_its_bookkeeping_in_annotations_of_its_own_prefix() -> None:
         ("networking.k8s.io", "networkpolicies"),
     }
     assert set(selectors.values()) == {ours}
+
+
+def test_clearing_progress_matches_kopf_and_leaves_the_essence_alone() -> None:
+    ours = handlers.ProgressStorage(prefix=handlers.ANNOTATION_PREFIX)
+    kopfs = kopf.AnnotationsProgressStorage(prefix=handlers.ANNOTATION_PREFIX)
+    progress = f"{handlers.ANNOTATION_PREFIX}/reconcile"
+    essences: list[dict[str, Any]] = [
+        {
+            "spec": {"roles": [{"name": "a", "env": [{"name": "X", "value": "1"}]}]},
+            "metadata": {
+                "labels": {"app": "x"},
+                "annotations": {progress: "{}", names.ANNOTATION_GPU_MODE: "shared"},
+            },
+        },
+        {"spec": {"roles": []}, "metadata": {"annotations": {progress: "{}"}}},
+        {"spec": {}, "metadata": {"labels": {"a": "b"}}},
+        {"spec": {}},
+    ]
+    for essence in essences:
+        before = copy.deepcopy(essence)
+        cleared = ours.clear(essence=cast(kopf.BodyEssence, essence))
+        assert cleared == kopfs.clear(essence=cast(kopf.BodyEssence, copy.deepcopy(essence)))
+        assert essence == before  # the caller's essence is not changed
+        assert progress not in str(cleared)
 
 
 def test_an_explicit_connection_is_used_as_is() -> None:
