@@ -1,17 +1,19 @@
-"""Large request bodies read from the socket straight into reusable memory.
+"""Large request bodies read from the socket straight to where they belong.
 
 aiohttp reads a body in pieces of at most 256 KiB into fresh `bytes` objects, and each
 piece must then be copied again to where it belongs; for a 64 MiB body that is hundreds of
 allocations, two copies and fresh pages to fault in. Here the connection's transport is
-handed to a `BufferedProtocol` for the rest of the body: the event loop `recv_into`s the
-kernel's data directly at its place in a slot of an `Arena` (memory faulted in once and
-reused body after body), so the body is copied once, by the kernel. The safetensors parser
-then views that memory, and the slot goes back to the arena as soon as the payload has been
-written into the entry role's pool.
+handed to a `BufferedProtocol` for the rest of the body (`Body`): the event loop
+`recv_into`s the kernel's data directly into memory the caller names piece by piece, so
+the body is copied once, by the kernel. The gateway names a small buffer for the
+safetensors header, then the places of the tensors in a slot of the entry role's pool
+reserved for them (gateway/app.py), or, where that pool is not mapped in this process, a
+slot of an `Arena` (memory faulted in once and reused body after body), which the
+safetensors parser then views until the payload is sent.
 
 aiohttp's HTTP parser never sees the bytes read this way, so it cannot find the start of a
 next request on the connection: the connection closes after the answer (`Connection: close`
-is sent, which HTTP clients honour by reconnecting; a 64 MiB body dwarfs a new connection).
+is sent, which HTTP clients honour by reconnecting; a 1 MiB body dwarfs a new connection).
 """
 
 from __future__ import annotations
