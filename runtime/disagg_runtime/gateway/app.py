@@ -304,7 +304,9 @@ class Gateway:
         metadata, spans = native.parse_header(header, body.length - 8 - size)
         manifest, places = native.slot_layout(metadata, spans)
         remaining = max(0.0, body.deadline - time.monotonic())
-        reserved = await self.pipeline.reserve(manifest, remaining)
+        reserved = None
+        if manifest.nbytes:  # (a body of metadata only has nothing to land)
+            reserved = await self.pipeline.reserve(manifest, remaining)
         if reserved is None:
             slot = self.arena.take(body.length)
             try:
