@@ -8,6 +8,11 @@ out of the pool before the slot is released, so they stay valid for the caller.
     video = client.submit({"prompt": tokens}, timeout=30)
     for frame in client.stream(payload): ...
 
+A caller that makes a payload's bytes itself can write them straight into the entry
+role's pool (shm entry relay, one entry role): `reserve(manifest)` holds a slot there,
+the caller fills `Reserved.slot`, and `Reserved.start` submits it (`release` gives an
+unused slot back).
+
 The client holds the pipeline's peer key (`key`, else the file DISAGG_PEER_KEY_FILE
 names; relay/auth.py): roles serve it, and reply to its ingress, only because it proves
 that key. There is no default key: without one the client does not start.
@@ -30,10 +35,12 @@ import torch
 from disagg_core.contract import Peer
 from disagg_runtime import envelope
 from disagg_runtime.envelope import Meta, Reply
+from disagg_runtime.manifest import Manifest
 from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name, shm_namespace
-from disagg_runtime.relay import Ingress, RelayError
+from disagg_runtime.relay import Ingress, RelayError, ShmSender
 from disagg_runtime.relay.auth import check_key, key_from_env
+from disagg_runtime.relay.shm import Grant
 
 _END = object()
 
@@ -90,6 +97,55 @@ class _Pending:
     next_seq: dict[str, int] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)
     on_chunk: Callable[[Any], None] | None = None
+
+
+class Reserved:
+    """A slot held in the entry role's pool for one request: fill `slot` with the tensors at
+    their manifest offsets, then `start` the request (or `release` the slot unused).
+    `release` after `start` does nothing: call it in any case once done."""
+
+    def __init__(
+        self, client: Client, peers: PeerSet, relay: ShmSender, grant: Grant, deadline: float
+    ) -> None:
+        self._client = client
+        self._peers = peers
+        self._relay = relay
+        self.grant = grant
+        self.deadline = deadline
+        self.slot = relay.slot(grant)
+        self._used = False
+        self._lock = threading.Lock()
+
+    @property
+    def rid(self) -> str:
+        return self.grant.rid
+
+    def _use(self) -> bool:
+        with self._lock:
+            used, self._used = self._used, True
+        return not used
+
+    def start(self, *, on_chunk: Callable[[Any], None] | None = None) -> tuple[str, Future[Any]]:
+        """Commit the filled slot: the request starts, as `Client.start` would start it."""
+        client, rid = self._client, self.grant.rid
+        if not self._use():
+            raise RequestFailed(f"request {rid}: its slot was already released")
+        pending = _Pending(client.exits, self.deadline, on_chunk=on_chunk)
+        with client._lock:
+            client._pending[rid] = pending
+        remaining = max(0.0, self.deadline - time.monotonic())
+        meta = Meta(rid, "data", "client", time.time() + remaining, client.reply)
+        try:
+            self._relay.commit(self.grant, meta=meta.to_json(), timeout=remaining)
+        except (RelayError, OSError) as exc:
+            client._finish(rid, exc=RequestFailed(f"request {rid} could not be submitted: {exc}"))
+        return rid, pending.future
+
+    def release(self) -> None:
+        """Give the slot back, unless the request started (idempotent; may block briefly)."""
+        if self._use():
+            self._relay.cancel(self.grant)
+            self._peers.unpin(self.grant.rid)
 
 
 class Client:
@@ -170,6 +226,41 @@ class Client:
         block), and the future's result then holds `Streamed(count)` instead of the chunks."""
         rid, pending = self._start(payload, timeout, on_chunk)
         return rid, pending.future
+
+    def reserve(self, manifest: Manifest, *, timeout: float | None = None) -> Reserved | None:
+        """A slot for a payload laid out as `manifest`, in the pool of the entry role that
+        would get the request, waiting up to `timeout` s for room there; None when the
+        payload cannot be written in place (not exactly one entry role, or its relay is not
+        shm): submit it instead. RequestFailed when no slot could be had."""
+        if len(self.entries) != 1 or self.entries[0].kind != "shm":
+            return None
+        if self._closed.is_set():
+            raise RequestFailed("client is closed")
+        peers = self.entries[0]
+        seconds = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + seconds
+        rid = uuid.uuid4().hex
+
+        def reserve(relay: Any, remaining: float) -> Grant:
+            if not isinstance(relay, ShmSender):
+                raise RelayError(f"relay to {relay.endpoint} cannot be written in place")
+            return relay.reserve(rid, manifest, timeout=remaining)
+
+        try:
+            endpoint = peers.endpoint_for(rid, self.relays.viewer(peers.kind))
+            relay, grant = self.relays.on_relay(
+                peers.kind,
+                endpoint,
+                reserve,
+                timeout=seconds,
+                repick=lambda: peers.reroute(rid, self.relays.viewer(peers.kind)),
+                role=peers.peer.role,
+            )
+        except (RelayError, OSError) as exc:
+            peers.unpin(rid)
+            raise RequestFailed(f"request {rid}: no slot in the entry role's pool: {exc}") from None
+        assert isinstance(relay, ShmSender)
+        return Reserved(self, peers, relay, grant, deadline)
 
     def submit(self, payload: Any, *, timeout: float | None = None) -> Any:
         future = self.submit_async(payload, timeout=timeout)

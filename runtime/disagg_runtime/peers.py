@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -42,6 +42,7 @@ from disagg_core.contract import Peer
 from disagg_runtime import dispatch
 from disagg_runtime.relay import NotAPeer, PeerLost, Relay, RelayError, WrongRole, connect
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 RESOLVE_EVERY = 5.0
 FILE_RESOLVE_EVERY = 0.25
@@ -262,6 +263,29 @@ class RelayCache:
         replicas: a pod scaled away is no longer among them), else to the same one; so is one
         that serves another `role` than the one named (WrongRole). A relay that failed
         otherwise is dropped, and the error raised."""
+        return self.on_relay(
+            kind,
+            endpoint,
+            lambda relay, remaining: relay.send(
+                payload, request_id=request_id, timeout=remaining, meta=meta
+            ),
+            timeout=timeout,
+            repick=repick,
+            role=role,
+        )
+
+    def on_relay(
+        self,
+        kind: str,
+        endpoint: str,
+        operation: Callable[[Relay, float], T],
+        *,
+        timeout: float,
+        repick: Callable[[], str] | None = None,
+        role: str | None = None,
+    ) -> tuple[Relay, T]:
+        """`operation(relay, seconds left)` on the relay to `endpoint`, reconnecting and
+        trying once more as `send` does; the relay it ran on and its result."""
         deadline = time.monotonic() + timeout
         for attempt in (1, 2):
             remaining = max(0.05, deadline - time.monotonic())
@@ -269,9 +293,7 @@ class RelayCache:
             try:
                 relay = self.get(kind, endpoint, timeout=remaining, role=role)
                 remaining = max(0.05, deadline - time.monotonic())
-                return relay, relay.send(
-                    payload, request_id=request_id, timeout=remaining, meta=meta
-                )
+                return relay, operation(relay, remaining)
             except PeerLost as exc:
                 if relay is not None:  # (one that failed to open, or WrongRole, is not kept)
                     self.drop(kind, endpoint, relay)

@@ -201,20 +201,15 @@ def test_safetensors_body_and_answer_with_curl(served: Served, tmp_path: Path) -
     assert json.loads(header["__metadata__"]["0.i"]) == 5
 
 
-def test_large_safetensors_body_lands_in_the_arena(served: Served) -> None:
-    """A body over upload.MIN_TAKEOVER that aiohttp has not read whole (the client sends
-    its second half only once the gateway waits for it) is read past aiohttp into the
-    gateway's arena: the answer is right, the connection closes after it, and the slot is
-    free again once the payload is in the entry role's pool."""
-    x = torch.arange(768 * 1024, dtype=torch.float32)  # 3 MiB
-    content = st_save({"x": x}, metadata={"i": "7", "n": "1"})
-    assert len(content) >= upload.MIN_TAKEOVER
+def post_in_halves(url: str, content: bytes, between: Callable[[], None]) -> Any:
+    """POST a safetensors body whose second half goes only after `between()` returned (so
+    aiohttp cannot have it whole: the gateway reads it past aiohttp); the answer's
+    Connection header and its tensors."""
     half = len(content) // 2
-    arena = served.gateway.arena.allocator
 
     def halves() -> Iterator[bytes]:
         yield content[:half]
-        wait_until(lambda: arena.stats().used > 0, what="the gateway reading into its arena")
+        between()
         yield content[half:]
 
     headers = {
@@ -222,36 +217,137 @@ def test_large_safetensors_body_lands_in_the_arena(served: Served) -> None:
         "Accept": native.SAFETENSORS,
         "Content-Length": str(len(content)),
     }
-    conn = http.client.HTTPConnection("127.0.0.1", int(served.url.rsplit(":", 1)[1]), timeout=WAIT)
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=WAIT)
     try:
         conn.request("POST", "/v1/infer", body=halves(), headers=headers)
         answer = conn.getresponse()
-        assert answer.status == 200 and answer.getheader("Connection") == "close"
-        assert torch.equal(st_load(answer.read())["0.x"], x)
+        data = answer.read()
+        assert answer.status == 200, data[:300]
+        return answer.getheader("Connection"), st_load(data)
     finally:
         conn.close()
-    wait_until(lambda: arena.stats().used == 0, what="the arena slot freed")
+
+
+def entry_pool_used(local: LocalPipeline) -> float:
+    return pools_used(local)["front"]
+
+
+def test_large_safetensors_body_lands_in_the_entry_roles_pool(
+    served: Served, local: LocalPipeline
+) -> None:
+    """A body over upload.MIN_TAKEOVER is received straight into a slot of the entry
+    role's pool reserved for it (the shm relay maps that pool in the gateway), not into the
+    gateway's arena: the answer is right, the connection closes after it, and every pool is
+    free again afterwards."""
+    x = torch.arange(768 * 1024, dtype=torch.float32)  # 3 MiB
+    content = st_save({"x": x}, metadata={"i": "7", "n": "1"})
+    assert len(content) >= upload.MIN_TAKEOVER
+    arena = served.gateway.arena.allocator
+
+    def reserved() -> None:
+        wait_until(lambda: entry_pool_used(local) > 0, what="a slot reserved in front's pool")
+        assert arena.stats().used == 0
+
+    connection, out = post_in_halves(served.url, content, reserved)
+    assert connection == "close" and torch.equal(out["0.x"], x)
+    wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="pools free")
     r = httpx.post(  # a whole body at once: either way of reading it gives the same answer
-        f"{served.url}/v1/infer", content=content, headers=headers, timeout=WAIT
+        f"{served.url}/v1/infer",
+        content=content,
+        headers={"Content-Type": native.SAFETENSORS, "Accept": native.SAFETENSORS},
+        timeout=WAIT,
     )
     assert r.status_code == 200 and torch.equal(st_load(r.content)["0.x"], x)
 
 
-def test_disconnect_mid_body_frees_the_arena(served: Served) -> None:
-    """A client that sends part of a large body and goes away: the slot comes back, and
-    the gateway goes on serving."""
-    size = 3 << 20
+def tcp_client(local: LocalPipeline) -> Client:
+    """A client that reaches the entry role over tcp, as a gateway in its own pod does."""
+    configs = [rp.config for rp in local.processes]
+    return Client(
+        [Peer("front", tuple(f"127.0.0.1:{c.ingress_port}" for c in configs if c.role == "front"))],
+        ["back"],
+        pipeline=local.pipeline.name,
+        entry_relay="tcp",
+        reply_relay="tcp",
+        peers_file=local.peers_file,
+        key=local.key,
+    )
+
+
+def test_large_safetensors_body_over_tcp_lands_in_the_arena(local: LocalPipeline) -> None:
+    """Where the entry role's pool is not mapped here (tcp relay), the body is received into
+    the gateway's arena and sent from there; the slot is free once it is sent."""
+    client = tcp_client(local)
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", max_body=4 << 20)))
+    try:
+        x = torch.arange(768 * 1024, dtype=torch.float32)
+        content = st_save({"x": x}, metadata={"i": "7", "n": "1"})
+        arena = server.gateway.arena.allocator
+        connection, out = post_in_halves(
+            server.url,
+            content,
+            lambda: wait_until(lambda: arena.stats().used > 0, what="the arena slot taken"),
+        )
+        assert connection == "close" and torch.equal(out["0.x"], x)
+        wait_until(lambda: arena.stats().used == 0, what="the arena slot freed")
+    finally:
+        server.close()
+        client.close()
+
+
+def large_head(size: int) -> tuple[bytes, bytes]:
+    """The HTTP head of a safetensors POST of about `size` bytes, and its body."""
+    content = st_save({"x": torch.zeros(size // 4, dtype=torch.float32)})
     head = (
         f"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: {native.SAFETENSORS}\r\n"
-        f"Content-Length: {size}\r\n\r\n"
+        f"Content-Length: {len(content)}\r\n\r\n"
     ).encode()
+    return head, content
+
+
+def test_disconnect_mid_body_frees_the_reservation(served: Served, local: LocalPipeline) -> None:
+    """A client that sends part of a large body and goes away: the slot reserved in the
+    entry role's pool is given back, and the gateway goes on serving."""
+    head, content = large_head(3 << 20)
     port = int(served.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
-        sock.sendall(head + bytes(size // 2))
-        wait_until(lambda: served.gateway.arena.allocator.stats().used > 0, what="slot taken")
-    wait_until(lambda: served.gateway.arena.allocator.stats().used == 0, what="slot freed")
+        sock.sendall(head + content[: len(content) // 2])
+        wait_until(lambda: entry_pool_used(local) > 0, what="a slot reserved")
+    wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="the slot freed")
     r = httpx.post(f"{served.url}/v1/infer", json=body(3, n=1), timeout=WAIT)
     assert r.status_code == 200, r.text
+
+
+def test_a_stalled_upload_is_408_and_frees_its_reservation(local: LocalPipeline) -> None:
+    """A client that sends the headers and part of the body, then nothing: once the request
+    timeout has passed the answer is 408 Request Timeout, saying how much came, and the slot
+    reserved for the body is free. A stalled JSON body is 408 too."""
+    client = local.client(timeout=1.0)
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", timeout=1.0)))
+    try:
+        head, content = large_head(3 << 20)
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+            sock.sendall(head + content[:4096])
+            wait_until(lambda: entry_pool_used(local) > 0, what="a slot reserved")
+            answer = http.client.HTTPResponse(sock)
+            answer.begin()
+            error = json.loads(answer.read())["error"]
+        assert answer.status == 408, error
+        assert error["type"] == "request_timeout"
+        assert f"4096 of {len(content)} bytes" in error["message"]
+        wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="slot freed")
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+            sock.sendall(
+                b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"inputs": '
+            )
+            answer = http.client.HTTPResponse(sock)
+            answer.begin()
+            assert answer.status == 408, answer.read()
+    finally:
+        server.close()
+        client.close()
 
 
 @pytest.mark.parametrize(

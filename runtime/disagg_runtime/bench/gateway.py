@@ -9,7 +9,7 @@ one `disagg gateway` process (started from the contract's environment, as in a p
 - large: a `--size` (default 64 MiB) safetensors body POSTed to the gateway, answered with
   its byte count: the time for the body to reach the entry role and a tiny answer to come
   back, against one single-threaded memcpy of the same size (`bench transport`'s limit),
-  the in-process client sending the same tensor, and raw loopback TCP (a thread's
+  the in-process client sending the same tensor, and raw loopback TCP (one process's
   `sendall` into another's `recv_into`, no HTTP, no Python per chunk): the floor for any
   HTTP upload on this machine at this moment.
 """
@@ -25,7 +25,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -102,30 +101,48 @@ def start_gateway(local: LocalPipeline, max_body: int) -> tuple[subprocess.Popen
     raise TimeoutError("gateway not ready within 60 s")
 
 
-def raw_tcp_seconds(size: int) -> float:
-    """One loopback TCP transfer of `size` bytes into a pre-faulted buffer."""
+def raw_tcp_seconds(size: int, repeats: int) -> list[float]:
+    """Loopback TCP transfers of `size` bytes into a pre-faulted buffer of another process
+    (`sink`), as an HTTP client's body goes to the gateway: each from the first `sendall`
+    until the receiver's one-byte answer (its start is not counted)."""
     data = bytes(size)
-    sink = bytearray(size)
-    with socket.create_server((HOST, 0)) as server:
-        port = server.getsockname()[1]
+    code = "from disagg_runtime.bench.gateway import sink; sink()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(size)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        times = []
+        for _ in range(repeats):
+            with socket.create_connection((HOST, port)) as out:
+                t0 = time.perf_counter()
+                out.sendall(data)
+                if out.recv(1) != b"k":
+                    raise RuntimeError("the raw TCP sink did not receive everything")
+                times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        proc.kill()
+        proc.wait()
 
-        def receive() -> None:
+
+def sink() -> None:
+    """`raw_tcp_seconds`'s receiver: prints its port, then takes `size` bytes per connection
+    into one pre-faulted buffer (`recv_into`, no copies) and answers b"k"."""
+    size = int(sys.argv[1])
+    buffer = bytearray(size)
+    buffer[:] = bytes(size)  # faulted in before the first transfer, as the gateway's pool is
+    view = memoryview(buffer)
+    with socket.create_server((HOST, 0)) as server:
+        print(server.getsockname()[1], flush=True)
+        while True:
             conn, _ = server.accept()
             with conn:
-                view, got = memoryview(sink), 0
-                while got < size:
-                    got += conn.recv_into(view[got:])
-                conn.sendall(b"k")
-
-        thread = threading.Thread(target=receive)
-        thread.start()
-        with socket.create_connection((HOST, port)) as out:
-            t0 = time.perf_counter()
-            out.sendall(data)
-            out.recv(1)
-            elapsed = time.perf_counter() - t0
-        thread.join()
-    return elapsed
+                got = 0
+                while got < size and (n := conn.recv_into(view[got:])):
+                    got += n
+                conn.sendall(b"k" if got == size else b"-")
 
 
 def _post(conn: http.client.HTTPConnection, body: bytes, ctype: str) -> bytes:
@@ -140,7 +157,7 @@ def _post(conn: http.client.HTTPConnection, body: bytes, ctype: str) -> bytes:
 def run(size: int, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     memcpy = statistics.median(measure_memcpy(size, max(3, repeats)))
-    raw_tcp = statistics.median(raw_tcp_seconds(size) for _ in range(max(3, repeats)))
+    raw_tcp = statistics.median(raw_tcp_seconds(size, max(3, repeats)))
     pool = 4 * size + (64 << 20)
     with LocalPipeline(one_role(pool)) as local:
         local.wait_ready()

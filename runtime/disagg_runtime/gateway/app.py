@@ -10,6 +10,7 @@ OpenAI error shape for every route):
     400 invalid_input        the body cannot be a payload; `param` is its JSON path
     401 unauthorized         token missing or wrong (when the gateway has one)
     404 model_not_found      an OpenAI request for another model
+    408 request_timeout      the body did not come within the request timeout (stalled)
     411 length_required      a safetensors body without Content-Length
     413 too_large            body over the limit (DISAGG_GATEWAY_MAX_BODY)
     429 overloaded           the entry role refused for load (Retry-After)
@@ -260,7 +261,16 @@ class Gateway:
 
     async def _read(self, request: web.Request) -> bytes:
         try:
-            return await request.read()
+            if request.content.is_eof():  # here whole (small bodies): no timer to set
+                return await request.read()
+            async with asyncio.timeout(self.settings.timeout):
+                return await request.read()
+        except TimeoutError:
+            raise HttpError(
+                408,
+                f"the request body was not received within {self.settings.timeout} s",
+                kind="request_timeout",
+            ) from None
         except web.HTTPRequestEntityTooLarge:
             raise HttpError(
                 413, f"body is over the limit of {self.settings.max_body} bytes", kind="too_large"
@@ -272,16 +282,55 @@ class Gateway:
             raise HttpError(411, "a safetensors body needs Content-Length", kind="length_required")
         if length < upload.MIN_TAKEOVER:
             return native.request_from_safetensors(await self._read(request)), _nothing
-        slot = self.arena.take(length)
+        body = upload.Body(request, time.monotonic() + self.settings.timeout)
         try:
-            await upload.read_into(request, slot.view, self.settings.timeout)
-            return native.request_from_safetensors(slot.view), slot.release
+            return await self._land(body)
+        except upload.BodyTimeout as exc:
+            raise HttpError(408, str(exc), kind="request_timeout") from None
         except upload.BodyError as exc:
-            slot.release()
             raise HttpError(400, str(exc), kind="invalid_input", param="$") from None
+        except RequestFailed as exc:  # no slot in the entry role's pool
+            raise from_failure(exc) from None
+        finally:
+            body.close()
+
+    async def _land(self, body: upload.Body) -> tuple[Any, Callable[[], None]]:
+        """Read the safetensors header, then the tensors straight into a slot of the entry
+        role's pool laid out for them (or, where that pool is not mapped here, into the
+        arena, to be parsed in place and sent)."""
+        prefix = bytearray(8)
+        await body.fill([memoryview(prefix)])
+        size = native.header_size(prefix, body.length)
+        header = bytearray(size)
+        await body.fill([memoryview(header)])
+        metadata, spans = native.parse_header(header, body.length - 8 - size)
+        manifest, places = native.slot_layout(metadata, spans)
+        remaining = max(0.0, body.deadline - time.monotonic())
+        reserved = None
+        if manifest.nbytes:  # (a body of metadata only has nothing to land)
+            reserved = await self.pipeline.reserve(manifest, remaining)
+        if reserved is None:
+            slot = self.arena.take(body.length)
+            try:
+                slot.view[:8] = prefix
+                slot.view[8 : 8 + size] = header
+                await body.fill([slot.view[8 + size :]])
+                return native.request_from_safetensors(slot.view), slot.release
+            except BaseException:
+                slot.release()
+                raise
+        body.deadline = min(body.deadline, reserved.grant.write_by)
+        try:
+            await body.fill(
+                [
+                    reserved.slot[at : at + span.meta.nbytes]
+                    for span, at in zip(spans, places, strict=True)
+                ]
+            )
         except BaseException:
-            slot.release()
+            self.pipeline.release(reserved)
             raise
+        return reserved, reserved.release
 
     async def _native_stream(
         self, request: web.Request, payload: Any, sent: Callable[[], None]

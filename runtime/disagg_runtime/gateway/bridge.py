@@ -10,6 +10,9 @@ of microseconds, less than a thread hop); large ones from a worker thread, so on
 does not stall every other connection while it is written into the entry role's pool.
 `sent` runs once the payload's memory is no longer read (the submission returned), even
 when the HTTP request was abandoned meanwhile: it may free the body the payload views.
+
+A payload may also be a `Reserved` slot in the entry role's pool that the body was read
+into (`reserve`): submitting it commits the slot, from a worker thread too.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from disagg_runtime.client import Client, RequestFailed, Streamed
+from disagg_runtime.client import Client, RequestFailed, Reserved, Streamed
+from disagg_runtime.manifest import Manifest
 
 INLINE_BYTES = 256 * 1024
 SUBMIT_THREADS = 4
@@ -39,6 +43,11 @@ def payload_nbytes(value: Any) -> int:
     return 0
 
 
+def _release_late(work: Future[Reserved | None]) -> None:
+    if not work.cancelled() and work.exception() is None and (reserved := work.result()):
+        reserved.release()
+
+
 class Pipeline:
     """Submit to the entry roles from async code; `client` is shared by all requests."""
 
@@ -49,13 +58,19 @@ class Pipeline:
     async def _start(
         self, payload: Any, on_chunk: Any = None, timeout: float | None = None, sent: Sent = None
     ) -> tuple[str, Future[Any]]:
-        if payload_nbytes(payload) <= INLINE_BYTES:
+        work: Future[tuple[str, Future[Any]]]
+        if isinstance(payload, Reserved):
+            work = self._submit.submit(payload.start, on_chunk=on_chunk)
+        elif payload_nbytes(payload) <= INLINE_BYTES:
             try:
                 return self.client.start(payload, timeout=timeout, on_chunk=on_chunk)
             finally:
                 if sent is not None:
                     sent()
-        work = self._submit.submit(self.client.start, payload, timeout=timeout, on_chunk=on_chunk)
+        else:
+            work = self._submit.submit(
+                self.client.start, payload, timeout=timeout, on_chunk=on_chunk
+            )
         abandoned: list[bool] = []
 
         def submitted(_: Future[tuple[str, Future[Any]]]) -> None:  # on the worker thread
@@ -72,6 +87,20 @@ class Pipeline:
             if work.done() and not work.cancelled() and work.exception() is None:
                 self.client.cancel(work.result()[0], "abandoned by the HTTP client")
             raise
+
+    async def reserve(self, manifest: Manifest, timeout: float) -> Reserved | None:
+        """A slot for `manifest` in the entry role's pool (Client.reserve), or None. One
+        granted after the caller gave up is released."""
+        work = self._submit.submit(self.client.reserve, manifest, timeout=timeout)
+        try:
+            return await asyncio.wrap_future(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(_release_late)
+            raise
+
+    def release(self, reserved: Reserved) -> None:
+        """Give an unused slot back, without waiting (it takes the relay's lock)."""
+        self._submit.submit(reserved.release)
 
     def close(self) -> None:
         self._submit.shutdown(wait=True)

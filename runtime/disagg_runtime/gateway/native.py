@@ -27,6 +27,7 @@ import binascii
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from safetensors import TensorSpec as SafeSpec
 from safetensors import serialize
 
 from disagg_runtime import codec
+from disagg_runtime.manifest import Manifest, layout
 
 MAX_DEPTH = codec.MAX_DEPTH
 TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
@@ -166,6 +168,10 @@ def request_from_safetensors(body: memoryview | bytes | bytearray) -> Any:
     """The entry payload of a safetensors body (see the module docstring); tensors view
     `body`, which must outlive them."""
     metadata, items = parse_safetensors(body)
+    return _tree(metadata, items)
+
+
+def _tree(metadata: dict[str, str], items: list[tuple[str, Any]]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for name, tensor in items:
         _put(tree, name, tensor)
@@ -178,33 +184,44 @@ def request_from_safetensors(body: memoryview | bytes | bytearray) -> Any:
     return tree
 
 
-def parse_safetensors(
-    body: memoryview | bytes | bytearray,
-) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
-    """(metadata, [(name, tensor)]) of a safetensors buffer, tensors viewing it.
+@dataclass(frozen=True)
+class Span:
+    """One tensor of a safetensors body: bytes [begin, end) of its data section."""
 
-    The format's rules, as the `safetensors` library checks them: an 8-byte little-endian
-    header length, a JSON object header, `data_offsets` that tile the data section exactly
-    (no holes, no overlap) and match each tensor's dtype and shape. The library itself
-    parses only files or copies, hence this reader of memory the socket was read into."""
-    view = memoryview(body).cast("B")
-    if len(view) < 8:
-        raise InputError("$", f"not a safetensors body: {len(view)} bytes, no header length")
-    size = int.from_bytes(view[:8], "little")
-    if size > min(MAX_HEADER, len(view) - 8):
+    begin: int
+    end: int
+    name: str
+    meta: codec.TensorMeta
+
+
+def header_size(prefix: memoryview | bytes | bytearray, length: int) -> int:
+    """The JSON header's length, from a body's first 8 bytes (`length`: the whole body's)."""
+    if length < 8 or len(prefix) < 8:
+        raise InputError("$", f"not a safetensors body: {length} bytes, no header length")
+    size = int.from_bytes(prefix[:8], "little")
+    if size > min(MAX_HEADER, length - 8):
         raise InputError("$", f"not a safetensors body: header of {size} bytes does not fit")
+    return size
+
+
+def parse_header(
+    header: memoryview | bytes | bytearray, data_len: int
+) -> tuple[dict[str, str], list[Span]]:
+    """(metadata, tensors in data order) of a safetensors JSON header, checked against a
+    data section of `data_len` bytes. The format's rules, as the `safetensors` library
+    checks them: a JSON object, `data_offsets` that tile the data section exactly (no
+    holes, no overlap) and match each tensor's dtype and shape."""
     try:
-        header = codec._DECODER.decode(bytes(view[8 : 8 + size]).decode("utf-8"))
+        doc = codec._DECODER.decode(bytes(header).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, codec.CodecError) as exc:
         raise InputError("$", f"not a safetensors body: header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
+    if not isinstance(doc, dict):
         raise InputError("$", "not a safetensors body: header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = doc.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise InputError("$.__metadata__", "safetensors metadata maps names to strings")
-    data = view[8 + size :]
-    spans: list[tuple[int, int, str, codec.TensorMeta]] = []
-    for name, entry in header.items():
+    spans: list[Span] = []
+    for name, entry in doc.items():
         where = f"$[{json.dumps(name)}]"
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise InputError(where, "expected {dtype, shape, data_offsets}")
@@ -231,22 +248,56 @@ def parse_safetensors(
                 f"{offsets[1] - offsets[0]} bytes, but {dtype} {list(meta.shape)} needs "
                 f"{meta.nbytes}",
             )
-        spans.append((offsets[0], offsets[1], name, meta))
-    spans.sort(key=lambda span: (span[0], span[1]))
+        spans.append(Span(offsets[0], offsets[1], name, meta))
+    spans.sort(key=lambda span: (span.begin, span.end))
     end = 0
-    for begin, stop, name, _ in spans:
-        if begin != end:
-            raise InputError(f"$[{json.dumps(name)}]", "data_offsets leave a hole or overlap")
-        end = stop
-    if end != len(data):
-        raise InputError("$", f"data section is {len(data)} bytes, the tensors cover {end}")
+    for span in spans:
+        if span.begin != end:
+            raise InputError(f"$[{json.dumps(span.name)}]", "data_offsets leave a hole or overlap")
+        end = span.end
+    if end != data_len:
+        raise InputError("$", f"data section is {data_len} bytes, the tensors cover {end}")
+    return metadata, spans
+
+
+def parse_safetensors(
+    body: memoryview | bytes | bytearray,
+) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
+    """(metadata, [(name, tensor)]) of a safetensors buffer, tensors viewing it. The
+    `safetensors` library parses only files or copies, hence this reader of memory the
+    socket was read into."""
+    view = memoryview(body).cast("B")
+    size = header_size(view, len(view))
+    metadata, spans = parse_header(view[8 : 8 + size], len(view) - 8 - size)
+    data = view[8 + size :]
     items = []
-    for begin, stop, name, meta in spans:
+    for span in spans:
         try:
-            items.append((name, codec.tensor_from_buffer(data[begin:stop], meta)))
+            items.append(
+                (span.name, codec.tensor_from_buffer(data[span.begin : span.end], span.meta))
+            )
         except codec.CodecError as exc:
-            raise InputError(f"$[{json.dumps(name)}]", str(exc)) from None
+            raise InputError(f"$[{json.dumps(span.name)}]", str(exc)) from None
     return metadata, items
+
+
+def slot_layout(metadata: dict[str, str], spans: list[Span]) -> tuple[Manifest, list[int]]:
+    """The manifest of the payload a safetensors body makes (`request_from_safetensors`),
+    and where in its slot each span's bytes go (in data order): the body's data section
+    can then be received straight into a pool slot, with no parse of the tensors after."""
+    # placeholders that say which span they stand for, wherever flattening puts them
+    tree = _tree(metadata, [(s.name, torch.tensor([i])) for i, s in enumerate(spans)])
+    try:
+        flat, placeholders = codec.flatten(tree)
+    except codec.CodecError as exc:
+        raise InputError("$", str(exc)) from None
+    order = [int(t) for t in placeholders]  # manifest position -> span
+    metas = tuple(spans[i].meta for i in order)
+    offsets, nbytes = layout(metas)
+    at = [0] * len(spans)
+    for position, i in enumerate(order):
+        at[i] = offsets[position]
+    return Manifest(tree=flat, tensors=metas, offsets=offsets, nbytes=nbytes), at
 
 
 def _put(tree: dict[str, Any], name: str, value: Any) -> None:

@@ -1,26 +1,30 @@
-"""Large request bodies read from the socket straight into reusable memory.
+"""Large request bodies read from the socket straight to where they belong.
 
 aiohttp reads a body in pieces of at most 256 KiB into fresh `bytes` objects, and each
 piece must then be copied again to where it belongs; for a 64 MiB body that is hundreds of
 allocations, two copies and fresh pages to fault in. Here the connection's transport is
-handed to a `BufferedProtocol` for the rest of the body: the event loop `recv_into`s the
-kernel's data directly at its place in a slot of an `Arena` (memory faulted in once and
-reused body after body), so the body is copied once, by the kernel. The safetensors parser
-then views that memory, and the slot goes back to the arena as soon as the payload has been
-written into the entry role's pool.
+handed to a `BufferedProtocol` for the rest of the body (`Body`): the event loop
+`recv_into`s the kernel's data directly into memory the caller names piece by piece, so
+the body is copied once, by the kernel. The gateway names a small buffer for the
+safetensors header, then the places of the tensors in a slot of the entry role's pool
+reserved for them (gateway/app.py), or, where that pool is not mapped in this process, a
+slot of an `Arena` (memory faulted in once and reused body after body), which the
+safetensors parser then views until the payload is sent.
 
 aiohttp's HTTP parser never sees the bytes read this way, so it cannot find the start of a
 next request on the connection: the connection closes after the answer (`Connection: close`
-is sent, which HTTP clients honour by reconnecting; a 64 MiB body dwarfs a new connection).
+is sent, which HTTP clients honour by reconnecting; a 1 MiB body dwarfs a new connection).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import mmap
+import time
 from typing import Final
 
-from aiohttp import StreamReader, web
+from aiohttp import web
 
 from disagg_runtime.allocator import BuddyAllocator, MiB
 
@@ -29,7 +33,11 @@ CLOSES: Final = web.RequestKey("closes", bool)
 
 
 class BodyError(ConnectionError):
-    """The connection ended (or stalled past the deadline) before the whole body came."""
+    """The connection ended before the whole body came."""
+
+
+class BodyTimeout(BodyError, TimeoutError):
+    """The whole body did not come before the deadline (a client that stalled)."""
 
 
 class Slot:
@@ -73,79 +81,135 @@ def arena_size(max_body: int) -> int:
 
 
 class _Reader(asyncio.BufferedProtocol):
-    """Fills `view` from `filled` on; the transport's protocol until it is full."""
+    """The transport's protocol while a body is read past aiohttp: fills `targets` in turn,
+    and pauses reading once they are full (the next bytes are for the next targets)."""
 
-    def __init__(self, view: memoryview, filled: int, owner: asyncio.BaseProtocol) -> None:
-        self.view = view
-        self.filled = filled
+    def __init__(self, owner: asyncio.BaseProtocol, transport: asyncio.Transport) -> None:
         self.owner = owner
-        self.transport: asyncio.Transport | None = None
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport = transport
+        self.targets: collections.deque[memoryview] = collections.deque()
+        self.received = 0
+        self.done: asyncio.Future[None] | None = None
+        self.failure: BodyError | None = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view[self.filled :]
+        return self.targets[0]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.filled += nbytes
-        if self.filled >= len(self.view) and not self.done.done():
-            if self.transport is not None:
-                self.transport.pause_reading()  # the next bytes are not this body's
-            self.done.set_result(None)
+        self.received += nbytes
+        first = self.targets[0]
+        if nbytes < len(first):
+            self.targets[0] = first[nbytes:]
+            return
+        self.targets.popleft()
+        if not self.targets:
+            self.transport.pause_reading()
+            if self.done is not None and not self.done.done():
+                self.done.set_result(None)
 
     def eof_received(self) -> bool | None:
-        self._fail(BodyError(f"body ended after {self.filled} of {len(self.view)} bytes"))
+        self._fail(BodyError("body ended before its Content-Length"))
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(BodyError(f"connection lost after {self.filled} of {len(self.view)} bytes"))
+        self._fail(BodyError("connection lost before the whole body came"))
         self.owner.connection_lost(exc)  # aiohttp cancels the handler, as for any disconnect
 
-    def _fail(self, exc: BaseException) -> None:
-        if not self.done.done():
+    def _fail(self, exc: BodyError) -> None:
+        self.failure = self.failure or exc
+        if self.done is not None and not self.done.done():
             self.done.set_exception(exc)
 
 
-async def read_into(request: web.Request, view: memoryview, timeout: float) -> None:
-    """Fill `view` with the request's whole body (len(view) == Content-Length)."""
-    content = request.content
-    if content.is_eof():  # aiohttp has it all already: the connection stays in step
-        _drain(content, view, 0)
-        return
-    transport = request.transport
-    if transport is None:
-        raise BodyError("connection already closed")
-    owner = request.protocol
-    reader = _Reader(view, 0, owner)
-    reader.transport = transport
-    # from here on the transport's reads go to `reader`; what aiohttp read before is queued
-    transport.set_protocol(reader)
-    request[CLOSES] = True
-    try:
-        reader.filled = _drain(content, view, 0)
-        if reader.filled < len(view):
-            transport.resume_reading()  # aiohttp may have paused it (its buffer was full)
-            async with asyncio.timeout(timeout):
+class Body:
+    """A request's body (Content-Length bytes), read into memory the caller names piece
+    by piece (`fill`): a header into a small buffer, the data straight into its final
+    place. What aiohttp already buffered is copied first; the rest is `recv_into`d by the
+    event loop (the transport is handed to a `BufferedProtocol` until `close`, after which
+    the connection closes once answered). `deadline` (time.monotonic) bounds the whole
+    body: past it, `fill` raises BodyTimeout."""
+
+    def __init__(self, request: web.Request, deadline: float) -> None:
+        self.length = request.content_length or 0
+        self.deadline = deadline
+        self.filled = 0
+        self._content = request.content
+        self._left = memoryview(b"")  # buffered by aiohttp, read out, not yet placed
+        self._reader: _Reader | None = None
+        self._owner = request.protocol
+        if self._content.is_eof():  # aiohttp has it all already: the connection stays in step
+            return
+        transport = request.transport
+        if transport is None:
+            raise BodyError("connection already closed")
+        transport.pause_reading()  # until a `fill` names where the bytes go
+        self._reader = _Reader(self._owner, transport)
+        # from here on the transport's reads go to `_reader`; what aiohttp read stays queued
+        transport.set_protocol(self._reader)
+        request[CLOSES] = True
+
+    async def fill(self, views: list[memoryview]) -> None:
+        """Fill `views` in order with the body's next bytes."""
+        want = sum(len(v) for v in views)
+        if self.filled + want > self.length:
+            raise BodyError(f"asked past the body's end ({self.length} bytes)")
+        targets = collections.deque(v.cast("B") for v in views if len(v))
+        self._place(targets)
+        self.filled += want
+        reader = self._reader
+        if reader is not None:
+            # reading aiohttp's buffer may have resumed the transport: nothing is asked yet
+            reader.transport.pause_reading()
+        if not targets:
+            return
+        if reader is None:  # aiohttp had it all, and it is shorter than said
+            raise BodyError(f"body ended after {self.filled - want} of {self.length} bytes")
+        if reader.failure is not None:
+            raise reader.failure
+        reader.targets = targets
+        reader.done = asyncio.get_running_loop().create_future()
+        reader.transport.resume_reading()
+        try:
+            async with asyncio.timeout(max(0.0, self.deadline - time.monotonic())):
                 await reader.done
-    except TimeoutError:
-        raise BodyError(f"body not received within {timeout} s") from None
-    finally:
-        if reader.done.done() and not reader.done.cancelled():
-            reader.done.exception()  # retrieved: a disconnect is reported by cancellation
-        if not transport.is_closing():
-            transport.set_protocol(owner)
-            owner.close()  # aiohttp drops whatever else arrives and closes after the answer
-            content.feed_eof()
-            transport.resume_reading()  # so that a disconnect still cancels the request
+        except TimeoutError:
+            got = self.filled - sum(len(t) for t in reader.targets)
+            raise BodyTimeout(
+                f"the request body was not received in time: {got} of {self.length} bytes "
+                "came before the deadline"
+            ) from None
+        finally:
+            reader.transport.pause_reading()
+            if reader.done.done() and not reader.done.cancelled():
+                reader.done.exception()  # retrieved: a disconnect is reported by cancellation
+            reader.done = None
 
+    def _place(self, targets: collections.deque[memoryview]) -> None:
+        """Copy what aiohttp has buffered into `targets` (shortening them as they fill)."""
+        while targets:
+            if not self._left:
+                piece = self._content.read_nowait(-1)
+                if not piece:
+                    return
+                self._left = memoryview(piece)
+            first = targets[0]
+            n = min(len(first), len(self._left))
+            first[:n] = self._left[:n]
+            self._left = self._left[n:]
+            if n == len(first):
+                targets.popleft()
+            else:
+                targets[0] = first[n:]
 
-def _drain(content: StreamReader, view: memoryview, filled: int) -> int:
-    """Copy what aiohttp has buffered of the body into `view` from `filled`; the new end."""
-    while piece := content.read_nowait(-1):
-        if filled + len(piece) > len(view):
-            raise BodyError(f"body is longer than its Content-Length ({len(view)})")
-        view[filled : filled + len(piece)] = piece
-        filled += len(piece)
-    return filled
+    def close(self) -> None:
+        """Give the connection back to aiohttp, which closes it after the answer."""
+        reader, self._reader = self._reader, None
+        if reader is None or reader.transport.is_closing():
+            return
+        reader.transport.set_protocol(self._owner)
+        self._owner.close()  # aiohttp drops whatever else arrives and closes after the answer
+        self._content.feed_eof()
+        reader.transport.resume_reading()  # so that a disconnect still cancels the request
 
 
 async def close_after(request: web.Request, response: web.StreamResponse) -> None:

@@ -3,23 +3,45 @@ shared pool (reserve -> grant -> copy -> commit -> ack; in a stream of medium pa
 the ack grants the next slot ahead, a spare: copy -> commit -> ack) and sends only the
 manifest.
 The receiver needs no landing of its own: the bytes are in its pool at commit.
+
+A caller that produces a payload's bytes itself (the gateway reading an HTTP body off its
+socket) can write them there directly, with no copy in between: `reserve` a slot for a
+manifest, fill `slot(grant)` (the receiver's pool as mapped here), then `commit` it, or
+`cancel` it, which frees it at once (the receiver frees it anyway when its lease ends).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import zmq
 
 from disagg_runtime.layout import write_tensors
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import Backing, PoolError, attach_backing
-from disagg_runtime.relay.errors import RelayError
+from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import SPARE_MAX, Sender
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A slot reserved in the receiver's pool for request `rid`'s `manifest`, to be filled
+    through `ShmSender.slot` and committed by `write_by` (half its lease)."""
+
+    rid: str
+    xid: int
+    offset: int
+    manifest: Manifest
+    write_by: float
 
 
 class ShmSender(Sender):
@@ -68,6 +90,79 @@ class ShmSender(Sender):
         # copies from a GPU run on the copy stream; the receiver reads once it has the commit
         write_tensors(self._backing, offset, manifest, tensors).wait()
         self._control(commit)
+
+    # ---- reserve, fill, commit: the caller writes the slot -------------------------------------
+    def reserve(
+        self, request_id: str, manifest: Manifest, *, timeout: float | None = None
+    ) -> Grant:
+        """A slot for `manifest` in the receiver's pool, waiting up to `timeout` s for room
+        (RelayTimeout when none came); PeerLost as for `send` (nothing was reserved)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        if manifest.nbytes > self.max_allocation:
+            raise RelayError(
+                f"payload of {manifest.nbytes} B can never fit the receive pool at "
+                f"{self.endpoint} (largest block {self.max_allocation} B)"
+            )
+        with self._lock:
+            self._check_open()
+            self._check_session()
+            self._sent_since += 1
+            self._sent_at = time.monotonic()
+            try:
+                xid, offset, write_by = self._reserve(request_id, manifest.nbytes, deadline)
+                assert self._backing is not None  # set by the handshake
+                self._check_grant(xid, offset, manifest.nbytes, self._backing.size)
+            except zmq.Again:
+                raise RelayTimeout(
+                    f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
+                ) from None
+        return Grant(request_id, xid, offset, manifest, write_by)
+
+    def slot(self, grant: Grant) -> memoryview:
+        """The granted slot's bytes, as this process maps the receiver's pool: the payload's
+        tensors go at `grant.manifest`'s offsets in it."""
+        assert self._backing is not None  # set by the handshake
+        return self._backing.buffer(grant.offset, grant.manifest.nbytes)
+
+    def commit(
+        self, grant: Grant, *, meta: Mapping[str, Any] | None = None, timeout: float | None = None
+    ) -> None:
+        """Hand the filled slot to the receiver; returns once it holds the payload. A grant
+        whose lease half ran out is cancelled instead (RelayTimeout)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._lock:
+            self._check_open()
+            self._check_lease(grant.xid, grant.write_by)
+            header = proto.pack(
+                "commit",
+                rid=grant.rid,
+                xid=grant.xid,
+                offset=grant.offset,
+                manifest=grant.manifest.to_json(),
+                meta=meta,
+            )
+            try:
+                self._control(header)
+            except zmq.Again:
+                raise RelayTimeout(
+                    f"receiver at {self.endpoint} is not draining; request {grant.rid} not sent"
+                ) from None
+            reply = self._await(grant.xid, {"ack", "nack"}, deadline, "acknowledgement")
+        if reply["op"] == "nack":
+            raise RelayError(
+                f"receiver at {self.endpoint} rejected request {grant.rid}: {reply.get('reason')}"
+            )
+
+    def cancel(self, grant: Grant) -> None:
+        """Give the slot back unfilled (best effort: a receiver that went away holds nothing,
+        and one that does not hear this frees it when its lease ends)."""
+        with self._lock:
+            if self.closed or self._lost is not None:
+                return
+            try:
+                self._control(proto.pack("cancel", xid=grant.xid))
+            except (RelayError, zmq.ZMQError) as exc:
+                log.info("%s relay to %s: cancel not sent: %s", self.kind, self.endpoint, exc)
 
     def _pin_for_gpu(self, backing: Backing) -> None:
         """Page-lock our mapping of the receiver's pool once, so that GPU tensors are copied

@@ -1,0 +1,102 @@
+"""Reserve, fill, commit over the shm relay (relay/shm.py): a caller writes a payload's
+bytes straight into the receiver's pool, as the gateway does with a safetensors body
+(gateway/native.py `slot_layout`), between a real sender and a real ingress."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from disagg_runtime.gateway import native
+from disagg_runtime.relay import RelayTimeout, ShmSender
+from tests.relay_rig import WAIT, Rig
+
+
+def mixed_body() -> bytes:
+    """Tensors whose safetensors offsets are not 64-aligned, in names that nest out of
+    data order, with scalars in the metadata."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = {
+        "z": torch.randint(0, 255, (1001,), dtype=torch.uint8, generator=gen),
+        "a.b": torch.randn(3, 517, generator=gen).to(torch.bfloat16),
+        "a.c": torch.randint(-9, 9, (77,), dtype=torch.int64, generator=gen),
+        "m.x": torch.randn(4096, generator=gen),
+        "empty": torch.zeros(0, dtype=torch.float16),
+    }
+    return st_save(tensors, metadata={"a.steps": "4", "m.name": "fox", "n": "[1, 2]"})
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def fill(slot: memoryview, body: bytes) -> None:
+    """What the gateway's reader does: the data section, span by span, to its place."""
+    view = memoryview(body)
+    size = native.header_size(view, len(body))
+    metadata, spans = native.parse_header(view[8 : 8 + size], len(body) - 8 - size)
+    _, places = native.slot_layout(metadata, spans)
+    data = view[8 + size :]
+    for span, at in zip(spans, places, strict=True):
+        slot[at : at + span.meta.nbytes] = data[span.begin : span.end]
+
+
+def manifest_of(body: bytes) -> Any:
+    view = memoryview(body)
+    size = native.header_size(view, len(body))
+    metadata, spans = native.parse_header(view[8 : 8 + size], len(body) - 8 - size)
+    return native.slot_layout(metadata, spans)[0]
+
+
+def wait_used(ingress: Any, used: int) -> None:
+    deadline = time.monotonic() + WAIT
+    while ingress.pool.allocator.stats().used != used:
+        assert time.monotonic() < deadline, f"pool use {ingress.pool.allocator.stats().used}"
+        time.sleep(0.02)
+
+
+def test_a_body_written_into_a_reserved_slot_arrives_as_its_payload(rig: Rig) -> None:
+    ingress = rig.ingress("shm")
+    sender = rig.sender("shm", ingress)
+    assert isinstance(sender, ShmSender)
+    body = mixed_body()
+    grant = sender.reserve("r1", manifest_of(body), timeout=WAIT)
+    assert ingress.pool.allocator.stats().used > 0  # held while the caller fills it
+    fill(sender.slot(grant), body)
+    sender.commit(grant, meta={"k": 1}, timeout=WAIT)
+    with ingress.recv(timeout=WAIT) as msg:
+        assert msg.request_id == "r1" and msg.meta == {"k": 1}
+        assert same(msg.payload, native.request_from_safetensors(body))
+    wait_used(ingress, 0)
+
+
+def test_a_cancelled_reservation_frees_its_slot(rig: Rig) -> None:
+    ingress = rig.ingress("shm")
+    sender = rig.sender("shm", ingress)
+    assert isinstance(sender, ShmSender)
+    grant = sender.reserve("r2", manifest_of(mixed_body()), timeout=WAIT)
+    assert ingress.pool.allocator.stats().used > 0
+    sender.cancel(grant)
+    wait_used(ingress, 0)
+    sender.send({"x": torch.ones(1 << 18)}, request_id="r3")  # the sender goes on working
+    with ingress.recv(timeout=WAIT) as msg:
+        assert msg.request_id == "r3"
+
+
+def test_a_slot_filled_too_late_is_not_committed(rig: Rig) -> None:
+    ingress = rig.ingress("shm", lease_s=0.4)
+    sender = rig.sender("shm", ingress)
+    assert isinstance(sender, ShmSender)
+    grant = sender.reserve("r4", manifest_of(mixed_body()), timeout=WAIT)
+    time.sleep(0.3)  # past half the lease: the sender no longer trusts the grant
+    with pytest.raises(RelayTimeout, match="lease"):
+        sender.commit(grant, timeout=WAIT)
+    wait_used(ingress, 0)
