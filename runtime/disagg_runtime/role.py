@@ -245,7 +245,9 @@ class RoleRuntime:
         deadline = started + (self.grace_s if grace_s is None else grace_s)
         settle = RESOLVE_EVERY + 1.0 if grace_s is None and not self.config.peers_file else 0.0
         quiet_since: float | None = None
-        while time.monotonic() < deadline:  # idle for 0.2 s: nothing is still on its way
+        # the goodbye's linger comes out of the grace period, not after it (then SIGKILL)
+        drain_until = deadline - min(LINGER_MAX_S, (deadline - started) / 10)
+        while time.monotonic() < drain_until:  # idle for 0.2 s: nothing is still on its way
             if time.monotonic() - started < settle or not self.idle():
                 quiet_since = None
             elif quiet_since is None:
@@ -289,13 +291,14 @@ class RoleRuntime:
         receipt) was taken by the socket and lost with the process."""
         said = time.monotonic()
         self.ingress.goodbye(f"role {self.name} replica {self.config.replica} is shutting down")
-        while time.monotonic() < said + LINGER_MAX_S:
+        linger_until = min(said + LINGER_MAX_S, max(deadline, said + LINGER_QUIET_S))
+        while time.monotonic() < linger_until:
             now = time.monotonic()
             if min(now - said, now - self.ingress.last_message_at) >= LINGER_QUIET_S:
                 break
             time.sleep(0.05)
         self.ingress.close()  # nothing more is delivered: what was is all there is to do
-        finish_by = max(deadline, time.monotonic() + LINGER_MAX_S)
+        finish_by = max(deadline, time.monotonic() + LINGER_QUIET_S)
         while time.monotonic() < finish_by:
             with self._cond:
                 if not (self._work or self._active or self._joins):
