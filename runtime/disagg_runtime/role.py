@@ -290,6 +290,7 @@ class RoleRuntime:
         a sender that still routed here (its DNS view lagging: inline payloads have no
         receipt) was taken by the socket and lost with the process."""
         said = time.monotonic()
+        before = self.ingress.stats().delivered
         self.ingress.goodbye(f"role {self.name} replica {self.config.replica} is shutting down")
         linger_until = min(said + LINGER_MAX_S, max(deadline, said + LINGER_QUIET_S))
         while time.monotonic() < linger_until:
@@ -297,7 +298,14 @@ class RoleRuntime:
             if min(now - said, now - self.ingress.last_message_at) >= LINGER_QUIET_S:
                 break
             time.sleep(0.05)
+        crossed = self.ingress.stats().delivered - before
         self.ingress.close()  # nothing more is delivered: what was is all there is to do
+        log.info(
+            "role %s/%d: said goodbye to its senders; %d messages crossed it and are served",
+            self.name,
+            self.config.replica,
+            crossed,
+        )
         finish_by = max(deadline, time.monotonic() + LINGER_QUIET_S)
         while time.monotonic() < finish_by:
             with self._cond:
