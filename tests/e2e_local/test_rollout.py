@@ -12,7 +12,13 @@ request crossed revisions (decode refuses a payload stamped by another revision:
 pairing_handlers.py) and none failed. Senders roll first (rollout.py `feeds`): without that
 rule decode could finish before prefill's last old pod, which then held requests with no
 partner (1 of 400 timed out in 2 of 3 runs). Without the compat bump (REVISION changed
-alone, pairing not engaged) the same scenario had 12 of 400 requests cross revisions."""
+alone, pairing not engaged) the same scenario had 12 of 400 requests cross revisions.
+
+Two more causes of lost requests (1-2 of 400 in 3 of 5 runs) are gone: a replaced pod now
+says goodbye to its senders before it closes (role.py; an inline request sent to it while
+it closed was lost), and the test node keeps a deleted pod until its containers stopped,
+as a node does (before, its StatefulSet started the replacement beside the draining pod,
+so the operator let the receiver's last old pod go while the old sender still drained)."""
 
 from __future__ import annotations
 

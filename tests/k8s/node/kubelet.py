@@ -517,6 +517,8 @@ class Kubelet:
                 self.workers[uid].pod = {**pod, "status": self.workers[uid].pod.get("status")}
         for uid in [u for u in self.workers if u not in live]:
             worker = self.workers.pop(uid)
+            if uid in deleted:
+                self._releasing.add(uid)  # by _stop, once its containers have stopped
             self.stopped.append(asyncio.create_task(self._stop(worker, deleted.get(uid))))
         for uid, pod in deleted.items():  # deleted before its worker started, or a leftover
             held = FINALIZER in (pod["metadata"].get("finalizers") or [])
@@ -529,7 +531,6 @@ class Kubelet:
         still in the API, being deleted, goes from it then."""
         await worker.stop()
         if pod is not None:
-            self._releasing.add(worker.uid)
             await self._finalizer(pod, hold=False)
 
     async def _finalizer(self, pod: Obj, *, hold: bool) -> None:
