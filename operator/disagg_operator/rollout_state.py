@@ -85,10 +85,12 @@ def observe(
         if sts.get("kind") != "StatefulSet":
             continue
         meta = sts["metadata"]
-        replicas = int(sts["spec"].get("replicas", 1))
         current = by_name.get(meta["name"])
         if current is None:
             continue
+        # an externally scaled unit (an HPA's) plans no replicas: the live count is the one
+        live_replicas = (current.get("spec") or {}).get("replicas", 1)
+        replicas = int(sts["spec"].get("replicas", live_replicas))
         want = meta.get("annotations", {}).get(names.ANNOTATION_TEMPLATE_HASH)
         have = ((current.get("metadata") or {}).get("annotations") or {}).get(
             names.ANNOTATION_TEMPLATE_HASH

@@ -19,7 +19,9 @@
   through DNS (no peers file: a pod) keeps receiving for at least one re-resolution period
   (`peers.RESOLVE_EVERY` + 1 s) first: upstream roles still send to it until they
   re-resolve its Service name, and what they send to a closed ingress would be lost until
-  the request's deadline.
+  the request's deadline. Then it says goodbye to every sender (relay `goodbye`: send
+  nothing more here; one whose view of the replicas lags picks another) and serves what
+  crossed that on the wire before it closes its ingress.
 - Trust (relay/auth.py): the ingress serves only senders that prove the pipeline's peer
   key, and every relay this role opens (downstream or a client's reply endpoint) checks
   the same of the other end. Deadlines are clamped on receipt to the request timeout, so
@@ -77,6 +79,8 @@ PROBE_S = 1.0  # how long asking one may take
 PAIR_WAIT_S = 0.25  # re-resolve this often while no downstream replica pairs with us
 PAIR_MARGIN_S = 1.0  # give up this long before the deadline, so the reason reaches the client
 CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
+LINGER_QUIET_S = 0.3  # after its goodbye a role serves until nothing came for this long
+LINGER_MAX_S = 3.0  # ... or at most this long
 
 
 class ReplyFailed(RelayError):
@@ -241,7 +245,9 @@ class RoleRuntime:
         deadline = started + (self.grace_s if grace_s is None else grace_s)
         settle = RESOLVE_EVERY + 1.0 if grace_s is None and not self.config.peers_file else 0.0
         quiet_since: float | None = None
-        while time.monotonic() < deadline:  # idle for 0.2 s: nothing is still on its way
+        # the goodbye's linger comes out of the grace period, not after it (then SIGKILL)
+        drain_until = deadline - min(LINGER_MAX_S, (deadline - started) / 10)
+        while time.monotonic() < drain_until:  # idle for 0.2 s: nothing is still on its way
             if time.monotonic() - started < settle or not self.idle():
                 quiet_since = None
             elif quiet_since is None:
@@ -249,6 +255,8 @@ class RoleRuntime:
             elif time.monotonic() - quiet_since >= 0.2:
                 break
             time.sleep(0.05)
+        if self._started and (grace_s is None or grace_s > 0):
+            self._goodbye(deadline)
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
@@ -274,6 +282,36 @@ class RoleRuntime:
         if self.config.metrics_dump:
             with open(self.config.metrics_dump, "wb") as f:
                 f.write(self.metrics.render())
+
+    def _goodbye(self, deadline: float) -> None:
+        """Tell every sender this replica is going (relay `goodbye`: they send nothing more
+        here), serve what crossed that on the wire until nothing has come for a moment,
+        then close the ingress and finish what it handed over. Without it, a message from
+        a sender that still routed here (its DNS view lagging: inline payloads have no
+        receipt) was taken by the socket and lost with the process."""
+        said = time.monotonic()
+        before = self.ingress.stats().delivered
+        self.ingress.goodbye(f"role {self.name} replica {self.config.replica} is shutting down")
+        linger_until = min(said + LINGER_MAX_S, max(deadline, said + LINGER_QUIET_S))
+        while time.monotonic() < linger_until:
+            now = time.monotonic()
+            if min(now - said, now - self.ingress.last_message_at) >= LINGER_QUIET_S:
+                break
+            time.sleep(0.05)
+        crossed = self.ingress.stats().delivered - before
+        self.ingress.close()  # nothing more is delivered: what was is all there is to do
+        log.info(
+            "role %s/%d: said goodbye to its senders; %d messages crossed it and are served",
+            self.name,
+            self.config.replica,
+            crossed,
+        )
+        finish_by = max(deadline, time.monotonic() + LINGER_QUIET_S)
+        while time.monotonic() < finish_by:
+            with self._cond:
+                if not (self._work or self._active or self._joins):
+                    break
+            time.sleep(0.05)
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT, then drain and exit (what a pod runs)."""

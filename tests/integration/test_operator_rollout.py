@@ -62,7 +62,7 @@ class Controller:
             name = sts["metadata"]["name"]
             unit = name.removeprefix(f"{NAME}-")
             revision = sts["metadata"]["annotations"][names.ANNOTATION_TEMPLATE_HASH]
-            n = sts["spec"]["replicas"]
+            n = sts["spec"].get("replicas", 1)  # absent (an HPA's to set): Kubernetes' default
             partition = sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
             pods = self.pods.setdefault(name, [revision] * n)
             self.revisions[name] = revision

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from disagg_operator import names
 from tests.integration import operator_support as s
 from tests.integration.test_operator_rollout import (
     NAME,
@@ -35,7 +36,7 @@ class ResizingController(Controller):
         for sts in self.k8s.list(s.STS, NS, f"disagg.dev/pipeline={NAME}"):
             name = sts["metadata"]["name"]
             pods = self.pods.get(name)
-            n = sts["spec"]["replicas"]
+            n = sts["spec"].get("replicas", 1)
             if pods is None or len(pods) == n:
                 continue
             partition = sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
@@ -89,3 +90,49 @@ async def test_scaling_during_a_rollout_keeps_partitions_and_finishes(
             sts = k8s.get(s.STS, f"{NAME}-{unit}", NS) or {}
             assert sts["spec"]["replicas"] == n
             assert sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"] == 0
+
+
+def externally_scaled(d: dict[str, Any]) -> dict[str, Any]:
+    """prefill's replicas belong to an external scaler (an HPA on its StatefulSet)."""
+    d["metadata"]["annotations"] = {names.ANNOTATION_EXTERNAL_SCALING: "prefill"}
+    return d
+
+
+@pytest.mark.parametrize("replicas", [6, 2], ids=["up", "down"])
+async def test_an_autoscaler_resizing_during_a_rollout_keeps_partitions_and_finishes(
+    k8s_crd: EmulatorThread,  # noqa: F811
+    replicas: int,
+) -> None:
+    """The autoscaler, not the spec, resizes prefill in the middle of the rollout: an HPA
+    (external scaling) through the StatefulSet's scale subresource. The operator keeps
+    stepping partitions over the new size, leaves the HPA's count alone, and the rollout
+    finishes with every pod updated (none scaled away for good, none left behind)."""
+    k8s = k8s_crd
+    controller = ResizingController(k8s)
+    prefill = f"{NAME}-prefill"
+    async with s.running_operator(k8s), controller.running():
+        await s.call(k8s.create, externally_scaled(doc("ghcr.io/disagg/runtime:0.1.0")), NS)
+        scale = {"spec": {"replicas": 4}}
+        await s.until(k8s, lambda: k8s.get(s.STS, prefill, NS) is not None, "prefill's sts", 60)
+        await s.call(k8s.patch, s.STS, prefill, scale, NS, subresource="scale")
+        await settled(k8s, controller)
+        await s.until(k8s, lambda: len(controller.pods[prefill]) == 4, "the HPA's 4 pods", 60)
+        old = controller.baseline = dict(controller.revisions)
+        new = externally_scaled(doc("ghcr.io/disagg/runtime:0.2.0"))
+        await s.call(k8s.patch, s.PIPELINES, NAME, {"spec": new["spec"]}, NS)
+        await s.until(
+            k8s,
+            lambda: any(0 < f["prefill"] < 1 for f in controller.seen[-1:]),
+            "the rollout under way",
+            60,
+        )
+        scale = {"spec": {"replicas": replicas}}
+        await s.call(k8s.patch, s.STS, prefill, scale, NS, subresource="scale")
+        await s.until(
+            k8s, lambda: len(controller.pods[prefill]) == replicas, "the HPA's new size", 60
+        )
+        await s.until(k8s, lambda: all_at_new_revision(controller, old), "every pod updated", 120)
+        await s.until(k8s, lambda: rollout_phase(k8s) == "Complete", "Complete", 30)
+        sts = k8s.get(s.STS, prefill, NS) or {}
+        assert sts["spec"]["replicas"] == replicas, "the autoscaler's count, kept"
+        assert sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"] == 0

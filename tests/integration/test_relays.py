@@ -715,6 +715,38 @@ def test_closed_sender_refuses_to_send(rig: Rig, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("payload", [small_payload, large_payload], ids=["inline", "staged"])
+def test_a_closing_receivers_goodbye_turns_its_senders_away_and_what_crossed_it_lands(
+    rig: Rig, kind: str, payload: Callable[[int], dict[str, Any]]
+) -> None:
+    """A role at the end of its drain says goodbye and serves on a moment: every send that
+    went through before its sender read the goodbye is delivered, the next one is PeerLost
+    (nothing sent: the caller picks another replica), and a sender that dials it after the
+    goodbye is turned away the same way."""
+    ingress = rig.ingress(kind, size=64 * MiB)
+    sender = rig.sender(kind, ingress)
+    sender.send(payload(0), request_id="r0", timeout=WAIT)
+    sent = ["r0"]
+    ingress.goodbye("closing for the test")
+    for i in range(1, 10_000):
+        try:
+            sender.send(payload(i), request_id=f"r{i}", timeout=WAIT)
+        except PeerLost as exc:
+            assert "closing for the test" in str(exc)
+            break
+        sent.append(f"r{i}")
+    else:
+        raise AssertionError("the sender never read the goodbye")
+    for rid in sent:  # none of what it took before the goodbye was dropped
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == rid
+    late = rig.sender(kind, ingress)
+    time.sleep(0.2)  # its goodbye follows the welcome on the same connection
+    with pytest.raises(PeerLost, match="closing for the test"):
+        late.send(payload(0), request_id="late", timeout=WAIT)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("payload", [small_payload, large_payload], ids=["inline", "staged"])
 def test_a_receiver_restarted_in_place_gets_a_new_handshake_not_refused_messages(
     rig: Rig, kind: str, payload: Callable[[int], dict[str, Any]]
 ) -> None:

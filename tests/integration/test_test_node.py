@@ -295,7 +295,11 @@ def test_restarts_back_off_and_termination_is_graceful_then_forced(
     assert process is not None
     t0 = time.monotonic()
     k8s.delete("v1/pods", "stubborn", NS)
+    # as on a node, the pod stays in the API, being deleted, while its container runs
+    terminating = k8s.get("v1/pods", "stubborn", NS)
+    assert terminating is not None and terminating["metadata"].get("deletionTimestamp")
     k8s.wait_for(lambda: process.returncode is not None, 10, 0.05, "killed")
     took = time.monotonic() - t0
     assert 0.9 <= took < 5, took  # SIGTERM ignored, SIGKILL after the 1 s grace period
     assert process.returncode == -9
+    k8s.wait_for(lambda: k8s.get("v1/pods", "stubborn", NS) is None, 10, 0.05, "pod gone")

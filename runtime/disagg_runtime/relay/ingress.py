@@ -25,6 +25,10 @@ per peer, inline bytes held at once (`inline_budget`: a lane whose next frame wo
 overflow it is not read until messages are released, so its sender stalls, as on a full
 pool), and lanes that stay silent before their hello or stall mid-frame are closed.
 
+Closing without losing what is on its way: `goodbye()` tells every peer to send nothing
+more here (protocol.py), while the ingress goes on serving; its owner closes it once
+nothing has come for a moment (`last_message_at`).
+
 The ingress tells its senders how busy its role is (`load`, dispatch.Load, from the
 `load` callback; without one, its own queue and pool): in the welcome, on every grant and
 ack, and every `LOAD_EVERY_S` to the senders active in the last `LOAD_ACTIVE_S`, so they
@@ -191,6 +195,8 @@ class Ingress:
         self._spares_used = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._closing: str | None = None  # the goodbye's reason, once said
+        self.last_message_at = time.monotonic()  # when a peer last sent anything
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disagg-ingress", daemon=True)
         self._thread.start()
@@ -242,6 +248,18 @@ class Ingress:
             peers=len(self._peers),
             spares_used=self._spares_used,
         )
+
+    def goodbye(self, reason: str) -> None:
+        """Tell every peer, and every sender that completes a handshake from now on, that
+        this ingress is closing (protocol.py `goodbye`): they send nothing more here. It
+        goes on serving until `close()`, so what they sent before they read it still lands;
+        wait until nothing has come for a moment (`last_message_at`) before closing."""
+        self._call(lambda: self._say_goodbye(reason))
+
+    def _say_goodbye(self, reason: str) -> None:
+        self._closing = reason
+        for ident in list(self._peers):
+            self._reply(ident, "goodbye", reason=reason)
 
     def close(self) -> None:
         """Stop the I/O thread and release the socket; the pool is the caller's to close."""
@@ -431,7 +449,7 @@ class Ingress:
             self._by_sender[ident] = conn
             return
         conn.taken += 1  # every frame counts: the sender counted it too
-        self._active_at[conn.ident] = time.monotonic()
+        self._active_at[conn.ident] = self.last_message_at = time.monotonic()
         if frame.header.nbytes and frame.header[0] != JSON_START:  # relay/inline_wire.py
             head = inline_wire.unpack(frame.header)
             manifest = conn.layouts.manifest(head.layout, head.tree)
@@ -481,6 +499,7 @@ class Ingress:
                 self._stranger(ident)
                 return
             self._peers.move_to_end(ident)  # recently active: forgotten last
+            self.last_message_at = time.monotonic()
             self._active_at[ident] = time.monotonic()
             chunked = self._chunked.get(ident)
             if chunked is not None:
@@ -612,6 +631,8 @@ class Ingress:
         }
         fields["mac"] = auth.mac(self._key, "welcome", theirs, ours, auth.body(fields))
         self._reply(ident, "welcome", **fields)
+        if self._closing is not None:  # it dialled a replica that is going: not here
+            self._reply(ident, "goodbye", reason=self._closing)
 
     def _own_load(self) -> dispatch.Load:
         """Without a role's account: this ingress's own queue, its pool, one worker."""

@@ -25,6 +25,8 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                          (at least every LOAD_KEEPALIVE_S), to senders that
                                          sent something in the last LOAD_ACTIVE_S; over ZMQ
                                          even where replies go on the lane
+                                   <--   goodbye {reason}: the receiver is closing; send
+                                         nothing more here (what came before it is served)
 
 `load` (dispatch.Load: queued, active, workers, free_bytes, pool_bytes, draining) is the
 receiver's own account of how busy it is, for senders choosing among replicas
@@ -36,6 +38,13 @@ Spare grants: a commit may ask for a slot for the sender's next payload, `next {
 nbytes}` (a fresh xid); the ack then may grant it at once, `spare {xid, offset, lease_s}`,
 with a short lease. The sender writes its next payload that fits there and commits it
 under that xid without a reservation (one round trip instead of two), or cancels it.
+
+`goodbye` is the last thing a closing receiver (a role at the end of its drain) tells every
+peer, and every sender that completes a handshake after it. It keeps serving for a short
+linger after saying it, so what crossed it on the wire still lands; a sender that read it
+sends nothing more on that connection (PeerLost: the caller picks a replica afresh). An
+inline payload gets no reply, so without it a sender that had not yet heard that the
+receiver is going (its DNS view lagging) would send into a socket about to close.
 
 `compat` ({token, accepts}) is the receiving replica's compat token (disagg_core.compat):
 senders route a request only to replicas whose token pairs with their own. Absent (a
@@ -77,7 +86,7 @@ MAX_INLINE_MESSAGE_BYTES = 16 << 20  # the most slot bytes an inline message may
 MAX_FRAME_BYTES = MAX_INLINE_MESSAGE_BYTES  # no ZMQ frame may be longer (tcp chunks included)
 OPS_TO_INGRESS = frozenset({"hello", "auth", "inline", "reserve", "commit", "cancel", "abort"})
 OPS_TO_SENDER = frozenset(
-    {"challenge", "welcome", "refused", "grant", "deny", "ack", "nack", "load"}
+    {"challenge", "welcome", "refused", "grant", "deny", "ack", "nack", "load", "goodbye"}
 )
 HANDSHAKE_OPS = frozenset({"hello", "auth"})  # all an unauthenticated peer may send
 MAX_HANDSHAKE_BYTES = 4096  # and no longer than this

@@ -34,6 +34,11 @@ A sender first proves the pipeline's peer key and checks the ingress's proof
 it (a pool to map, a lane) is used. An shm sender also maps only pools whose name starts
 with `pools` (its pipeline's namespace), and writes only inside the pool it mapped.
 
+A receiver that is closing (a role at the end of its drain) says `goodbye` and keeps
+serving a moment longer: what crossed the goodbye still lands, and the sender raises
+PeerLost for anything after it (inline payloads have no receipt, so only the goodbye tells
+a sender whose view of the replicas lags that this one is going).
+
 A sender keeps the receiver's latest load report (welcome, grants, acks, `load`
 messages) and counts what it sent since; `view()` says what it knows now, reading
 pending reports without waiting, for senders choosing a replica (dispatch.py).
@@ -92,6 +97,11 @@ def _over_zmq(header: bytes, rid: str, manifest: Manifest, meta: Mapping[str, An
     """The inline header to send over ZMQ, which reads JSON only (`header` was built for
     the lane, which may have closed since)."""
     return header if header[:1] == b"{" else _json_inline(rid, manifest, meta)
+
+
+def _goodbye(msg: dict[str, Any]) -> str:
+    """Why a session ended with the receiver's `goodbye` (protocol.py)."""
+    return f"the receiver is closing ({msg.get('reason')})"
 
 
 def _full(exc: OSError) -> bool:
@@ -269,6 +279,8 @@ class Sender:
             spare = msg.get("spare") if msg["op"] == "ack" else None
             if msg["op"] == "refused":
                 self._lost = str(msg.get("reason"))
+            elif msg["op"] == "goodbye":
+                self._lost = _goodbye(msg)
             elif msg["op"] == "grant" and isinstance(msg.get("xid"), int):
                 self._control(proto.pack("cancel", xid=msg["xid"]))
             elif isinstance(spare, dict) and isinstance(spare.get("xid"), int):
@@ -489,8 +501,11 @@ class Sender:
         """Backend hook: release attached memory."""
 
     def _check_open(self) -> None:
+        """A relay closed under its user (another thread's send found the peer lost and
+        dropped it, or the cache evicted it) sent nothing: PeerLost, so the caller sends
+        again on a fresh one, as that other thread did."""
         if self.closed:
-            raise RelayError(f"{self.kind} relay to {self.endpoint} is closed")
+            raise PeerLost(f"{self.kind} relay to {self.endpoint} is closed; reconnect")
 
     def _send_staged(
         self,
@@ -661,6 +676,12 @@ class Sender:
             if msg["op"] == "refused":  # no longer a peer there (e.g. it restarted): reconnect
                 self._lost = str(msg.get("reason"))
                 raise PeerLost(f"{self.endpoint} refused this sender: {self._lost}")
+            if msg["op"] == "goodbye":  # it still serves what it has; nothing new goes there
+                self._lost = _goodbye(msg)
+                if what == "reservation":  # nothing of the payload sent yet: elsewhere
+                    self._control(proto.pack("cancel", xid=xid))
+                    raise PeerLost(f"{self.endpoint}: {self._lost}; reconnect")
+                continue
             if msg["op"] in ops and msg.get("xid") == xid:
                 return msg
             if msg["op"] == "grant" and isinstance(msg.get("xid"), int):

@@ -218,8 +218,11 @@ class Controllers:
             ]
             if old and len(kept) == replicas and all(pod_ready(p) for p in kept.values()):
                 await self.api.delete("pods", ns, kept[max(old)]["metadata"]["name"])
-        updated = [
-            p for p in kept.values() if p["metadata"]["labels"].get(REVISION_LABEL) == revision
+        updated = [  # a pod being deleted counts as neither revision (as in Kubernetes)
+            p
+            for p in kept.values()
+            if p["metadata"]["labels"].get(REVISION_LABEL) == revision
+            and not p["metadata"].get("deletionTimestamp")
         ]
         ready = sum(pod_ready(p) for p in kept.values())
         current = (sts.get("status") or {}).get("currentRevision") or revision
@@ -247,7 +250,8 @@ class Controllers:
         ns, name = key
         replicas = int(deploy["spec"].get("replicas", 1))
         digest = template_hash(deploy["spec"].get("template") or {})
-        pods = self._pods_of(deploy)
+        # a ReplicaSet replaces a pod being deleted at once (unlike a StatefulSet's ordinal)
+        pods = [p for p in self._pods_of(deploy) if not p["metadata"].get("deletionTimestamp")]
         new = [p for p in pods if p["metadata"]["labels"].get(TEMPLATE_HASH_LABEL) == digest]
         old = [p for p in pods if p not in new]
         names = {p["metadata"]["name"] for p in pods}

@@ -14,8 +14,11 @@ status subresource.
 - restartPolicy Always / OnFailure / Never; restarts after a back-off of 0 s, then
   `backoff` s doubling to 300 s (reset after 10 minutes running); restartCount and
   lastState as on a node.
-- Deleting the pod (it leaves the API at once in the emulator): SIGTERM to every container,
-  SIGKILL after `terminationGracePeriodSeconds` (default 30), then the sandbox goes.
+- Deleting the pod: SIGTERM to every container, SIGKILL after
+  `terminationGracePeriodSeconds` (default 30), then the sandbox goes. As on a node, the
+  pod stays in the API (with its deletionTimestamp) until then: the kubelet holds every
+  pod it runs with FINALIZER and lets go of it once its containers have stopped, so a
+  StatefulSet's replacement pod (same name) starts only after the old one is gone.
 - Status: phase, conditions PodScheduled / Initialized / ContainersReady / Ready, podIP(s),
   hostIP, startTime, containerStatuses (state, lastState, ready, started, restartCount).
 """
@@ -475,6 +478,9 @@ def _b64(value: str) -> str:
     return base64.b64decode(value).decode()
 
 
+FINALIZER = "node.disagg.test/containers"  # a deleted pod stays until its containers stopped
+
+
 class Kubelet:
     def __init__(self, api: Api, config: Config, sandbox_factory: Callable[[Obj], Sandbox]) -> None:
         self.api = api
@@ -483,10 +489,18 @@ class Kubelet:
         self.workers: dict[str, PodWorker] = {}
         self.stopped: list[asyncio.Task[None]] = []
         self.errors: list[str] = []  # failures of pod workers (a node bug, not a pod's)
+        self._releasing: set[str] = set()  # deleted pods whose finalizer is being removed
 
     def sync(self, pods: list[Obj]) -> None:
-        """Start workers for new pods, stop those whose pod is gone (by uid)."""
-        live = {str(p["metadata"]["uid"]): p for p in pods}
+        """Start workers for new pods (holding each in the API with FINALIZER), stop those
+        whose pod is gone or being deleted (by uid), and let a deleted pod go from the API
+        once its containers have stopped."""
+        live = {
+            str(p["metadata"]["uid"]): p for p in pods if not p["metadata"].get("deletionTimestamp")
+        }
+        deleted = {
+            str(p["metadata"]["uid"]): p for p in pods if p["metadata"].get("deletionTimestamp")
+        }
         for uid, pod in live.items():
             if uid not in self.workers:
                 ns = str(pod["metadata"]["namespace"])
@@ -498,11 +512,37 @@ class Kubelet:
                 worker.errors = self.errors
                 self.workers[uid] = worker
                 worker.start()
+                self.stopped.append(asyncio.create_task(self._finalizer(pod, hold=True)))
             else:
                 self.workers[uid].pod = {**pod, "status": self.workers[uid].pod.get("status")}
         for uid in [u for u in self.workers if u not in live]:
             worker = self.workers.pop(uid)
-            self.stopped.append(asyncio.create_task(worker.stop()))
+            if uid in deleted:
+                self._releasing.add(uid)  # by _stop, once its containers have stopped
+            self.stopped.append(asyncio.create_task(self._stop(worker, deleted.get(uid))))
+        for uid, pod in deleted.items():  # deleted before its worker started, or a leftover
+            held = FINALIZER in (pod["metadata"].get("finalizers") or [])
+            if held and uid not in self.workers and uid not in self._releasing:
+                self._releasing.add(uid)
+                self.stopped.append(asyncio.create_task(self._finalizer(pod, hold=False)))
+
+    async def _stop(self, worker: PodWorker, pod: Obj | None) -> None:
+        """Stop a pod's containers (SIGTERM, SIGKILL after the grace period); a pod that is
+        still in the API, being deleted, goes from it then."""
+        await worker.stop()
+        if pod is not None:
+            await self._finalizer(pod, hold=False)
+
+    async def _finalizer(self, pod: Obj, *, hold: bool) -> None:
+        """Add (hold) or remove FINALIZER on `pod`; a pod gone already is left alone."""
+        meta = pod["metadata"]
+        others = [f for f in meta.get("finalizers") or [] if f != FINALIZER]
+        body = {"metadata": {"finalizers": [*others, FINALIZER] if hold else others}}
+        try:
+            await self.api.patch("pods", str(meta["namespace"]), str(meta["name"]), body)
+        except ApiError as exc:
+            if exc.status not in (404, 409, 422):
+                self.errors.append(f"pod {meta['namespace']}/{meta['name']} finalizer: {exc}")
 
     def worker(self, namespace: str, name: str) -> PodWorker | None:
         for w in self.workers.values():

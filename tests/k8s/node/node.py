@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RESOURCES = ("pods", "services", "endpoints", "endpointslices", "statefulsets", "deployments")
 ROOT = "/run/disagg-node"
+KEEP_ENV = "DISAGG_TEST_NODE_KEEP"  # copy the pods' files (logs) here when the node stops
 
 
 def leftovers(tag: str) -> list[str]:
@@ -158,6 +159,12 @@ class Node:
             self.dns.stop()
         network.sweep(self.tag)
         self.bridge.delete()
+        keep = os.environ.get(KEEP_ENV)
+        if keep:  # the pods' files, their logs above all, for a look after the run
+            with contextlib.suppress(OSError):
+                shutil.copytree(
+                    f"{self.root}/pods", keep, dirs_exist_ok=True, ignore_dangling_symlinks=True
+                )
         shutil.rmtree(self.root, ignore_errors=True)
 
     async def _stop(self) -> None:

@@ -1,0 +1,143 @@
+"""A replica stopped while a sender streams small (inline) requests at it loses none.
+
+Two replica processes of one role, a client in this process. The client's view of the
+replicas lags, as a sender's DNS view does behind a pod's deletion: it lists only replica
+0, and keeps sending there while replica 0 drains (the last replica it knows; `not_draining`
+keeps it). Replica 0's grace period runs out while requests still stream in, so it closes
+amid traffic. Inline payloads get no receipt: before the relay `goodbye`, what was on its
+way when the ingress closed (or was taken in while the role shut its workers down) was
+lost, and those requests timed out (4 of about 2,500 in each run measured). With it, the
+client reads the goodbye, picks afresh (now replica 1), and what crossed the goodbye is
+still served."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagg_core.contract import Peer, RoleConfig, render_env, write_topology
+from disagg_core.spec import load_pipeline_file
+from disagg_runtime.client import Client, RequestFailed
+from disagg_runtime.local.supervisor import free_ports, plan_local
+from tests.relay_rig import KEY, write_key
+from tests.support import wait_for
+
+HERE = Path(__file__).resolve().parent
+PIPELINE = load_pipeline_file(HERE / "pipelines" / "restart.yaml")  # one role, `scale`
+GRACE_S = 2.0  # replica 0's drain; shorter than the client's re-resolution period
+SENDERS = 4
+TIMEOUT_S = 10.0
+
+
+@pytest.fixture
+def replicas(tmp_path: Path) -> Iterator[list[tuple[RoleConfig, subprocess.Popen[bytes]]]]:
+    topology_file = str(tmp_path / "topology.json")
+    ports = free_ports()
+    base = replace(
+        plan_local(PIPELINE, ports, topology_file)[0], peer_key_file=write_key(str(tmp_path))
+    )
+    write_topology(base.topology, topology_file)
+    started: list[tuple[RoleConfig, subprocess.Popen[bytes]]] = []
+    for replica in (0, 1):
+        config = replace(base, replica=replica, ingress_port=next(ports), metrics_port=next(ports))
+        env = {**os.environ, **render_env(config), "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+        with open(tmp_path / f"replica-{replica}.log", "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.integration.drain_role", str(GRACE_S)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        started.append((config, proc))
+    try:
+        yield started
+    finally:
+        for _, proc in started:  # drained and gone, pools freed (a kill would leak them)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=GRACE_S + 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def test_replica_stopped_under_a_stream_of_inline_requests_loses_none(
+    replicas: list[tuple[RoleConfig, subprocess.Popen[bytes]]],
+) -> None:
+    endpoints = [f"tcp://127.0.0.1:{config.ingress_port}" for config, _ in replicas]
+    listed = [endpoints[0]]  # the client's lagging view: replica 0 only, until it re-resolves
+
+    def resolver(host: str, port: int) -> list[str]:
+        return list(listed)
+
+    client = Client(
+        [Peer("solo", ("solo.test:7000",))],
+        ["solo"],
+        pipeline=PIPELINE.name,
+        pool_size=8 << 20,
+        timeout=TIMEOUT_S,
+        key=KEY,
+        resolver=resolver,
+    )
+    # both replicas serve first (each answers a request sent straight to it)
+    for endpoint in [*endpoints, endpoints[0]]:
+        listed[:] = [endpoint]
+        client.entries[0].endpoints(refresh=True)
+        wait_for(lambda: _serves(client), 60, interval=0.2, message=f"{endpoint} serving")
+
+    stop = threading.Event()
+    outcomes: list[str] = []  # "ok", or the error
+
+    def send(seed: int) -> None:
+        i = 0
+        while not stop.is_set():
+            x = torch.full((256,), float(seed * 100_000 + i))
+            try:
+                out = client.submit({"x": x, "factor": 2.0})
+                outcomes.append("ok" if torch.equal(out["x"], x * 2) else "wrong result")
+            except RequestFailed as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+            i += 1
+
+    senders = [threading.Thread(target=send, args=(s,), daemon=True) for s in range(SENDERS)]
+    try:
+        for thread in senders:
+            thread.start()
+        time.sleep(0.5)
+        before = len(outcomes)
+        going = replicas[0][1]
+        going.send_signal(signal.SIGTERM)  # drains GRACE_S, then closes while requests stream
+        listed[:] = [endpoints[1]]  # its pod is out of DNS; the client has not looked yet
+        going.wait(timeout=GRACE_S + 30)
+        time.sleep(0.5)  # requests go on (to replica 1)
+    finally:
+        stop.set()
+        for thread in senders:
+            thread.join(timeout=TIMEOUT_S + 10)
+        with contextlib.suppress(Exception):
+            client.close()
+    failed = [o for o in outcomes if o != "ok"]
+    assert before > 0 and len(outcomes) > before + 100, (before, len(outcomes))
+    assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:3]}"
+
+
+def _serves(client: Client) -> bool:
+    try:
+        out = client.submit({"x": torch.ones(4), "factor": 3.0}, timeout=2.0)
+    except RequestFailed:
+        return False
+    return bool(torch.equal(out["x"], torch.full((4,), 3.0)))
