@@ -94,6 +94,15 @@ def entries_and_exits(doc: Obj) -> tuple[list[Obj], list[str]]:
     return entries, exits
 
 
+def merged(base: Obj, over: Obj) -> Obj:
+    """Helm's merge of values: mappings merge key by key, anything else is replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if both else value
+    return out
+
+
 class LocalCluster:
     def __init__(
         self,
@@ -139,10 +148,17 @@ class LocalCluster:
             self.tls.issue(self.node.bridge.gateway)  # the address pods reach the API at
         self.operator: subprocess.Popen[bytes] | None = None
         self.operator_log = workdir / "operator.log"
-        if operator_pod:
-            self.install_chart({**OPERATOR_VALUES, **(operator_values or {})})
-        else:
-            self.start_operator()
+        try:
+            if operator_pod:
+                self.install_chart(merged(OPERATOR_VALUES, operator_values or {}))
+            else:
+                self.start_operator()
+        except BaseException:
+            logs = self.operator_logs()[-4000:] if operator_pod else ""
+            self.close()
+            if logs:
+                raise AssertionError(f"the operator did not start:\n{logs}") from None
+            raise
 
     # ------------------------------------------------------------------ the operator pod
 
@@ -352,16 +368,16 @@ class LocalCluster:
             return {"pod": name}
         return self.client_result(name, timeout=timeout * (requests // concurrency + 2))
 
-    def client_result(self, name: str, timeout: float) -> Obj:
+    def client_result(self, name: str, timeout: float, namespace: str = NS) -> Obj:
         def finished() -> Obj | None:
-            pod = self.k8s.get("v1/pods", name, NS) or {}
+            pod = self.k8s.get("v1/pods", name, namespace) or {}
             phase = (pod.get("status") or {}).get("phase")
             return pod if phase in ("Succeeded", "Failed") else None
 
         self.wait_for(finished, f"client pod {name}", timeout)
-        logs = self.node.logs(NS, name)
+        logs = self.node.logs(namespace, name)
         match = re.search(r"^RESULT (.*)$", logs, re.MULTILINE)
         assert match, f"client pod {name} printed no result:\n{logs[-3000:]}"
         result: Obj = json.loads(match.group(1))
-        self.k8s.delete("v1/pods", name, NS)
+        self.k8s.delete("v1/pods", name, namespace)
         return result

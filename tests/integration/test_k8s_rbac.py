@@ -8,6 +8,8 @@ import pathlib
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -25,13 +27,13 @@ ACCOUNT = "disagg-operator"  # the chart's ServiceAccount for release disagg-ope
 
 
 @pytest.fixture
-def secure() -> EmulatorThread:
+def secure() -> Iterator[EmulatorThread]:
     k8s = EmulatorThread(tls=ServerTls(), auth=Authenticator()).start()
     yield k8s
     k8s.stop()
 
 
-def kubectl_for(tmp_path: pathlib.Path, name: str, config: dict) -> Kubectl:
+def kubectl_for(tmp_path: pathlib.Path, name: str, config: dict[str, Any]) -> Kubectl:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     (tmp_path / f"cache-{name}").mkdir()

@@ -106,9 +106,10 @@ class Authenticator:
 
     def identify(self, authorization: str | None) -> Identity | None:
         """The identity of an ``Authorization`` header; None when it proves nobody."""
-        if not authorization or not authorization.startswith("Bearer "):
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:  # schemes are case-insensitive (RFC 7235)
             return None
-        token = authorization[len("Bearer ") :].strip()
         if token in self.tokens:
             return self.tokens[token]
         if token.startswith(_SA_TOKEN_PREFIX):

@@ -36,6 +36,7 @@ def test_tokens_identify_admins_and_service_accounts_and_nobody_else():
         "admin", frozenset({"system:masters", "system:authenticated"})
     )
     assert auth.identify(f"Bearer {token}") == SA
+    assert auth.identify(f"bearer {token}") == SA  # the kubernetes client's spelling
     assert SA.account == ("ops", "op") and "system:serviceaccounts:ops" in SA.groups
     forged = token.replace("ops:op", "ops:admin")
     other = Authenticator().service_account_token("ops", "op")  # another cluster's key
