@@ -4,6 +4,7 @@ the chart grants is answered, anything else is 403 Forbidden."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 import urllib.error
@@ -95,3 +96,92 @@ def test_the_chart_rbac_is_enforced_for_the_operator_service_account(
     codes = {(c.verb, c.resource, c.code) for c in secure.calls if c.user and ACCOUNT in c.user}
     assert ("list", "nodes", 403) in codes and ("list", "statefulsets", 200) in codes
     assert secure.get("v1/namespaces", "default") is not None  # the delete did nothing
+
+
+IN_CLUSTER = """
+import json, os, kubernetes
+from kubernetes.client.rest import ApiException
+out = {"host": os.environ.get("KUBERNETES_SERVICE_HOST"), "uid": os.getuid()}
+base = "/var/run/secrets/kubernetes.io/serviceaccount"
+keys = os.listdir(base) if os.path.isdir(base) else []  # and the kubelet's ..data
+out["files"] = sorted(k for k in keys if not k.startswith(".."))
+if out["files"]:
+    kubernetes.config.load_incluster_config()
+    core = kubernetes.client.CoreV1Api()
+    out["configmaps"] = len(core.list_namespaced_config_map("default").items)
+    try:
+        core.list_node()
+        out["nodes"] = 200
+    except ApiException as e:
+        out["nodes"] = e.status
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_pods_get_in_cluster_access_and_their_account_rbac(secure: EmulatorThread, tmp_path):
+    """The test node with in-cluster access: a pod finds the API through the `kubernetes`
+    Service's env and its mounted token and CA, as the operator's pod does; RBAC applies
+    to its ServiceAccount. A pod that opts out, or whose ServiceAccount opts out, gets no
+    token."""
+    from tests.k8s.node import Node, can_create_namespaces
+    from tests.k8s.node.apiserver import InCluster
+
+    reason = can_create_namespaces()
+    if reason is not None:
+        pytest.skip(reason)
+    assert secure.tls is not None and secure.emulator.auth is not None
+    auth = secure.emulator.auth
+    node = Node(
+        secure.url,
+        backoff=0.5,
+        ca_pem=secure.tls.ca_pem,
+        token=secure.token,
+        in_cluster=InCluster(secure.tls.ca_pem, auth.service_account_token),
+    ).start()
+    try:
+        secure.tls.issue(node.bridge.gateway)
+        admin = kubectl_for(tmp_path, "admin", secure.kubeconfig())
+        admin.apply([
+            *install.render(CHART, {}, release="disagg-operator", namespace="default"),
+            *(pod(n, automount) for n, automount in NAMES.items()),
+        ])  # fmt: skip
+        results = {n: result(secure, node, n) for n in NAMES}
+    finally:
+        node.stop()
+    assert node.leftovers() == [] and node.errors == []
+    assert results["reader"] == {
+        "host": node.bridge.gateway,
+        "uid": 65532,
+        "files": ["ca.crt", "namespace", "token"],
+        "configmaps": 0,
+        "nodes": 403,
+    }
+    for name in ("opted-out", "inherits"):  # the chart's ServiceAccount does not automount
+        assert results[name]["files"] == [] and results[name]["host"], results
+
+
+NAMES = {"reader": True, "opted-out": False, "inherits": None}  # automountServiceAccountToken
+
+
+def pod(name: str, automount: bool | None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "serviceAccountName": ACCOUNT,
+        "restartPolicy": "Never",
+        "securityContext": {"runAsUser": 65532, "runAsGroup": 65532},
+        "containers": [{"name": "c", "image": "local", "command": ["python", "-c", IN_CLUSTER]}],
+    }
+    if automount is not None:
+        spec["automountServiceAccountToken"] = automount
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def result(k8s: EmulatorThread, node: Any, name: str) -> dict[str, Any]:
+    def done() -> bool:
+        phase = ((k8s.get("v1/pods", name, "default") or {}).get("status") or {}).get("phase")
+        return phase in ("Succeeded", "Failed")
+
+    k8s.wait_for(done, 60, 0.2, f"pod {name} done")
+    logs = node.logs("default", name)
+    line = next((x for x in logs.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, logs[-3000:]
+    return dict(json.loads(line[len("RESULT ") :]))
