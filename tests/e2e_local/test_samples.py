@@ -240,6 +240,7 @@ def test_the_operator_pod_runs_in_cluster_within_its_rbac(local_cluster: LocalCl
         "metadata": {"name": "rbac-probe", "namespace": OPERATOR_NS},
         "spec": {
             "serviceAccountName": account,
+            "automountServiceAccountToken": True,  # as the chart's Deployment (not its SA)
             "restartPolicy": "Never",
             "containers": [
                 {"name": "probe", "image": "local", "command": ["python", "-c", PROBE_API]}
