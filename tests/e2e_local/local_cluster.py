@@ -153,11 +153,17 @@ class LocalCluster:
                 self.install_chart(merged(OPERATOR_VALUES, operator_values or {}))
             else:
                 self.start_operator()
-        except BaseException:
-            logs = self.operator_logs()[-4000:] if operator_pod else ""
-            self.close()
-            if logs:
-                raise AssertionError(f"the operator did not start:\n{logs}") from None
+        except BaseException as exc:
+            try:
+                logs = self.operator_logs()[-4000:] if operator_pod else ""
+            except Exception as e:  # no pod yet, or no worker for it
+                logs = f"(no operator logs: {e!r})"
+            finally:
+                left = self.close()
+            if operator_pod:
+                raise AssertionError(
+                    f"the operator did not start ({exc!r}); left behind: {left}; its logs:\n{logs}"
+                ) from exc
             raise
 
     # ------------------------------------------------------------------ the operator pod
@@ -187,10 +193,12 @@ class LocalCluster:
     def operator_logs(self) -> str:
         if not self.operator_pod:
             return self.operator_log.read_text(errors="replace")
-        return "".join(
-            self.node.logs(OPERATOR_NS, p["metadata"]["name"], "operator")
-            for p in self.operator_pods()
-        )
+        out = []
+        for pod in self.operator_pods():
+            name = pod["metadata"]["name"]
+            if self.node.kubelet is not None and self.node.kubelet.worker(OPERATOR_NS, name):
+                out.append(self.node.logs(OPERATOR_NS, name, "operator"))
+        return "".join(out)
 
     def operator_restarts(self) -> int:
         (pod,) = self.operator_pods()
