@@ -333,7 +333,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
             name=target.name,
         )
         if not rbac.authorize(who, attributes, self._rbac_objects()):
-            raise api_error(403, "Forbidden", attributes.describe(who.user))
+            details = {"group": target.group, "kind": target.plural}
+            raise api_error(
+                403,
+                "Forbidden",
+                attributes.describe(who.user),
+                **details,
+                **({"name": target.name} if target.name else {}),
+            )
 
     def _rbac_objects(self) -> list[JSON]:
         found: list[JSON] = []
