@@ -222,6 +222,8 @@ class PodWorker:
             return
         if c.process is not None and c.process.returncode is not None:
             self._exited(c)
+            if c.terminated is not None:
+                return  # restartPolicy says no restart: never start it again
         if c.process is None:
             if time.monotonic() >= c.next_start:
                 await self._start(c)
