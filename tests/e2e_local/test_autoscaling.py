@@ -40,8 +40,7 @@ def scaling_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalC
         pytest.skip(reason)
     cluster = LocalCluster(
         tmp_path_factory.mktemp("scaling"),
-        operator_pod=True,  # the chart's pod: it scrapes the roles from inside the cluster
-        operator_values={"operator": {"autoscaleIntervalSeconds": 2}},
+        operator_args=("--autoscale-interval=2",),
         image_env=IMAGE_ENV,
     )
     try:
