@@ -1,7 +1,8 @@
 """Fixtures of the e2e_local scenarios (see README.md here).
 
-- `local_cluster` (module scope): `LocalCluster`, the emulator + the test node + the
-  operator process; skipped, saying why, where pod sandboxes cannot be made (not root, no
+- `local_cluster` (module scope): `LocalCluster`, the emulator (HTTPS, RBAC enforced) + the
+  test node + the operator as the Helm chart's pod (in-cluster configuration); skipped,
+  saying why, where pod sandboxes cannot be made (not root, no
   `ip`, no network namespaces). At its end every pod is terminated and the node's network
   removed; anything left fails the module.
 - `figures(line)`: record a scenario's line of figures (printed in the terminal summary).
@@ -51,7 +52,7 @@ def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
     if reason is not None:
         pytest.skip(reason)
     workdir: pathlib.Path = tmp_path_factory.mktemp("local-cluster")
-    cluster = LocalCluster(workdir)
+    cluster = LocalCluster(workdir, operator_pod=True)
     left: list[str] = []
     try:
         yield cluster

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from disagg_core import quantity
-from tests.e2e_local.local_cluster import NS, SAMPLES, LocalCluster, sample
+from tests.e2e_local.local_cluster import NS, OPERATOR_NS, SAMPLES, LocalCluster, sample
 
 pytestmark = [pytest.mark.e2e_local, pytest.mark.timeout(600)]
 READY_TIMEOUT = 180.0
@@ -197,4 +197,58 @@ def test_sample_runs_and_deletes_cleanly(
         f"{result['ok']} failed {result['failed']}, "
         f"p50 {result['p50_s']} s, max {result['max_s']} s; deleted: children, pods, "
         f"processes, netns gone in {deleted_s:.1f} s"
+    )
+
+
+PROBE_API = """
+import json, kubernetes
+from kubernetes.client.rest import ApiException
+kubernetes.config.load_incluster_config()
+core, apps = kubernetes.client.CoreV1Api(), kubernetes.client.AppsV1Api()
+out = {"statefulsets": len(apps.list_stateful_set_for_all_namespaces().items)}
+for name, call in (("nodes", core.list_node), ("namespaces", core.list_namespace)):
+    try:
+        call()
+        out[name] = 200
+    except ApiException as e:
+        out[name] = e.status
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_the_operator_pod_runs_in_cluster_within_its_rbac(local_cluster: LocalCluster) -> None:
+    """The operator runs as the chart's pod: non-root, in-cluster credentials, and none of its
+    calls (every sample reconciled before this test) was refused by the chart's RBAC; a pod
+    of its ServiceAccount is refused what the chart does not grant (a live RBAC check)."""
+    cluster = local_cluster
+    assert cluster.operator_pod
+    pod = cluster.operator_ready()
+    assert pod is not None, "the operator pod is Ready"
+    name, account = pod["metadata"]["name"], pod["spec"]["serviceAccountName"]
+    pid = cluster.node.worker(OPERATOR_NS, name).containers[0].process.pid  # type: ignore[union-attr]
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    assert re.search(r"^Uid:\s+65532\s", status, re.MULTILINE), "runs as the chart's uid"
+    environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert f"KUBERNETES_SERVICE_HOST={cluster.node.bridge.gateway}".encode() in environ
+    assert not [c for c in cluster.k8s.calls if c.user is None], "every call authenticated"
+    operator_calls = [c for c in cluster.k8s.calls if c.user and c.user.endswith(f":{account}")]
+    assert operator_calls, "the operator's calls came with its service-account token"
+    assert cluster.denied() == [], "the chart's RBAC allowed every call the operator made"
+    probe = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "rbac-probe", "namespace": OPERATOR_NS},
+        "spec": {
+            "serviceAccountName": account,
+            "automountServiceAccountToken": True,  # as the chart's Deployment (not its SA)
+            "restartPolicy": "Never",
+            "containers": [
+                {"name": "probe", "image": "local", "command": ["python", "-c", PROBE_API]}
+            ],
+        },
+    }
+    cluster.kubectl.apply([probe])
+    result = cluster.client_result("rbac-probe", timeout=60, namespace=OPERATOR_NS)
+    assert result["statefulsets"] >= 0 and result["nodes"] == 403 and result["namespaces"] == 403, (
+        result
     )

@@ -289,6 +289,8 @@ def test_restarts_back_off_and_termination_is_graceful_then_forced(
         0.1,
         "Succeeded",
     )
+    time.sleep(0.6)  # a few kubelet ticks: a finished Never container is never started again
+    assert node.logs(NS, "done") == "bye\n"
     k8s.wait_for(lambda: "up" in node.logs(NS, "stubborn"), 15, 0.1, "stubborn up")
     worker = node.worker(NS, "stubborn")
     process = worker.containers[0].process

@@ -60,6 +60,7 @@ import kmock
 import yaml
 from kmock._internal import apps, rendering
 
+from . import rbac
 from . import semantics as sem
 from .errors import _bad_request, _conflict, _invalid, _not_found, api_error, status_body
 from .faults import Faults
@@ -122,6 +123,7 @@ class ApiCall:
     method: str
     path: str
     code: int = 0
+    user: str | None = None  # who made it, when the emulator authenticates (``auth``)
 
     @property
     def rbac_resource(self) -> str | None:
@@ -191,7 +193,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
     ``collect_orphans`` (an object created with ownerReferences none of which names a live
     uid is deleted right after, as the garbage collector does: a controller that applies a
     child just after its owner was deleted leaves nothing behind; off by default, because
-    tests make children of made-up owners).
+    tests make children of made-up owners), ``auth`` (an ``rbac.Authenticator``: every
+    request needs a bearer token it knows, else 401, and RBAC from the stored Roles,
+    ClusterRoles and bindings decides, else 403; None, the default: no authentication).
     Objects live in an indexed ``store.ObjectStore``; watches are served by ``watch``.
     """
 
@@ -201,6 +205,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     event_log_limit: int = 10_000
     keep_requests: bool = True
     faults: Faults | None = None
+    auth: rbac.Authenticator | None = None
 
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
     _types: dict[tuple[str, str, str], ResourceType] = attrs.field(factory=dict, init=False)
@@ -286,6 +291,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         target = self._parse_target(request)
         call = self._record(request, target)
         try:
+            if self.auth is not None:
+                self._authorize(request, target, call)
             if self._payloads:  # reactions declared through kmock's DSL go first
                 try:
                     response = await apps.RawHandler._handle(self, request)
@@ -307,6 +314,40 @@ class KubeEmulator(kmock.KubernetesEmulator):
             response = await self._render_error(_bad_request(str(e)))
         call.code = response.status
         return response
+
+    def _authorize(self, request: rendering.Request, target: _Target | None, call: ApiCall) -> None:
+        """401 without a known token; 403 when RBAC does not allow the call (see ``rbac``)."""
+        assert self.auth is not None
+        who = self.auth.identify(request.headers.get("Authorization"))
+        if who is None:
+            raise api_error(401, "Unauthorized", "Unauthorized")
+        call.user = who.user
+        if target is None or call.resource is None:
+            return  # discovery, /version, /healthz: open to every authenticated user
+        attributes = rbac.Attributes(
+            verb=call.verb,
+            group=target.group,
+            resource=target.plural,
+            subresource=target.subresource,
+            namespace=target.namespace,
+            name=target.name,
+        )
+        if not rbac.authorize(who, attributes, self._rbac_objects()):
+            details = {"group": target.group, "kind": target.plural}
+            raise api_error(
+                403,
+                "Forbidden",
+                attributes.describe(who.user),
+                **details,
+                **({"name": target.name} if target.name else {}),
+            )
+
+    def _rbac_objects(self) -> list[JSON]:
+        found: list[JSON] = []
+        for kind in ("roles", "clusterroles", "rolebindings", "clusterrolebindings"):
+            rt = self.resolve(f"rbac.authorization.k8s.io/v1/{kind}")
+            found += [{**o, "kind": rt.kind} for o in self._select(rt, None, None, None)]
+        return found
 
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         if isinstance(exc, kmock.KubernetesError):

@@ -14,8 +14,10 @@ globally, which breaks when two emulators stop out of order.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -28,6 +30,7 @@ import yaml
 
 from .. import support
 from .emulator import JSON, ApiCall, KubeEmulator
+from .tls import ServerTls
 
 T = TypeVar("T")
 
@@ -36,17 +39,22 @@ class EmulatorServer:
     """The emulator behind an aiohttp server on ``host`` and a free port, in this loop."""
 
     def __init__(
-        self, emulator: KubeEmulator | None = None, host: str = "127.0.0.1", port: int = 0
+        self,
+        emulator: KubeEmulator | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.emulator = emulator if emulator is not None else KubeEmulator()
         self.host = host
         self._port = port
+        self._ssl = ssl_context
         self._runner: aiohttp.web.ServerRunner | None = None
         self.port = 0
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self._ssl else 'http'}://{self.host}:{self.port}"
 
     async def __aenter__(self) -> Self:
         await self.emulator.__aenter__()
@@ -57,7 +65,7 @@ class EmulatorServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._port))
         self.port = sock.getsockname()[1]
-        await aiohttp.web.SockSite(self._runner, sock).start()
+        await aiohttp.web.SockSite(self._runner, sock, ssl_context=self._ssl).start()
         return self
 
     async def __aexit__(
@@ -74,10 +82,18 @@ class EmulatorServer:
 
 
 class EmulatorThread:
-    """An emulator served from a daemon thread with its own event loop (the ``k8s`` fixture)."""
+    """An emulator served from a daemon thread with its own event loop (the ``k8s`` fixture).
 
-    def __init__(self, **options: Any) -> None:
+    ``tls``: serve HTTPS with this certificate (``tls.ServerTls``); ``options`` go to
+    ``KubeEmulator`` (e.g. ``auth=rbac.Authenticator()``). With ``auth``, ``token`` is an
+    admin token (``system:masters``) that ``kubeconfig()`` and ``api_client()`` carry.
+    """
+
+    def __init__(self, tls: ServerTls | None = None, **options: Any) -> None:
         self._options = options
+        self.tls = tls
+        auth = options.get("auth")
+        self.token: str | None = auth.admin_token() if auth is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -116,7 +132,8 @@ class EmulatorThread:
     async def _serve(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with EmulatorServer(KubeEmulator(**self._options)) as server:
+        context = self.tls.context if self.tls is not None else None
+        async with EmulatorServer(KubeEmulator(**self._options), ssl_context=context) as server:
             self._server = server
             self._ready.set()
             await self._stop.wait()
@@ -255,27 +272,40 @@ class EmulatorThread:
     # ------------------------------------------------------------------ clients
 
     def kubeconfig(self, namespace: str = "default") -> JSON:
-        """A kubeconfig (as a dict) pointing at this emulator."""
-        return kubeconfig_for(self.url, namespace)
+        """A kubeconfig (as a dict) pointing at this emulator (its CA and admin token, if any)."""
+        ca = self.tls.ca_pem if self.tls is not None else None
+        return kubeconfig_for(self.url, namespace, ca_pem=ca, token=self.token)
 
     def api_client(self) -> Any:
         """A ``kubernetes.client.ApiClient`` for this emulator, built explicitly: the client
         reads ``KUBECONFIG`` at import time, so the environment cannot redirect it later."""
-        return api_client_for(self.url)
+        return api_client_for(
+            self.url, self.tls.ca_pem if self.tls is not None else None, self.token
+        )
 
     def connection_info(self, namespace: str = "default") -> Any:
         """A ``kopf.ConnectionInfo`` for this emulator (return it from an ``@kopf.on.login``)."""
         import kopf
 
-        return kopf.ConnectionInfo(server=self.url, default_namespace=namespace)
+        return kopf.ConnectionInfo(
+            server=self.url,
+            default_namespace=namespace,
+            ca_data=self.tls.ca_pem if self.tls is not None else None,
+            token=self.token,
+        )
 
 
-def kubeconfig_for(url: str, namespace: str = "default") -> JSON:
+def kubeconfig_for(
+    url: str, namespace: str = "default", *, ca_pem: bytes | None = None, token: str | None = None
+) -> JSON:
+    cluster: JSON = {"server": url}
+    if ca_pem is not None:
+        cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
-        "users": [{"name": "emulator", "user": {}}],
+        "clusters": [{"name": "emulator", "cluster": cluster}],
+        "users": [{"name": "emulator", "user": {} if token is None else {"token": token}}],
         "contexts": [
             {
                 "name": "emulator",
@@ -287,11 +317,19 @@ def kubeconfig_for(url: str, namespace: str = "default") -> JSON:
     }
 
 
-def api_client_for(url: str) -> Any:
+def api_client_for(url: str, ca_pem: bytes | None = None, token: str | None = None) -> Any:
+    import tempfile
+
     import kubernetes.client
 
     configuration = kubernetes.client.Configuration()
     configuration.host = url
+    if ca_pem is not None:
+        with tempfile.NamedTemporaryFile("wb", suffix=".crt", delete=False) as f:
+            f.write(ca_pem)
+        configuration.ssl_ca_cert = f.name
+    if token is not None:
+        configuration.api_key = {"authorization": f"Bearer {token}"}
     return kubernetes.client.ApiClient(configuration)
 
 

@@ -1,10 +1,12 @@
-"""The node's API client: plain HTTP to the API server (the emulator), as a kubelet or a
+"""The node's API client: HTTP or HTTPS (a CA to trust and a bearer token, when the emulator
+serves TLS and authenticates) to the API server (the emulator), as a kubelet or a
 controller manager talks to it: list + watch, create, merge/strategic patches, the status
 subresource, delete. Bodies stay plain dicts."""
 
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Final
 
@@ -18,6 +20,7 @@ PATHS: Final[dict[str, str]] = {
     "endpoints": "/api/v1",
     "configmaps": "/api/v1",
     "secrets": "/api/v1",
+    "serviceaccounts": "/api/v1",
     "statefulsets": "/apis/apps/v1",
     "deployments": "/apis/apps/v1",
     "endpointslices": "/apis/discovery.k8s.io/v1",
@@ -44,14 +47,21 @@ def path(resource: str, namespace: str | None = None, name: str | None = None) -
 
 
 class Api:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, ca_pem: bytes | None = None, token: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self._ca = ca_pem
+        self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            context = ssl.create_default_context(cadata=self._ca.decode()) if self._ca else None
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=context) if context else None,
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
         return self._session
 
     async def close(self) -> None:

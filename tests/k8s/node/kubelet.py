@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from . import volumes
+from . import apiserver, volumes
 from .api import Api, ApiError, Obj
 from .probes import Probe
 from .sandbox import Sandbox
@@ -99,6 +99,7 @@ class Config:
     backoff: float = 10.0
     node_name: str = "test-node"
     extra_env: dict[str, str] = field(default_factory=dict)
+    in_cluster: apiserver.InCluster | None = None  # pods get the `kubernetes` Service
 
 
 class PodWorker:
@@ -125,6 +126,7 @@ class PodWorker:
         self._written: Obj | None = None
         self.session: aiohttp.ClientSession | None = None
         self.errors: list[str] = []
+        self.api_access = False
 
     @property
     def ns(self) -> str:
@@ -167,6 +169,7 @@ class PodWorker:
                 await self._sleep(1.0)
         if vols is None:
             return
+        self.api_access = await self._api_access(vols)
         await self.sandbox.create(vols.tmpfs)
         self.vols = vols
         await self._write_status()
@@ -185,6 +188,31 @@ class PodWorker:
                 return
             await self._sleep(TICK)
 
+    async def _api_access(self, vols: volumes.PodVolumes) -> bool:
+        """The service-account volume (token, ca.crt, namespace) that a cluster's admission
+        adds to every pod unless automountServiceAccountToken is false (on the pod, else on
+        its ServiceAccount); laid out here by the kubelet instead, only with `in_cluster`."""
+        access = self.config.in_cluster
+        if access is None:
+            return False
+        spec = self.pod["spec"]
+        account = str(spec.get("serviceAccountName") or spec.get("serviceAccount") or "default")
+        automount = spec.get("automountServiceAccountToken")
+        if automount is None:
+            sa = await self.fetch("serviceaccounts", account)
+            automount = (sa or {}).get("automountServiceAccountToken", True)
+        if not automount:
+            return False
+        target = os.path.join(self.sandbox.pod_dir, "volumes", apiserver.VOLUME)
+        files = {
+            "token": access.token_for(self.ns, account).encode(),
+            "ca.crt": access.ca_pem,
+            "namespace": self.ns.encode(),
+        }
+        volumes.write_atomic(target, files, 0o644, volumes.fs_group(self.pod))
+        vols.paths[apiserver.VOLUME] = target
+        return True
+
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.stopping.wait(), seconds)
@@ -194,6 +222,8 @@ class PodWorker:
             return
         if c.process is not None and c.process.returncode is not None:
             self._exited(c)
+            if c.terminated is not None:
+                return  # restartPolicy says no restart: never start it again
         if c.process is None:
             if time.monotonic() >= c.next_start:
                 await self._start(c)
@@ -296,6 +326,9 @@ class PodWorker:
             mounts.append(
                 {"source": source, "target": m["mountPath"], "readOnly": bool(m.get("readOnly"))}
             )
+        if self.api_access and apiserver.MOUNT not in {m["target"] for m in mounts}:
+            source = self.vols.paths[apiserver.VOLUME]
+            mounts.append({"source": source, "target": apiserver.MOUNT, "readOnly": True})
         c.process = await self.sandbox.start_container(
             c.name,
             c.restarts,
@@ -350,6 +383,7 @@ class PodWorker:
             "HOME": "/root" if int(uid or 0) == 0 else "/",
             **({"PYTHONPATH": self.config.pythonpath} if self.config.pythonpath else {}),
             **self.config.extra_env,
+            **(self.config.in_cluster.env() if self.config.in_cluster else {}),
         }
         for source in spec.get("envFrom") or []:
             prefix = str(source.get("prefix", ""))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -21,11 +22,13 @@ import shutil
 import signal
 import sys
 import threading
+import urllib.parse
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from . import network, sandbox
 from .api import Api, Obj
+from .apiserver import Forwarder, InCluster
 from .controllers import Controllers
 from .dns import ClusterDns, ClusterResolver
 from .informer import Informer, Key
@@ -68,11 +71,20 @@ class Node:
         backoff: float = 10.0,
         pythonpath: str | None = None,
         extra_env: dict[str, str] | None = None,
+        ca_pem: bytes | None = None,
+        token: str | None = None,
+        in_cluster: InCluster | None = None,
     ) -> None:
+        """`ca_pem`, `token`: the node's own credentials (an HTTPS emulator that
+        authenticates); `in_cluster`: give pods the `kubernetes` Service (the bridge address,
+        port 443, forwarded to the emulator), its env and service-account tokens."""
         self.tag = secrets.token_hex(2)
         Node.created.append(self.tag)
         self.root = f"{ROOT}/{self.tag}"
         self.url = url
+        self.ca_pem, self.token = ca_pem, token
+        self.in_cluster = in_cluster
+        self.forwarder: Forwarder | None = None
         self.bridge = network.Bridge(self.tag)
         self.config = Config(
             venv_bin=os.path.dirname(sys.executable),
@@ -110,7 +122,16 @@ class Node:
         return self
 
     async def _start(self) -> None:
-        self.api = Api(self.url)
+        self.api = Api(self.url, ca_pem=self.ca_pem, token=self.token)
+        if self.in_cluster is not None:
+            self.in_cluster = dataclasses.replace(self.in_cluster, host=self.bridge.gateway)
+            self.config.in_cluster = self.in_cluster
+            upstream = urllib.parse.urlsplit(self.url)
+            assert upstream.hostname is not None and upstream.port is not None
+            self.forwarder = Forwarder(
+                self.bridge.gateway, self.in_cluster.port, (upstream.hostname, upstream.port)
+            )
+            await self.forwarder.start()
         self.informers = {r: Informer(self.api, r) for r in RESOURCES}
         controllers = Controllers(self.api, self.informers)
         self.kubelet = Kubelet(self.api, self.config, self._sandbox)
@@ -173,6 +194,8 @@ class Node:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.kubelet is not None:
             await self.kubelet.shutdown()
+        if self.forwarder is not None:
+            await self.forwarder.stop()
         if self.api is not None:
             await self.api.close()
 

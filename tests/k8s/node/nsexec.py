@@ -155,11 +155,15 @@ def container(spec: dict[str, Any]) -> None:
     mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,size=16m")
     for n, path in enumerate(spec.get("reveal", [])):
         reveal(path, scratch, n)
+    # the sources are held open before any overlay: an overlay of a parent such as /run
+    # (for /var/run/secrets/...) would otherwise stand between a source under it and the mount
+    sources = [os.open(m["source"], os.O_PATH | os.O_CLOEXEC) for m in spec["mounts"]]
     overlays: list[str] = []
     for m in spec["mounts"]:
         _ensure_target(m["target"], os.path.isfile(m["source"]), scratch, overlays)
-    for m in spec["mounts"]:
-        mount(m["source"], m["target"], None, MS_BIND | MS_REC, None)
+    for m, fd in zip(spec["mounts"], sources, strict=True):
+        mount(f"/proc/self/fd/{fd}", m["target"], None, MS_BIND | MS_REC, None)
+        os.close(fd)
         if m.get("readOnly"):
             mount("none", m["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
     if spec.get("readOnlyRoot"):

@@ -173,7 +173,7 @@ async def files_of(pod: Obj, volume: Obj, fetch: Fetch) -> dict[str, bytes] | No
     return None
 
 
-def _fs_group(pod: Obj) -> int | None:
+def fs_group(pod: Obj) -> int | None:
     group = ((pod.get("spec") or {}).get("securityContext") or {}).get("fsGroup")
     return None if group is None else int(group)
 
@@ -207,7 +207,7 @@ async def prepare(pod: Obj, pod_dir: str, fetch: Fetch) -> PodVolumes:
         if files is None:
             kinds = sorted(k for k in volume if k != "name")
             raise VolumeError(f"volume {name!r}: unsupported kind {kinds} on this node")
-        write_atomic(target, files, _mode(volume), _fs_group(pod))
+        write_atomic(target, files, _mode(volume), fs_group(pod))
     return out
 
 
@@ -222,4 +222,4 @@ async def refresh(pod: Obj, pod_dir: str, fetch: Fetch) -> None:
             continue  # a source that went away: keep the last files, as the kubelet does
         if files is not None:
             path = os.path.join(pod_dir, "volumes", volume["name"])
-            write_atomic(path, files, _mode(volume), _fs_group(pod))
+            write_atomic(path, files, _mode(volume), fs_group(pod))

@@ -1,0 +1,97 @@
+"""The `kubernetes` Service of the node: how pods reach the API server.
+
+On a cluster, kube-proxy maps the `kubernetes` Service's cluster IP (port 443) to the API
+server, and the kubelet gives every container `KUBERNETES_SERVICE_HOST`/`PORT` for it. Here
+pods reach only the bridge, so the node forwards the bridge address, port 443, to the
+emulator's loopback port, byte for byte (TLS passes through: the emulator's certificate
+names the bridge address). `InCluster` is what the kubelet needs to give pods in-cluster
+credentials: the cluster CA and a token per service account.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+PORT = 443
+MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+VOLUME = "kube-api-access"
+
+
+@dataclass(frozen=True)
+class InCluster:
+    """`ca_pem`: the cluster CA (the pods' ca.crt); `token_for(namespace, account)`: the
+    token the API server accepts for that service account (the kubelet's TokenRequest)."""
+
+    ca_pem: bytes
+    token_for: Callable[[str, str], str]
+    host: str = ""  # the bridge address, set by the node
+    port: int = PORT
+
+    def env(self) -> dict[str, str]:
+        """The variables the kubelet sets in every container for the `kubernetes` Service."""
+        tcp = f"tcp://{self.host}:{self.port}"
+        return {
+            "KUBERNETES_SERVICE_HOST": self.host,
+            "KUBERNETES_SERVICE_PORT": str(self.port),
+            "KUBERNETES_SERVICE_PORT_HTTPS": str(self.port),
+            "KUBERNETES_PORT": tcp,
+            f"KUBERNETES_PORT_{self.port}_TCP": tcp,
+            f"KUBERNETES_PORT_{self.port}_TCP_PROTO": "tcp",
+            f"KUBERNETES_PORT_{self.port}_TCP_PORT": str(self.port),
+            f"KUBERNETES_PORT_{self.port}_TCP_ADDR": self.host,
+        }
+
+
+class Forwarder:
+    """host:port -> upstream_host:upstream_port, one upstream connection per client."""
+
+    def __init__(self, host: str, port: int, upstream: tuple[str, int]) -> None:
+        self.host, self.port, self.upstream = host, port, upstream
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._client, self.host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._pipes):
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._pipes.add(task)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            self._pipes.discard(task)
+            return
+        try:
+            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        finally:
+            for w in (writer, up_writer):
+                w.close()
+            self._pipes.discard(task)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            if writer.can_write_eof():
+                writer.write_eof()
