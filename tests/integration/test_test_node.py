@@ -154,6 +154,27 @@ def in_pod(node: Node, pod: str, path: str) -> str:
 
 
 def test_statefulset_pods_endpoints_dns_volumes(k8s: EmulatorThread, node: Node) -> None:
+    def state() -> str:
+        pods = [
+            (
+                p["metadata"]["name"],
+                p["metadata"]["uid"][:8],
+                p["metadata"].get("deletionTimestamp"),
+                p["metadata"].get("finalizers"),
+                (p.get("status") or {}).get("phase"),
+                [c["status"] for c in (p.get("status") or {}).get("conditions") or []],
+            )
+            for p in k8s.list("v1/pods", NS)
+        ]
+        sts = (k8s.get(STS, "web", NS) or {}).get("status")
+        kubelet = node.kubelet
+        workers = (
+            []
+            if kubelet is None
+            else [(w.name, w.uid[:8], w.phase) for w in list(kubelet.workers.values())]
+        )
+        return f"pods {pods} sts {sts} node errors {node.errors} workers {workers}"
+
     setup_objects(k8s)
     k8s.create(statefulset(2))
     k8s.wait_for(lambda: ready_replicas(k8s) == 2, 30, 0.1, "2 ready replicas")
@@ -217,7 +238,7 @@ def test_statefulset_pods_endpoints_dns_volumes(k8s: EmulatorThread, node: Node)
         },
         NS,
     )
-    k8s.wait_for(lambda: ready_replicas(k8s) == 2, 30, 0.1, "2 ready again")
+    k8s.wait_for(lambda: ready_replicas(k8s) == 2, 30, 0.1, lambda: "2 ready again: " + state())
     before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in k8s.list("v1/pods", NS)}
     k8s.patch(
         STS,

@@ -264,9 +264,10 @@ class EmulatorThread:
         predicate: Callable[[], T],
         timeout: float = 10.0,
         interval: float = 0.02,
-        message: str = "condition",
+        message: str | Callable[[], str] = "condition",
     ) -> T:
-        """Poll ``predicate`` until it returns something truthy; that value is returned."""
+        """Poll ``predicate`` until it returns something truthy; that value is returned (a
+        callable `message` describes the state at the timeout)."""
         return support.wait_for(predicate, timeout, interval=interval, message=message)
 
     # ------------------------------------------------------------------ clients
