@@ -134,6 +134,9 @@ class Bridge:
     def detach(self, netns: str, veth: str, address: str) -> None:
         ip("link", "del", veth, check=False)
         ip("netns", "del", netns, check=False)
+        # the host's neighbour entry names the gone pod's MAC: a pod given this address next
+        # would be unreachable from the host (probes, scrapes) until that entry ages out
+        ip("neigh", "flush", "to", address, "dev", self.name, check=False)
         n = int(ipaddress.ip_address(address)) - int(self.subnet.network_address)
         with self._lock:
             self._free.append(n)
