@@ -16,8 +16,6 @@ import pytest
 import torch
 import zmq
 
-from disagg_core.contract import Peer, RoleConfig, RoleTopology, Topology
-from disagg_core.spec.model import PoolSettings
 from disagg_runtime.pool import MiB
 from disagg_runtime.relay import Relay, RelayError, auth, connect
 from disagg_runtime.relay import protocol as proto
@@ -25,7 +23,7 @@ from disagg_runtime.relay.cuda_ipc import CudaIpcSender
 from disagg_runtime.relay.select import relay_kind
 from tests.gpu import gpu_peer as peer
 from tests.gpu.test_gpu_pools import SLEEP_CYCLES, report
-from tests.relay_rig import KEY, handshake, recv_reply
+from tests.relay_rig import KEY, a_to_b_config, handshake, recv_reply
 from tests.support import wait_for
 
 pytestmark = pytest.mark.gpu
@@ -250,18 +248,7 @@ def test_cuda_ipc_to_a_host_pool_falls_back_to_its_shared_memory(
 
 
 def test_relay_kind_picks_cuda_ipc_for_same_gpu_peers() -> None:
-    roles = {"a": RoleTopology("a", (), ("b",)), "b": RoleTopology("b", ("a",), ())}
-    config = RoleConfig(
-        pipeline="p",
-        namespace="",
-        role="a",
-        replica=0,
-        handler="m:f",
-        pool=PoolSettings(),
-        topology=Topology("p", "", roles),
-        downstream=(Peer("b", ("b:7400",)),),
-        same_gpu_peers=frozenset({"b"}),
-    )
+    config = a_to_b_config(same_gpu_peers=frozenset({"b"}))
     assert relay_kind(config, "b", "auto") == "cuda-ipc"
     assert relay_kind(config, "b", "cuda-ipc") == "cuda-ipc"
     assert relay_kind(config, "b", "tcp") == "tcp"

@@ -188,6 +188,14 @@ class Sender:
             seen = True
         return seen
 
+    def _start_send(self) -> None:
+        """Under the lock, before anything of a payload leaves: refuse on a closed relay or a
+        lost session, and count the send for the idle and liveness checks."""
+        self._check_open()
+        self._check_session()
+        self._sent_since += 1
+        self._sent_at = time.monotonic()
+
     def _check_session(self, grace: float = 0.0) -> None:
         """Raise PeerLost once the receiver refused this sender, or the connection it
         authenticated on was lost (waiting up to `grace` s for libzmq to report it). Any
@@ -355,10 +363,7 @@ class Sender:
             header = self._lane_header(request_id, manifest, meta)  # bad input fails here
             image = slot_image(manifest, tensors)
         with self._lock:
-            self._check_open()
-            self._check_session()
-            self._sent_since += 1
-            self._sent_at = time.monotonic()
+            self._start_send()
             try:
                 if image is not None and self._lane is not None:
                     self._send_lane(request_id, header, manifest, meta, image)

@@ -104,10 +104,7 @@ class ShmSender(Sender):
                 f"{self.endpoint} (largest block {self.max_allocation} B)"
             )
         with self._lock:
-            self._check_open()
-            self._check_session()
-            self._sent_since += 1
-            self._sent_at = time.monotonic()
+            self._start_send()
             try:
                 xid, offset, write_by = self._reserve(request_id, manifest.nbytes, deadline)
                 assert self._backing is not None  # set by the handshake
