@@ -228,13 +228,9 @@ class RelayCache:
                 key=self._key,
                 pools=self._pools,
             )
-        except RelayTimeout as exc:
-            if bounded:  # time was left: the caller may try another replica with it
-                raise Unanswered(
-                    f"{endpoint} did not answer within {CONNECT_S:g} s: {exc}"
-                ) from None
-            raise
         except (zmq.ZMQError, OSError) as exc:
+            if bounded and isinstance(exc, RelayTimeout):  # the caller may try another one
+                raise Unanswered(f"{endpoint} did not answer within {CONNECT_S:g} s") from None
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 self._exhausted_at = time.monotonic()
                 log.error("out of sockets opening a relay to %s: %s", endpoint, exc)
