@@ -20,7 +20,7 @@ it closed was lost), and the test node keeps a deleted pod until its containers 
 as a node does (before, its StatefulSet started the replacement beside the draining pod,
 so the operator let the receiver's last old pod go while the old sender still drained).
 
-The last one (1-2 of 400 timing out after 60 s in about 1 run of 2) was the test node's: it
+The last one (1-2 of 400 timing out after 60 s, in some runs) was the test node's: it
 gave a freed pod address to the next pod at once, and the pods that had talked to the gone
 one kept a neighbour entry naming its MAC, so their handshakes to the new pod stalled until
 the entry aged out (a new prefill's to a new decoder given the old decoder's address:
