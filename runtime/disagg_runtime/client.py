@@ -255,6 +255,7 @@ class Client:
                 timeout=seconds,
                 repick=lambda: peers.reroute(rid, self.relays.viewer(peers.kind)),
                 role=peers.peer.role,
+                lost=peers.lost,
             )
         except (RelayError, OSError) as exc:
             peers.unpin(rid)
@@ -345,6 +346,7 @@ class Client:
             meta=meta.to_json(),
             repick=lambda: peers.reroute(meta.rid, self.relays.viewer(peers.kind), new=new),
             role=peers.peer.role,
+            lost=peers.lost,
         )
 
     def _abort(self, rid: str) -> None:

@@ -17,7 +17,14 @@ Revision pairing (disagg_core.compat): each replica advertises its compat token 
 relay welcome. Before a replica is chosen, `compatible_endpoints` filters out those found
 incompatible with this role's own token (a verdict is kept for `VERDICT_S`, then asked
 again: a pod's address may be reused by another revision), so whatever policy picks among
-replicas only ever sees compatible ones.
+replicas only ever sees compatible ones. A role that declared a token is not ready until
+some replica was found to pair with it (`PeerSet.trouble`).
+
+A replica that does not complete a relay handshake within `CONNECT_S` (its pod is gone
+while a stale name lookup still lists it, or it cannot be reached) is given up on
+(`Unanswered`, a kind of PeerLost: nothing was sent) and skipped for `LOST_S` while any
+other replica is listed, so a request goes elsewhere instead of waiting out its deadline
+in a handshake.
 """
 
 from __future__ import annotations
@@ -40,7 +47,16 @@ import zmq
 from disagg_core.compat import Compat, compatible
 from disagg_core.contract import Peer
 from disagg_runtime import dispatch
-from disagg_runtime.relay import NotAPeer, PeerLost, Relay, RelayError, WrongRole, connect
+from disagg_runtime.relay import (
+    NotAPeer,
+    PeerLost,
+    Relay,
+    RelayError,
+    RelayTimeout,
+    Unanswered,
+    WrongRole,
+    connect,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -48,6 +64,8 @@ RESOLVE_EVERY = 5.0
 FILE_RESOLVE_EVERY = 0.25
 MAX_PINS = 1 << 16  # requests remembered per downstream role (least recently used go first)
 VERDICT_S = 10.0  # how long a replica's pairing verdict is trusted before it is asked again
+CONNECT_S = 5.0  # a replica that has not completed a handshake by then is given up on
+LOST_S = 10.0  # ... and skipped this long, while other replicas are listed
 Resolver = Callable[[str, int], list[str]]
 Viewer = Callable[[str], dispatch.View | None]  # endpoint -> what we know of its load
 
@@ -70,6 +88,14 @@ def compatible_endpoints(
 ) -> list[str]:
     """`endpoints` less those found incompatible (`rejected`: endpoint -> until when)."""
     return [e for e in endpoints if rejected.get(e, float("-inf")) <= now]
+
+
+def answering_endpoints(endpoints: list[str], lost: Mapping[str, float], now: float) -> list[str]:
+    """`endpoints` less those that did not answer lately (`lost`: endpoint -> until when),
+    unless that leaves none: then all of them (one may answer now; failing at once would
+    not help the request)."""
+    answering = [e for e in endpoints if lost.get(e, float("-inf")) <= now]
+    return answering or endpoints
 
 
 class NoCompatibleReplica(RelayError):
@@ -153,12 +179,20 @@ class RelayCache:
         return len(self._relays)
 
     def get(
-        self, kind: str, endpoint: str, *, timeout: float | None = None, role: str | None = None
+        self,
+        kind: str,
+        endpoint: str,
+        *,
+        timeout: float | None = None,
+        role: str | None = None,
+        bounded: bool = True,
     ) -> Relay:
         """The relay to `endpoint`, connecting (within `timeout`, at most the cache's own)
         if there is none; RelayError when it cannot be opened. With `role`, an endpoint whose
-        welcome names another role is dropped and WrongRole raised (its address was reused)."""
-        relay = self._get(kind, endpoint, timeout)
+        welcome names another role is dropped and WrongRole raised (its address was reused).
+        When `bounded` and more than CONNECT_S is left, a handshake not done by then raises
+        Unanswered, so the caller can spend the rest on another replica."""
+        relay = self._get(kind, endpoint, timeout, bounded)
         if role is not None and relay.peer_role not in (None, role):
             self.drop(kind, endpoint, relay)
             raise WrongRole(
@@ -167,7 +201,7 @@ class RelayCache:
             )
         return relay
 
-    def _get(self, kind: str, endpoint: str, timeout: float | None) -> Relay:
+    def _get(self, kind: str, endpoint: str, timeout: float | None, bounded: bool) -> Relay:
         key = (kind, endpoint)
         now = time.monotonic()
         with self._lock:
@@ -183,17 +217,20 @@ class RelayCache:
             stale = self._evict(now, self.max_relays - 1)
         self._close_all(stale)
         wait = self._timeout if timeout is None else max(0.05, min(timeout, self._timeout))
+        bounded = bounded and wait > CONNECT_S  # time is left to try another replica
         try:
             relay = connect(
                 kind,
                 endpoint,
                 timeout=self._timeout,
-                handshake_timeout=wait,
+                handshake_timeout=min(wait, CONNECT_S) if bounded else wait,
                 context=self._context,
                 key=self._key,
                 pools=self._pools,
             )
         except (zmq.ZMQError, OSError) as exc:
+            if bounded and isinstance(exc, RelayTimeout):  # the caller may try another one
+                raise Unanswered(f"{endpoint} did not answer within {CONNECT_S:g} s") from None
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 self._exhausted_at = time.monotonic()
                 log.error("out of sockets opening a relay to %s: %s", endpoint, exc)
@@ -255,14 +292,17 @@ class RelayCache:
         meta: Mapping[str, Any] | None = None,
         repick: Callable[[], str] | None = None,
         role: str | None = None,
+        lost: Callable[[str], None] | None = None,
     ) -> tuple[Relay, int]:
         """Send on the relay to `endpoint` (opening it if need be); returns it and the bytes
         moved. A relay whose receiver lost its session (PeerLost: it restarted, or its pod
         went away; nothing of the payload was delivered) is replaced by a fresh connection
         once, within `timeout`, to the endpoint `repick` names then (a fresh look at the
         replicas: a pod scaled away is no longer among them), else to the same one; so is one
-        that serves another `role` than the one named (WrongRole). A relay that failed
-        otherwise is dropped, and the error raised."""
+        that serves another `role` than the one named (WrongRole), or one that did not answer
+        the handshake within CONNECT_S (Unanswered: `lost` is told, so that `repick` skips it;
+        the second try may take all the time left). A relay that failed otherwise is dropped,
+        and the error raised."""
         return self.on_relay(
             kind,
             endpoint,
@@ -272,6 +312,7 @@ class RelayCache:
             timeout=timeout,
             repick=repick,
             role=role,
+            lost=lost,
         )
 
     def on_relay(
@@ -283,6 +324,7 @@ class RelayCache:
         timeout: float,
         repick: Callable[[], str] | None = None,
         role: str | None = None,
+        lost: Callable[[str], None] | None = None,
     ) -> tuple[Relay, T]:
         """`operation(relay, seconds left)` on the relay to `endpoint`, reconnecting and
         trying once more as `send` does; the relay it ran on and its result."""
@@ -291,7 +333,7 @@ class RelayCache:
             remaining = max(0.05, deadline - time.monotonic())
             relay: Relay | None = None
             try:
-                relay = self.get(kind, endpoint, timeout=remaining, role=role)
+                relay = self.get(kind, endpoint, timeout=remaining, role=role, bounded=attempt == 1)
                 remaining = max(0.05, deadline - time.monotonic())
                 return relay, operation(relay, remaining)
             except PeerLost as exc:
@@ -299,6 +341,8 @@ class RelayCache:
                     self.drop(kind, endpoint, relay)
                 if attempt == 2:
                     raise
+                if isinstance(exc, Unanswered) and lost is not None:
+                    lost(endpoint)
                 endpoint = repick() if repick is not None else endpoint
                 log.info("sending again, to %s: %s", endpoint, exc)
             except RelayError:
@@ -370,6 +414,7 @@ class PeerSet:
         self._resolver = resolver
         self._file = peers_file
         self._rejected: dict[str, float] = {}  # endpoint -> until when it is skipped
+        self._lost: dict[str, float] = {}  # endpoint -> until when it is skipped (Unanswered)
         self._verdicts: dict[str, tuple[bool, float, Compat | None]] = {}  # ok, when, theirs
         self._endpoints: list[str] = []
         self._resolved_at = float("-inf")
@@ -390,9 +435,10 @@ class PeerSet:
                         log.debug("cannot resolve %s for %s: %s", address, self.peer.role, exc)
                 if found or not self._endpoints:
                     self._endpoints = sorted(set(found))
-                    for gone in set(self._verdicts) - set(self._endpoints):
+                    for gone in (set(self._verdicts) | set(self._lost)) - set(self._endpoints):
                         self._verdicts.pop(gone, None)
                         self._rejected.pop(gone, None)
+                        self._lost.pop(gone, None)
                 self._resolved_at = time.monotonic()
             return list(self._endpoints)
 
@@ -413,6 +459,8 @@ class PeerSet:
             raise RelayError(f"no replica of role {self.peer.role!r} is reachable")
         with self._lock:
             usable = compatible_endpoints(endpoints, self._rejected, time.monotonic())
+            if usable:
+                usable = answering_endpoints(usable, self._lost, time.monotonic())
         if not usable:
             raise NoCompatibleReplica(self._no_pair(len(endpoints)))
         endpoints = usable  # the choice below sees only replicas that pair with us
@@ -439,6 +487,15 @@ class PeerSet:
             ):
                 self._pins.popitem(last=False)
         return chosen
+
+    def lost(self, endpoint: str) -> None:
+        """`endpoint` did not answer a handshake (Unanswered): skip it for LOST_S while
+        other replicas are listed."""
+        log.info(
+            "replica %s of role %s did not answer: skipped for a while", endpoint, self.peer.role
+        )
+        with self._lock:
+            self._lost[endpoint] = time.monotonic() + LOST_S
 
     def unpin(self, rid: str) -> None:
         """Forget where `rid` went (its last message was sent)."""
@@ -475,16 +532,24 @@ class PeerSet:
         return [e for e in endpoints if now - asked.get(e, float("-inf")) > VERDICT_S]
 
     def trouble(self) -> str | None:
-        """Why this role cannot send on to this peer role now: replicas were reached, and
-        none pairs with our revision (the role is then not ready: upstream keeps sending
-        to replicas of ours that do have a partner). None otherwise."""
+        """Why this role cannot send on to this peer role now (the role is then not ready:
+        upstream keeps sending to replicas of ours that do have a partner), or None: some
+        listed replica was found to pair with our revision. Until one was (none listed or
+        reached yet: a new revision whose partners are still starting) the role is not
+        ready either, so no request comes here to wait for a partner."""
         if not self.pairing:
             return None
         endpoints = self.endpoints()
         with self._lock:
             checked = [self._verdicts[e] for e in endpoints if e in self._verdicts]
-            if not checked or any(ok for ok, _, _ in checked):
+            if any(ok for ok, _, _ in checked):
                 return None
+        if not checked:
+            mine = self.compat.token if self.compat else None
+            return (
+                f"no replica of role {self.peer.role!r} has been found to pair with compat "
+                f"token {mine!r} yet ({len(endpoints)} listed, none asked successfully)"
+            )
         return self._no_pair(len(endpoints))
 
     def _no_pair(self, count: int) -> str:

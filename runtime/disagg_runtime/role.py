@@ -66,7 +66,15 @@ from disagg_runtime.peers import (
     resolve_dns,
 )
 from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_namespace, shm_prefix
-from disagg_runtime.relay import Ingress, Message, PeerLost, Relay, RelayError, WrongRole
+from disagg_runtime.relay import (
+    Ingress,
+    Message,
+    PeerLost,
+    Relay,
+    RelayError,
+    Unanswered,
+    WrongRole,
+)
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
 
@@ -153,6 +161,7 @@ class RoleRuntime:
         self._started = False
         self._stopping = threading.Event()
         self._draining = threading.Event()
+        self._leaving = threading.Event()  # drained: requests waiting for a partner give up
         self._threads: list[threading.Thread] = []
         # aborts to pass on, requests to refuse as overloaded: network sends, off the I/O thread
         self._control: queue.Queue[tuple[str, Meta]] = queue.Queue(CONTROL_BACKLOG)
@@ -255,6 +264,7 @@ class RoleRuntime:
             elif time.monotonic() - quiet_since >= 0.2:
                 break
             time.sleep(0.05)
+        self._leaving.set()  # what still waits for a partner fails now, telling its client
         if self._started and (grace_s is None or grace_s > 0):
             self._goodbye(deadline)
         self._stopping.set()
@@ -653,16 +663,23 @@ class RoleRuntime:
 
     def _paired(self, peers: PeerSet, meta: Meta, new: bool) -> tuple[Relay, str]:
         """A relay to the replica of `peers` the request goes to, among those that pair
-        with this role's revision. A replica found incompatible is skipped and the choice
-        made again; while none pairs (a rollout's partner not ready yet) it waits, until
-        shortly before the request's deadline."""
+        with this role's revision. A replica found incompatible, or that does not answer
+        (peers.Unanswered), is skipped and the choice made again; while none pairs (a
+        rollout's partner not ready yet) it waits, until shortly before the request's
+        deadline, or until this role has drained (it is going: the request fails then,
+        naming why, rather than being lost with the process)."""
         while True:
             try:
                 endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
-            except NoCompatibleReplica:
+            except NoCompatibleReplica as exc:
+                if self._leaving.is_set():
+                    raise NoCompatibleReplica(
+                        f"role {self.name} replica {self.config.replica} is shutting down and "
+                        f"found no partner: {exc}"
+                    ) from exc
                 if meta.deadline - time.time() <= PAIR_WAIT_S + PAIR_MARGIN_S:
                     raise
-                time.sleep(PAIR_WAIT_S)
+                self._leaving.wait(PAIR_WAIT_S)
                 peers.endpoints(refresh=True)
                 continue
             try:
@@ -675,6 +692,12 @@ class RoleRuntime:
                 log.info("role %s: %s", self.name, exc)
                 peers.unpin(meta.rid)
                 time.sleep(PAIR_WAIT_S)
+                peers.endpoints(refresh=True)
+                continue
+            except Unanswered as exc:  # gone, or unreachable: another replica, if any
+                log.info("role %s: %s", self.name, exc)
+                peers.lost(endpoint)
+                peers.unpin(meta.rid)
                 peers.endpoints(refresh=True)
                 continue
             except RelayError as exc:

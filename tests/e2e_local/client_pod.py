@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from concurrent.futures import Future
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between requests")
     args = parser.parse_args()
+    # the client's own notes (a replica re-picked, one that did not answer) land in the pod
+    # log, kept with DISAGG_TEST_NODE_KEEP for diagnosis
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     entries = [Peer(e.split("=", 1)[0], (e.split("=", 1)[1],)) for e in args.entry]
     client = Client(
         entries,

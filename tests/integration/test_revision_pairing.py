@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -135,5 +136,25 @@ def test_a_declared_compatibility_list_lets_both_revisions_serve() -> None:
     pair = _Pair("kv-2", ["kv-1", "kv-2"], accepts=frozenset({"kv-1"}))
     try:
         assert pair.served_by(40) == {0, 1}
+    finally:
+        pair.close()
+
+
+def test_a_draining_sender_fails_requests_that_wait_for_a_partner_before_it_exits() -> None:
+    """A request waiting for a partner at a role that shuts down is not lost with the
+    process (the client would time out after its whole deadline): the role fails it, naming
+    why, before it exits."""
+    pair = _Pair("kv-3", ["kv-1", "kv-2"], timeout=30.0)
+    try:
+        assert pair.client is not None
+        future = pair.client.submit_async({"i": 0})
+        wait_for(lambda: not pair.prefill.idle(), 10.0, message="the request at prefill")
+        started = time.monotonic()
+        pair.roles.remove(pair.prefill)  # stopped here, not again by close()
+        pair.prefill.stop(grace_s=2.0)
+        with pytest.raises(RequestFailed, match="shutting down") as failed:
+            future.result(timeout=20)
+        assert "pairs with compat token 'kv-3'" in str(failed.value)
+        assert time.monotonic() - started < 10.0  # not the request's 30 s deadline
     finally:
         pair.close()

@@ -15,7 +15,14 @@ from typing import Any
 
 from disagg_core.relays import CONCRETE
 from disagg_runtime.relay import registry
-from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout, WrongRole
+from disagg_runtime.relay.errors import (
+    NotAPeer,
+    PeerLost,
+    RelayError,
+    RelayTimeout,
+    Unanswered,
+    WrongRole,
+)
 from disagg_runtime.relay.ingress import Ingress
 from disagg_runtime.relay.ledger import Message
 from disagg_runtime.relay.registry import Relay
@@ -35,6 +42,7 @@ __all__ = [
     "Sender",
     "ShmSender",
     "TcpSender",
+    "Unanswered",
     "WrongRole",
     "connect",
 ]

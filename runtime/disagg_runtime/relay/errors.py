@@ -23,3 +23,9 @@ class WrongRole(PeerLost):
     """The endpoint proved the peer key but serves another role of the pipeline: its
     address was reused by another pod before this sender's name lookup caught up. Nothing
     was sent to it; the caller looks the role up afresh."""
+
+
+class Unanswered(PeerLost):
+    """The endpoint did not complete the handshake in the time allowed for it (its pod is
+    gone while a name lookup still lists it, or it cannot be reached). Nothing was sent;
+    the caller may spend the time left on another replica (peers.CONNECT_S)."""

@@ -79,14 +79,31 @@ def _used_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     return nets
 
 
+FIRST_HOST, LAST_HOST = 2, 250  # pod addresses in the /24 (.1 is the bridge's)
+
+
+def next_host(last: int, used: set[int]) -> int | None:
+    """The pod address (host number) to give out after `last`: the next one not `used`,
+    round robin, as the host-local IPAM plugin does. A just-freed address is not reused
+    while others are free: pods on the bridge keep neighbour (ARP) entries naming the gone
+    pod's MAC, so for up to a minute they could not reach a new pod given its address (the
+    TCP handshakes of relays to it stall until the entry ages out)."""
+    span = LAST_HOST - FIRST_HOST + 1
+    for step in range(1, span + 1):
+        n = FIRST_HOST + (last - FIRST_HOST + step) % span
+        if n not in used:
+            return n
+    return None
+
+
 @dataclass
 class Bridge:
     """The node's bridge and its address pool; `attach` gives a pod its namespace."""
 
     tag: str  # short, unique per node: part of every interface and netns name
     subnet: ipaddress.IPv4Network = field(init=False)
-    _next: int = field(default=2, init=False)
-    _free: list[int] = field(default_factory=list, init=False)
+    _last: int = field(default=FIRST_HOST - 1, init=False)  # the address given out last
+    _used: set[int] = field(default_factory=set, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     @property
@@ -116,11 +133,11 @@ class Bridge:
     def attach(self, netns: str) -> tuple[str, str]:
         """Create netns `netns` with eth0 on the bridge; returns (pod IP, host veth)."""
         with self._lock:
-            n = self._free.pop(0) if self._free else self._next
-            if n == self._next:
-                self._next += 1
-        if n > 250:
-            raise NetworkError("the node's /24 is full")
+            n = next_host(self._last, self._used)
+            if n is None:
+                raise NetworkError("the node's /24 is full")
+            self._last = n
+            self._used.add(n)
         veth = f"{NAME_PREFIX}{self.tag}v{n}"
         address = str(self.subnet.network_address + n)
         ip("netns", "add", netns)
@@ -139,7 +156,7 @@ class Bridge:
         ip("neigh", "flush", "to", address, "dev", self.name, check=False)
         n = int(ipaddress.ip_address(address)) - int(self.subnet.network_address)
         with self._lock:
-            self._free.append(n)
+            self._used.discard(n)
 
 
 def cut(netns: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Mapping
 
@@ -10,7 +11,7 @@ import pytest
 from disagg_core.compat import Compat, default_token
 from disagg_core.contract import Peer
 from disagg_runtime import dispatch, peers
-from disagg_runtime.relay import RelayError
+from disagg_runtime.relay import RelayError, Unanswered
 
 
 def test_ip_literals_need_no_dns():
@@ -149,8 +150,11 @@ def _pairing_set(monkeypatch, clock):
 def test_a_peerset_picks_only_among_replicas_that_pair(monkeypatch):
     clock = [100.0]
     ps, eps = _pairing_set(monkeypatch, clock)
-    assert ps.pairing and ps.trouble() is None and ps.unchecked() == eps
+    assert ps.pairing and ps.unchecked() == eps
+    # not ready before any replica was found to pair: no request should wait here for one
+    assert "has been found to pair with compat token 'v2' yet (3 listed" in (ps.trouble() or "")
     assert not ps.admit(eps[0], Compat("v1"))
+    assert "none of the 3 replicas" in (ps.trouble() or "")  # one asked, and it does not pair
     assert not ps.admit(eps[1], Compat("v3", frozenset({"v1"})))
     assert ps.admit(eps[2], Compat("v1", frozenset({"v2"})))
     assert {ps.endpoint_for(f"r{i}") for i in range(50)} == {eps[2]}
@@ -172,3 +176,67 @@ def test_a_role_without_a_declared_token_filters_nothing(monkeypatch):
     auto = Compat(default_token("m:h", None))
     ps = peers.PeerSet(Peer("d", ("svc:1",)), "tcp", resolver=lambda h, p: eps, compat=auto)
     assert not ps.pairing and ps.admit(eps[0], Compat("v1")) and ps.trouble() is None
+
+
+def test_a_pairing_role_with_no_replica_listed_is_not_ready(monkeypatch):
+    ps = peers.PeerSet(
+        Peer("decode", ("svc:1",)), "tcp", resolver=lambda h, p: [], compat=Compat("v2")
+    )
+    assert "(0 listed" in (ps.trouble() or "")
+
+
+def test_answering_endpoints_skips_lost_ones_unless_none_would_remain():
+    eps = ["tcp://a:1", "tcp://b:1"]
+    assert peers.answering_endpoints(eps, {"tcp://a:1": 10.0}, now=5.0) == ["tcp://b:1"]
+    assert peers.answering_endpoints(eps, {"tcp://a:1": 10.0}, now=10.0) == eps
+    assert peers.answering_endpoints(eps, dict.fromkeys(eps, 10.0), now=5.0) == eps
+
+
+def test_a_replica_that_did_not_answer_is_skipped_for_a_while(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    eps = ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1"]
+    ps = peers.PeerSet(Peer("d", ("svc:1",)), "tcp", resolver=lambda h, p: eps)
+    gone = ps.endpoint_for("r0")
+    ps.lost(gone)
+    assert {ps.endpoint_for(f"r{i}") for i in range(40)} == set(eps) - {gone}
+    clock[0] += peers.LOST_S + 0.1
+    assert {ps.endpoint_for(f"r{i}") for i in range(40)} == set(eps)
+    ps.lost(eps[0])
+    ps.lost(eps[1])  # both silent: try them anyway rather than fail at once
+    assert ps.endpoint_for("r") in eps
+
+
+def _silent_endpoint() -> tuple[socket.socket, str]:
+    """A TCP port that accepts connections and never says a word (no ZMTP greeting):
+    a relay handshake to it can only time out."""
+    server = socket.create_server(("127.0.0.1", 0))
+    return server, f"tcp://127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_a_handshake_is_given_up_after_connect_s_when_time_is_left(monkeypatch):
+    monkeypatch.setattr(peers, "CONNECT_S", 0.3)
+    server, endpoint = _silent_endpoint()
+    cache = peers.RelayCache(timeout=30.0, key=b"k" * 32)
+    try:
+        started = time.monotonic()
+        with pytest.raises(Unanswered, match=r"did not answer within 0\.3 s"):
+            cache.get("tcp", endpoint, timeout=20.0)
+        assert time.monotonic() - started < 5.0  # not the 20 s the caller had
+        with pytest.raises(RelayError) as unbounded:  # the last try may use all it has
+            cache.get("tcp", endpoint, timeout=0.6, bounded=False)
+        assert not isinstance(unbounded.value, Unanswered)
+        lost: list[str] = []
+        with pytest.raises(RelayError):  # tried twice: told which one did not answer
+            cache.on_relay(
+                "tcp",
+                endpoint,
+                lambda relay, left: None,
+                timeout=1.0,
+                repick=lambda: endpoint,
+                lost=lost.append,
+            )
+        assert lost == [endpoint]
+    finally:
+        cache.close()
+        server.close()
