@@ -44,18 +44,41 @@ def write_tensors(
 ) -> Fence:
     """Copy each tensor into its place in the slot (one copy; no temporaries). Host to
     host copies are done on return; copies from or into a GPU are queued on a copy stream
-    (`stream` for its device, else this thread's) and the returned Fence says when."""
+    (`stream` for its device, else this thread's) and the returned Fence says when.
+
+    With one torch thread, a contiguous host tensor goes into host memory by one memmove
+    (the GIL released, as in `copy_`): the same copy, without ~6 us of torch dispatch
+    (slice, reshape, view, copy_) per tensor, a few percent of a 1 MiB hand-off. With more
+    threads `copy_` may split a large copy among them, so it is kept."""
+    size = backing.tensor.numel()  # 0 once closed
+    if slot < 0 or slot + manifest.nbytes > size:
+        end = slot + manifest.nbytes
+        raise ValueError(f"slot [{slot}, {end}) lies outside the pool's {size} B")
     queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+    base = backing.tensor.data_ptr() if _one_copy_thread(backing) else 0
     for meta, offset, src in zip(manifest.tensors, manifest.offsets, tensors, strict=True):
         if meta.nbytes == 0:
             continue
         start = slot + offset
+        if base and _plain_host(src) and src.nbytes == meta.nbytes:
+            ctypes.memmove(base + start, src.data_ptr(), meta.nbytes)
+            continue
         dst = backing.tensor[start : start + meta.nbytes]
         if dst.is_cuda or src.is_cuda:
             queued.append((dst.view(meta.dtype).view(meta.shape), src.detach()))
         else:
             dst.copy_(src.reshape(-1).view(torch.uint8))
     return copy_async(queued, stream=stream) if queued else Fence()
+
+
+def _one_copy_thread(backing: Backing) -> bool:
+    """Host pool memory, written from a process that copies on one torch thread."""
+    return not backing.tensor.is_cuda and torch.get_num_threads() == 1
+
+
+def _plain_host(t: torch.Tensor) -> bool:
+    """A host tensor whose bytes are its values, in order (no lazy conj/neg bit)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
 def buffer_tensors(
@@ -100,7 +123,7 @@ def plan(payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
 
 def host_tensor(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with `t`'s bytes (`t` itself when it already is one)."""
-    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+    if _plain_host(t):
         return t
     return t.detach().resolve_conj().resolve_neg().contiguous().cpu()
 

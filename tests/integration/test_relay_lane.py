@@ -21,6 +21,7 @@ from tests.relay_rig import (
     WAIT,
     Rig,
     assert_still_serves,
+    filled,
     handshake,
     lane_hello,
     large_payload,
@@ -239,6 +240,92 @@ def test_a_control_lane_carries_the_whole_handshake_and_its_replies(rig: Rig) ->
         assert ingress.stats().rejected == 1
     finally:
         sock.close()
+
+
+def binary_commit(rid: str, xid: int, offset: int, nbytes: int = 4, **kw: Any) -> bytes:
+    """A binary commit (relay/inline_wire.py) of one uint8 tensor of `nbytes` at the slot's
+    start; `kw`: meta, ask."""
+    layout = b'{"v":1,"nbytes":%d,"tensors":[{"dtype":"uint8","shape":[%d],"offset":0}]}' % (
+        nbytes,
+        nbytes,
+    )
+    return inline_wire.pack_commit(
+        rid, xid, offset, layout, {"t": 0}, kw.get("meta"), kw.get("ask")
+    )
+
+
+def test_a_binary_commit_lands_and_a_bad_one_is_nacked_with_its_slot_freed(rig: Rig) -> None:
+    ingress = rig.ingress("shm", size=4 * MiB)
+    _, sock = raw_sender(rig, ingress, control=True)
+    try:
+        lane.send_frame(sock, proto.pack("reserve", rid="r", xid=1, nbytes=MiB), b"")
+        grant = lane_reply(sock)
+        too_big = binary_commit("r", 1, grant["offset"], nbytes=MiB + 1)  # over its 1 MiB slot
+        lane.send_frame(sock, too_big, b"")
+        nack = lane_reply(sock)
+        assert (nack["op"], nack["xid"]) == ("nack", 1)
+        assert "does not fit a slot of 1048576 B" in nack["reason"]
+        assert ingress.pool.stats().used == 0  # the grant was let go
+        lane.send_frame(sock, binary_commit("r", 1, grant["offset"]), b"")  # no grant now
+        assert lane_reply(sock)["op"] == "nack"
+        lane.send_frame(sock, proto.pack("reserve", rid="r", xid=2, nbytes=MiB), b"")
+        grant = lane_reply(sock)
+        lane.send_frame(sock, binary_commit("r", 2, grant["offset"] + MiB), b"")  # wrong slot
+        assert "differs from the grant" in lane_reply(sock)["reason"]
+        lane.send_frame(sock, proto.pack("reserve", rid="r", xid=3, nbytes=MiB), b"")
+        grant = lane_reply(sock)
+        ingress.pool.backing.buffer(grant["offset"], 4)[:] = b"\x01\x02\x03\x04"
+        lane.send_frame(sock, binary_commit("r", 3, grant["offset"], meta={"m": 1}), b"")
+        ack = lane_reply(sock)
+        assert (ack["op"], ack["xid"]) == ("ack", 3)
+        with ingress.recv(timeout=WAIT) as msg:
+            assert (msg.request_id, msg.meta, msg.payload.tolist()) == ("r", {"m": 1}, [1, 2, 3, 4])
+        assert ingress.stats().rejected == 3
+        assert ingress.stats().lanes == 1
+    finally:
+        sock.close()
+
+
+def test_a_binary_commit_on_a_lane_for_inline_messages_only_is_rejected(rig: Rig) -> None:
+    ingress = rig.ingress("tcp")
+    _, sock = raw_sender(rig, ingress)  # not a control lane
+    try:
+        lane.send_frame(sock, binary_commit("r", 1, 0), b"")
+        lane.send_frame(sock, *inline_frame("good"))
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "good"
+        assert ingress.stats().rejected == 1
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_shm_senders_commit_in_binary_where_offered_and_in_json_otherwise(
+    rig: Rig, binary: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed: list[int] = []
+    unpack_commit = inline_wire.unpack_commit
+
+    def counting(header: memoryview) -> inline_wire.Commit:
+        parsed.append(1)
+        return unpack_commit(header)
+
+    monkeypatch.setattr(inline_wire, "unpack_commit", counting)
+    ingress = rig.ingress("shm", size=32 * MiB)
+    sender = rig.sender("shm", ingress)
+    assert isinstance(sender, Sender)
+    wait_for(lambda: ingress.stats().lanes == 1)
+    assert sender._commit_wire  # the welcome offered it
+    sender._commit_wire = binary  # False: as a sender from before commit_wire
+    payloads = [large_payload(i) if i % 2 else filled(MiB + i) for i in range(6)]
+    for i, payload in enumerate(payloads):  # back to back: spares are asked for and used
+        sender.send(payload, request_id=f"c{i}", meta={"i": i})
+        with ingress.recv(timeout=WAIT) as msg:
+            assert (msg.request_id, msg.meta) == (f"c{i}", {"i": i})
+            assert_bit_exact(msg.payload, payload)
+    assert len(parsed) == (6 if binary else 0)
+    assert ingress.stats().rejected == 0
+    assert ingress.stats().spares_used > 0
 
 
 def test_a_tcp_commit_cannot_travel_on_the_lane(rig: Rig) -> None:

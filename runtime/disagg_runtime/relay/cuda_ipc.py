@@ -291,6 +291,7 @@ class CudaIpcSender(ShmSender):
     """
 
     kind: ClassVar[str] = "cuda-ipc"
+    binary_commit: ClassVar[bool] = False  # its commits carry the CUDA event (JSON)
 
     def __init__(self, endpoint: str, **kwargs: Any) -> None:
         reason = unavailable_reason()

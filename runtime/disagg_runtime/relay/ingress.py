@@ -60,7 +60,7 @@ from disagg_runtime.relay import auth, inline_wire, lane, registry
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.landing import Chunked, Landing, chunk_count, chunk_targets, memory_for
-from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, SlotLedger
+from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, Reservation, SlotLedger
 
 log = logging.getLogger(__name__)
 _SCRATCH = bytearray(1 << 20)
@@ -93,6 +93,7 @@ class _Lane:
     taken: int = 0  # frames read after the hello: the sender counts the ones it wrote
     paused: bool = False  # its next frame does not fit the inline budget: not polled
     layouts: inline_wire.LayoutCache = field(default_factory=inline_wire.LayoutCache)
+    commits: inline_wire.LayoutCache | None = None  # binary commits' layouts (made at the first)
 
 
 @dataclass(frozen=True)
@@ -450,6 +451,9 @@ class Ingress:
             return
         conn.taken += 1  # every frame counts: the sender counted it too
         self._active_at[conn.ident] = self.last_message_at = time.monotonic()
+        if frame.header.nbytes and frame.header[0] == inline_wire.KIND_COMMIT:
+            self._on_commit_wire(conn, conn.ident, frame.header)
+            return
         if frame.header.nbytes and frame.header[0] != JSON_START:  # relay/inline_wire.py
             head = inline_wire.unpack(frame.header)
             manifest = conn.layouts.manifest(head.layout, head.tree)
@@ -473,6 +477,37 @@ class Ingress:
         manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
         charge, frame.charge = frame.charge, 0
         self._inline(msg, manifest, frame.data, size, charge)
+
+    def _on_commit_wire(self, conn: _Lane, ident: bytes, header: memoryview) -> None:
+        """A binary commit (relay/inline_wire.py): the plain commit path, with the layout
+        validated once per lane and the slot's size checked every time."""
+        commit: inline_wire.Commit | None = None
+        try:
+            if not conn.control:
+                raise proto.ProtocolError("a commit on a lane that carries inline messages only")
+            commit = inline_wire.unpack_commit(header)
+            kind = self._kinds.get(ident)
+            if kind is not None and self._landings.get(kind) is not None:
+                raise proto.ProtocolError(f"a {kind} commit cannot be binary")
+            head = commit.head
+            grant, slot = self._claim(ident, commit.xid, {"rid": head.rid, "offset": commit.offset})
+            try:
+                if conn.commits is None:
+                    conn.commits = inline_wire.LayoutCache(self.pool.allocator.capacity)
+                manifest = conn.commits.manifest(head.layout, head.tree)
+                size = self.pool.allocator.size_of(slot)
+                if manifest.nbytes > size:
+                    raise proto.ProtocolError(
+                        f"manifest.nbytes: {manifest.nbytes} does not fit a slot of {size} B"
+                    )
+            except BaseException:
+                self._ledger.free(slot)
+                raise
+            self._finish(ident, commit.xid, grant.rid, slot, manifest, head.meta, commit.ask)
+        except (proto.ProtocolError, codec.CodecError) as exc:
+            if commit is not None:  # answered, so its sender fails now
+                self._reply(ident, "nack", xid=commit.xid, reason=str(exc))
+            raise
 
     def _poll_ms(self) -> int:
         if self._freed:
@@ -624,6 +659,7 @@ class Ingress:
             **self._lane_offer,
             **({"lane_id": self._lane_token(ident)} if self._lane_offer else {}),
             **({"inline_wire": inline_wire.WIRE_VERSION} if self._lane_offer else {}),
+            **({"commit_wire": inline_wire.WIRE_VERSION} if self._lane_offer else {}),
             **self._welcome_extra(ident, msg),
             **self._load_field(),
             **({"compat": self.compat.to_wire()} if self.compat is not None else {}),
@@ -803,16 +839,8 @@ class Ingress:
     def commit(self, ident: bytes, msg: dict[str, Any]) -> None:
         """The plain commit: the payload is in its slot (shm), or its chunks follow (tcp)."""
         xid = proto.nonneg_int(msg, "xid")
-        grant = self._ledger.take_grant(ident, xid)
-        if grant is None or grant.offset is None:
-            raise proto.ProtocolError(f"commit for xid {xid} without a live grant (lease expired?)")
-        slot = grant.offset
+        grant, slot = self._claim(ident, xid, msg)
         try:
-            if grant.spare:  # granted before its request was known
-                grant.rid = proto.field(msg, "rid", str)
-                self._spares_used += 1
-            if proto.nonneg_int(msg, "offset") != slot:
-                raise proto.ProtocolError(f"commit offset differs from the grant ({slot})")
             size = self.pool.allocator.size_of(slot)
             manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
             meta = _meta(msg)
@@ -833,6 +861,25 @@ class Ingress:
             self._ledger.free(slot)
             raise
         self._finish(ident, xid, grant.rid, slot, manifest, meta, msg.get("next"))
+
+    def _claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
+        """A commit takes its grant (`rid`, `offset` from `msg`; a spare's request id is the
+        commit's): the grant and its slot, now the caller's to deliver or free. ProtocolError
+        (the slot freed) when it cannot."""
+        grant = self._ledger.take_grant(ident, xid)
+        if grant is None or grant.offset is None:
+            raise proto.ProtocolError(f"commit for xid {xid} without a live grant (lease expired?)")
+        slot = grant.offset
+        try:
+            if grant.spare:  # granted before its request was known
+                grant.rid = proto.field(msg, "rid", str)
+                self._spares_used += 1
+            if proto.nonneg_int(msg, "offset") != slot:
+                raise proto.ProtocolError(f"commit offset differs from the grant ({slot})")
+        except BaseException:
+            self._ledger.free(slot)
+            raise
+        return grant, slot
 
     def reject(self, ident: bytes, xid: int, reason: str) -> None:
         self._rejected += 1

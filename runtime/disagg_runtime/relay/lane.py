@@ -12,7 +12,8 @@ Frames, all lengths little-endian u32:
 
     [header length][data length][header: the inline control JSON][data: the slot's bytes]
 
-(an `inline` header is binary where the welcome offers `inline_wire`: relay/inline_wire.py)
+(an `inline` header is binary where the welcome offers `inline_wire`, an shm `commit`
+where it offers `commit_wire`: relay/inline_wire.py)
 
 The lane opens with one frame whose header is `{"op": "lane", "id": <token>, "mac": ...}`
 (no data): the one-time token the authenticated welcome gave the sender over ZMQ, so the

@@ -10,7 +10,8 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
     auth {mac}                     -->   (relay/auth.py: both ends prove the peer key)
                                    <--   welcome {pool, pool_size, max_allocation, lease_s,
                                                   lane_id[, lane_port | lane_path],
-                                                  [inline_wire,] load, [compat,] [role,] mac}
+                                                  [inline_wire, commit_wire,] load, [compat,]
+                                                  [role,] mac}
     inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
     reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
                                    <--   grant {xid, offset, lease_s} | deny {xid, reason}
@@ -61,6 +62,8 @@ frames the sender had written before it, and it is granted only once they are al
 `inline_wire` (a version, 1) says the ingress reads inline payloads on the lane with a
 binary header instead of this JSON (relay/inline_wire.py): struct-packed lengths, the
 manifest's layout cached per lane by its bytes. Senders use it only where offered.
+`commit_wire` (a version, 1) says the same for an shm sender's `commit` on a control lane:
+its fields (rid, xid, offset, manifest, meta, next) in a binary header of the same form.
 
 `role` names the role an ingress serves, under the welcome's mac: a sender that dialled
 a role's address checks it, so an address another role's pod has taken over (before the

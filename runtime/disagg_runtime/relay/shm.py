@@ -51,6 +51,7 @@ class ShmSender(Sender):
 
     kind = "shm"
     control_on_lane = True
+    binary_commit = True
     _backing: Backing | None = None
     _pin_tried = False
 

@@ -159,3 +159,68 @@ def test_a_json_header_and_a_binary_one_differ_in_their_first_byte() -> None:
     manifest = planned()
     packed = wire.pack("r", wire.layout_bytes(manifest), manifest.tree, None)
     assert packed[0] == wire.KIND_INLINE != ord("{")
+
+
+# ---- the binary commit header (kind 2) -------------------------------------------------------
+
+
+def commit_header(**fixed: int) -> memoryview:
+    """A commit header from pack_commit, with fields of its fixed part overridden."""
+    manifest = planned()
+    packed = wire.pack_commit("c1", 7, 1 << 20, wire.layout_bytes(manifest), manifest.tree, None)
+    fields = list(wire.COMMIT_FIXED.unpack_from(packed))
+    names = ("kind", "version", "rid", "layout", "tree", "meta", "xid", "offset")
+    for name, value in fixed.items():
+        fields[names.index(name)] = value
+    return memoryview(wire.COMMIT_FIXED.pack(*fields) + packed[wire.COMMIT_FIXED.size :])
+
+
+@pytest.mark.parametrize("ask", [None, {"xid": 8, "nbytes": 3 << 20}])
+def test_a_commit_header_round_trips_with_its_numbers_and_ask(ask: dict[str, int] | None) -> None:
+    manifest = planned(64, torch.float32)
+    layout = wire.layout_bytes(manifest)
+    packed = wire.pack_commit("rid-é", 2**40, 4 << 20, layout, manifest.tree, {"a": [1]}, ask)
+    assert packed[0] == wire.KIND_COMMIT
+    commit = wire.unpack_commit(memoryview(packed))
+    assert (commit.xid, commit.offset, commit.ask) == (2**40, 4 << 20, ask)
+    assert (commit.head.rid, commit.head.layout, commit.head.meta) == ("rid-é", layout, {"a": [1]})
+    assert wire.LayoutCache(1 << 30).manifest(layout, commit.head.tree) == manifest
+
+
+@pytest.mark.parametrize(
+    ("head", "match"),
+    [
+        (commit_header()[:40], "shorter than 48"),
+        (commit_header()[:-1], "add up to"),
+        (commit_header(kind=wire.KIND_INLINE), "unknown binary header kind 1"),
+        (commit_header(version=2), "unsupported commit header version 2"),
+        (commit_header(rid=40), "add up to"),
+    ],
+)
+def test_malformed_commit_headers_are_refused(head: memoryview, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        wire.unpack_commit(head)
+
+
+def test_an_inline_parser_refuses_a_commit_header() -> None:
+    with pytest.raises(ProtocolError, match="unknown binary header kind 2"):
+        wire.unpack(commit_header())
+
+
+def test_the_sender_refuses_a_commit_it_cannot_encode() -> None:
+    manifest = planned()
+    layout = wire.layout_bytes(manifest)
+    with pytest.raises(CodecError, match="does not fit"):
+        wire.pack_commit("r", 2**64, 0, layout, manifest.tree, None)
+    with pytest.raises(CodecError, match="does not fit"):
+        wire.pack_commit("r", 1, -1, layout, manifest.tree, None)
+    with pytest.raises(CodecError, match="asks 0 B"):
+        wire.pack_commit("r", 1, 0, layout, manifest.tree, None, {"xid": 2, "nbytes": 0})
+
+
+def test_a_layout_cache_refuses_layouts_larger_than_its_slots() -> None:
+    manifest = planned(4096)
+    layout = wire.layout_bytes(manifest)
+    with pytest.raises(CodecError, match="does not fit a slot of 4095 B"):
+        wire.LayoutCache(4095).manifest(layout, manifest.tree)
+    assert wire.LayoutCache(4096).manifest(layout, manifest.tree) == manifest
