@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from disagg_runtime.gateway import native
 from disagg_runtime.client import chunk_sources
+from disagg_runtime.gateway import native
 from disagg_runtime.relay import RelayError, RelayTimeout, ShmSender, TcpSender
 from disagg_runtime.relay.landing import chunk_targets
 from tests.relay_rig import WAIT, Rig
@@ -155,9 +155,10 @@ def test_a_cut_stream_frees_its_slot_and_the_connection_goes_on(rig: Rig) -> Non
         raise ConnectionError("the HTTP client went away")
     assert sender.usable
     wait_used(ingress, 0)
-    with pytest.raises(RelayError, match="the plan says"), sender.stream(
-        sender.reserve("t3", manifest, timeout=WAIT), timeout=WAIT
-    ) as out:
+    with (
+        pytest.raises(RelayError, match="the plan says"),
+        sender.stream(sender.reserve("t3", manifest, timeout=WAIT), timeout=WAIT) as out,
+    ):
         out.send(data[:100])  # not the plan's length: refused before it is sent
     assert sender.usable
     sender.send({"x": torch.ones(1 << 18)}, request_id="t4")
