@@ -11,7 +11,11 @@ one `disagg gateway` process (started from the contract's environment, as in a p
   back, against one single-threaded memcpy of the same size (`bench transport`'s limit),
   the in-process client sending the same tensor, and raw loopback TCP (one process's
   `sendall` into another's `recv_into`, no HTTP, no Python per chunk): the floor for any
-  HTTP upload on this machine at this moment.
+  HTTP upload on this machine at this moment. Twice: through a gateway that reaches the
+  entry role over shm (as `disagg up --serve` runs it: the body lands in the role's pool)
+  and through one that reaches it over tcp (a gateway in its own pod: the body is streamed
+  on as it arrives), beside the in-process client over each relay; requests alternate
+  between them so that all see the same machine noise.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +40,7 @@ from disagg_core.contract import GatewayConfig, Peer, render_gateway_env
 from disagg_core.spec import parse_pipeline
 from disagg_core.spec.model import Pipeline
 from disagg_runtime.bench.transport import format_size, measure_memcpy, parse_size
+from disagg_runtime.client import Client
 from disagg_runtime.gateway import native
 from disagg_runtime.local.supervisor import HOST, LocalPipeline, free_ports
 from disagg_runtime.metrics import fetch
@@ -57,8 +63,11 @@ def one_role(pool_bytes: int) -> Pipeline:
     )
 
 
-def start_gateway(local: LocalPipeline, max_body: int) -> tuple[subprocess.Popen[bytes], int]:
-    """`disagg gateway` for `local`, configured by the environment a pod would get."""
+def start_gateway(
+    local: LocalPipeline, max_body: int, *, node_local: bool = True
+) -> tuple[subprocess.Popen[bytes], int]:
+    """`disagg gateway` for `local`, configured by the environment a pod would get
+    (`node_local`: it reaches the roles over shm, else over tcp)."""
     ports = free_ports()
     port = next(ports)
     config = GatewayConfig(
@@ -75,7 +84,7 @@ def start_gateway(local: LocalPipeline, max_body: int) -> tuple[subprocess.Popen
         max_body=max_body,
         pool_size=max_body + (64 << 20),
         request_timeout=60,
-        node_local=True,
+        node_local=node_local,
         peers_file=local.peers_file,
         topology_file=local.topology_file,
         peer_key_file=local.key_file,  # the gateway authenticates to the roles like a role
@@ -154,6 +163,20 @@ def _post(conn: http.client.HTTPConnection, body: bytes, ctype: str) -> bytes:
     return data
 
 
+def tcp_client(local: LocalPipeline) -> Client:
+    """The in-process client, reaching the entry role over tcp (as the tcp gateway does)."""
+    return Client(
+        [Peer("entry", tuple(f"{HOST}:{rp.config.ingress_port}" for rp in local.processes))],
+        [local.processes[0].config.role],
+        pipeline=local.pipeline.name,
+        entry_relay="tcp",
+        reply_relay="tcp",
+        timeout=60,
+        peers_file=local.peers_file,
+        key=local.key,
+    )
+
+
 def run(size: int, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     memcpy = statistics.median(measure_memcpy(size, max(3, repeats)))
@@ -162,8 +185,11 @@ def run(size: int, repeats: int) -> dict[str, Any]:
     with LocalPipeline(one_role(pool)) as local:
         local.wait_ready()
         proc, port = start_gateway(local, size + (1 << 20))
+        tcp_proc, tcp_port = start_gateway(local, size + (1 << 20), node_local=False)
         client = local.client(timeout=60)
+        over_tcp = tcp_client(local)
         conn = http.client.HTTPConnection(HOST, port, timeout=60)
+        tcp_conn = http.client.HTTPConnection(HOST, tcp_port, timeout=60)
         try:
             small = {"x": torch.zeros(SMALL // 4, dtype=torch.float32), "echo": True}
             body = native.dumps({"inputs": native.to_json(small)})
@@ -181,24 +207,35 @@ def run(size: int, repeats: int) -> dict[str, Any]:
                 gateway.append(t2 - t1)
             big = {"x": torch.ones(size, dtype=torch.uint8)}
             upload = st_save(big)
-            sent, posted = [], []
+            large: dict[str, list[float]] = {
+                k: [] for k in ("client", "gw", "client_tcp", "gw_tcp")
+            }
+            steps: list[tuple[str, Callable[[], Any]]] = [
+                ("client", lambda: client.submit(big)),
+                ("gw", lambda: json.loads(_post(conn, upload, native.SAFETENSORS))["outputs"]),
+                ("client_tcp", lambda: over_tcp.submit(big)),
+                (
+                    "gw_tcp",
+                    lambda: json.loads(_post(tcp_conn, upload, native.SAFETENSORS))["outputs"],
+                ),
+            ]
             for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                result = client.submit(big)
-                t1 = time.perf_counter()
-                answer = json.loads(_post(conn, upload, native.SAFETENSORS))
-                t2 = time.perf_counter()
-                if result != {"nbytes": size} or answer["outputs"] != {"nbytes": size}:
-                    raise RuntimeError(f"unexpected answers {result!r}, {answer!r}")
-                sent.append(t1 - t0)
-                posted.append(t2 - t1)
+                for name, step in steps:
+                    t0 = time.perf_counter()
+                    result = step()
+                    large[name].append(time.perf_counter() - t0)
+                    if result != {"nbytes": size}:
+                        raise RuntimeError(f"unexpected answer {result!r} ({name})")
         finally:
             conn.close()
+            tcp_conn.close()
             client.close()
-            proc.terminate()
-            proc.wait(timeout=30)
+            over_tcp.close()
+            for p in (proc, tcp_proc):
+                p.terminate()
+                p.wait(timeout=30)
     client_p50, gateway_p50 = statistics.median(direct), statistics.median(gateway)
-    sent_s, posted_s = statistics.median(sent[1:]), statistics.median(posted[1:])
+    med = {name: statistics.median(times[1:]) for name, times in large.items()}
     return {
         "small_bytes": SMALL,
         "client_p50_ms": round(client_p50 * 1e3, 3),
@@ -206,13 +243,18 @@ def run(size: int, repeats: int) -> dict[str, Any]:
         "gateway_added_p50_ms": round((gateway_p50 - client_p50) * 1e3, 3),
         "large_bytes": size,
         "memcpy_ms": round(memcpy * 1e3, 3),
-        "client_large_ms": round(sent_s * 1e3, 3),
-        "gateway_large_ms": round(posted_s * 1e3, 3),
-        "gateway_large_vs_memcpy": round(memcpy / posted_s, 3),
+        "client_large_ms": round(med["client"] * 1e3, 3),
+        "gateway_large_ms": round(med["gw"] * 1e3, 3),
+        "gateway_large_vs_memcpy": round(memcpy / med["gw"], 3),
         "raw_tcp_ms": round(raw_tcp * 1e3, 3),
         "raw_tcp_vs_memcpy": round(memcpy / raw_tcp, 3),
-        "gateway_large_vs_raw_tcp": round(raw_tcp / posted_s, 3),
-        "client_large_vs_memcpy": round(memcpy / sent_s, 3),
+        "gateway_large_vs_raw_tcp": round(raw_tcp / med["gw"], 3),
+        "client_large_vs_memcpy": round(memcpy / med["client"], 3),
+        "client_tcp_large_ms": round(med["client_tcp"] * 1e3, 3),
+        "gateway_tcp_large_ms": round(med["gw_tcp"] * 1e3, 3),
+        "gateway_tcp_large_vs_memcpy": round(memcpy / med["gw_tcp"], 3),
+        "gateway_tcp_large_vs_raw_tcp": round(raw_tcp / med["gw_tcp"], 3),
+        "client_tcp_large_vs_memcpy": round(memcpy / med["client_tcp"], 3),
         "repeats": repeats,
     }
 
@@ -235,6 +277,12 @@ def run_cli(args: argparse.Namespace) -> int:
             f"in-process client {result['client_large_ms']:.1f} ms "
             f"({result['client_large_vs_memcpy']:.2f}x); raw loopback TCP "
             f"{result['raw_tcp_ms']:.1f} ms ({result['raw_tcp_vs_memcpy']:.2f}x; the gateway "
-            f"reaches {result['gateway_large_vs_raw_tcp']:.2f}x of it)"
+            f"reaches {result['gateway_large_vs_raw_tcp']:.2f}x of it)\n"
+            f"the same upload through a gateway on the tcp relay: "
+            f"{result['gateway_tcp_large_ms']:.1f} ms "
+            f"({result['gateway_tcp_large_vs_memcpy']:.2f}x memcpy, "
+            f"{result['gateway_tcp_large_vs_raw_tcp']:.2f}x raw TCP); in-process client over "
+            f"tcp {result['client_tcp_large_ms']:.1f} ms "
+            f"({result['client_tcp_large_vs_memcpy']:.2f}x)"
         )
     return 0
