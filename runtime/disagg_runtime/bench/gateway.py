@@ -14,8 +14,10 @@ one `disagg gateway` process (started from the contract's environment, as in a p
   HTTP upload on this machine at this moment. Twice: through a gateway that reaches the
   entry role over shm (as `disagg up --serve` runs it: the body lands in the role's pool)
   and through one that reaches it over tcp (a gateway in its own pod: the body is streamed
-  on as it arrives), beside the in-process client over each relay; requests alternate
-  between them so that all see the same machine noise.
+  on as it arrives), beside the in-process client over each relay; and through the shm
+  gateway's Unix socket (`disagg gateway --unix`, as a sidecar would reach it), against raw
+  Unix-socket streaming between two processes. Requests alternate between them so that all
+  see the same machine noise.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,10 +68,11 @@ def one_role(pool_bytes: int) -> Pipeline:
 
 
 def start_gateway(
-    local: LocalPipeline, max_body: int, *, node_local: bool = True
+    local: LocalPipeline, max_body: int, *, node_local: bool = True, unix: str | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
     """`disagg gateway` for `local`, configured by the environment a pod would get
-    (`node_local`: it reaches the roles over shm, else over tcp)."""
+    (`node_local`: it reaches the roles over shm, else over tcp; `unix`: it serves on that
+    Unix socket too)."""
     ports = free_ports()
     port = next(ports)
     config = GatewayConfig(
@@ -91,7 +96,13 @@ def start_gateway(
     )
     env = {**os.environ, **render_gateway_env(config)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "disagg_runtime.cli", "gateway"],
+        [
+            sys.executable,
+            "-m",
+            "disagg_runtime.cli",
+            "gateway",
+            *(["--unix", unix] if unix else []),
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -110,25 +121,28 @@ def start_gateway(
     raise TimeoutError("gateway not ready within 60 s")
 
 
-def raw_tcp_seconds(size: int, repeats: int) -> list[float]:
+def raw_tcp_seconds(size: int, repeats: int, *, unix: str | None = None) -> list[float]:
     """Loopback TCP transfers of `size` bytes into a pre-faulted buffer of another process
     (`sink`), as an HTTP client's body goes to the gateway: each from the first `sendall`
-    until the receiver's one-byte answer (its start is not counted)."""
+    until the receiver's one-byte answer (its start is not counted). With `unix` (a path),
+    over a Unix socket there instead."""
     data = bytes(size)
-    code = "from disagg_runtime.bench.gateway import sink; sink()"
+    code = f"from {__name__} import sink; sink()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(size)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, str(size), *([unix] if unix else [])],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
         times = []
         for _ in range(repeats):
-            with socket.create_connection((HOST, port)) as out:
+            with _connect(port, unix) as out:
                 t0 = time.perf_counter()
                 out.sendall(data)
                 if out.recv(1) != b"k":
-                    raise RuntimeError("the raw TCP sink did not receive everything")
+                    raise RuntimeError("the raw sink did not receive everything")
                 times.append(time.perf_counter() - t0)
         return times
     finally:
@@ -136,15 +150,30 @@ def raw_tcp_seconds(size: int, repeats: int) -> list[float]:
         proc.wait()
 
 
+def _connect(port: int, unix: str | None) -> socket.socket:
+    if unix is None:
+        return socket.create_connection((HOST, port))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(unix)
+    return sock
+
+
 def sink() -> None:
-    """`raw_tcp_seconds`'s receiver: prints its port, then takes `size` bytes per connection
-    into one pre-faulted buffer (`recv_into`, no copies) and answers b"k"."""
+    """`raw_tcp_seconds`'s receiver: prints its port (0 on a Unix socket), then takes `size`
+    bytes per connection into one pre-faulted buffer (`recv_into`, no copies) and answers
+    b"k"."""
     size = int(sys.argv[1])
     buffer = bytearray(size)
     buffer[:] = bytes(size)  # faulted in before the first transfer, as the gateway's pool is
     view = memoryview(buffer)
-    with socket.create_server((HOST, 0)) as server:
-        print(server.getsockname()[1], flush=True)
+    if len(sys.argv) > 2:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(sys.argv[2])
+        server.listen()
+    else:
+        server = socket.create_server((HOST, 0))
+    with server:
+        print(server.getsockname()[1] if len(sys.argv) <= 2 else 0, flush=True)
         while True:
             conn, _ = server.accept()
             with conn:
@@ -152,6 +181,20 @@ def sink() -> None:
                 while got < size and (n := conn.recv_into(view[got:])):
                     got += n
                 conn.sendall(b"k" if got == size else b"-")
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix socket (the gateway's `--unix`)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.unix_path)
+        self.sock = sock
 
 
 def _post(conn: http.client.HTTPConnection, body: bytes, ctype: str) -> bytes:
@@ -177,19 +220,26 @@ def tcp_client(local: LocalPipeline) -> Client:
     )
 
 
-def run(size: int, repeats: int) -> dict[str, Any]:
+def run(size: int, repeats: int, *, unix: bool = True) -> dict[str, Any]:
     torch.set_num_threads(1)
     memcpy = statistics.median(measure_memcpy(size, max(3, repeats)))
     raw_tcp = statistics.median(raw_tcp_seconds(size, max(3, repeats)))
+    folder = tempfile.mkdtemp(prefix="disagg-bench-")
+    raw_unix = 0.0
+    if unix:
+        path = os.path.join(folder, "raw.sock")
+        raw_unix = statistics.median(raw_tcp_seconds(size, max(3, repeats), unix=path))
+    socket_path = os.path.join(folder, "gateway.sock") if unix else None
     pool = 4 * size + (64 << 20)
     with LocalPipeline(one_role(pool)) as local:
         local.wait_ready()
-        proc, port = start_gateway(local, size + (1 << 20))
+        proc, port = start_gateway(local, size + (1 << 20), unix=socket_path)
         tcp_proc, tcp_port = start_gateway(local, size + (1 << 20), node_local=False)
         client = local.client(timeout=60)
         over_tcp = tcp_client(local)
         conn = http.client.HTTPConnection(HOST, port, timeout=60)
         tcp_conn = http.client.HTTPConnection(HOST, tcp_port, timeout=60)
+        unix_conn = UnixHTTPConnection(socket_path, timeout=60) if socket_path else None
         try:
             small = {"x": torch.zeros(SMALL // 4, dtype=torch.float32), "echo": True}
             body = native.dumps({"inputs": native.to_json(small)})
@@ -207,18 +257,19 @@ def run(size: int, repeats: int) -> dict[str, Any]:
                 gateway.append(t2 - t1)
             big = {"x": torch.ones(size, dtype=torch.uint8)}
             upload = st_save(big)
-            large: dict[str, list[float]] = {
-                k: [] for k in ("client", "gw", "client_tcp", "gw_tcp")
-            }
+
+            def posted(to: http.client.HTTPConnection) -> Any:
+                return json.loads(_post(to, upload, native.SAFETENSORS))["outputs"]
+
             steps: list[tuple[str, Callable[[], Any]]] = [
                 ("client", lambda: client.submit(big)),
-                ("gw", lambda: json.loads(_post(conn, upload, native.SAFETENSORS))["outputs"]),
+                ("gw", lambda: posted(conn)),
                 ("client_tcp", lambda: over_tcp.submit(big)),
-                (
-                    "gw_tcp",
-                    lambda: json.loads(_post(tcp_conn, upload, native.SAFETENSORS))["outputs"],
-                ),
+                ("gw_tcp", lambda: posted(tcp_conn)),
             ]
+            if unix_conn is not None:
+                steps.append(("gw_unix", lambda: posted(unix_conn)))
+            large: dict[str, list[float]] = {name: [] for name, _ in steps}
             for _ in range(repeats + 1):
                 for name, step in steps:
                     t0 = time.perf_counter()
@@ -229,11 +280,14 @@ def run(size: int, repeats: int) -> dict[str, Any]:
         finally:
             conn.close()
             tcp_conn.close()
+            if unix_conn is not None:
+                unix_conn.close()
             client.close()
             over_tcp.close()
             for p in (proc, tcp_proc):
                 p.terminate()
                 p.wait(timeout=30)
+            shutil.rmtree(folder, ignore_errors=True)
     client_p50, gateway_p50 = statistics.median(direct), statistics.median(gateway)
     med = {name: statistics.median(times[1:]) for name, times in large.items()}
     return {
@@ -255,6 +309,17 @@ def run(size: int, repeats: int) -> dict[str, Any]:
         "gateway_tcp_large_vs_memcpy": round(memcpy / med["gw_tcp"], 3),
         "gateway_tcp_large_vs_raw_tcp": round(raw_tcp / med["gw_tcp"], 3),
         "client_tcp_large_vs_memcpy": round(memcpy / med["client_tcp"], 3),
+        **(
+            {
+                "raw_unix_ms": round(raw_unix * 1e3, 3),
+                "raw_unix_vs_memcpy": round(memcpy / raw_unix, 3),
+                "gateway_unix_large_ms": round(med["gw_unix"] * 1e3, 3),
+                "gateway_unix_large_vs_memcpy": round(memcpy / med["gw_unix"], 3),
+                "gateway_unix_large_vs_raw_unix": round(raw_unix / med["gw_unix"], 3),
+            }
+            if unix
+            else {}
+        ),
         "repeats": repeats,
     }
 
@@ -283,6 +348,10 @@ def run_cli(args: argparse.Namespace) -> int:
             f"({result['gateway_tcp_large_vs_memcpy']:.2f}x memcpy, "
             f"{result['gateway_tcp_large_vs_raw_tcp']:.2f}x raw TCP); in-process client over "
             f"tcp {result['client_tcp_large_ms']:.1f} ms "
-            f"({result['client_tcp_large_vs_memcpy']:.2f}x)"
+            f"({result['client_tcp_large_vs_memcpy']:.2f}x)\n"
+            f"through the shm gateway's Unix socket: {result['gateway_unix_large_ms']:.1f} ms "
+            f"({result['gateway_unix_large_vs_memcpy']:.2f}x memcpy); raw Unix socket "
+            f"{result['raw_unix_ms']:.1f} ms ({result['raw_unix_vs_memcpy']:.2f}x; the gateway "
+            f"reaches {result['gateway_unix_large_vs_raw_unix']:.2f}x of it)"
         )
     return 0
