@@ -51,12 +51,12 @@ WAIT = 20.0
 class Served:
     """A gateway on its own event-loop thread."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, unix: str | None = None) -> None:
         self.gateway = gateway
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = Server(gateway, "127.0.0.1", 0)
+        self.server = Server(gateway, "127.0.0.1", 0, unix)
         port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
         self.url = f"http://127.0.0.1:{port}"
 
@@ -336,6 +336,30 @@ def test_a_slow_tcp_upload_does_not_hold_up_other_requests(
         thread.join(WAIT)
     connection, out = result["answer"]
     assert connection == "close" and torch.equal(out["0.x"], x)
+    wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="pools free")
+
+
+def test_a_unix_socket_serves_the_same_api(local: LocalPipeline, tmp_path: Path) -> None:
+    """`--unix PATH`: the gateway serves on a Unix socket beside its TCP port; a large
+    safetensors body read past aiohttp there lands as over TCP."""
+    client = local.client()
+    path = str(tmp_path / "gateway.sock")
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", max_body=8 << 20)), path)
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=WAIT) as http:
+            r = http.post("http://gateway/v1/infer", json=body(6, n=1))
+            assert r.status_code == 200 and r.json()["outputs"][0]["i"] == 6
+            x = torch.arange(768 * 1024, dtype=torch.float32)
+            r = http.post(
+                "http://gateway/v1/infer",
+                content=st_save({"x": x}, metadata={"i": "7", "n": "1"}),
+                headers={"Content-Type": native.SAFETENSORS, "Accept": native.SAFETENSORS},
+            )
+            assert r.status_code == 200 and torch.equal(st_load(r.content)["0.x"], x)
+        assert httpx.get(f"{server.url}/healthz", timeout=WAIT).status_code == 200
+    finally:
+        server.close()
+        client.close()
     wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="pools free")
 
 
