@@ -320,8 +320,11 @@ def test_a_slow_tcp_upload_does_not_hold_up_other_requests(
     go = threading.Event()
     result: dict[str, Any] = {}
 
+    def held_back() -> None:
+        assert go.wait(WAIT)
+
     def upload() -> None:
-        result["answer"] = post_in_halves(served_tcp.url, content, lambda: go.wait(WAIT))
+        result["answer"] = post_in_halves(served_tcp.url, content, held_back)
 
     thread = threading.Thread(target=upload, daemon=True)
     thread.start()
