@@ -41,7 +41,7 @@ from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.peers import Dedicated, PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name, shm_namespace
-from disagg_runtime.relay import Ingress, PeerLost, RelayError, ShmSender, TcpSender
+from disagg_runtime.relay import Ingress, PeerLost, RelayError, ShmSender, TcpSender, Unanswered
 from disagg_runtime.relay.auth import check_key, key_from_env
 from disagg_runtime.relay.sender import Grant
 from disagg_runtime.relay.tcp import chunk_plan
@@ -248,12 +248,23 @@ class Upload:
                 self._cond.wait(remaining)
 
     def _reserve(self) -> tuple[TcpSender, Grant]:
-        """A slot on a dedicated connection, reconnecting once (elsewhere) on PeerLost."""
+        """A slot on a dedicated connection, reconnecting once (elsewhere) on PeerLost, as
+        RelayCache.on_relay does (a replica that did not answer is skipped for a while)."""
         peers, dedicated = self._peers, self._client.uploads
         endpoint = peers.endpoint_for(self.rid, self._client.relays.viewer(peers.kind))
         for attempt in (1, 2):
             remaining = max(0.05, self._reserve_by - time.monotonic())
-            relay = dedicated.take(endpoint, timeout=remaining, role=peers.peer.role)
+            try:
+                relay = dedicated.take(
+                    endpoint, timeout=remaining, role=peers.peer.role, bounded=attempt == 1
+                )
+            except PeerLost as exc:  # WrongRole, Unanswered: nothing of it was opened
+                if attempt == 2:
+                    raise
+                if isinstance(exc, Unanswered):
+                    peers.lost(endpoint)
+                endpoint = peers.reroute(self.rid, self._client.relays.viewer(peers.kind))
+                continue
             try:
                 remaining = max(0.05, self._reserve_by - time.monotonic())
                 return relay, relay.reserve(self.rid, self.manifest, timeout=remaining)

@@ -596,9 +596,12 @@ class Dedicated:
         self._lock = threading.Lock()
         self._closed = False
 
-    def take(self, endpoint: str, *, timeout: float, role: str | None = None) -> TcpSender:
+    def take(
+        self, endpoint: str, *, timeout: float, role: str | None = None, bounded: bool = True
+    ) -> TcpSender:
         """An idle connection to `endpoint`, else a fresh one (RelayError if it cannot be
-        opened; WrongRole when the endpoint serves another role than `role`)."""
+        opened; WrongRole when the endpoint serves another role than `role`; Unanswered, as
+        for RelayCache.get, when `bounded` and its handshake takes over CONNECT_S)."""
         now = time.monotonic()
         stale: list[TcpSender] = []
         relay: TcpSender | None = None
@@ -613,15 +616,21 @@ class Dedicated:
         for old in stale:
             old.close()
         if relay is None:
+            wait = max(0.05, min(timeout, self._timeout))
+            bounded = bounded and wait > CONNECT_S  # time is left to try another replica
             try:
                 relay = TcpSender(
                     endpoint,
                     timeout=self._timeout,
-                    handshake_timeout=max(0.05, min(timeout, self._timeout)),
+                    handshake_timeout=min(wait, CONNECT_S) if bounded else wait,
                     context=self._context,
                     key=self._key,
                     inline_max=0,  # no inline lane: everything of a transfer in one stream
                 )
+            except RelayTimeout:
+                if not bounded:
+                    raise
+                raise Unanswered(f"{endpoint} did not answer within {CONNECT_S:g} s") from None
             except (zmq.ZMQError, OSError) as exc:
                 raise RelayError(f"cannot open a tcp relay to {endpoint}: {exc}") from None
         if role is not None and relay.peer_role not in (None, role):
