@@ -6,6 +6,7 @@ stream, which frees the slot at once and leaves the connection usable."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -13,11 +14,13 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from disagg_runtime.client import chunk_sources
+from disagg_core.contract import Peer
+from disagg_runtime.client import Client, chunk_sources
 from disagg_runtime.gateway import native
+from disagg_runtime.peers import Dedicated
 from disagg_runtime.relay import RelayError, RelayTimeout, ShmSender, TcpSender
 from disagg_runtime.relay.landing import chunk_targets
-from tests.relay_rig import WAIT, Rig
+from tests.relay_rig import KEY, WAIT, Rig
 
 
 def mixed_body() -> bytes:
@@ -165,3 +168,73 @@ def test_a_cut_stream_frees_its_slot_and_the_connection_goes_on(rig: Rig) -> Non
     with ingress.recv(timeout=WAIT) as msg:
         assert msg.request_id == "t4"  # neither t2 nor t3 was delivered
     wait_used(ingress, 0)
+
+
+def test_dedicated_connections_are_reused_only_in_good_order(rig: Rig) -> None:
+    """peers.Dedicated: a connection handed back after a transfer that ended in step is
+    the next upload's; one whose stream broke off is closed, and a fresh one (with its own
+    handshake) takes its place."""
+    ingress = rig.ingress("tcp")
+    dedicated = Dedicated(timeout=WAIT, key=KEY)
+    try:
+        first = dedicated.take(ingress.endpoint, timeout=WAIT)
+        dedicated.give(first)
+        assert dedicated.take(ingress.endpoint, timeout=WAIT) is first
+        first._stream_broken()  # as after a cut the receiver did not answer
+        dedicated.give(first)
+        assert first.closed
+        fresh = dedicated.take(ingress.endpoint, timeout=WAIT)
+        assert fresh is not first and fresh.usable
+        fresh.send({"x": torch.ones(1 << 18)}, request_id="d1")
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "d1"
+        dedicated.give(fresh)
+    finally:
+        dedicated.close()
+    assert fresh.closed
+
+
+def test_an_upload_reconnects_when_its_kept_connection_lost_its_receiver(rig: Rig) -> None:
+    """Client.upload over tcp against a real ingress: the chunks land as the caller's
+    buffer fills. The entry role then restarts in place: the next upload's kept connection
+    finds its session lost (PeerLost, nothing sent) and a fresh one, with its own
+    handshake, carries the payload."""
+    first = rig.ingress("tcp")
+    endpoint = first.endpoint
+    client = Client(
+        [Peer("front", (endpoint.removeprefix("tcp://"),))],
+        ["front"],
+        entry_relay="tcp",
+        reply_relay="tcp",
+        timeout=WAIT,
+        key=KEY,
+    )
+    body = mixed_body()
+    manifest = manifest_of(body)
+    data, starts = data_of(body)
+    try:
+        for i, ingress in enumerate([first, None]):
+            if ingress is None:
+                first.close()
+                ingress = rig.ingress("tcp", endpoint=endpoint)
+            done = threading.Event()
+            buffer = bytearray(len(data))
+            upload = client.upload(
+                manifest, memoryview(buffer), starts, timeout=WAIT, on_done=done.set
+            )
+            assert upload is not None
+            upload.granted.result(WAIT)
+            buffer[:] = data
+            upload.advance(len(buffer))
+            rid, future = upload.start()
+            with ingress.recv(timeout=WAIT) as msg:
+                assert msg.request_id == rid
+                assert same(msg.payload, native.request_from_safetensors(body)), i
+            assert done.wait(WAIT) and not future.done()  # delivered; no answer yet
+            client.cancel(rid)
+            (kept,) = [r for idle in client.uploads._idle.values() for r, _ in idle]
+            if i == 0:
+                before = kept
+        assert before.closed and kept is not before  # the lost one was replaced
+    finally:
+        client.close()
