@@ -68,7 +68,12 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="--serve: bind address (127.0.0.1)")
     up.add_argument("--token", default=None, help="--serve: require this bearer token")
 
-    sub.add_parser("gateway", help="the HTTP gateway of a pipeline, from the DISAGG_* environment")
+    gateway = sub.add_parser(
+        "gateway", help="the HTTP gateway of a pipeline, from the DISAGG_* environment"
+    )
+    gateway.add_argument(
+        "--unix", metavar="PATH", help="serve on this Unix socket too (a sidecar, local clients)"
+    )
     request = sub.add_parser("request", help="send one request to a gateway and print the answer")
     request.add_argument("url", help="gateway URL, e.g. http://127.0.0.1:8080")
     given = request.add_mutually_exclusive_group()
@@ -169,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "gateway":
         from disagg_runtime.gateway import server
 
-        return server.main()
+        return server.main(unix=args.unix)
     if args.command == "request":
         from disagg_runtime.gateway import request
 

@@ -11,7 +11,10 @@ out of the pool before the slot is released, so they stay valid for the caller.
 A caller that makes a payload's bytes itself can write them straight into the entry
 role's pool (shm entry relay, one entry role): `reserve(manifest)` holds a slot there,
 the caller fills `Reserved.slot`, and `Reserved.start` submits it (`release` gives an
-unused slot back).
+unused slot back). Over tcp it can stream them there as they come instead: `upload`
+reserves a slot on a connection of the upload's own (peers.py `Dedicated`) and sends each
+chunk once the caller says its bytes are in (`Upload.advance`); `Upload.start` submits
+the request, `release` cuts the transfer, which frees the slot at once.
 
 The client holds the pipeline's peer key (`key`, else the file DISAGG_PEER_KEY_FILE
 names; relay/auth.py): roles serve it, and reply to its ingress, only because it proves
@@ -36,11 +39,12 @@ from disagg_core.contract import Peer
 from disagg_runtime import envelope
 from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.manifest import Manifest
-from disagg_runtime.peers import PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
+from disagg_runtime.peers import Dedicated, PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name, shm_namespace
-from disagg_runtime.relay import Ingress, RelayError, ShmSender
+from disagg_runtime.relay import Ingress, PeerLost, RelayError, ShmSender, TcpSender, Unanswered
 from disagg_runtime.relay.auth import check_key, key_from_env
-from disagg_runtime.relay.shm import Grant
+from disagg_runtime.relay.sender import Grant
+from disagg_runtime.relay.tcp import chunk_plan
 
 _END = object()
 
@@ -148,6 +152,171 @@ class Reserved:
             self._peers.unpin(self.grant.rid)
 
 
+def chunk_sources(manifest: Manifest, chunk: int, starts: Sequence[int]) -> list[tuple[int, int]]:
+    """[begin, end) in the caller's buffer of every chunk of a tcp transfer, in the order
+    they are sent, where manifest tensor i starts at `starts[i]` there."""
+    return [(starts[i] + at, starts[i] + at + n) for i, at, n in chunk_plan(manifest, chunk)]
+
+
+class _Cut(Exception):
+    """The upload ends unsent: released, or its source stalled past the deadline."""
+
+
+class Upload:
+    """A payload streamed to the entry role over tcp while its bytes arrive: a slot is
+    reserved there on a connection of its own, and a thread sends each chunk once the
+    caller's buffer holds it (`advance`: its first n bytes are in). The last chunk waits
+    for `start`, which registers the request first (its answer may come at once). `release`
+    (or the deadline passing with the bytes short) cuts the transfer: the slot is freed at
+    once. `on_done` runs once the buffer is no longer read. `granted` resolves when the
+    slot is reserved (RequestFailed if none could be had); `write_by` is then the time by
+    which the bytes must all be in."""
+
+    def __init__(
+        self,
+        client: Client,
+        peers: PeerSet,
+        manifest: Manifest,
+        data: memoryview,
+        starts: Sequence[int],
+        timeout: float,
+        on_done: Callable[[], None],
+    ) -> None:
+        self._client = client
+        self._peers = peers
+        self.manifest = manifest
+        self._data = data
+        self._starts = list(starts)
+        self.rid = uuid.uuid4().hex
+        self.deadline = time.monotonic() + client.timeout
+        self._reserve_by = time.monotonic() + timeout
+        self._on_done = on_done
+        self.write_by = self.deadline  # for the caller's bytes (the grant's half lease)
+        self._cut_by = self.deadline  # for the thread, a little later: start() may be late
+        self.granted: Future[None] = Future()
+        self._acked: Future[None] = Future()
+        self._filled = 0
+        self._state = "filling"  # -> "started" | "cut"
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="disagg-upload", daemon=True)
+        self._thread.start()
+
+    def advance(self, filled: int) -> None:
+        """The caller's buffer now holds its first `filled` bytes."""
+        with self._cond:
+            self._filled = filled
+            self._cond.notify()
+
+    def start(self, *, on_chunk: Callable[[Any], None] | None = None) -> tuple[str, Future[Any]]:
+        """Submit: the request is registered and its last chunk sent; returns once the
+        entry role holds the payload (or failed to take it: the future says so)."""
+        client, rid = self._client, self.rid
+        pending = _Pending(client.exits, self.deadline, on_chunk=on_chunk)
+        with self._cond:
+            if self._state != "filling":
+                raise RequestFailed(f"request {rid}: its upload was already cut")
+            with client._lock:
+                client._pending[rid] = pending
+            self._state = "started"
+            self._cond.notify()
+        try:
+            self._acked.result(timeout=max(0.0, self.deadline - time.monotonic()) + 1.0)
+        except Exception as exc:
+            client._finish(rid, exc=RequestFailed(f"request {rid} could not be submitted: {exc}"))
+        return rid, pending.future
+
+    def release(self) -> None:
+        """Cut the transfer unless the request started (idempotent; does not wait)."""
+        with self._cond:
+            if self._state == "filling":
+                self._state = "cut"
+                self._cond.notify()
+
+    def _wait(self, filled: int, *, last: bool) -> None:
+        """Until the buffer holds `filled` bytes (and, for the `last` chunk, the request
+        started); _Cut when released, or when they are not in a little after `write_by`."""
+        with self._cond:
+            while True:
+                if self._state == "cut":
+                    raise _Cut("released")
+                if self._filled >= filled and (not last or self._state == "started"):
+                    return
+                remaining = self._cut_by - time.monotonic()
+                if remaining <= 0:
+                    self._state = "cut"
+                    raise _Cut("the bytes did not come in time")
+                self._cond.wait(remaining)
+
+    def _reserve(self) -> tuple[TcpSender, Grant]:
+        """A slot on a dedicated connection, reconnecting once (elsewhere) on PeerLost, as
+        RelayCache.on_relay does (a replica that did not answer is skipped for a while)."""
+        peers, dedicated = self._peers, self._client.uploads
+        endpoint = peers.endpoint_for(self.rid, self._client.relays.viewer(peers.kind))
+        for attempt in (1, 2):
+            remaining = max(0.05, self._reserve_by - time.monotonic())
+            try:
+                relay = dedicated.take(
+                    endpoint, timeout=remaining, role=peers.peer.role, bounded=attempt == 1
+                )
+            except PeerLost as exc:  # WrongRole, Unanswered: nothing of it was opened
+                if attempt == 2:
+                    raise
+                if isinstance(exc, Unanswered):
+                    peers.lost(endpoint)
+                endpoint = peers.reroute(self.rid, self._client.relays.viewer(peers.kind))
+                continue
+            try:
+                remaining = max(0.05, self._reserve_by - time.monotonic())
+                return relay, relay.reserve(self.rid, self.manifest, timeout=remaining)
+            except PeerLost:
+                relay.close()
+                if attempt == 2:
+                    raise
+                endpoint = peers.reroute(self.rid, self._client.relays.viewer(peers.kind))
+            except BaseException:
+                dedicated.give(relay)
+                raise
+        raise AssertionError("unreachable")
+
+    def _run(self) -> None:
+        relay: TcpSender | None = None
+        try:
+            try:
+                relay, grant = self._reserve()
+            except (RelayError, OSError) as exc:
+                self.granted.set_exception(
+                    RequestFailed(f"request {self.rid}: no slot in the entry role's pool: {exc}")
+                )
+                return
+            self.write_by = min(self.deadline, grant.write_by)
+            # the receiver drops a transfer a whole lease after its commit: past half of it
+            self._cut_by = min(self.deadline, grant.write_by + relay.lease_s / 4)
+            self.granted.set_result(None)
+            try:
+                self._send(relay, grant)
+            except BaseException as exc:
+                self._acked.set_exception(exc)
+            else:
+                self._acked.set_result(None)
+        finally:
+            if relay is not None:
+                self._client.uploads.give(relay)
+            if self._state != "started":
+                self._peers.unpin(self.rid)
+            self._on_done()
+
+    def _send(self, relay: TcpSender, grant: Grant) -> None:
+        remaining = max(0.0, self.deadline - time.monotonic())
+        meta = Meta(self.rid, "data", "client", time.time() + remaining, self._client.reply)
+        sources = chunk_sources(self.manifest, relay.chunk_bytes, self._starts)
+        data = self._data
+        with relay.stream(grant, meta=meta.to_json(), timeout=remaining) as out:
+            for n, (begin, end) in enumerate(sources):
+                self._wait(end, last=n == len(sources) - 1)
+                out.send(data[begin:end])
+            out.finish()
+
+
 class Client:
     def __init__(
         self,
@@ -202,6 +371,7 @@ class Client:
             for p in entries
         ]
         self.relays = RelayCache(timeout=timeout, key=key, pools=shm_namespace(pipeline))
+        self.uploads = Dedicated(timeout=timeout, key=key)
         self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -263,6 +433,26 @@ class Client:
         assert isinstance(relay, ShmSender)
         return Reserved(self, peers, relay, grant, deadline)
 
+    def upload(
+        self,
+        manifest: Manifest,
+        data: memoryview,
+        starts: Sequence[int],
+        *,
+        timeout: float | None = None,
+        on_done: Callable[[], None],
+    ) -> Upload | None:
+        """Stream a payload laid out as `manifest` to the entry role over tcp while its
+        bytes arrive in `data` (tensor i at `starts[i]`; see `Upload`), reserving its slot
+        within `timeout` s; None when there is not exactly one entry role, reached over
+        tcp (then `on_done` is not called: submit the payload instead)."""
+        if len(self.entries) != 1 or self.entries[0].kind != "tcp" or not manifest.nbytes:
+            return None
+        if self._closed.is_set():
+            raise RequestFailed("client is closed")
+        seconds = self.timeout if timeout is None else timeout
+        return Upload(self, self.entries[0], manifest, data, starts, seconds, on_done)
+
     def submit(self, payload: Any, *, timeout: float | None = None) -> Any:
         future = self.submit_async(payload, timeout=timeout)
         return future.result()
@@ -306,6 +496,7 @@ class Client:
         self._closed.set()
         self._thread.join(timeout=5)
         self.relays.close()
+        self.uploads.close()
         self.ingress.close()
         self.pool.close()
 

@@ -53,6 +53,7 @@ from disagg_runtime.relay import (
     Relay,
     RelayError,
     RelayTimeout,
+    TcpSender,
     Unanswered,
     WrongRole,
     connect,
@@ -568,3 +569,89 @@ class PeerSet:
         self.unpin(rid)
         self.endpoints(refresh=True)
         return self.endpoint_for(rid, views, new=new)
+
+
+class Dedicated:
+    """tcp connections used by one transfer at a time (an upload streamed as its bytes
+    arrive, which holds its connection for as long as its source takes: on a shared relay
+    it would hold up every other request to that replica). Each proves the peer key like
+    any relay; one handed back in good order is kept for the next transfer (at most `keep`
+    idle per endpoint, none longer than `idle_s`), so an upload rarely pays a handshake."""
+
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        key: bytes,
+        context: Any = None,
+        keep: int = 2,
+        idle_s: float = 60.0,
+    ) -> None:
+        self._timeout = timeout
+        self._key = key
+        self._context = context
+        self.keep = keep
+        self.idle_s = idle_s
+        self._idle: dict[str, list[tuple[TcpSender, float]]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(
+        self, endpoint: str, *, timeout: float, role: str | None = None, bounded: bool = True
+    ) -> TcpSender:
+        """An idle connection to `endpoint`, else a fresh one (RelayError if it cannot be
+        opened; WrongRole when the endpoint serves another role than `role`; Unanswered, as
+        for RelayCache.get, when `bounded` and its handshake takes over CONNECT_S)."""
+        now = time.monotonic()
+        stale: list[TcpSender] = []
+        relay: TcpSender | None = None
+        with self._lock:
+            idle = self._idle.get(endpoint, [])
+            while idle and relay is None:
+                candidate, since = idle.pop()
+                if now - since > self.idle_s:
+                    stale.append(candidate)
+                else:
+                    relay = candidate
+        for old in stale:
+            old.close()
+        if relay is None:
+            wait = max(0.05, min(timeout, self._timeout))
+            bounded = bounded and wait > CONNECT_S  # time is left to try another replica
+            try:
+                relay = TcpSender(
+                    endpoint,
+                    timeout=self._timeout,
+                    handshake_timeout=min(wait, CONNECT_S) if bounded else wait,
+                    context=self._context,
+                    key=self._key,
+                    inline_max=0,  # no inline lane: everything of a transfer in one stream
+                )
+            except RelayTimeout:
+                if not bounded:
+                    raise
+                raise Unanswered(f"{endpoint} did not answer within {CONNECT_S:g} s") from None
+            except (zmq.ZMQError, OSError) as exc:
+                raise RelayError(f"cannot open a tcp relay to {endpoint}: {exc}") from None
+        if role is not None and relay.peer_role not in (None, role):
+            relay.close()
+            raise WrongRole(f"{endpoint} serves role {relay.peer_role!r}, not {role!r}")
+        return relay
+
+    def give(self, relay: TcpSender) -> None:
+        """Hand a connection back after its transfer; one that is not in good order (closed,
+        its session lost) is closed, as are those beyond `keep`."""
+        with self._lock:
+            idle = self._idle.setdefault(relay.endpoint, [])
+            if relay.usable and not self._closed and len(idle) < self.keep:
+                idle.append((relay, time.monotonic()))
+                return
+        relay.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            relays = [r for idle in self._idle.values() for r, _ in idle]
+            self._idle.clear()
+        for relay in relays:
+            relay.close()

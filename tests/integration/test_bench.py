@@ -69,12 +69,23 @@ def test_pipeline_bench_reports_per_hop_overhead():
 
 def test_gateway_bench_puts_the_gateway_beside_the_client():
     """One run: 4 KiB round trips both ways, a safetensors upload against memcpy and raw TCP
-    (through a real `disagg gateway` process configured by its environment)."""
+    (through real `disagg gateway` processes configured by their environment: one on the
+    shm relay, also serving a Unix socket, and one on the tcp relay)."""
     proc = run("bench", "pipeline", "--gateway", "--size", "2MiB", "--repeats", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert (result["small_bytes"], result["large_bytes"]) == (4096, 2 << 20)
-    for key in ("client_p50_ms", "gateway_p50_ms", "memcpy_ms", "gateway_large_ms", "raw_tcp_ms"):
+    for key in (
+        "client_p50_ms",
+        "gateway_p50_ms",
+        "memcpy_ms",
+        "gateway_large_ms",
+        "raw_tcp_ms",
+        "client_tcp_large_ms",
+        "gateway_tcp_large_ms",
+        "gateway_unix_large_ms",
+        "raw_unix_ms",
+    ):
         assert result[key] > 0, key
     added = result["gateway_p50_ms"] - result["client_p50_ms"]
     assert result["gateway_added_p50_ms"] == pytest.approx(added, abs=0.002)

@@ -51,12 +51,12 @@ WAIT = 20.0
 class Served:
     """A gateway on its own event-loop thread."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, unix: str | None = None) -> None:
         self.gateway = gateway
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = Server(gateway, "127.0.0.1", 0)
+        self.server = Server(gateway, "127.0.0.1", 0, unix)
         port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(10)
         self.url = f"http://127.0.0.1:{port}"
 
@@ -260,7 +260,7 @@ def test_large_safetensors_body_lands_in_the_entry_roles_pool(
     assert r.status_code == 200 and torch.equal(st_load(r.content)["0.x"], x)
 
 
-def tcp_client(local: LocalPipeline) -> Client:
+def tcp_client(local: LocalPipeline, timeout: float = 20.0) -> Client:
     """A client that reaches the entry role over tcp, as a gateway in its own pod does."""
     configs = [rp.config for rp in local.processes]
     return Client(
@@ -271,28 +271,99 @@ def tcp_client(local: LocalPipeline) -> Client:
         reply_relay="tcp",
         peers_file=local.peers_file,
         key=local.key,
+        timeout=timeout,
     )
 
 
-def test_large_safetensors_body_over_tcp_lands_in_the_arena(local: LocalPipeline) -> None:
-    """Where the entry role's pool is not mapped here (tcp relay), the body is received into
-    the gateway's arena and sent from there; the slot is free once it is sent."""
+def gateway_client(local: LocalPipeline, relay: str, timeout: float = 20.0) -> Client:
+    return local.client(timeout=timeout) if relay == "shm" else tcp_client(local, timeout)
+
+
+@pytest.fixture(scope="module")
+def served_tcp(local: LocalPipeline) -> Iterator[Served]:
+    """A gateway that reaches the entry role over tcp (its own pod's view)."""
     client = tcp_client(local)
     server = Served(gateway_for(client, Settings(pipeline="itest-gateway", max_body=4 << 20)))
+    yield server
+    server.close()
+    client.close()
+
+
+def test_large_safetensors_body_over_tcp_is_streamed_to_the_entry_role(
+    served_tcp: Served, local: LocalPipeline
+) -> None:
+    """Where the entry role's pool is not mapped here (tcp relay), the body is received into
+    the gateway's arena and each piece sent on to a slot reserved in the entry role's pool
+    as it comes: while the second half is held back both are taken; the answer is right,
+    and the arena slot and every pool are free afterwards."""
+    x = torch.arange(768 * 1024, dtype=torch.float32)  # 3 MiB: three chunks
+    content = st_save({"x": x}, metadata={"i": "7", "n": "1"})
+    arena = served_tcp.gateway.arena.allocator
+
+    def holding() -> None:
+        wait_until(lambda: arena.stats().used > 0, what="the arena slot taken")
+        wait_until(lambda: entry_pool_used(local) > 0, what="a slot reserved in front's pool")
+
+    connection, out = post_in_halves(served_tcp.url, content, holding)
+    assert connection == "close" and torch.equal(out["0.x"], x)
+    wait_until(lambda: arena.stats().used == 0, what="the arena slot freed")
+    wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="pools free")
+
+
+def test_a_slow_tcp_upload_does_not_hold_up_other_requests(
+    served_tcp: Served, local: LocalPipeline
+) -> None:
+    """An upload whose client pauses mid-body streams on a connection of its own: requests
+    that share the gateway's relay to the same entry replica are served meanwhile."""
+    x = torch.arange(768 * 1024, dtype=torch.float32)
+    content = st_save({"x": x}, metadata={"i": "8", "n": "1"})
+    go = threading.Event()
+    result: dict[str, Any] = {}
+
+    def held_back() -> None:
+        assert go.wait(WAIT)
+
+    def upload() -> None:
+        result["answer"] = post_in_halves(served_tcp.url, content, held_back)
+
+    thread = threading.Thread(target=upload, daemon=True)
+    thread.start()
     try:
-        x = torch.arange(768 * 1024, dtype=torch.float32)
-        content = st_save({"x": x}, metadata={"i": "7", "n": "1"})
-        arena = server.gateway.arena.allocator
-        connection, out = post_in_halves(
-            server.url,
-            content,
-            lambda: wait_until(lambda: arena.stats().used > 0, what="the arena slot taken"),
-        )
-        assert connection == "close" and torch.equal(out["0.x"], x)
-        wait_until(lambda: arena.stats().used == 0, what="the arena slot freed")
+        wait_until(lambda: entry_pool_used(local) > 0, what="the upload's slot reserved")
+        for i in range(3):  # 256 KiB each: staged through front's pool on the shared relay
+            r = httpx.post(f"{served_tcp.url}/v1/infer", json=body(i, n=1), timeout=5)
+            assert r.status_code == 200, r.text
+        assert thread.is_alive()  # still held back
+    finally:
+        go.set()
+        thread.join(WAIT)
+    connection, out = result["answer"]
+    assert connection == "close" and torch.equal(out["0.x"], x)
+    wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="pools free")
+
+
+def test_a_unix_socket_serves_the_same_api(local: LocalPipeline, tmp_path: Path) -> None:
+    """`--unix PATH`: the gateway serves on a Unix socket beside its TCP port; a large
+    safetensors body read past aiohttp there lands as over TCP."""
+    client = local.client()
+    path = str(tmp_path / "gateway.sock")
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway", max_body=8 << 20)), path)
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=WAIT) as http:
+            r = http.post("http://gateway/v1/infer", json=body(6, n=1))
+            assert r.status_code == 200 and r.json()["outputs"][0]["i"] == 6
+            x = torch.arange(768 * 1024, dtype=torch.float32)
+            r = http.post(
+                "http://gateway/v1/infer",
+                content=st_save({"x": x}, metadata={"i": "7", "n": "1"}),
+                headers={"Content-Type": native.SAFETENSORS, "Accept": native.SAFETENSORS},
+            )
+            assert r.status_code == 200 and torch.equal(st_load(r.content)["0.x"], x)
+        assert httpx.get(f"{server.url}/healthz", timeout=WAIT).status_code == 200
     finally:
         server.close()
         client.close()
+    wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="pools free")
 
 
 def large_head(size: int) -> tuple[bytes, bytes]:
@@ -305,24 +376,35 @@ def large_head(size: int) -> tuple[bytes, bytes]:
     return head, content
 
 
-def test_disconnect_mid_body_frees_the_reservation(served: Served, local: LocalPipeline) -> None:
+@pytest.mark.parametrize("relay", ["shm", "tcp"])
+def test_disconnect_mid_body_frees_the_reservation(
+    relay: str, request: pytest.FixtureRequest, local: LocalPipeline
+) -> None:
     """A client that sends part of a large body and goes away: the slot reserved in the
-    entry role's pool is given back, and the gateway goes on serving."""
+    entry role's pool is given back at once (well before its lease of 20 s would end; over
+    tcp the transfer streaming into it is cut), and the gateway goes on serving."""
+    served: Served = request.getfixturevalue("served" if relay == "shm" else "served_tcp")
     head, content = large_head(3 << 20)
     port = int(served.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
         sock.sendall(head + content[: len(content) // 2])
         wait_until(lambda: entry_pool_used(local) > 0, what="a slot reserved")
-    wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="the slot freed")
+    wait_until(
+        lambda: all(v == 0 for v in pools_used(local).values()), timeout=5, what="the slot freed"
+    )
+    assert served.gateway.arena.allocator.stats().used == 0
     r = httpx.post(f"{served.url}/v1/infer", json=body(3, n=1), timeout=WAIT)
     assert r.status_code == 200, r.text
 
 
-def test_a_stalled_upload_is_408_and_frees_its_reservation(local: LocalPipeline) -> None:
+@pytest.mark.parametrize("relay", ["shm", "tcp"])
+def test_a_stalled_upload_is_408_and_frees_its_reservation(
+    relay: str, local: LocalPipeline
+) -> None:
     """A client that sends the headers and part of the body, then nothing: once the request
     timeout has passed the answer is 408 Request Timeout, saying how much came, and the slot
     reserved for the body is free. A stalled JSON body is 408 too."""
-    client = local.client(timeout=1.0)
+    client = gateway_client(local, relay, timeout=1.0)
     server = Served(gateway_for(client, Settings(pipeline="itest-gateway", timeout=1.0)))
     try:
         head, content = large_head(3 << 20)
@@ -336,7 +418,10 @@ def test_a_stalled_upload_is_408_and_frees_its_reservation(local: LocalPipeline)
         assert answer.status == 408, error
         assert error["type"] == "request_timeout"
         assert f"4096 of {len(content)} bytes" in error["message"]
-        wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="slot freed")
+        wait_until(
+            lambda: all(v == 0 for v in pools_used(local).values()), timeout=5, what="slot freed"
+        )
+        wait_until(lambda: server.gateway.arena.allocator.stats().used == 0, what="arena freed")
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
             sock.sendall(
                 b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -1,9 +1,12 @@
 """Reserve, fill, commit over the shm relay (relay/shm.py): a caller writes a payload's
 bytes straight into the receiver's pool, as the gateway does with a safetensors body
-(gateway/native.py `slot_layout`), between a real sender and a real ingress."""
+(gateway/native.py `slot_layout`), between a real sender and a real ingress. Over tcp
+(relay/tcp.py): reserve, then stream the chunks as the caller has them, or cut the
+stream, which frees the slot at once and leaves the connection usable."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -11,9 +14,13 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
+from disagg_core.contract import Peer
+from disagg_runtime.client import Client, chunk_sources
 from disagg_runtime.gateway import native
-from disagg_runtime.relay import RelayTimeout, ShmSender
-from tests.relay_rig import WAIT, Rig
+from disagg_runtime.peers import Dedicated
+from disagg_runtime.relay import RelayError, RelayTimeout, ShmSender, TcpSender
+from disagg_runtime.relay.landing import chunk_targets
+from tests.relay_rig import KEY, WAIT, Rig
 
 
 def mixed_body() -> bytes:
@@ -54,6 +61,14 @@ def manifest_of(body: bytes) -> Any:
     size = native.header_size(view, len(body))
     metadata, spans = native.parse_header(view[8 : 8 + size], len(body) - 8 - size)
     return native.slot_layout(metadata, spans)[0]
+
+
+def data_of(body: bytes) -> tuple[memoryview, list[int]]:
+    """The body's data section, and where each manifest tensor starts in it."""
+    view = memoryview(body)
+    size = native.header_size(view, len(body))
+    metadata, spans = native.parse_header(view[8 : 8 + size], len(body) - 8 - size)
+    return view[8 + size :], native.data_starts(metadata, spans)
 
 
 def wait_used(ingress: Any, used: int) -> None:
@@ -100,3 +115,126 @@ def test_a_slot_filled_too_late_is_not_committed(rig: Rig) -> None:
     with pytest.raises(RelayTimeout, match="lease"):
         sender.commit(grant, timeout=WAIT)
     wait_used(ingress, 0)
+
+
+def test_a_body_streamed_in_chunks_arrives_as_its_payload(rig: Rig) -> None:
+    """Chunks of 4 KiB (several per tensor, tensors nesting out of data order) sent from
+    the body's data section land where the manifest puts them; each chunk is taken by the
+    receiver as it comes (the sender waits for nothing but the final ack)."""
+    ingress = rig.ingress("tcp")
+    sender = rig.sender("tcp", ingress, chunk_bytes=4096, inline_max=0)
+    assert isinstance(sender, TcpSender)
+    body = mixed_body()
+    manifest = manifest_of(body)
+    data, starts = data_of(body)
+    sources = chunk_sources(manifest, 4096, starts)
+    assert [n for _, n in chunk_targets(0, manifest, 4096)] == [e - b for b, e in sources]
+    grant = sender.reserve("t1", manifest, timeout=WAIT)
+    assert ingress.pool.allocator.stats().used > 0
+    with sender.stream(grant, meta={"k": 2}, timeout=WAIT) as out:
+        for begin, end in sources:
+            out.send(data[begin:end])
+        out.finish()
+    with ingress.recv(timeout=WAIT) as msg:
+        assert msg.request_id == "t1" and msg.meta == {"k": 2}
+        assert same(msg.payload, native.request_from_safetensors(body))
+    wait_used(ingress, 0)
+
+
+def test_a_cut_stream_frees_its_slot_and_the_connection_goes_on(rig: Rig) -> None:
+    """Leaving the stream half way (the source went away): the receiver frees the slot at
+    once, nothing is delivered, and the same connection carries the next transfer."""
+    ingress = rig.ingress("tcp")
+    sender = rig.sender("tcp", ingress, chunk_bytes=4096, inline_max=0)
+    assert isinstance(sender, TcpSender)
+    body = mixed_body()
+    manifest = manifest_of(body)
+    data, starts = data_of(body)
+    sources = chunk_sources(manifest, 4096, starts)
+    grant = sender.reserve("t2", manifest, timeout=WAIT)
+    with pytest.raises(ConnectionError), sender.stream(grant, timeout=WAIT) as out:
+        for begin, end in sources[: len(sources) // 2]:
+            out.send(data[begin:end])
+        raise ConnectionError("the HTTP client went away")
+    assert sender.usable
+    wait_used(ingress, 0)
+    with (
+        pytest.raises(RelayError, match="the plan says"),
+        sender.stream(sender.reserve("t3", manifest, timeout=WAIT), timeout=WAIT) as out,
+    ):
+        out.send(data[:100])  # not the plan's length: refused before it is sent
+    assert sender.usable
+    sender.send({"x": torch.ones(1 << 18)}, request_id="t4")
+    with ingress.recv(timeout=WAIT) as msg:
+        assert msg.request_id == "t4"  # neither t2 nor t3 was delivered
+    wait_used(ingress, 0)
+
+
+def test_dedicated_connections_are_reused_only_in_good_order(rig: Rig) -> None:
+    """peers.Dedicated: a connection handed back after a transfer that ended in step is
+    the next upload's; one whose stream broke off is closed, and a fresh one (with its own
+    handshake) takes its place."""
+    ingress = rig.ingress("tcp")
+    dedicated = Dedicated(timeout=WAIT, key=KEY)
+    try:
+        first = dedicated.take(ingress.endpoint, timeout=WAIT)
+        dedicated.give(first)
+        assert dedicated.take(ingress.endpoint, timeout=WAIT) is first
+        first._stream_broken()  # as after a cut the receiver did not answer
+        dedicated.give(first)
+        assert first.closed
+        fresh = dedicated.take(ingress.endpoint, timeout=WAIT)
+        assert fresh is not first and fresh.usable
+        fresh.send({"x": torch.ones(1 << 18)}, request_id="d1")
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == "d1"
+        dedicated.give(fresh)
+    finally:
+        dedicated.close()
+    assert fresh.closed
+
+
+def test_an_upload_reconnects_when_its_kept_connection_lost_its_receiver(rig: Rig) -> None:
+    """Client.upload over tcp against a real ingress: the chunks land as the caller's
+    buffer fills. The entry role then restarts in place: the next upload's kept connection
+    finds its session lost (PeerLost, nothing sent) and a fresh one, with its own
+    handshake, carries the payload."""
+    first = rig.ingress("tcp")
+    endpoint = first.endpoint
+    client = Client(
+        [Peer("front", (endpoint.removeprefix("tcp://"),))],
+        ["front"],
+        entry_relay="tcp",
+        reply_relay="tcp",
+        timeout=WAIT,
+        key=KEY,
+    )
+    body = mixed_body()
+    manifest = manifest_of(body)
+    data, starts = data_of(body)
+    try:
+        for i, ingress in enumerate([first, None]):
+            if ingress is None:
+                first.close()
+                ingress = rig.ingress("tcp", endpoint=endpoint)
+            done = threading.Event()
+            buffer = bytearray(len(data))
+            upload = client.upload(
+                manifest, memoryview(buffer), starts, timeout=WAIT, on_done=done.set
+            )
+            assert upload is not None
+            upload.granted.result(WAIT)
+            buffer[:] = data
+            upload.advance(len(buffer))
+            rid, future = upload.start()
+            with ingress.recv(timeout=WAIT) as msg:
+                assert msg.request_id == rid
+                assert same(msg.payload, native.request_from_safetensors(body)), i
+            assert done.wait(WAIT) and not future.done()  # delivered; no answer yet
+            client.cancel(rid)
+            (kept,) = [r for idle in client.uploads._idle.values() for r, _ in idle]
+            if i == 0:
+                before = kept
+        assert before.closed and kept is not before  # the lost one was replaced
+    finally:
+        client.close()

@@ -36,7 +36,7 @@ from typing import Any, Final
 from aiohttp import web
 
 from disagg_runtime import codec
-from disagg_runtime.client import RequestFailed, RequestOverloaded, RequestTimeout
+from disagg_runtime.client import RequestFailed, RequestOverloaded, RequestTimeout, Upload
 from disagg_runtime.gateway import native, openai, openapi, sse, upload
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.metrics import GatewayMetrics
@@ -48,6 +48,7 @@ OPEN_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json
 READY_CACHE_S: Final = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STARTED: Final = web.RequestKey("started", float)
+STREAM_PIECE: Final = 1 << 20  # tcp uploads: the body is read and sent on in pieces of this
 
 
 @dataclass
@@ -296,8 +297,9 @@ class Gateway:
 
     async def _land(self, body: upload.Body) -> tuple[Any, Callable[[], None]]:
         """Read the safetensors header, then the tensors straight into a slot of the entry
-        role's pool laid out for them (or, where that pool is not mapped here, into the
-        arena, to be parsed in place and sent)."""
+        role's pool laid out for them (shm); over tcp, into the arena, sending each piece
+        on to the entry role as it comes (`Upload`); else into the arena, to be parsed in
+        place and sent."""
         prefix = bytearray(8)
         await body.fill([memoryview(prefix)])
         size = native.header_size(prefix, body.length)
@@ -306,7 +308,7 @@ class Gateway:
         metadata, spans = native.parse_header(header, body.length - 8 - size)
         manifest, places = native.slot_layout(metadata, spans)
         remaining = max(0.0, body.deadline - time.monotonic())
-        reserved = None
+        reserved = streaming = None
         if manifest.nbytes:  # (a body of metadata only has nothing to land)
             reserved = await self.pipeline.reserve(manifest, remaining)
         if reserved is None:
@@ -314,10 +316,17 @@ class Gateway:
             try:
                 slot.view[:8] = prefix
                 slot.view[8 : 8 + size] = header
-                await body.fill([slot.view[8 + size :]])
+                data = slot.view[8 + size :]
+                starts = native.data_starts(metadata, spans) if manifest.nbytes else []
+                streaming = self.pipeline.upload(manifest, data, starts, remaining, slot.release)
+                if streaming is not None:  # from here the upload frees the slot
+                    await self.pipeline.granted(streaming)
+                    return await self._stream_body(body, data, streaming)
+                await body.fill([data])
                 return native.request_from_safetensors(slot.view), slot.release
             except BaseException:
-                slot.release()
+                if streaming is None:
+                    slot.release()
                 raise
         body.deadline = min(body.deadline, reserved.grant.write_by)
         try:
@@ -331,6 +340,22 @@ class Gateway:
             self.pipeline.release(reserved)
             raise
         return reserved, reserved.release
+
+    async def _stream_body(
+        self, body: upload.Body, data: memoryview, streaming: Upload
+    ) -> tuple[Any, Callable[[], None]]:
+        """Receive the data section piece by piece, each piece's chunks sent on at once
+        (tcp: `Upload`); a body that stops short cuts the transfer, freeing the slot."""
+        body.deadline = min(body.deadline, streaming.write_by)
+        try:
+            for at in range(0, len(data), STREAM_PIECE):
+                piece = data[at : at + STREAM_PIECE]
+                await body.fill([piece])
+                streaming.advance(at + len(piece))
+        except BaseException:
+            streaming.release()
+            raise
+        return streaming, streaming.release
 
     async def _native_stream(
         self, request: web.Request, payload: Any, sent: Callable[[], None]

@@ -12,7 +12,8 @@ does not stall every other connection while it is written into the entry role's 
 when the HTTP request was abandoned meanwhile: it may free the body the payload views.
 
 A payload may also be a `Reserved` slot in the entry role's pool that the body was read
-into (`reserve`): submitting it commits the slot, from a worker thread too.
+into (`reserve`), or an `Upload` streaming the body to the entry role over tcp as it is
+read (`upload`): submitting either commits it, from a worker thread too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from disagg_runtime.client import Client, RequestFailed, Reserved, Streamed
+from disagg_runtime.client import Client, RequestFailed, Reserved, Streamed, Upload
 from disagg_runtime.manifest import Manifest
 
 INLINE_BYTES = 256 * 1024
@@ -59,7 +60,7 @@ class Pipeline:
         self, payload: Any, on_chunk: Any = None, timeout: float | None = None, sent: Sent = None
     ) -> tuple[str, Future[Any]]:
         work: Future[tuple[str, Future[Any]]]
-        if isinstance(payload, Reserved):
+        if isinstance(payload, (Reserved, Upload)):
             work = self._submit.submit(payload.start, on_chunk=on_chunk)
         elif payload_nbytes(payload) <= INLINE_BYTES:
             try:
@@ -96,6 +97,26 @@ class Pipeline:
             return await asyncio.wrap_future(work)
         except asyncio.CancelledError:
             work.add_done_callback(_release_late)
+            raise
+
+    def upload(
+        self,
+        manifest: Manifest,
+        data: memoryview,
+        starts: list[int],
+        timeout: float,
+        on_done: Callable[[], None],
+    ) -> Upload | None:
+        """An `Upload` of the payload whose bytes will arrive in `data` (Client.upload:
+        from here on it calls `on_done`); None where the entry relay is not tcp."""
+        return self.client.upload(manifest, data, starts, timeout=timeout, on_done=on_done)
+
+    async def granted(self, upload: Upload) -> None:
+        """Wait for the upload's slot (RequestFailed if none); cancelled: it is cut."""
+        try:
+            await asyncio.wrap_future(upload.granted)
+        except BaseException:
+            upload.release()
             raise
 
     def release(self, reserved: Reserved) -> None:

@@ -285,19 +285,30 @@ def slot_layout(metadata: dict[str, str], spans: list[Span]) -> tuple[Manifest, 
     """The manifest of the payload a safetensors body makes (`request_from_safetensors`),
     and where in its slot each span's bytes go (in data order): the body's data section
     can then be received straight into a pool slot, with no parse of the tensors after."""
-    # placeholders that say which span they stand for, wherever flattening puts them
-    tree = _tree(metadata, [(s.name, torch.tensor([i])) for i, s in enumerate(spans)])
-    try:
-        flat, placeholders = codec.flatten(tree)
-    except codec.CodecError as exc:
-        raise InputError("$", str(exc)) from None
-    order = [int(t) for t in placeholders]  # manifest position -> span
+    flat, order = _order(metadata, spans)
     metas = tuple(spans[i].meta for i in order)
     offsets, nbytes = layout(metas)
     at = [0] * len(spans)
     for position, i in enumerate(order):
         at[i] = offsets[position]
     return Manifest(tree=flat, tensors=metas, offsets=offsets, nbytes=nbytes), at
+
+
+def data_starts(metadata: dict[str, str], spans: list[Span]) -> list[int]:
+    """Where each tensor of `slot_layout`'s manifest begins in the body's data section
+    (manifest order): the bytes of a tcp transfer are sent from there as they come."""
+    return [spans[i].begin for i in _order(metadata, spans)[1]]
+
+
+def _order(metadata: dict[str, str], spans: list[Span]) -> tuple[Any, list[int]]:
+    """The flattened tree of the payload, and which span each of its tensors is."""
+    # placeholders that say which span they stand for, wherever flattening puts them
+    tree = _tree(metadata, [(s.name, torch.tensor([i])) for i, s in enumerate(spans)])
+    try:
+        flat, placeholders = codec.flatten(tree)
+    except codec.CodecError as exc:
+        raise InputError("$", str(exc)) from None
+    return flat, [int(t) for t in placeholders]  # manifest position -> span
 
 
 def _put(tree: dict[str, Any], name: str, value: Any) -> None:

@@ -109,12 +109,14 @@ def gateway_for(client: Client, settings: Settings) -> Gateway:
 
 
 class Server:
-    """An aiohttp server for one `Gateway` on the running loop."""
+    """An aiohttp server for one `Gateway` on the running loop; with `unix`, on that Unix
+    socket too (a sidecar or a local client: no TCP stack between them)."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int) -> None:
+    def __init__(self, gateway: Gateway, host: str, port: int, unix: str | None = None) -> None:
         self.gateway = gateway
         self.host = host
         self.port = port
+        self.unix = unix
         self._runner = web.AppRunner(
             gateway.app(), handler_cancellation=True, access_log=None, read_bufsize=READ_BUFSIZE
         )
@@ -124,6 +126,8 @@ class Server:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await site.start()
+        if self.unix:
+            await web.UnixSite(self._runner, self.unix).start()
         for address in self._runner.addresses:
             self.port = int(address[1])
             break
@@ -141,14 +145,15 @@ async def serve_until(
     *,
     on_listening: Callable[[int], None] = lambda port: None,
     stop: asyncio.Event | None = None,
+    unix: str | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop`)."""
+    """Serve until SIGTERM/SIGINT (or `stop`); on the Unix socket `unix` too, if given."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    server = Server(gateway, host, port)
+    server = Server(gateway, host, port, unix)
     on_listening(await server.start())
     try:
         await stop.wait()
@@ -167,8 +172,9 @@ def settings_for(config: GatewayConfig) -> Settings:
     )
 
 
-def main() -> int:
-    """`disagg gateway`: read the contract from the environment and serve."""
+def main(unix: str | None = None) -> int:
+    """`disagg gateway`: read the contract from the environment and serve (on the Unix
+    socket `unix` too, if given)."""
     import os
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -187,8 +193,13 @@ def main() -> int:
                 config.bind_host,
                 config.port,
                 on_listening=lambda port: log.info(
-                    "gateway of %s serving on %s:%d", config.pipeline, config.bind_host, port
+                    "gateway of %s serving on %s:%d%s",
+                    config.pipeline,
+                    config.bind_host,
+                    port,
+                    f" and {unix}" if unix else "",
                 ),
+                unix=unix,
             )
         )
     finally:

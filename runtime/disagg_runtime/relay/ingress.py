@@ -893,7 +893,9 @@ class Ingress:
         chunked.done += 1
         if chunked.error is None:
             got = self._sock.recv_into(self.memory.chunk_buffer(offset, length))
-            if got != length:
+            if got == 0 < length:  # relay/tcp.py ChunkStream.cut: its source went away
+                chunked.error = f"the sender cut the transfer at chunk {chunked.done - 1}"
+            elif got != length:
                 chunked.error = f"chunk {chunked.done - 1}: {got} B, expected {length} B"
             elif self._sock.getsockopt(zmq.RCVMORE):
                 chunked.error = f"chunk {chunked.done - 1}: unexpected extra frames"

@@ -18,6 +18,9 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
     (shm: sender writes the slot in the shared pool)
     commit {rid, xid, offset, manifest[, chunk][, next]} [+ chunk frames for tcp]  -->
                                    <--   ack {xid[, spare]} | nack {xid, reason}
+    (tcp: a chunk frame of the wrong size fails the transfer; the ingress reads the
+    rest of its chunks, frees the slot and nacks. A sender cuts a transfer it cannot
+    finish so: its remaining chunks go empty, relay/tcp.py `ChunkStream.cut`)
     cancel {xid}                   -->   sender gave up waiting: drop the reservation/grant
     abort {rid}                    -->   free every slot the request holds
                                    <--   refused {reason[, xid]}: the sender is not (or no

@@ -89,6 +89,19 @@ class _Spare:
     use_by: float
 
 
+@dataclass(frozen=True)
+class Grant:
+    """A slot reserved in the receiver's pool for request `rid`'s `manifest`, to be filled
+    (shm: `ShmSender.slot`) or streamed (tcp: `TcpSender.stream`) and committed by
+    `write_by` (half its lease)."""
+
+    rid: str
+    xid: int
+    offset: int
+    manifest: Manifest
+    write_by: float
+
+
 def _json_inline(rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -> bytes:
     return proto.pack("inline", rid=rid, meta=meta, manifest=manifest.to_json())
 
@@ -385,6 +398,43 @@ class Sender:
                     f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
                 ) from None
 
+    # ---- reserve, then fill or stream, then commit: for callers that produce the bytes -------
+    def reserve(
+        self, request_id: str, manifest: Manifest, *, timeout: float | None = None
+    ) -> Grant:
+        """A slot for `manifest` in the receiver's pool, waiting up to `timeout` s for room
+        (RelayTimeout when none came); PeerLost as for `send` (nothing was reserved)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        if manifest.nbytes > self.max_allocation:
+            raise RelayError(
+                f"payload of {manifest.nbytes} B can never fit the receive pool at "
+                f"{self.endpoint} (largest block {self.max_allocation} B)"
+            )
+        with self._lock:
+            self._start_send()
+            try:
+                xid, offset, write_by = self._reserve(request_id, manifest.nbytes, deadline)
+                self._check_reserved(xid, offset, manifest.nbytes)
+            except zmq.Again:
+                raise RelayTimeout(
+                    f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
+                ) from None
+        return Grant(request_id, xid, offset, manifest, write_by)
+
+    def _check_reserved(self, xid: int, offset: int, nbytes: int) -> None:
+        """Backend hook: refuse (cancel) a grant this sender cannot use."""
+
+    def cancel(self, grant: Grant) -> None:
+        """Give a reserved slot back unused (best effort: a receiver that went away holds
+        nothing, and one that does not hear this frees it when its lease ends)."""
+        with self._lock:
+            if self.closed or self._lost is not None:
+                return
+            try:
+                self._control(proto.pack("cancel", xid=grant.xid))
+            except (RelayError, zmq.ZMQError) as exc:
+                log.info("%s relay to %s: cancel not sent: %s", self.kind, self.endpoint, exc)
+
     def _lane_header(self, rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -> bytes:
         """An inline payload's lane header: binary where the ingress reads it, with the
         layout part encoded once per layout (relay/inline_wire.py); else JSON."""
@@ -514,6 +564,11 @@ class Sender:
 
     def _on_close(self) -> None:
         """Backend hook: release attached memory."""
+
+    @property
+    def usable(self) -> bool:
+        """Open, and its session not known to be lost (a later send may still find it is)."""
+        return not self.closed and self._lost is None
 
     def _check_open(self) -> None:
         """A relay closed under its user (another thread's send found the peer lost and

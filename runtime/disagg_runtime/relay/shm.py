@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,21 +26,9 @@ from disagg_runtime.pool import Backing, PoolError, attach_backing
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
-from disagg_runtime.relay.sender import SPARE_MAX, Sender
+from disagg_runtime.relay.sender import SPARE_MAX, Grant, Sender
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Grant:
-    """A slot reserved in the receiver's pool for request `rid`'s `manifest`, to be filled
-    through `ShmSender.slot` and committed by `write_by` (half its lease)."""
-
-    rid: str
-    xid: int
-    offset: int
-    manifest: Manifest
-    write_by: float
 
 
 class ShmSender(Sender):
@@ -92,29 +79,10 @@ class ShmSender(Sender):
         write_tensors(self._backing, offset, manifest, tensors).wait()
         self._control(commit)
 
-    # ---- reserve, fill, commit: the caller writes the slot -------------------------------------
-    def reserve(
-        self, request_id: str, manifest: Manifest, *, timeout: float | None = None
-    ) -> Grant:
-        """A slot for `manifest` in the receiver's pool, waiting up to `timeout` s for room
-        (RelayTimeout when none came); PeerLost as for `send` (nothing was reserved)."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        if manifest.nbytes > self.max_allocation:
-            raise RelayError(
-                f"payload of {manifest.nbytes} B can never fit the receive pool at "
-                f"{self.endpoint} (largest block {self.max_allocation} B)"
-            )
-        with self._lock:
-            self._start_send()
-            try:
-                xid, offset, write_by = self._reserve(request_id, manifest.nbytes, deadline)
-                assert self._backing is not None  # set by the handshake
-                self._check_grant(xid, offset, manifest.nbytes, self._backing.size)
-            except zmq.Again:
-                raise RelayTimeout(
-                    f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
-                ) from None
-        return Grant(request_id, xid, offset, manifest, write_by)
+    # ---- reserve (Sender.reserve), fill, commit: the caller writes the slot ------------------
+    def _check_reserved(self, xid: int, offset: int, nbytes: int) -> None:
+        assert self._backing is not None  # set by the handshake
+        self._check_grant(xid, offset, nbytes, self._backing.size)
 
     def slot(self, grant: Grant) -> memoryview:
         """The granted slot's bytes, as this process maps the receiver's pool: the payload's
@@ -150,17 +118,6 @@ class ShmSender(Sender):
             raise RelayError(
                 f"receiver at {self.endpoint} rejected request {grant.rid}: {reply.get('reason')}"
             )
-
-    def cancel(self, grant: Grant) -> None:
-        """Give the slot back unfilled (best effort: a receiver that went away holds nothing,
-        and one that does not hear this frees it when its lease ends)."""
-        with self._lock:
-            if self.closed or self._lost is not None:
-                return
-            try:
-                self._control(proto.pack("cancel", xid=grant.xid))
-            except (RelayError, zmq.ZMQError) as exc:
-                log.info("%s relay to %s: cancel not sent: %s", self.kind, self.endpoint, exc)
 
     def _pin_for_gpu(self, backing: Backing) -> None:
         """Page-lock our mapping of the receiver's pool once, so that GPU tensors are copied

@@ -93,6 +93,35 @@ def test_safetensors_parse_equals_the_library(specs: dict[str, tuple[str, list[i
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name])
 
 
+@given(st.lists(st.integers(1, 9000), min_size=4, max_size=4), st.sampled_from([4096, 8192]))
+def test_tcp_chunks_come_from_where_each_tensor_is_in_the_body(
+    sizes: list[int], chunk: int
+) -> None:
+    """`data_starts` + `chunk_sources`: the bytes of each chunk of a tcp transfer, in the
+    order sent, are its manifest tensor's, though the body holds the tensors in another
+    order (safetensors sorts by dtype size, then name; the payload nests by name)."""
+    from safetensors.torch import save
+
+    from disagg_runtime.client import chunk_sources
+    from disagg_runtime.codec import flatten
+
+    dtypes = {"z": torch.uint8, "a.b": torch.bfloat16, "a.c": torch.int64, "m.x": torch.float32}
+    tensors = {
+        name: torch.randint(0, 99, (n,)).to(dtype)
+        for (name, dtype), n in zip(dtypes.items(), sizes, strict=True)
+    }
+    body = memoryview(save(tensors))
+    size = native.header_size(body, len(body))
+    metadata, spans = native.parse_header(body[8 : 8 + size], len(body) - 8 - size)
+    manifest, _ = native.slot_layout(metadata, spans)
+    starts = native.data_starts(metadata, spans)
+    assert starts != sorted(starts)  # manifest order is not data order here
+    _, expected = flatten(native.request_from_safetensors(body))
+    data = body[8 + size :]
+    sent = b"".join(data[b:e] for b, e in chunk_sources(manifest, chunk, starts))
+    assert sent == b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in expected)
+
+
 def test_safetensors_tensors_view_the_body() -> None:
     """No copy by the parser: the tensor's bytes are the body's."""
     x = torch.arange(1 << 16, dtype=torch.float32)
