@@ -67,6 +67,9 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8080, help="--serve: HTTP port (default 8080)")
     up.add_argument("--host", default="127.0.0.1", help="--serve: bind address (127.0.0.1)")
     up.add_argument("--token", default=None, help="--serve: require this bearer token")
+    up.add_argument(
+        "--unix", metavar="PATH", help="--serve: serve on this Unix socket too (local clients)"
+    )
 
     gateway = sub.add_parser(
         "gateway", help="the HTTP gateway of a pipeline, from the DISAGG_* environment"

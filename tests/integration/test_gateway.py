@@ -709,7 +709,7 @@ def test_openai_errors(llm: Served) -> None:
 # ---- the command line ---------------------------------------------------------------------------
 def test_up_serve_request_and_bench_from_the_command_line(tmp_path: Path) -> None:
     """`disagg up --serve` prints its URL and serves until SIGINT; `disagg request` and
-    `disagg bench pipeline --url` talk to it."""
+    `disagg bench pipeline --url` talk to it, and curl to its `--unix` socket."""
     import signal
     import socket
     import sys
@@ -720,8 +720,9 @@ def test_up_serve_request_and_bench_from_the_command_line(tmp_path: Path) -> Non
     env = {**os.environ, "DISAGG_DEMO_SCALE": "0.05"}
     cli = [sys.executable, "-m", "disagg_runtime.cli"]
     example = str(REPO / "examples" / "llm-prefill-decode.yaml")
+    sock = tmp_path / "gateway.sock"
     up = subprocess.Popen(
-        [*cli, "up", example, "--serve", "--port", str(port)],
+        [*cli, "up", example, "--serve", "--port", str(port), "--unix", str(sock)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -730,8 +731,17 @@ def test_up_serve_request_and_bench_from_the_command_line(tmp_path: Path) -> Non
     try:
         assert up.stdout is not None
         line = up.stdout.readline()
-        assert f"http://127.0.0.1:{port}" in line, line
+        assert f"http://127.0.0.1:{port} and unix:{sock}" in line, line
         url = f"http://127.0.0.1:{port}"
+        if shutil.which("curl"):
+            models = subprocess.run(
+                ["curl", "-sf", "--unix-socket", str(sock), "http://gateway/v1/models"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert models.returncode == 0, models.stderr
+            assert [m["id"] for m in json.loads(models.stdout)["data"]] == ["demo-llm"]
         answer = subprocess.run(
             [*cli, "request", url, "--sample", "0", "--file", example, "--stream"],
             env=env,

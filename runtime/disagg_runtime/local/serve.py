@@ -17,9 +17,16 @@ from disagg_runtime.local.supervisor import LocalPipeline, RoleProcess
 
 
 def serve(
-    local: LocalPipeline, *, host: str, port: int, token: str = "", timeout: float | None = None
+    local: LocalPipeline,
+    *,
+    host: str,
+    port: int,
+    token: str = "",
+    timeout: float | None = None,
+    unix: str | None = None,
 ) -> int:
-    """Serve until a signal (exit 0) or a role's death (exit 1)."""
+    """Serve until a signal (exit 0) or a role's death (exit 1); on the Unix socket `unix`
+    too, if given (local clients; large uploads faster than over loopback TCP)."""
     pipeline = local.pipeline
     client = local.client(timeout=timeout)
     settings = Settings(
@@ -43,11 +50,12 @@ def serve(
         routes = "/v1/infer" + (
             ", /v1/completions, /v1/chat/completions" if settings.api == "openai" else ""
         )
-        print(f"serving {pipeline.name} at {url} ({routes}); Ctrl-C to stop", flush=True)
+        also = f" and unix:{unix}" if unix else ""
+        print(f"serving {pipeline.name} at {url}{also} ({routes}); Ctrl-C to stop", flush=True)
 
     async def main() -> None:
         stop = stopper.bind(asyncio.get_running_loop())
-        await serve_until(gateway, host, port, on_listening=listening, stop=stop)
+        await serve_until(gateway, host, port, on_listening=listening, stop=stop, unix=unix)
 
     local.on_death = on_death
     try:

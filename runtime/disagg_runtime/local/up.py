@@ -351,7 +351,12 @@ def _serve(local: LocalPipeline, args: argparse.Namespace) -> int:
         local.start()
         local.wait_ready(timeout=args.ready_timeout)
         return serve(
-            local, host=args.host, port=args.port, token=args.token or "", timeout=args.timeout
+            local,
+            host=args.host,
+            port=args.port,
+            token=args.token or "",
+            timeout=args.timeout,
+            unix=args.unix,
         )
     except KeyboardInterrupt:
         return 130
