@@ -17,7 +17,7 @@ from safetensors.torch import save as st_save
 
 from disagg_core.contract import Peer
 from disagg_runtime import peers
-from disagg_runtime.client import Client, chunk_sources
+from disagg_runtime.client import Client, UploadExpired, chunk_sources
 from disagg_runtime.gateway import native
 from disagg_runtime.peers import Dedicated
 from disagg_runtime.relay import RelayError, RelayTimeout, ShmSender, TcpSender
@@ -292,3 +292,48 @@ def test_an_upload_goes_elsewhere_when_a_replica_does_not_answer_its_handshake(
     finally:
         client.close()
         silent.close()
+
+
+@pytest.mark.parametrize("arrived", ["none", "all"])
+def test_an_upload_cut_by_its_own_deadline_fails_as_expired(rig: Rig, arrived: str) -> None:
+    """The upload thread's safety net (`write_by` + a quarter lease) cuts an upload whose
+    bytes are short, or whose request has not started (its last chunk waits for `start`):
+    the entry role's slot is freed, `on_done` runs, and a late `start` fails with
+    UploadExpired (a gateway's 408) naming the bytes that were in; not the 503 of an
+    upload that was released."""
+    ingress = rig.ingress("tcp", lease_s=1.0)  # the net fires about 0.75 s after the grant
+    client = Client(
+        [Peer("front", (ingress.endpoint.removeprefix("tcp://"),))],
+        ["front"],
+        entry_relay="tcp",
+        reply_relay="tcp",
+        timeout=WAIT,
+        key=KEY,
+    )
+    body = mixed_body()
+    manifest = manifest_of(body)
+    data, starts = data_of(body)
+    try:
+        done = threading.Event()
+        buffer = bytearray(data)
+        upload = client.upload(manifest, memoryview(buffer), starts, timeout=WAIT, on_done=done.set)
+        assert upload is not None
+        upload.granted.result(WAIT)
+        filled = len(buffer) if arrived == "all" else 0
+        upload.advance(filled)  # all in (the body completed) but not started, or nothing
+        assert done.wait(WAIT)  # the thread cut it by itself and let go of the buffer
+        wait_used(ingress, 0)  # the entry role's slot is free again
+        upload.advance(len(buffer))  # the body completes now, just after the net fired
+        with pytest.raises(UploadExpired, match=f"with {filled} of {len(buffer)} bytes"):
+            upload.start()
+        released = client.upload(
+            manifest, memoryview(buffer), starts, timeout=WAIT, on_done=done.set
+        )
+        assert released is not None
+        released.granted.result(WAIT)
+        released.release()
+        with pytest.raises(Exception) as cut:
+            released.start()
+        assert not isinstance(cut.value, UploadExpired)  # released: not a timeout
+    finally:
+        client.close()
