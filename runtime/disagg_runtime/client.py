@@ -67,6 +67,12 @@ class RequestOverloaded(RequestFailed):
     (a gateway answers 429 or 503; retrying later may succeed)."""
 
 
+class UploadExpired(RequestFailed):
+    """An upload's bytes were not all in, or its request not started, by its deadline: it
+    was cut and its slot freed. The source was too slow (a gateway answers 408), whichever
+    side noticed first: the caller's deadline for the bytes, or the upload thread's own."""
+
+
 _FAILURES = {"timeout": RequestTimeout, "overloaded": RequestOverloaded}
 
 
@@ -197,6 +203,7 @@ class Upload:
         self._acked: Future[None] = Future()
         self._filled = 0
         self._state = "filling"  # -> "started" | "cut"
+        self._expired: int | None = None  # cut by its own deadline with this many bytes in
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="disagg-upload", daemon=True)
         self._thread.start()
@@ -214,6 +221,8 @@ class Upload:
         pending = _Pending(client.exits, self.deadline, on_chunk=on_chunk)
         with self._cond:
             if self._state != "filling":
+                if self._expired is not None:
+                    raise self._expiry()
                 raise RequestFailed(f"request {rid}: its upload was already cut")
             with client._lock:
                 client._pending[rid] = pending
@@ -222,8 +231,21 @@ class Upload:
         try:
             self._acked.result(timeout=max(0.0, self.deadline - time.monotonic()) + 1.0)
         except Exception as exc:
-            client._finish(rid, exc=RequestFailed(f"request {rid} could not be submitted: {exc}"))
+            with self._cond:
+                failure = self._expiry() if self._expired is not None else None
+            client._finish(
+                rid,
+                exc=failure or RequestFailed(f"request {rid} could not be submitted: {exc}"),
+            )
         return rid, pending.future
+
+    def _expiry(self) -> UploadExpired:
+        """The failure of an upload its thread cut at the deadline (call with _cond held)."""
+        return UploadExpired(
+            f"request {self.rid}: the request body was not received in time: its upload was "
+            f"cut at the deadline with {self._expired} of {len(self._data)} bytes of its "
+            "tensors in"
+        )
 
     def release(self) -> None:
         """Cut the transfer unless the request started (idempotent; does not wait)."""
@@ -244,6 +266,7 @@ class Upload:
                 remaining = self._cut_by - time.monotonic()
                 if remaining <= 0:
                     self._state = "cut"
+                    self._expired = self._filled
                     raise _Cut("the bytes did not come in time")
                 self._cond.wait(remaining)
 

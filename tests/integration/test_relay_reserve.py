@@ -6,6 +6,7 @@ stream, which frees the slot at once and leaves the connection usable."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Any
@@ -15,7 +16,8 @@ import torch
 from safetensors.torch import save as st_save
 
 from disagg_core.contract import Peer
-from disagg_runtime.client import Client, chunk_sources
+from disagg_runtime import peers
+from disagg_runtime.client import Client, UploadExpired, chunk_sources
 from disagg_runtime.gateway import native
 from disagg_runtime.peers import Dedicated
 from disagg_runtime.relay import RelayError, RelayTimeout, ShmSender, TcpSender
@@ -236,5 +238,102 @@ def test_an_upload_reconnects_when_its_kept_connection_lost_its_receiver(rig: Ri
             if i == 0:
                 before = kept
         assert before.closed and kept is not before  # the lost one was replaced
+    finally:
+        client.close()
+
+
+def test_an_upload_goes_elsewhere_when_a_replica_does_not_answer_its_handshake(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One entry replica accepts TCP but never answers the relay handshake (its pod is
+    gone while a stale lookup lists it; the kernel's backlog still takes connections).
+    An upload that picks it gives up on it after CONNECT_S (Unanswered), skips it from
+    then on, and reserves on the replica that answers: every upload arrives whole."""
+    monkeypatch.setattr(peers, "CONNECT_S", 0.5)  # (the client's timeout, WAIT, is longer)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # never accepted, never answered
+    mute = f"127.0.0.1:{silent.getsockname()[1]}"
+    ingress = rig.ingress("tcp")
+    client = Client(
+        [Peer("front", (mute, ingress.endpoint.removeprefix("tcp://")))],
+        ["front"],
+        entry_relay="tcp",
+        reply_relay="tcp",
+        timeout=WAIT,
+        key=KEY,
+    )
+    body = mixed_body()
+    manifest = manifest_of(body)
+    data, starts = data_of(body)
+    entry = client.entries[0]
+    try:
+        assert len(entry.endpoints(refresh=True)) == 2
+        for _ in range(40):  # each upload picks either replica until the mute one is skipped
+            done = threading.Event()
+            buffer = bytearray(data)
+            upload = client.upload(
+                manifest, memoryview(buffer), starts, timeout=WAIT, on_done=done.set
+            )
+            assert upload is not None
+            upload.granted.result(WAIT + 2)
+            upload.advance(len(buffer))
+            rid, _ = upload.start()
+            with ingress.recv(timeout=WAIT) as msg:
+                assert msg.request_id == rid
+                assert same(msg.payload, native.request_from_safetensors(body))
+            assert done.wait(WAIT)  # (no cancel: its abort would reach the ingress too)
+            if f"tcp://{mute}" in entry._lost:
+                break
+        else:
+            pytest.fail("no upload picked the replica that does not answer")
+        # skipped from now on: the next upload reserves on the answering replica at once
+        assert entry.endpoint_for("any", client.relays.viewer(entry.kind)) != f"tcp://{mute}"
+    finally:
+        client.close()
+        silent.close()
+
+
+@pytest.mark.parametrize("arrived", ["none", "all"])
+def test_an_upload_cut_by_its_own_deadline_fails_as_expired(rig: Rig, arrived: str) -> None:
+    """The upload thread's safety net (`write_by` + a quarter lease) cuts an upload whose
+    bytes are short, or whose request has not started (its last chunk waits for `start`):
+    the entry role's slot is freed, `on_done` runs, and a late `start` fails with
+    UploadExpired (a gateway's 408) naming the bytes that were in; not the 503 of an
+    upload that was released."""
+    ingress = rig.ingress("tcp", lease_s=1.0)  # the net fires about 0.75 s after the grant
+    client = Client(
+        [Peer("front", (ingress.endpoint.removeprefix("tcp://"),))],
+        ["front"],
+        entry_relay="tcp",
+        reply_relay="tcp",
+        timeout=WAIT,
+        key=KEY,
+    )
+    body = mixed_body()
+    manifest = manifest_of(body)
+    data, starts = data_of(body)
+    try:
+        done = threading.Event()
+        buffer = bytearray(data)
+        upload = client.upload(manifest, memoryview(buffer), starts, timeout=WAIT, on_done=done.set)
+        assert upload is not None
+        upload.granted.result(WAIT)
+        filled = len(buffer) if arrived == "all" else 0
+        upload.advance(filled)  # all in (the body completed) but not started, or nothing
+        assert done.wait(WAIT)  # the thread cut it by itself and let go of the buffer
+        wait_used(ingress, 0)  # the entry role's slot is free again
+        upload.advance(len(buffer))  # the body completes now, just after the net fired
+        with pytest.raises(UploadExpired, match=f"with {filled} of {len(buffer)} bytes"):
+            upload.start()
+        released = client.upload(
+            manifest, memoryview(buffer), starts, timeout=WAIT, on_done=done.set
+        )
+        assert released is not None
+        released.granted.result(WAIT)
+        released.release()
+        with pytest.raises(Exception) as cut:
+            released.start()
+        assert not isinstance(cut.value, UploadExpired)  # released: not a timeout
     finally:
         client.close()

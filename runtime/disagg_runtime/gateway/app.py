@@ -36,7 +36,13 @@ from typing import Any, Final
 from aiohttp import web
 
 from disagg_runtime import codec
-from disagg_runtime.client import RequestFailed, RequestOverloaded, RequestTimeout, Upload
+from disagg_runtime.client import (
+    RequestFailed,
+    RequestOverloaded,
+    RequestTimeout,
+    Upload,
+    UploadExpired,
+)
 from disagg_runtime.gateway import native, openai, openapi, sse, upload
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.metrics import GatewayMetrics
@@ -92,6 +98,8 @@ def from_failure(exc: BaseException) -> HttpError:
         return HttpError(404, str(exc), kind="model_not_found", param="$.model")
     if isinstance(exc, codec.CodecError):
         return HttpError(400, str(exc), kind="invalid_input", param="$")
+    if isinstance(exc, UploadExpired):  # the body came too slowly, as upload.BodyTimeout
+        return HttpError(408, str(exc), kind="request_timeout")
     if isinstance(exc, RequestTimeout):
         return HttpError(504, str(exc), kind="timeout")
     if isinstance(exc, RequestFailed):

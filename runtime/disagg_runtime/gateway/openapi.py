@@ -27,6 +27,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         400: "malformed input; error.param is its JSON path",
         401: "missing or wrong bearer token",
         404: "unknown model",
+        408: "the request body did not arrive in time (the client stalled)",
         411: "safetensors body without Content-Length",
         413: "body over the size limit",
         415: "unsupported Content-Type",
@@ -46,7 +47,7 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def document(api: str, model: str) -> dict[str, Any]:
-    failures = _errors(400, 401, 413, 429, 502, 503, 504)
+    failures = _errors(400, 401, 408, 413, 429, 502, 503, 504)
     paths: dict[str, Any] = {
         "/v1/infer": {
             "post": {

@@ -13,7 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from disagg_core import contract, spec
-from disagg_runtime.client import RequestFailed, RequestOverloaded, RequestTimeout
+from disagg_runtime.client import (
+    RequestFailed,
+    RequestOverloaded,
+    RequestTimeout,
+    UploadExpired,
+)
 from disagg_runtime.gateway import app, native, openai
 
 
@@ -284,6 +289,7 @@ def test_answer_objects() -> None:
     [
         (native.InputError("$.x", "bad"), 400, "invalid_input"),
         (RequestTimeout("late"), 504, "timeout"),
+        (UploadExpired("cut at the deadline with 5 of 9 bytes in"), 408, "request_timeout"),
         (RequestFailed("no replica"), 503, "unavailable"),
         (RequestFailed("full", error={"reason": "overloaded", "role": "a"}), 429, "overloaded"),
         (RequestOverloaded("busy", role="a", error={"reason": "overloaded"}), 429, "overloaded"),
