@@ -513,7 +513,14 @@ def test_disconnect_mid_stream_frees_every_role_slot(served: Served, local: Loca
 
 
 def test_metrics_count_routes_codes_and_first_chunks(served: Served) -> None:
+    """Self-contained (the fixture is shared): one plain request and one stream of its own,
+    so the counters asserted do not depend on which tests ran before."""
     httpx.post(f"{served.url}/v1/infer", json=body(2, n=1), timeout=WAIT)
+    stream = {"Accept": "text/event-stream"}
+    with httpx.stream(
+        "POST", f"{served.url}/v1/infer", json=body(2, n=2), headers=stream, timeout=WAIT
+    ) as r:
+        assert r.status_code == 200 and [e for e, _ in sse_events(r.iter_lines())][-1] == "end"
     text = httpx.get(f"{served.url}/metrics", timeout=WAIT).text
     samples = scrape(text)
     key = 'disagg_gateway_requests_total{code="200",route="/v1/infer"}'
