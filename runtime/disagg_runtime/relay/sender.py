@@ -424,6 +424,21 @@ class Sender:
     def _check_reserved(self, xid: int, offset: int, nbytes: int) -> None:
         """Backend hook: refuse (cancel) a grant this sender cannot use."""
 
+    def _grant_commit(self, grant: Grant, meta: Mapping[str, Any] | None, **fields: Any) -> bytes:
+        """The JSON commit of a reserved slot, once this sender is open and the grant's
+        lease has not run out (else the slot is cancelled: RelayTimeout). Under the lock."""
+        self._check_open()
+        self._check_lease(grant.xid, grant.write_by)
+        return proto.pack(
+            "commit",
+            rid=grant.rid,
+            xid=grant.xid,
+            offset=grant.offset,
+            manifest=grant.manifest.to_json(),
+            meta=meta,
+            **fields,
+        )
+
     def cancel(self, grant: Grant) -> None:
         """Give a reserved slot back unused (best effort: a receiver that went away holds
         nothing, and one that does not hear this frees it when its lease ends)."""

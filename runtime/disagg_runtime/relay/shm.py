@@ -23,7 +23,6 @@ import zmq
 from disagg_runtime.layout import write_tensors
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import Backing, PoolError, attach_backing
-from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import SPARE_MAX, Grant, Sender
@@ -97,16 +96,7 @@ class ShmSender(Sender):
         whose lease half ran out is cancelled instead (RelayTimeout)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
-            self._check_open()
-            self._check_lease(grant.xid, grant.write_by)
-            header = proto.pack(
-                "commit",
-                rid=grant.rid,
-                xid=grant.xid,
-                offset=grant.offset,
-                manifest=grant.manifest.to_json(),
-                meta=meta,
-            )
+            header = self._grant_commit(grant, meta)
             try:
                 self._control(header)
             except zmq.Again:

@@ -107,17 +107,7 @@ class TcpSender(Sender):
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         self._lock.acquire()
         try:
-            self._check_open()
-            self._check_lease(grant.xid, grant.write_by)
-            header = proto.pack(
-                "commit",
-                rid=grant.rid,
-                xid=grant.xid,
-                offset=grant.offset,
-                manifest=grant.manifest.to_json(),
-                meta=meta,
-                chunk=self.chunk_bytes,
-            )
+            header = self._grant_commit(grant, meta, chunk=self.chunk_bytes)
             try:
                 self._sock.send(header)  # on ZMQ, as the chunks after it (never the lane)
             except zmq.Again:
