@@ -602,17 +602,14 @@ class Dedicated:
         """An idle connection to `endpoint`, else a fresh one (RelayError if it cannot be
         opened; WrongRole when the endpoint serves another role than `role`; Unanswered, as
         for RelayCache.get, when `bounded` and its handshake takes over CONNECT_S)."""
-        now = time.monotonic()
-        stale: list[TcpSender] = []
         relay: TcpSender | None = None
         with self._lock:
-            idle = self._idle.get(endpoint, [])
-            while idle and relay is None:
-                candidate, since = idle.pop()
-                if now - since > self.idle_s:
-                    stale.append(candidate)
-                else:
-                    relay = candidate
+            stale = self._expire(time.monotonic())
+            idle = self._idle.get(endpoint)
+            if idle:
+                relay, _ = idle.pop()
+                if not idle:
+                    del self._idle[endpoint]
         for old in stale:
             old.close()
         if relay is None:
@@ -642,11 +639,26 @@ class Dedicated:
         """Hand a connection back after its transfer; one that is not in good order (closed,
         its session lost) is closed, as are those beyond `keep`."""
         with self._lock:
-            idle = self._idle.setdefault(relay.endpoint, [])
-            if relay.usable and not self._closed and len(idle) < self.keep:
-                idle.append((relay, time.monotonic()))
-                return
-        relay.close()
+            now = time.monotonic()
+            stale = self._expire(now)
+            idle = self._idle.get(relay.endpoint, [])
+            kept = relay.usable and not self._closed and len(idle) < self.keep
+            if kept:
+                self._idle[relay.endpoint] = [*idle, (relay, now)]
+        for old in stale if kept else [*stale, relay]:
+            old.close()
+
+    def _expire(self, now: float) -> list[TcpSender]:
+        """Take out the idle connections kept longer than `idle_s`, to any endpoint (one to a
+        replica that went away is never taken again), to be closed outside the lock."""
+        stale: list[TcpSender] = []
+        for endpoint in list(self._idle):
+            idle = self._idle[endpoint]
+            stale += [r for r, since in idle if now - since > self.idle_s]
+            idle[:] = [(r, since) for r, since in idle if now - since <= self.idle_s]
+            if not idle:
+                del self._idle[endpoint]
+        return stale
 
     def close(self) -> None:
         with self._lock:

@@ -337,3 +337,26 @@ def test_an_upload_cut_by_its_own_deadline_fails_as_expired(rig: Rig, arrived: s
         assert not isinstance(cut.value, UploadExpired)  # released: not a timeout
     finally:
         client.close()
+
+
+def test_dedicated_connections_idle_too_long_are_closed_whatever_their_endpoint(
+    rig: Rig,
+) -> None:
+    """peers.Dedicated keeps no connection past `idle_s`, also to an endpoint never asked
+    for again (a replica that went away): the next take or give, to any endpoint, closes
+    it, and nothing is left kept for that endpoint."""
+    one, two = rig.ingress("tcp"), rig.ingress("tcp")
+    dedicated = Dedicated(timeout=WAIT, key=KEY, idle_s=0.2)
+    try:
+        old = dedicated.take(one.endpoint, timeout=WAIT)
+        dedicated.give(old)
+        time.sleep(0.3)
+        other = dedicated.take(two.endpoint, timeout=WAIT)
+        assert old.closed and not other.closed
+        dedicated.give(other)
+        again = dedicated.take(one.endpoint, timeout=WAIT)
+        assert again is not old and again.usable
+        dedicated.give(again)
+    finally:
+        dedicated.close()
+    assert other.closed and again.closed
