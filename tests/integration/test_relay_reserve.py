@@ -58,19 +58,29 @@ def fill(slot: memoryview, body: bytes) -> None:
         slot[at : at + span.meta.nbytes] = data[span.begin : span.end]
 
 
+def parsed(body: bytes) -> tuple[Any, memoryview, list[int]]:
+    """The body's manifest, its data section, and where each manifest tensor starts in it."""
+    view = memoryview(body)
+    size = native.header_size(view, len(body))
+    metadata, spans = native.parse_header(view[8 : 8 + size], len(body) - 8 - size)
+    manifest = native.slot_layout(metadata, spans)[0]
+    return manifest, view[8 + size :], native.data_starts(metadata, spans)
+
+
 def manifest_of(body: bytes) -> Any:
-    view = memoryview(body)
-    size = native.header_size(view, len(body))
-    metadata, spans = native.parse_header(view[8 : 8 + size], len(body) - 8 - size)
-    return native.slot_layout(metadata, spans)[0]
+    return parsed(body)[0]
 
 
-def data_of(body: bytes) -> tuple[memoryview, list[int]]:
-    """The body's data section, and where each manifest tensor starts in it."""
-    view = memoryview(body)
-    size = native.header_size(view, len(body))
-    metadata, spans = native.parse_header(view[8 : 8 + size], len(body) - 8 - size)
-    return view[8 + size :], native.data_starts(metadata, spans)
+def tcp_client(*addresses: str) -> Client:
+    """A Client whose entry role `front` is at `addresses` (host:port), over tcp."""
+    return Client(
+        [Peer("front", addresses)],
+        ["front"],
+        entry_relay="tcp",
+        reply_relay="tcp",
+        timeout=WAIT,
+        key=KEY,
+    )
 
 
 def wait_used(ingress: Any, used: int) -> None:
@@ -127,8 +137,7 @@ def test_a_body_streamed_in_chunks_arrives_as_its_payload(rig: Rig) -> None:
     sender = rig.sender("tcp", ingress, chunk_bytes=4096, inline_max=0)
     assert isinstance(sender, TcpSender)
     body = mixed_body()
-    manifest = manifest_of(body)
-    data, starts = data_of(body)
+    manifest, data, starts = parsed(body)
     sources = chunk_sources(manifest, 4096, starts)
     assert [n for _, n in chunk_targets(0, manifest, 4096)] == [e - b for b, e in sources]
     grant = sender.reserve("t1", manifest, timeout=WAIT)
@@ -150,8 +159,7 @@ def test_a_cut_stream_frees_its_slot_and_the_connection_goes_on(rig: Rig) -> Non
     sender = rig.sender("tcp", ingress, chunk_bytes=4096, inline_max=0)
     assert isinstance(sender, TcpSender)
     body = mixed_body()
-    manifest = manifest_of(body)
-    data, starts = data_of(body)
+    manifest, data, starts = parsed(body)
     sources = chunk_sources(manifest, 4096, starts)
     grant = sender.reserve("t2", manifest, timeout=WAIT)
     with pytest.raises(ConnectionError), sender.stream(grant, timeout=WAIT) as out:
@@ -203,17 +211,9 @@ def test_an_upload_reconnects_when_its_kept_connection_lost_its_receiver(rig: Ri
     handshake, carries the payload."""
     first = rig.ingress("tcp")
     endpoint = first.endpoint
-    client = Client(
-        [Peer("front", (endpoint.removeprefix("tcp://"),))],
-        ["front"],
-        entry_relay="tcp",
-        reply_relay="tcp",
-        timeout=WAIT,
-        key=KEY,
-    )
+    client = tcp_client(endpoint.removeprefix("tcp://"))
     body = mixed_body()
-    manifest = manifest_of(body)
-    data, starts = data_of(body)
+    manifest, data, starts = parsed(body)
     try:
         for i, ingress in enumerate([first, None]):
             if ingress is None:
@@ -255,17 +255,9 @@ def test_an_upload_goes_elsewhere_when_a_replica_does_not_answer_its_handshake(
     silent.listen(64)  # never accepted, never answered
     mute = f"127.0.0.1:{silent.getsockname()[1]}"
     ingress = rig.ingress("tcp")
-    client = Client(
-        [Peer("front", (mute, ingress.endpoint.removeprefix("tcp://")))],
-        ["front"],
-        entry_relay="tcp",
-        reply_relay="tcp",
-        timeout=WAIT,
-        key=KEY,
-    )
+    client = tcp_client(mute, ingress.endpoint.removeprefix("tcp://"))
     body = mixed_body()
-    manifest = manifest_of(body)
-    data, starts = data_of(body)
+    manifest, data, starts = parsed(body)
     entry = client.entries[0]
     try:
         assert len(entry.endpoints(refresh=True)) == 2
@@ -302,17 +294,9 @@ def test_an_upload_cut_by_its_own_deadline_fails_as_expired(rig: Rig, arrived: s
     UploadExpired (a gateway's 408) naming the bytes that were in; not the 503 of an
     upload that was released."""
     ingress = rig.ingress("tcp", lease_s=1.0)  # the net fires about 0.75 s after the grant
-    client = Client(
-        [Peer("front", (ingress.endpoint.removeprefix("tcp://"),))],
-        ["front"],
-        entry_relay="tcp",
-        reply_relay="tcp",
-        timeout=WAIT,
-        key=KEY,
-    )
+    client = tcp_client(ingress.endpoint.removeprefix("tcp://"))
     body = mixed_body()
-    manifest = manifest_of(body)
-    data, starts = data_of(body)
+    manifest, data, starts = parsed(body)
     try:
         done = threading.Event()
         buffer = bytearray(data)
