@@ -24,6 +24,7 @@ that key. There is no default key: without one the client does not start.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -41,12 +42,23 @@ from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.peers import Dedicated, PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
 from disagg_runtime.pool import Pool, shm_name, shm_namespace
-from disagg_runtime.relay import Ingress, PeerLost, RelayError, ShmSender, TcpSender, Unanswered
+from disagg_runtime.relay import (
+    Ingress,
+    Message,
+    PeerLost,
+    RelayError,
+    ShmSender,
+    TcpSender,
+    Unanswered,
+)
 from disagg_runtime.relay.auth import check_key, key_from_env
 from disagg_runtime.relay.sender import Grant
 from disagg_runtime.relay.tcp import chunk_plan
 
 _END = object()
+EXPIRE_EVERY_S = 0.1  # how often requests past their deadline are failed
+ABORT_BACKLOG = 4096  # aborts waiting for the control thread
+log = logging.getLogger(__name__)
 
 
 class RequestFailed(RuntimeError):
@@ -372,9 +384,17 @@ class Client:
             self.pool = Pool.create(pool_size, device="shm", name=shm_name(pipeline, "client"))
         else:
             self.pool = Pool.create(pool_size, device="cpu")
-        try:
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._aborts: queue.Queue[str] = queue.Queue(ABORT_BACKLOG)
+        try:  # results are handled on its I/O thread: one wake-up per message, not two
             self.ingress = Ingress(
-                f"tcp://{bind_host}:{bind_port}", self.pool, lease_s=timeout, key=key
+                f"tcp://{bind_host}:{bind_port}",
+                self.pool,
+                lease_s=timeout,
+                key=key,
+                on_message=self._on_delivered,
             )
         except BaseException:
             self.pool.close()
@@ -395,10 +415,7 @@ class Client:
         ]
         self.relays = RelayCache(timeout=timeout, key=key, pools=shm_namespace(pipeline))
         self.uploads = Dedicated(timeout=timeout, key=key)
-        self._pending: dict[str, _Pending] = {}
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._receive, name="disagg-client", daemon=True)
+        self._thread = threading.Thread(target=self._control, name="disagg-client", daemon=True)
         self._thread.start()
 
     # ---- API -----------------------------------------------------------------------------------
@@ -415,8 +432,9 @@ class Client:
         on_chunk: Callable[[Any], None] | None = None,
     ) -> tuple[str, Future[Any]]:
         """Start a request; its id (for `cancel`) and its future. With `on_chunk`, each
-        chunk of a stream goes to it, in order, on the client's receive thread (it must not
-        block), and the future's result then holds `Streamed(count)` instead of the chunks."""
+        chunk of a stream goes to it, in order, on the thread that receives the client's
+        messages (it must not block), and the future's result then holds `Streamed(count)`
+        instead of the chunks. The future is completed on that thread too."""
         rid, pending = self._start(payload, timeout, on_chunk)
         return rid, pending.future
 
@@ -563,6 +581,15 @@ class Client:
             lost=peers.lost,
         )
 
+    def _later_abort(self, rid: str) -> None:
+        """Leave the abort (network sends) to the control thread: `_finish` runs on the
+        receiving thread too, which must never wait on a peer. Dropped when the backlog is
+        full (the request's deadline then frees what the roles hold of it)."""
+        try:
+            self._aborts.put_nowait(rid)
+        except queue.Full:
+            log.warning("client: abort backlog full; abort of %s dropped", rid)
+
     def _abort(self, rid: str) -> None:
         meta = Meta(rid, "abort", "client", time.time() + 5, self.reply)
         for peers in self.entries:
@@ -579,7 +606,7 @@ class Client:
         if pending is None:
             return
         if exc is not None:
-            self._abort(rid)  # let every role drop what it holds of the request
+            self._later_abort(rid)  # let every role drop what it holds of the request
             pending.future.set_exception(exc)
         else:
             pending.future.set_result(result)
@@ -587,21 +614,32 @@ class Client:
             peers.unpin(rid)
         pending.chunks.put(_END)
 
-    def _receive(self) -> None:
-        while not self._closed.is_set():
-            self._expire()
+    def _control(self) -> None:
+        """Expire requests past their deadline and send the aborts `_finish` left; until
+        closed, then the aborts still queued (those of `close`'s `fail_all`)."""
+        while not self._closed.is_set() or not self._aborts.empty():
             try:
-                msg = self.ingress.recv(timeout=0.1)
-            except TimeoutError:
+                if not self._closed.is_set():
+                    self._expire()
+                rid = self._aborts.get(timeout=EXPIRE_EVERY_S)
+            except queue.Empty:
                 continue
             try:
-                meta = envelope.parse(msg.meta)
-                payload = detach(msg.payload)
-            except envelope.EnvelopeError:
-                continue
-            finally:
-                msg.release()
-            self._on_message(meta, payload)
+                self._abort(rid)
+            except Exception:  # the loop must outlive any one abort's failure
+                log.exception("client: abort of %s failed", rid)
+
+    def _on_delivered(self, msg: Message) -> None:
+        """On the ingress's I/O thread: copy the payload out of the pool (the slot is freed
+        at once), then hand it to its request (nothing here waits on a peer)."""
+        try:
+            meta = envelope.parse(msg.meta)
+            payload = detach(msg.payload)
+        except envelope.EnvelopeError:
+            return
+        finally:
+            msg.release()
+        self._on_message(meta, payload)
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -363,6 +363,22 @@ def test_stream_failure_ends_the_stream_with_the_error(streaming: Running) -> No
     streaming.wait_idle()
 
 
+def test_chunks_are_handed_over_on_the_thread_that_receives_them(streaming: Running) -> None:
+    """One wake-up per message: the ingress's I/O thread hands each chunk over itself (no
+    second thread between it and the caller's `on_chunk`), and completes the future."""
+    seen: list[str] = []
+    _, future = streaming.c.start(
+        stream_input(5, 3), on_chunk=lambda _: seen.append(threading.current_thread().name)
+    )
+    done: list[str] = []
+    future.add_done_callback(lambda _: done.append(threading.current_thread().name))
+
+    future.result(timeout=WAIT)
+    assert seen == ["disagg-ingress"] * 3
+    assert done == ["disagg-ingress"]
+    streaming.wait_idle()
+
+
 def test_empty_stream_submits_to_an_empty_list(streaming: Running) -> None:
     if list(streaming.c.stream(stream_input(4, 0), timeout=10)) != []:
         pytest.fail("stream() of an empty stream yielded chunks")

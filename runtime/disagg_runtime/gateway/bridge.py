@@ -1,9 +1,10 @@
 """The pipeline as the event loop sees it: the thread-based `Client` behind awaitables.
 
-`call` waits for a whole result; `stream` yields chunks as the client's receive thread
-hands them over (`Client.start(on_chunk=...)` -> `loop.call_soon_threadsafe`). Leaving
-either early (the HTTP client went away, the handler was cancelled, a stop sequence
-matched) cancels the request, which sends an abort that frees every role's slots.
+`call` waits for a whole result; `stream` yields chunks as the thread that receives the
+client's messages hands them over (`Client.start(on_chunk=...)` ->
+`loop.call_soon_threadsafe`). Leaving either early (the HTTP client went away, the handler
+was cancelled, a stop sequence matched) cancels the request, which sends an abort that
+frees every role's slots.
 
 Small payloads are submitted on the loop's thread (a send to an entry role is a few tens
 of microseconds, less than a thread hop); large ones from a worker thread, so one upload
@@ -143,7 +144,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Any] = asyncio.Queue()
 
-        def post(item: Any) -> None:  # on the client's receive thread
+        def post(item: Any) -> None:  # on the thread that receives the client's messages
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
                 loop.call_soon_threadsafe(chunks.put_nowait, item)
 
