@@ -89,7 +89,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -112,6 +112,7 @@ EDGE_BUCKETS: Final = (
     0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+MAX_CACHED_SERIES: Final = 256  # per labelled metric (see `_Children`)
 BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Requests and handlers: 1 ms .. 2 min (a video denoise step may take tens of seconds).
 LATENCY_BUCKETS: Final = (
@@ -215,6 +216,31 @@ class _SampleCollector:
         yield rejected
 
 
+M = TypeVar("M", Counter, Histogram)
+
+
+class _Children(Generic[M]):
+    """A labelled metric's series by their labels beyond the constant ones, resolved once:
+    `labels()` costs a role ~4 us per call (checks, string conversion, a lock; three times
+    that on a cold cache), several times per message. Holds at most `limit` series (edge
+    names come from the spec, the sender's part of a received edge from the network);
+    beyond that, series are looked up on every call, as before."""
+
+    def __init__(self, const: list[str], metric: M, limit: int = MAX_CACHED_SERIES) -> None:
+        self.metric: M = metric
+        self._const = const
+        self._limit = limit
+        self._series: dict[tuple[str, ...], M] = {}
+
+    def get(self, *extra: str) -> M:
+        series = self._series.get(extra)
+        if series is None:
+            series = self.metric.labels(*self._const, *extra)
+            if len(self._series) < self._limit:
+                self._series[extra] = series
+        return series
+
+
 class RoleMetrics:
     """Counters and histograms of one role, plus gauges read from ``sample()`` at scrape.
 
@@ -270,38 +296,49 @@ class RoleMetrics:
             CONST_LABELS,
             registry=reg,
         )
-        self._edge_bytes = Counter(
-            "disagg_edge_bytes",
-            "Payload bytes per edge and direction.",
-            [*CONST_LABELS, "edge", "direction"],
-            registry=reg,
+        self._edge_bytes = _Children(
+            self._const,
+            Counter(
+                "disagg_edge_bytes",
+                "Payload bytes per edge and direction.",
+                [*CONST_LABELS, "edge", "direction"],
+                registry=reg,
+            ),
         )
-        self._edge_messages = Counter(
-            "disagg_edge_messages",
-            "Messages sent per edge and the relay that carried them.",
-            [*CONST_LABELS, "edge", "relay"],
-            registry=reg,
+        self._edge_messages = _Children(
+            self._const,
+            Counter(
+                "disagg_edge_messages",
+                "Messages sent per edge and the relay that carried them.",
+                [*CONST_LABELS, "edge", "relay"],
+                registry=reg,
+            ),
         )
-        self._edge_seconds = Histogram(
-            "disagg_edge_seconds",
-            "Send time per edge, seconds.",
-            [*CONST_LABELS, "edge"],
-            buckets=EDGE_BUCKETS,
-            registry=reg,
+        self._edge_seconds = _Children(
+            self._const,
+            Histogram(
+                "disagg_edge_seconds",
+                "Send time per edge, seconds.",
+                [*CONST_LABELS, "edge"],
+                buckets=EDGE_BUCKETS,
+                registry=reg,
+            ),
         )
         for outcome in OUTCOMES:  # present from the first scrape, so rate() works at once
             self._requests.labels(*self._const, outcome)
         for reason in FAILURE_REASONS:
             self._failures.labels(*self._const, reason)
-        self._request_seconds.labels(*self._const)
-        self._handler_seconds.labels(*self._const)
-        self._handler_calls.labels(*self._const)
-        self._batch_size.labels(*self._const)
         self._setup_seconds.labels(*self._const)
+        # the series every request touches, resolved once (see `_Children`)
+        self._done = self._requests.labels(*self._const, "done")
+        self._done_seconds = self._request_seconds.labels(*self._const)
+        self._handler = self._handler_seconds.labels(*self._const)
+        self._calls = self._handler_calls.labels(*self._const)
+        self._batch = self._batch_size.labels(*self._const)
 
     def request_done(self, seconds: float) -> None:
-        self._requests.labels(*self._const, "done").inc()
-        self._request_seconds.labels(*self._const).observe(seconds)
+        self._done.inc()
+        self._done_seconds.observe(seconds)
 
     def request_failed(self, reason: str) -> None:
         """Count a failed request; a reason outside :data:`FAILURE_REASONS` counts as other."""
@@ -312,20 +349,20 @@ class RoleMetrics:
     def edge_sent(self, edge: str, relay: str, nbytes: int, seconds: float) -> None:
         """Count one message of ``nbytes`` sent on ``edge`` by ``relay``; negative sizes raise
         ``ValueError`` (a bug)."""
-        self._edge_bytes.labels(*self._const, edge, "out").inc(nbytes)
-        self._edge_messages.labels(*self._const, edge, relay).inc()
-        self._edge_seconds.labels(*self._const, edge).observe(seconds)
+        self._edge_bytes.get(edge, "out").inc(nbytes)
+        self._edge_messages.get(edge, relay).inc()
+        self._edge_seconds.get(edge).observe(seconds)
 
     def edge_received(self, edge: str, nbytes: int) -> None:
-        self._edge_bytes.labels(*self._const, edge, "in").inc(nbytes)
+        self._edge_bytes.get(edge, "in").inc(nbytes)
 
     def handler_seconds(self, seconds: float) -> None:
-        self._handler_seconds.labels(*self._const).observe(seconds)
+        self._handler.observe(seconds)
 
     def handler_call(self, requests: int) -> None:
         """One call into the handler carrying `requests` requests (a batch, or 1)."""
-        self._handler_calls.labels(*self._const).inc()
-        self._batch_size.labels(*self._const).observe(requests)
+        self._calls.inc()
+        self._batch.observe(requests)
 
     def setup_seconds(self, seconds: float) -> None:
         self._setup_seconds.labels(*self._const).set(seconds)

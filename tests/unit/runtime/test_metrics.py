@@ -213,6 +213,17 @@ def test_edge_bytes_and_seconds(server, metrics):
     assert 'disagg_edge_seconds_count{edge="encoder->denoiser"}' not in values  # only sends timed
 
 
+def test_edge_series_past_the_cache_limit_are_still_counted(metrics, monkeypatch):
+    monkeypatch.setattr(metrics._edge_bytes, "_limit", 2)  # the first two edges are kept
+    for i in range(5):
+        for _ in range(3):
+            metrics.edge_received(f"s{i}->denoiser", 10)
+    values = scrape(metrics.render().decode())
+    for i in range(5):
+        assert values[f'disagg_edge_bytes_total{{direction="in",edge="s{i}->denoiser"}}'] == 30
+    assert len(metrics._edge_bytes._series) == 2
+
+
 def test_edge_buckets_span_100us_to_10s():
     assert EDGE_BUCKETS[0] == 0.0001
     assert EDGE_BUCKETS[-1] == 10.0
