@@ -129,6 +129,23 @@ def test_draining_replicas_get_no_new_requests_unless_all_drain() -> None:
     assert dispatch.choose(E[:2], both, "r", rng=rng) in E[:2]
 
 
+@pytest.mark.parametrize(
+    "view",
+    [
+        None,
+        View(load(), 0.0),
+        View(load(draining=True), 0.0),
+        View(load(queued=99, service_s=9.0, free_bytes=0), 0.0),
+        View(load(), dispatch.MAX_AGE_S * 10),
+    ],
+)
+def test_a_lone_replica_is_chosen_whatever_its_view(view: View | None) -> None:
+    """What PeerSet.endpoint_for relies on to skip reading views when one replica is
+    listed: the default filters and the choice never turn a lone replica down."""
+    rng = random.Random(7)
+    assert dispatch.choose(E[:1], {E[0]: view}, "r", rng=rng) == E[0]
+
+
 def test_filters_compose_and_may_leave_none() -> None:
     """A caller's own filter (say, replicas of a compatible revision) runs before the
     choice; when it leaves nobody, there is no replica to send to."""

@@ -100,6 +100,38 @@ def test_a_request_follows_its_first_choice(tmp_path):
     assert ps.endpoint_for("t", _views(table)) == b
 
 
+def test_a_lone_replica_is_chosen_without_reading_loads(tmp_path):
+    """Reading a view costs a send its sender's lock and a look at its replies: with one
+    replica and the default filters the choice cannot differ, so none is read (a caller's
+    own filter may still turn it down, so then they are)."""
+    path = str(tmp_path / "peers.json")
+    peers.write_peers_file(path, {"d": ["10.0.0.1:1"]})
+    asked: list[str] = []
+
+    def viewer(endpoint: str) -> dispatch.View | None:
+        asked.append(endpoint)
+        return None
+
+    ps = peers.PeerSet(Peer("d", ()), "tcp", peers_file=peers.PeersFile(path))
+    (only,) = ps.endpoints()
+    assert ps.endpoint_for("r", viewer) == only
+    assert ps.endpoint_for("r", viewer, new=False) == only  # pinned
+    assert asked == []
+
+    def none_pass(endpoints, views):
+        return []
+
+    ps = peers.PeerSet(
+        Peer("d", ()),
+        "tcp",
+        peers_file=peers.PeersFile(path),
+        filters=(*dispatch.DEFAULT_FILTERS, none_pass),
+    )
+    with pytest.raises(RelayError, match="may take request r"):
+        ps.endpoint_for("r", viewer)
+    assert asked == [only]
+
+
 def test_a_pin_to_a_replica_that_left_chooses_again(tmp_path):
     path = str(tmp_path / "peers.json")
     peers.write_peers_file(path, {"d": ["10.0.0.1:1", "10.0.0.2:1"]})
