@@ -224,11 +224,11 @@ def _wire_tensor(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
         raise _NodeError(f"unsupported tensor layout {t.layout}")
     if t.dtype not in _NAMES:
         raise _NodeError(f"unsupported dtype {t.dtype}; allowed: {', '.join(DTYPES)}")
-    if t.device.type == "meta":
-        raise _NodeError("a meta tensor has no data to send")
     if t.requires_grad:
         t = t.detach()
     if not t.is_cpu:
+        if t.is_meta:
+            raise _NodeError("a meta tensor has no data to send")
         if keep_device and t.is_cuda:
             return t
         t = t.contiguous().cpu()  # compact on the device, then one device-to-host copy
@@ -239,6 +239,12 @@ def _wire_tensor(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t
+
+
+# leaves that stand for themselves in a tree, exactly as `_flatten` returns them (their
+# subclasses, and non-finite floats, take the general path): a container takes these
+# and plain tensors without a call per item, the most of a small payload's flattening
+_PLAIN = frozenset({str, int, bool, type(None)})
 
 
 def _flatten(
@@ -272,16 +278,32 @@ def _flatten(
                     raise _NodeError(
                         f"dict key {_short(key)} is {type(key).__name__}; only str keys are allowed"
                     )
+                kind = type(value)
+                if kind in _PLAIN or (kind is float and math.isfinite(value)):
+                    out[key] = value
+                    continue
                 try:
-                    out[key] = _flatten(value, depth + 1, max_depth, tensors, keep_device)
+                    if kind is torch.Tensor:
+                        tensors.append(_wire_tensor(value, keep_device))
+                        out[key] = {"t": len(tensors) - 1}
+                    else:
+                        out[key] = _flatten(value, depth + 1, max_depth, tensors, keep_device)
                 except _NodeError as exc:
                     exc.keys.append(key)
                     raise
             return {"d": out}
         items: list[Any] = []
         for i, value in enumerate(obj):
+            kind = type(value)
+            if kind in _PLAIN or (kind is float and math.isfinite(value)):
+                items.append(value)
+                continue
             try:
-                items.append(_flatten(value, depth + 1, max_depth, tensors, keep_device))
+                if kind is torch.Tensor:
+                    tensors.append(_wire_tensor(value, keep_device))
+                    items.append({"t": len(tensors) - 1})
+                else:
+                    items.append(_flatten(value, depth + 1, max_depth, tensors, keep_device))
             except _NodeError as exc:
                 exc.keys.append(i)
                 raise

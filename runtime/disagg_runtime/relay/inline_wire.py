@@ -53,9 +53,7 @@ MAX_CACHED_LAYOUT_BYTES = 4096  # larger layouts are validated every time (bound
 
 def layout_bytes(manifest: Manifest) -> bytes:
     """A manifest's layout part (everything but the tree), as the wire carries it."""
-    doc = manifest.to_json()
-    del doc["tree"]
-    return encode_json(doc)
+    return manifest.layout_json()
 
 
 def pack(rid: str, layout: bytes, tree: Any, meta: Mapping[str, Any] | None) -> bytes:
