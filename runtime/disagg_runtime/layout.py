@@ -207,8 +207,9 @@ class Planner:
     def __len__(self) -> int:
         return len(self._known)
 
-    def plan(self, payload: Any) -> tuple[Manifest, list[torch.Tensor], Placement]:
-        """As `plan` does, and the payload's placement."""
+    def plan(self, payload: Any) -> tuple[Any, list[torch.Tensor], Placement]:
+        """The payload's tree, its tensors as `plan` gives them, and their placement:
+        `plan`'s manifest is `placement.manifest(tree)` (built where it is needed)."""
         tree, tensors = codec.flatten(payload, keep_device=True)
         signature = tuple(map(_SIGNATURE, tensors))
         placed = self._known.get(signature)
@@ -219,4 +220,4 @@ class Planner:
                     if len(self._known) >= PLANNED_SIGNATURES:
                         del self._known[next(iter(self._known))]  # the oldest
                     self._known[signature] = placed
-        return placed.manifest(tree), tensors, placed
+        return tree, tensors, placed
