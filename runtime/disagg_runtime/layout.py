@@ -59,13 +59,14 @@ def write_tensors(
     queued: list[tuple[torch.Tensor, torch.Tensor]] = []
     base = backing.tensor.data_ptr() if _one_copy_thread(backing) else 0
     for meta, offset, src in zip(manifest.tensors, manifest.offsets, tensors, strict=True):
-        if meta.nbytes == 0:
+        nbytes = meta.nbytes
+        if nbytes == 0:
             continue
         start = slot + offset
-        if base and _plain_host(src) and src.nbytes == meta.nbytes:
-            ctypes.memmove(base + start, src.data_ptr(), meta.nbytes)
+        if base and _plain_host(src) and src.nbytes == nbytes:
+            ctypes.memmove(base + start, src.data_ptr(), nbytes)
             continue
-        dst = backing.tensor[start : start + meta.nbytes]
+        dst = backing.tensor[start : start + nbytes]
         if dst.is_cuda or src.is_cuda:
             queued.append((dst.view(meta.dtype).view(meta.shape), src.detach()))
         else:

@@ -95,7 +95,7 @@ def pack_commit(
     """The header of a staged payload's commit (`ask`: the spare it asks for, `next {xid,
     nbytes}`); CodecError as for `pack`, or when a number does not fit its field."""
     numbers = (xid, offset, *((ask["xid"], ask["nbytes"]) if ask else (0, 0)))
-    if not all(0 <= n <= MAX_U64 for n in numbers) or (ask and not ask["nbytes"]):
+    if min(numbers) < 0 or max(numbers) > MAX_U64 or (ask and not ask["nbytes"]):
         raise CodecError(f"relay commit: a field of {numbers} does not fit its u64 (or asks 0 B)")
     head = (KIND_COMMIT, WIRE_VERSION)
     return _pack(COMMIT_FIXED, head, numbers, "commit", rid, layout, tree, meta)

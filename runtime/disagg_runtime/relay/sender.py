@@ -114,8 +114,9 @@ def _over_zmq(
     the slot's bytes from `at` on): the header in JSON, which ZMQ reads only (a binary one
     was built for the lane, which may have closed since), and the slot's bytes."""
     view = memoryview(frame)
-    header = view[lane.PREFIX.size : at]
-    return [header if header[:1] == b"{" else _json_inline(rid, manifest, meta), view[at:]]
+    if frame[lane.PREFIX.size] == ord("{"):
+        return [view[lane.PREFIX.size : at], view[at:]]
+    return [_json_inline(rid, manifest, meta), view[at:]]
 
 
 def _goodbye(msg: dict[str, Any]) -> str:
@@ -219,7 +220,8 @@ class Sender:
         nothing waiting (no reply, no monitor event): one zmq_poll asks the ZMQ socket, its
         monitor and a control lane at once (~3.5 us, where a getsockopt(EVENTS) each and a
         poll of the lane took ~7.5), and only what is there is read (`_check_session`)."""
-        self._check_open()
+        if self.closed:
+            self._check_open()  # raises
         if self._lost is not None or self._lane_replies or zmq.zmq_poll(self._watch, 0):
             self._check_session()
         self._sent_since += 1
@@ -505,27 +507,20 @@ class Sender:
         as later ones do (ZMQ queues for a peer that comes back); a full one (the receiver
         stopped reading) still holds earlier frames this one must not overtake:
         RelayTimeout."""
-        exc = self._lane_whole(frame)
-        if exc is None:
-            return
-        if _full(exc):
-            raise RelayTimeout(
-                f"receiver at {self.endpoint} is not draining; request {rid} not sent"
-            ) from None
-        self._check_session(LOST_GRACE_S)  # the receiver went away: reconnect, not ZMQ
-        log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
-        self._sock.send_multipart(_over_zmq(frame, at, rid, placed.manifest(tree), meta))
-
-    def _lane_whole(self, frame: bytearray) -> OSError | None:
-        """`_lane_frame` for a frame built whole (lane.frame_buffer)."""
         assert self._lane is not None
         try:
             lane.send_whole(self._lane, frame)
         except OSError as exc:
             self._close_lane()
-            return exc
+            if _full(exc):
+                raise RelayTimeout(
+                    f"receiver at {self.endpoint} is not draining; request {rid} not sent"
+                ) from None
+            self._check_session(LOST_GRACE_S)  # the receiver went away: reconnect, not ZMQ
+            log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
+            self._sock.send_multipart(_over_zmq(frame, at, rid, placed.manifest(tree), meta))
+            return
         self._lane_sent += 1
-        return None
 
     def _lane_frame(self, header: bytes, data: bytes | bytearray = b"") -> OSError | None:
         """Write one frame on the lane and count it; on failure close the lane and return
