@@ -224,11 +224,11 @@ def _wire_tensor(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
         raise _NodeError(f"unsupported tensor layout {t.layout}")
     if t.dtype not in _NAMES:
         raise _NodeError(f"unsupported dtype {t.dtype}; allowed: {', '.join(DTYPES)}")
-    if t.device.type == "meta":
-        raise _NodeError("a meta tensor has no data to send")
     if t.requires_grad:
         t = t.detach()
     if not t.is_cpu:
+        if t.is_meta:
+            raise _NodeError("a meta tensor has no data to send")
         if keep_device and t.is_cuda:
             return t
         t = t.contiguous().cpu()  # compact on the device, then one device-to-host copy
@@ -241,9 +241,14 @@ def _wire_tensor(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
     return t
 
 
-def _flatten(
-    obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor], keep_device: bool
-) -> Any:
+# leaves that stand for themselves in a tree, exactly as `_flatten` returns them (their
+# subclasses, and non-finite floats, take the general path): a container takes these
+# and plain tensors without a call per item, the most of a small payload's flattening
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
+def _leaf(obj: Any, tensors: list[torch.Tensor], keep_device: bool) -> Any:
+    """The tree node of anything but a container (a dict, list or tuple)."""
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -262,31 +267,57 @@ def _flatten(
                 f"{MAX_BYTES_VALUE}; send it as a uint8 tensor"
             )
         return {"b": base64.b64encode(obj).decode("ascii")}
-    if isinstance(obj, (dict, list, tuple)):
-        if depth >= max_depth:
-            raise _NodeError(f"nested deeper than the limit of {max_depth} containers")
-        if isinstance(obj, dict):
-            out: dict[str, Any] = {}
-            for key, value in obj.items():
-                if not isinstance(key, str):
-                    raise _NodeError(
-                        f"dict key {_short(key)} is {type(key).__name__}; only str keys are allowed"
-                    )
-                try:
-                    out[key] = _flatten(value, depth + 1, max_depth, tensors, keep_device)
-                except _NodeError as exc:
-                    exc.keys.append(key)
-                    raise
-            return {"d": out}
-        items: list[Any] = []
-        for i, value in enumerate(obj):
-            try:
-                items.append(_flatten(value, depth + 1, max_depth, tensors, keep_device))
-            except _NodeError as exc:
-                exc.keys.append(i)
-                raise
-        return {"u" if isinstance(obj, tuple) else "l": items}
     raise _NodeError(f"unsupported type {type(obj).__name__}")
+
+
+_CONTAINERS = frozenset({dict, list, tuple})
+
+
+def _flatten(
+    obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor], keep_device: bool
+) -> Any:
+    # a container (a payload is one, most often) skips the leaf checks; no type is both
+    if type(obj) not in _CONTAINERS and not isinstance(obj, (dict, list, tuple)):
+        return _leaf(obj, tensors, keep_device)
+    if depth >= max_depth:
+        raise _NodeError(f"nested deeper than the limit of {max_depth} containers")
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise _NodeError(
+                    f"dict key {_short(key)} is {type(key).__name__}; only str keys are allowed"
+                )
+            kind = type(value)
+            if kind in _PLAIN or (kind is float and math.isfinite(value)):
+                out[key] = value
+                continue
+            try:
+                if kind is torch.Tensor:
+                    tensors.append(_wire_tensor(value, keep_device))
+                    out[key] = {"t": len(tensors) - 1}
+                else:
+                    out[key] = _flatten(value, depth + 1, max_depth, tensors, keep_device)
+            except _NodeError as exc:
+                exc.keys.append(key)
+                raise
+        return {"d": out}
+    items: list[Any] = []
+    for i, value in enumerate(obj):
+        kind = type(value)
+        if kind in _PLAIN or (kind is float and math.isfinite(value)):
+            items.append(value)
+            continue
+        try:
+            if kind is torch.Tensor:
+                tensors.append(_wire_tensor(value, keep_device))
+                items.append({"t": len(tensors) - 1})
+            else:
+                items.append(_flatten(value, depth + 1, max_depth, tensors, keep_device))
+        except _NodeError as exc:
+            exc.keys.append(i)
+            raise
+    return {"u" if isinstance(obj, tuple) else "l": items}
 
 
 def flatten(

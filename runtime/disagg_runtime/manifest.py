@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from disagg_runtime.codec import CodecError, TensorMeta
+from disagg_runtime.codec import CodecError, TensorMeta, encode_json
 
 ALIGN = 64
 MANIFEST_VERSION = 1
@@ -73,6 +73,13 @@ class Manifest:
                 for meta, off in zip(self.tensors, self.offsets, strict=True)
             ],
         }
+
+    def layout_json(self) -> bytes:
+        """Everything but the tree (version, nbytes, tensors) as compact JSON: the part that
+        repeats while the tensors' dtypes and shapes do (relay/inline_wire.py)."""
+        doc = self.to_json()
+        del doc["tree"]
+        return encode_json(doc)
 
     @classmethod
     def from_json(cls, obj: object, *, slot_size: int) -> Manifest:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from disagg_runtime.layout import PLANNED_SIGNATURES
 from disagg_runtime.pool import MiB
 from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
@@ -145,14 +146,16 @@ def test_a_broken_lane_is_dropped_and_zmq_carries_that_payload_and_the_next(
 ) -> None:
     ingress = rig.ingress(kind)
     sender = rig.sender(kind, ingress)
-    real_send = lane.send_frame
+    real_send, real_whole = lane.send_frame, lane.send_whole
 
     def broken(*args: Any) -> None:
         raise ConnectionResetError("peer reset")
 
     monkeypatch.setattr(lane, "send_frame", broken)
+    monkeypatch.setattr(lane, "send_whole", broken)  # how an inline frame goes
     sender.send(small_payload(), request_id="when-it-broke")
     monkeypatch.setattr(lane, "send_frame", real_send)
+    monkeypatch.setattr(lane, "send_whole", real_whole)
     sender.send(small_payload(1), request_id="after")
     sender.send(large_payload(), request_id="staged")  # the handshake over ZMQ too
     for rid in ("when-it-broke", "after", "staged"):
@@ -432,7 +435,7 @@ def test_senders_write_binary_inline_headers_and_every_layout_and_meta_arrives(r
     wait_for(lambda: ingress.stats().lanes == 1)
     assert sender._inline_wire  # the welcome offered it
     # more layouts than either end keeps, then the first ones again
-    sizes = [*range(1, inline_wire.LAYOUT_CACHE_ENTRIES + 6), 1, 2, 3]
+    sizes = [*range(1, max(inline_wire.LAYOUT_CACHE_ENTRIES, PLANNED_SIGNATURES) + 6), 1, 2, 3]
     for i, n in enumerate(sizes):
         payload = {"x": torch.arange(n, dtype=torch.int16), "i": i, "t": (small_payload(i), None)}
         sender.send(payload, request_id=f"b{i}", meta={"seq": i} if i % 2 else None)
@@ -441,7 +444,7 @@ def test_senders_write_binary_inline_headers_and_every_layout_and_meta_arrives(r
             assert msg.meta == ({"seq": i} if i % 2 else None)
             assert_bit_exact(msg.payload, payload)
     assert ingress.stats().rejected == 0
-    assert len(sender._layouts) == inline_wire.LAYOUT_CACHE_ENTRIES
+    assert len(sender._planner) == PLANNED_SIGNATURES  # bounded
 
 
 def test_the_lane_listens_on_the_declared_port(rig: Rig) -> None:

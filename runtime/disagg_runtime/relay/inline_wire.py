@@ -38,6 +38,7 @@ from typing import Any
 
 from disagg_runtime.codec import CodecError, decode_json, encode_json
 from disagg_runtime.manifest import Manifest
+from disagg_runtime.relay.lane import PREFIX
 from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_MESSAGE_BYTES, ProtocolError
 
 KIND_INLINE = 1
@@ -45,6 +46,8 @@ KIND_COMMIT = 2
 WIRE_VERSION = 1
 FIXED = struct.Struct("<BBHIII")
 COMMIT_FIXED = struct.Struct("<BBHIIIQQQQ")
+_FRAMED = struct.Struct("<II" + FIXED.format[1:])  # the lane's frame prefix, then FIXED
+assert _FRAMED.size == PREFIX.size + FIXED.size
 MAX_U64 = (1 << 64) - 1
 MAX_RID_BYTES = 0xFFFF
 LAYOUT_CACHE_ENTRIES = 32  # per lane: the layouts a sender's payloads take turns in
@@ -53,9 +56,25 @@ MAX_CACHED_LAYOUT_BYTES = 4096  # larger layouts are validated every time (bound
 
 def layout_bytes(manifest: Manifest) -> bytes:
     """A manifest's layout part (everything but the tree), as the wire carries it."""
-    doc = manifest.to_json()
-    del doc["tree"]
-    return encode_json(doc)
+    return manifest.layout_json()
+
+
+def frame(
+    rid: str, layout: bytes, tree: Any, meta: Mapping[str, Any] | None, data_bytes: int
+) -> tuple[bytearray, int]:
+    """An inline payload's whole lane frame (relay/lane.py: prefix, this header, data) in one
+    buffer, with room for the slot's `data_bytes` bytes, which the caller writes from the
+    returned offset on: one allocation and one copy of the header, where `pack` and
+    `lane.frame_buffer` take two. CodecError as for `pack`."""
+    rid_bytes, tree_bytes, meta_bytes = _encode(rid, tree, meta)
+    lengths = (len(rid_bytes), len(layout), len(tree_bytes), len(meta_bytes))
+    header_bytes = FIXED.size + sum(lengths)
+    _check_limit(header_bytes, "inline")
+    at = _FRAMED.size + header_bytes - FIXED.size
+    buffer = bytearray(at + data_bytes)
+    _FRAMED.pack_into(buffer, 0, header_bytes, data_bytes, KIND_INLINE, WIRE_VERSION, *lengths)
+    buffer[_FRAMED.size : at] = b"".join((rid_bytes, layout, tree_bytes, meta_bytes))
+    return buffer, at
 
 
 def pack(rid: str, layout: bytes, tree: Any, meta: Mapping[str, Any] | None) -> bytes:
@@ -76,7 +95,7 @@ def pack_commit(
     """The header of a staged payload's commit (`ask`: the spare it asks for, `next {xid,
     nbytes}`); CodecError as for `pack`, or when a number does not fit its field."""
     numbers = (xid, offset, *((ask["xid"], ask["nbytes"]) if ask else (0, 0)))
-    if not all(0 <= n <= MAX_U64 for n in numbers) or (ask and not ask["nbytes"]):
+    if min(numbers) < 0 or max(numbers) > MAX_U64 or (ask and not ask["nbytes"]):
         raise CodecError(f"relay commit: a field of {numbers} does not fit its u64 (or asks 0 B)")
     head = (KIND_COMMIT, WIRE_VERSION)
     return _pack(COMMIT_FIXED, head, numbers, "commit", rid, layout, tree, meta)
@@ -92,21 +111,29 @@ def _pack(
     tree: Any,
     meta: Mapping[str, Any] | None,
 ) -> bytes:
-    rid_bytes = rid.encode("utf-8", "surrogatepass")
-    if len(rid_bytes) > MAX_RID_BYTES:
-        raise CodecError(f"request id of {len(rid_bytes)} B is over {MAX_RID_BYTES} B")
-    tree_bytes = encode_json(tree)
-    meta_bytes = b"" if meta is None else encode_json(meta)
+    rid_bytes, tree_bytes, meta_bytes = _encode(rid, tree, meta)
     lengths = (len(rid_bytes), len(layout), len(tree_bytes), len(meta_bytes))
     header = b"".join(
         (fixed.pack(*head, *lengths, *numbers), rid_bytes, layout, tree_bytes, meta_bytes)
     )
-    if len(header) > MAX_CONTROL_BYTES:
+    _check_limit(len(header), what)
+    return header
+
+
+def _encode(rid: str, tree: Any, meta: Mapping[str, Any] | None) -> tuple[bytes, bytes, bytes]:
+    """The request id, tree and meta parts as the header carries them."""
+    rid_bytes = rid.encode("utf-8", "surrogatepass")
+    if len(rid_bytes) > MAX_RID_BYTES:
+        raise CodecError(f"request id of {len(rid_bytes)} B is over {MAX_RID_BYTES} B")
+    return rid_bytes, encode_json(tree), b"" if meta is None else encode_json(meta)
+
+
+def _check_limit(header_bytes: int, what: str) -> None:
+    if header_bytes > MAX_CONTROL_BYTES:
         raise CodecError(
-            f"relay {what} header would be {len(header)} bytes, over the limit of "
+            f"relay {what} header would be {header_bytes} bytes, over the limit of "
             f"{MAX_CONTROL_BYTES}; move large values into tensors"
         )
-    return header
 
 
 class Inline:

@@ -70,11 +70,30 @@ def send_frame(sock: socket.socket, header: bytes, data: bytes | bytearray | mem
     """Write one frame whole. On a blocking socket with a send timeout (`set_send_timeout`)
     a receiver that stops reading raises BlockingIOError (on a non-blocking one, a full
     buffer does at once); the stream is then cut mid-frame and must be closed."""
+    if not data:  # a control frame: one short buffer
+        sock.sendall(PREFIX.pack(len(header), 0) + header)
+        return
     parts = [frame_prefix(header, len(data)), header, data]
     total = sum(len(p) for p in parts)
     sent = sock.sendmsg(parts)
     if sent < total:  # a partial write: finish from where it stopped
         sock.sendall((b"".join(bytes(p) for p in parts))[sent:])
+
+
+def frame_buffer(header: bytes, data_bytes: int) -> tuple[bytearray, int]:
+    """One buffer for a whole frame, its prefix and header written, and where its data goes:
+    the caller writes the data in place and sends it with `send_whole` (one copy of the data
+    and one system call, where `send_frame` takes the data already built elsewhere)."""
+    at = PREFIX.size + len(header)
+    frame = bytearray(at + data_bytes)
+    PREFIX.pack_into(frame, 0, len(header), data_bytes)
+    frame[PREFIX.size : at] = header
+    return frame, at
+
+
+def send_whole(sock: socket.socket, frame: bytearray) -> None:
+    """Write a frame built by `frame_buffer` whole; failures as for `send_frame`."""
+    sock.sendall(frame)
 
 
 class Frame:

@@ -62,7 +62,7 @@ import zmq
 
 from disagg_core.compat import Compat
 from disagg_runtime import dispatch
-from disagg_runtime.layout import plan, slot_image
+from disagg_runtime.layout import Placement, Planner
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.relay import auth, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
@@ -77,6 +77,7 @@ LANE_CONNECT_S = 2.0  # a filtered port must not stall start-up long
 LOST_GRACE_S = 0.2  # after a lane broke: how long libzmq may take to report its connection lost
 SPARE_MAX = 16 << 20  # the largest payload that asks for its successor's slot ahead
 SPARE_STREAM_S = 0.1  # ... when the one before it was sent less than this earlier
+_POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` goes through enum.Flag
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,16 @@ def _json_inline(rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -
     return proto.pack("inline", rid=rid, meta=meta, manifest=manifest.to_json())
 
 
-def _over_zmq(header: bytes, rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -> bytes:
-    """The inline header to send over ZMQ, which reads JSON only (`header` was built for
-    the lane, which may have closed since)."""
-    return header if header[:1] == b"{" else _json_inline(rid, manifest, meta)
+def _over_zmq(
+    frame: bytearray, at: int, rid: str, manifest: Manifest, meta: Mapping[str, Any] | None
+) -> list[memoryview | bytes]:
+    """An inline payload's ZMQ message, from the lane frame built for it (`Sender._inline_frame`,
+    the slot's bytes from `at` on): the header in JSON, which ZMQ reads only (a binary one
+    was built for the lane, which may have closed since), and the slot's bytes."""
+    view = memoryview(frame)
+    if frame[lane.PREFIX.size] == ord("{"):
+        return [view[lane.PREFIX.size : at], view[at:]]
+    return [_json_inline(rid, manifest, meta), view[at:]]
 
 
 def _goodbye(msg: dict[str, Any]) -> str:
@@ -168,6 +175,8 @@ class Sender:
         self._lane: socket.socket | None = None
         self._lane_sent = 0
         self._lane_control = False  # reservations, commits and their replies on the lane too
+        self._watch: list[tuple[Any, int]] = []  # what _start_send asks about (_watch_replies)
+        self._watch_replies()
         self._lane_replies: collections.deque[bytes] = collections.deque()
         self._load: tuple[dispatch.Load, float] | None = None  # the last report, when
         self._sent_since = 0  # requests sent after that report
@@ -176,7 +185,7 @@ class Sender:
         self._spare: _Spare | None = None
         self._inline_wire = False  # the ingress reads binary inline headers on the lane
         self._commit_wire = False  # ... and binary commit headers (relay/inline_wire.py)
-        self._layouts: dict[tuple[Any, ...], bytes] = {}  # their layout parts, by manifest
+        self._planner = Planner()  # payloads shaped like recent ones are not laid out again
         self._last_staged = -SPARE_STREAM_S  # when the last staged payload was sent
         try:
             welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)
@@ -200,16 +209,21 @@ class Sender:
         """Read the monitor's pending events; whether there were any (connection lost)."""
         seen = False
         # EVENTS, not poll(0): the same answer for ~1 us less, on every send
-        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while self._monitor.getsockopt(zmq.EVENTS) & _POLLIN:
             self._monitor.recv_multipart()
             seen = True
         return seen
 
     def _start_send(self) -> None:
         """Under the lock, before anything of a payload leaves: refuse on a closed relay or a
-        lost session, and count the send for the idle and liveness checks."""
-        self._check_open()
-        self._check_session()
+        lost session, and count the send for the idle and liveness checks. Most sends find
+        nothing waiting (no reply, no monitor event): one zmq_poll asks the ZMQ socket, its
+        monitor and a control lane at once (~3.5 us, where a getsockopt(EVENTS) each and a
+        poll of the lane took ~7.5), and only what is there is read (`_check_session`)."""
+        if self.closed:
+            self._check_open()  # raises
+        if self._lost is not None or self._lane_replies or zmq.zmq_poll(self._watch, 0):
+            self._check_session()
         self._sent_since += 1
         self._sent_at = time.monotonic()
 
@@ -323,7 +337,7 @@ class Sender:
                 self._lane_replies.extend(bytes(f.header) for f in frames)
         if self._lane_replies:
             return self._lane_replies.popleft()
-        if not self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than recv's zmq.Again
+        if not self._sock.getsockopt(zmq.EVENTS) & _POLLIN:  # cheaper than recv's zmq.Again
             return None
         try:
             return bytes(self._sock.recv(zmq.NOBLOCK))
@@ -360,6 +374,14 @@ class Sender:
         self._lane_poll = select.poll()
         self._lane_poll.register(sock, select.POLLIN)
         self._lane_control = self.control_on_lane
+        self._watch_replies()
+
+    def _watch_replies(self) -> None:
+        """What `_start_send` polls: the ZMQ socket and its monitor (level-triggered: zmq_poll
+        asks each for its EVENTS), and the lane where replies come on it."""
+        self._watch = [(self._sock, _POLLIN), (self._monitor, _POLLIN)]
+        if self._lane is not None and self._lane_control:
+            self._watch.append((self._lane.fileno(), _POLLIN))
 
     def send(
         self,
@@ -374,24 +396,23 @@ class Sender:
         receiver's pool stays full for `timeout` s. `meta` (JSON) travels in the control
         header beside the payload, for the receiver's routing; the relay does not read it."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        manifest, tensors = plan(payload)  # GPU tensors stay on their GPU until copied once
-        nbytes = sum(meta.nbytes for meta in manifest.tensors)
-        image: bytearray | None = None
-        header = b""
+        # GPU tensors stay on their GPU until copied once; bad input fails here
+        tree, tensors, placed = self._planner.plan(payload)
+        nbytes = placed.data_bytes
+        frame: bytearray | None = None
         if self._inline(tensors, nbytes):  # the slot's bytes travel with the message
-            header = self._lane_header(request_id, manifest, meta)  # bad input fails here
-            image = slot_image(manifest, tensors)
+            frame, at = self._inline_frame(request_id, tree, placed, tensors, meta)
         with self._lock:
             self._start_send()
             try:
-                if image is not None and self._lane is not None:
-                    self._send_lane(request_id, header, manifest, meta, image)
-                elif image is not None:
-                    self._sock.send_multipart(
-                        [_over_zmq(header, request_id, manifest, meta), image]
-                    )
+                if frame is not None and self._lane is not None:
+                    self._send_lane(request_id, frame, at, tree, placed, meta)
+                elif frame is not None:
+                    manifest = placed.manifest(tree)
+                    self._sock.send_multipart(_over_zmq(frame, at, request_id, manifest, meta))
                 else:
-                    self._send_staged(request_id, manifest, tensors, deadline, meta)
+                    manifest = placed.manifest(tree)
+                    self._send_staged(request_id, manifest, placed, tensors, deadline, meta)
                 return nbytes
             except zmq.Again:
                 raise RelayTimeout(
@@ -450,48 +471,56 @@ class Sender:
             except (RelayError, zmq.ZMQError) as exc:
                 log.info("%s relay to %s: cancel not sent: %s", self.kind, self.endpoint, exc)
 
-    def _lane_header(self, rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -> bytes:
-        """An inline payload's lane header: binary where the ingress reads it, with the
-        layout part encoded once per layout (relay/inline_wire.py); else JSON."""
-        if not self._inline_wire or self._lane is None:
-            return _json_inline(rid, manifest, meta)
-        return inline_wire.pack(rid, self._layout(manifest), manifest.tree, meta)
-
-    def _layout(self, manifest: Manifest) -> bytes:
-        """The manifest's layout part for a binary header, encoded once per layout."""
-        key = (manifest.tensors, manifest.offsets)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = inline_wire.layout_bytes(manifest)
-            if len(self._layouts) >= inline_wire.LAYOUT_CACHE_ENTRIES:
-                del self._layouts[next(iter(self._layouts))]
-            self._layouts[key] = layout
-        return layout
+    def _inline_frame(
+        self,
+        rid: str,
+        tree: Any,
+        placed: Placement,
+        tensors: list[torch.Tensor],
+        meta: Mapping[str, Any] | None,
+    ) -> tuple[bytearray, int]:
+        """An inline payload's lane frame in one buffer, the slot's bytes written in place
+        from the returned offset on: its header binary where the ingress reads that, with
+        the layout part encoded once per placement (relay/inline_wire.py), else JSON. Bad
+        input (a tree or meta that is not JSON) fails here, before anything is sent."""
+        if self._inline_wire and self._lane is not None:
+            frame, at = inline_wire.frame(rid, placed.layout_json(), tree, meta, placed.nbytes)
+        else:
+            header = _json_inline(rid, placed.manifest(tree), meta)
+            frame, at = lane.frame_buffer(header, placed.nbytes)
+        placed.fill(frame, at, tensors)
+        return frame, at
 
     def _send_lane(
         self,
         rid: str,
-        header: bytes,
-        manifest: Manifest,
+        frame: bytearray,
+        at: int,
+        tree: Any,
+        placed: Placement,
         meta: Mapping[str, Any] | None,
-        data: bytearray,
     ) -> None:
-        """One frame on the lane, waiting at most the sender's `timeout` for room (the
-        kernel's send timeout: cheaper than a deadline per call). A failure cuts the stream
-        mid-frame, which the ingress drops whole, and closes the lane. A broken connection
-        took every earlier frame with it, so this payload goes over ZMQ, as later ones do
-        (ZMQ queues for a peer that comes back); a full one (the receiver stopped reading)
-        still holds earlier frames this one must not overtake: RelayTimeout."""
-        exc = self._lane_frame(header, data)
-        if exc is None:
+        """One frame on the lane, written by one call, waiting at most the sender's `timeout`
+        for room (the kernel's send timeout: cheaper than a deadline per call). A failure
+        cuts the stream mid-frame, which the ingress drops whole, and closes the lane. A
+        broken connection took every earlier frame with it, so this payload goes over ZMQ,
+        as later ones do (ZMQ queues for a peer that comes back); a full one (the receiver
+        stopped reading) still holds earlier frames this one must not overtake:
+        RelayTimeout."""
+        assert self._lane is not None
+        try:
+            lane.send_whole(self._lane, frame)
+        except OSError as exc:
+            self._close_lane()
+            if _full(exc):
+                raise RelayTimeout(
+                    f"receiver at {self.endpoint} is not draining; request {rid} not sent"
+                ) from None
+            self._check_session(LOST_GRACE_S)  # the receiver went away: reconnect, not ZMQ
+            log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
+            self._sock.send_multipart(_over_zmq(frame, at, rid, placed.manifest(tree), meta))
             return
-        if _full(exc):
-            raise RelayTimeout(
-                f"receiver at {self.endpoint} is not draining; request {rid} not sent"
-            ) from None
-        self._check_session(LOST_GRACE_S)  # the receiver went away: reconnect, not ZMQ
-        log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
-        self._sock.send_multipart([_over_zmq(header, rid, manifest, meta), data])
+        self._lane_sent += 1
 
     def _lane_frame(self, header: bytes, data: bytes | bytearray = b"") -> OSError | None:
         """Write one frame on the lane and count it; on failure close the lane and return
@@ -511,6 +540,7 @@ class Sender:
             self._lane = None
             self._lane_control = False
             self._lane_replies.clear()
+            self._watch_replies()
 
     def _control(self, header: bytes, *, opens: bool = False) -> None:
         """Send a control message where this sender's replies come from. When the lane is
@@ -596,6 +626,7 @@ class Sender:
         self,
         rid: str,
         manifest: Manifest,
+        placed: Placement,
         tensors: list[torch.Tensor],
         deadline: float,
         meta: Mapping[str, Any] | None,
@@ -611,7 +642,7 @@ class Sender:
         else:
             xid, offset, write_by = self._reserve(rid, manifest.nbytes, deadline)
         ask = self._ask_spare(manifest.nbytes)
-        commit = self._commit_header(rid, xid, offset, manifest, meta, ask)
+        commit = self._commit_header(rid, xid, offset, manifest, placed, meta, ask)
         before_commit = time.monotonic()  # any spare in the ack is granted after this
         self._transfer(commit, xid, offset, manifest, tensors, write_by)
         reply = self._await(xid, {"ack", "nack"}, deadline, "acknowledgement")
@@ -628,6 +659,7 @@ class Sender:
         xid: int,
         offset: int,
         manifest: Manifest,
+        placed: Placement,
         meta: Mapping[str, Any] | None,
         ask: dict[str, int] | None,
     ) -> bytes:
@@ -635,7 +667,7 @@ class Sender:
         (no backend fields then); else JSON. A commit never leaves the lane it was built
         for: a lane lost before it is sent fails the transfer (`_control`)."""
         if self.binary_commit and self._commit_wire and self._lane_control:
-            layout = self._layout(manifest)
+            layout = placed.layout_json()
             return inline_wire.pack_commit(rid, xid, offset, layout, manifest.tree, meta, ask)
         return proto.pack(
             "commit",

@@ -780,6 +780,8 @@ class Custom:
         ),
         ([torch.zeros(2, 2).to_sparse()], r"unsupported tensor layout"),
         ([torch.zeros(2, device="meta")], r"meta tensor"),
+        ({"k": torch.zeros(2, device="meta")}, r"payload\['k'\]: a meta tensor"),
+        ({"k": (1, torch.zeros(2).to_sparse())}, r"payload\['k'\]\[1\]: unsupported tensor layout"),
     ],
 )
 def test_unencodable_payloads(payload: Any, match: str) -> None:

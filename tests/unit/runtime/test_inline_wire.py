@@ -3,6 +3,8 @@ and every way a malformed header is refused (a ProtocolError or CodecError, neve
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from disagg_runtime.codec import CodecError
 from disagg_runtime.layout import plan
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.relay import inline_wire as wire
+from disagg_runtime.relay import lane
 from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, ProtocolError
 
 
@@ -144,15 +147,32 @@ def test_malformed_layouts_are_refused(layout: bytes, match: str) -> None:
         parse(header(layout=layout))
 
 
-def test_the_sender_refuses_what_it_cannot_send() -> None:
+@pytest.mark.parametrize("build", ["pack", "frame"])
+def test_the_sender_refuses_what_it_cannot_send(build: str) -> None:
     manifest = planned()
     layout = wire.layout_bytes(manifest)
+
+    def make(rid: str, meta: dict[str, Any] | None) -> object:
+        if build == "pack":
+            return wire.pack(rid, layout, manifest.tree, meta)
+        return wire.frame(rid, layout, manifest.tree, meta, manifest.nbytes)
+
     with pytest.raises(CodecError, match="request id"):
-        wire.pack("x" * (wire.MAX_RID_BYTES + 1), layout, manifest.tree, None)
+        make("x" * (wire.MAX_RID_BYTES + 1), None)
     with pytest.raises(CodecError, match="not strict JSON"):
-        wire.pack("r", layout, manifest.tree, {"bad": float("nan")})
+        make("r", {"bad": float("nan")})
     with pytest.raises(CodecError, match="over the limit"):
-        wire.pack("r", layout, manifest.tree, {"big": "x" * MAX_CONTROL_BYTES})
+        make("r", {"big": "x" * MAX_CONTROL_BYTES})
+
+
+@pytest.mark.parametrize("meta", [None, {"seq": 1}])
+def test_an_inline_frame_is_the_lane_prefix_the_header_and_room_for_the_slot(meta: Any) -> None:
+    manifest = planned(100)
+    layout = wire.layout_bytes(manifest)
+    frame, at = wire.frame("r7", layout, manifest.tree, meta, manifest.nbytes)
+    header = wire.pack("r7", layout, manifest.tree, meta)
+    assert bytes(frame[:at]) == lane.frame_prefix(header, manifest.nbytes) + header
+    assert len(frame) == at + manifest.nbytes and not any(frame[at:])
 
 
 def test_a_json_header_and_a_binary_one_differ_in_their_first_byte() -> None:
