@@ -340,10 +340,13 @@ def flatten(
     return tree, tensors
 
 
+_SCALARS = frozenset({bool, int, float, str})  # tree leaves that stand for themselves
+
+
 def _unflatten(
     node: Any, depth: int, max_depth: int, used: bytearray, leaf: Callable[[int], Any]
 ) -> Any:
-    if node is None or type(node) in (bool, int, float, str):
+    if node is None or type(node) in _SCALARS:
         return node
     if type(node) is not dict or len(node) != 1:
         raise _NodeError(
@@ -419,7 +422,34 @@ def unflatten(tree: Any, tensors: Sequence[torch.Tensor], *, max_depth: int = MA
 
     Each tensor must be referenced exactly once. Tuples come back as tuples.
     """
+    if max_depth > 0 and type(tree) is dict and len(tree) == 1:
+        flat = _flat_dict(tree.get("d"), tensors)
+        if flat is not None:
+            return flat
     return _rebuild(tree, len(tensors), tensors.__getitem__, max_depth)
+
+
+def _flat_dict(body: Any, tensors: Sequence[torch.Tensor]) -> dict[str, Any] | None:
+    """The common payload, a dict of tensors and JSON scalars, in one loop (no call per
+    value): what `_rebuild` returns for it. None for anything else, or anything wrong (then
+    `_rebuild` walks the tree, and says what is wrong)."""
+    if type(body) is not dict:
+        return None
+    out: dict[str, Any] = {}
+    count = len(tensors)
+    used = 0  # a bit per tensor referenced
+    for key, value in body.items():
+        if value is None or type(value) in _SCALARS:
+            out[key] = value
+            continue
+        if type(value) is not dict or len(value) != 1:
+            return None
+        index = value.get("t")
+        if type(index) is not int or not 0 <= index < count or used >> index & 1:
+            return None
+        used |= 1 << index
+        out[key] = tensors[index]
+    return out if used == (1 << count) - 1 else None
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -507,6 +537,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 # JSONEncoder.encode its C encoder): headers are on the latency path of every message
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=True)
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once
 _make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
 _C_ENCODE: Callable[[Any, int], tuple[str, ...]] | None = (
     # no cycle markers: a cyclic header ends in RecursionError, reported like other errors
@@ -547,6 +578,12 @@ def decode_json(view: memoryview, what: str) -> Any:
         text = str(view, "utf-8")
     except UnicodeDecodeError as exc:
         raise CodecError(f"{what} is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:  # the scanner alone (C) when the text is one value, no whitespace around it
+        value, end = _SCAN(text, 0)
+        if end == len(text):
+            return value
+    except Exception:  # decoded again below, which says what is wrong
+        pass
     try:
         return _DECODER.decode(text)
     except CodecError:
