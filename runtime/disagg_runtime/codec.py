@@ -422,34 +422,30 @@ def unflatten(tree: Any, tensors: Sequence[torch.Tensor], *, max_depth: int = MA
 
     Each tensor must be referenced exactly once. Tuples come back as tuples.
     """
-    if max_depth > 0 and type(tree) is dict and len(tree) == 1:
-        flat = _flat_dict(tree.get("d"), tensors)
-        if flat is not None:
-            return flat
+    if (
+        max_depth > 0
+        and type(tree) is dict
+        and len(tree) == 1
+        and type(body := tree.get("d")) is dict
+    ):
+        # the common payload, a dict of tensors and JSON scalars, in one loop (no call per
+        # value): what _rebuild returns for it; anything else, or wrong, goes to _rebuild
+        out: dict[str, Any] = {}
+        count = len(tensors)
+        used = 0  # a bit per tensor referenced
+        for key, value in body.items():
+            if value is None or type(value) in _SCALARS:
+                out[key] = value
+                continue
+            index = value.get("t") if type(value) is dict and len(value) == 1 else None
+            if type(index) is not int or not 0 <= index < count or used >> index & 1:
+                break
+            used |= 1 << index
+            out[key] = tensors[index]
+        else:
+            if used == (1 << count) - 1:
+                return out
     return _rebuild(tree, len(tensors), tensors.__getitem__, max_depth)
-
-
-def _flat_dict(body: Any, tensors: Sequence[torch.Tensor]) -> dict[str, Any] | None:
-    """The common payload, a dict of tensors and JSON scalars, in one loop (no call per
-    value): what `_rebuild` returns for it. None for anything else, or anything wrong (then
-    `_rebuild` walks the tree, and says what is wrong)."""
-    if type(body) is not dict:
-        return None
-    out: dict[str, Any] = {}
-    count = len(tensors)
-    used = 0  # a bit per tensor referenced
-    for key, value in body.items():
-        if value is None or type(value) in _SCALARS:
-            out[key] = value
-            continue
-        if type(value) is not dict or len(value) != 1:
-            return None
-        index = value.get("t")
-        if type(index) is not int or not 0 <= index < count or used >> index & 1:
-            return None
-        used |= 1 << index
-        out[key] = tensors[index]
-    return out if used == (1 << count) - 1 else None
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
