@@ -53,7 +53,7 @@ import zmq
 from disagg_core.compat import Compat
 from disagg_runtime import codec, dispatch
 from disagg_runtime.codec import unflatten
-from disagg_runtime.layout import SlotReader, buffer_tensors, read_payload
+from disagg_runtime.layout import buffer_tensors, read_payload
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import Pool
 from disagg_runtime.relay import auth, inline_wire, lane, registry
@@ -558,13 +558,19 @@ class Ingress:
                     raise proto.ProtocolError(
                         f"manifest.nbytes: {known.nbytes} does not fit a slot of {size} B"
                     )
-                placed = known.manifest
-                manifest = Manifest(head.tree, placed.tensors, placed.offsets, placed.nbytes)
+                backing = self.pool.backing
+                if backing.has_buffer:  # the layout's tensors, worked out once
+                    tensors = known.reader.tensors(backing.buffer(slot, known.nbytes))
+                    payload = unflatten(head.tree, tensors)
+                else:
+                    placed = known.manifest
+                    manifest = Manifest(head.tree, placed.tensors, placed.offsets, known.nbytes)
+                    payload = read_payload(backing, slot, manifest)
             except BaseException:
                 self._ledger.free(slot)
                 raise
-            self._finish(
-                ident, commit.xid, grant.rid, slot, manifest, head.meta, commit.ask, known.reader
+            self._land(
+                ident, commit.xid, grant.rid, slot, payload, known.nbytes, head.meta, commit.ask
             )
         except (proto.ProtocolError, codec.CodecError) as exc:
             if commit is not None:  # answered, so its sender fails now
@@ -992,21 +998,27 @@ class Ingress:
         manifest: Manifest,
         meta: dict[str, Any] | None,
         ask: Any = None,
-        reader: SlotReader | None = None,
     ) -> None:
-        """Deliver the payload `manifest` lays out in `slot` (`reader`: its layout's, cached),
-        then ack it."""
         try:
-            backing = self.pool.backing
-            if reader is not None and backing.has_buffer:
-                tensors = reader.tensors(backing.buffer(slot, manifest.nbytes))
-                payload = unflatten(manifest.tree, tensors)
-            else:
-                payload = read_payload(backing, slot, manifest)
+            payload = read_payload(self.pool.backing, slot, manifest)
         except BaseException:
             self._ledger.free(slot)
             raise
-        msg = Message(rid, payload, manifest.nbytes, slot, time.monotonic(), meta)
+        self._land(ident, xid, rid, slot, payload, manifest.nbytes, meta, ask)
+
+    def _land(
+        self,
+        ident: bytes,
+        xid: int,
+        rid: str,
+        slot: int,
+        payload: Any,
+        nbytes: int,
+        meta: dict[str, Any] | None,
+        ask: Any = None,
+    ) -> None:
+        """Deliver a committed payload (its tensors view `slot`), then ack its commit."""
+        msg = Message(rid, payload, nbytes, slot, time.monotonic(), meta)
         if not self._admit(msg):
             self._reply(ident, "nack", xid=xid, reason=f"request {rid} was aborted")
             return
