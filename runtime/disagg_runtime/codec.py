@@ -533,7 +533,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 # JSONEncoder.encode its C encoder): headers are on the latency path of every message
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=True)
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
-_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once
+_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 _make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
 _C_ENCODE: Callable[[Any, int], tuple[str, ...]] | None = (
     # no cycle markers: a cyclic header ends in RecursionError, reported like other errors

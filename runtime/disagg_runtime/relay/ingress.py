@@ -486,10 +486,10 @@ class Ingress:
                     f"inline data holds {data.nbytes} B, its manifest says {known.nbytes} B"
                 )
             payload = unflatten(head.tree, known.reader.tensors(data))
-            msg = Message(head.rid, payload, known.nbytes, None, now, head.meta, frame.charge)
+            message = Message(head.rid, payload, known.nbytes, None, now, head.meta, frame.charge)
             frame.charge = 0  # the message's now (on a refusal, the caller gives it back)
-            if self._ledger.admit(msg, self._release):
-                self._hand_over(msg)
+            if self._ledger.admit(message, self._release):
+                self._hand_over(message)
             return
         self._dirty = True
         if first == inline_wire.KIND_COMMIT:
