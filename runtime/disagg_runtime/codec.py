@@ -340,10 +340,13 @@ def flatten(
     return tree, tensors
 
 
+_SCALARS = frozenset({bool, int, float, str})  # tree leaves that stand for themselves
+
+
 def _unflatten(
     node: Any, depth: int, max_depth: int, used: bytearray, leaf: Callable[[int], Any]
 ) -> Any:
-    if node is None or type(node) in (bool, int, float, str):
+    if node is None or type(node) in _SCALARS:
         return node
     if type(node) is not dict or len(node) != 1:
         raise _NodeError(
@@ -419,6 +422,29 @@ def unflatten(tree: Any, tensors: Sequence[torch.Tensor], *, max_depth: int = MA
 
     Each tensor must be referenced exactly once. Tuples come back as tuples.
     """
+    if (
+        max_depth > 0
+        and type(tree) is dict
+        and len(tree) == 1
+        and type(body := tree.get("d")) is dict
+    ):
+        # the common payload, a dict of tensors and JSON scalars, in one loop (no call per
+        # value): what _rebuild returns for it; anything else, or wrong, goes to _rebuild
+        out: dict[str, Any] = {}
+        count = len(tensors)
+        used = 0  # a bit per tensor referenced
+        for key, value in body.items():
+            if value is None or type(value) in _SCALARS:
+                out[key] = value
+                continue
+            index = value.get("t") if type(value) is dict and len(value) == 1 else None
+            if type(index) is not int or not 0 <= index < count or used >> index & 1:
+                break
+            used |= 1 << index
+            out[key] = tensors[index]
+        else:
+            if used == (1 << count) - 1:
+                return out
     return _rebuild(tree, len(tensors), tensors.__getitem__, max_depth)
 
 
@@ -507,6 +533,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 # JSONEncoder.encode its C encoder): headers are on the latency path of every message
 _ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=True)
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 _make_c_encoder = getattr(json.encoder, "c_make_encoder", None)
 _C_ENCODE: Callable[[Any, int], tuple[str, ...]] | None = (
     # no cycle markers: a cyclic header ends in RecursionError, reported like other errors
@@ -547,6 +574,12 @@ def decode_json(view: memoryview, what: str) -> Any:
         text = str(view, "utf-8")
     except UnicodeDecodeError as exc:
         raise CodecError(f"{what} is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:  # the scanner alone (C) when the text is one value, no whitespace around it
+        value, end = _SCAN(text, 0)
+        if end == len(text):
+            return value
+    except Exception:  # decoded again below, which says what is wrong
+        pass
     try:
         return _DECODER.decode(text)
     except CodecError:

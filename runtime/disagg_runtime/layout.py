@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from disagg_runtime import codec
-from disagg_runtime.codec import tensor_from_buffer, unflatten
+from disagg_runtime.codec import CodecError, tensor_from_buffer, unflatten
 from disagg_runtime.copies import Fence, copy_async, to_device
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.pool import Backing
@@ -98,6 +98,44 @@ def buffer_tensors(
         tensor_from_buffer(buffer[offset : offset + meta.nbytes], meta, copy=copy)
         for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True)
     ]
+
+
+class SlotReader:
+    """`buffer_tensors` for one layout, worked out once: each tensor's offset, element
+    count, dtype and shape, so a receiver that sees the same layout again and again (a
+    stream of payloads; relay/inline_wire.py caches one per layout) builds its tensors in
+    one tight loop. `manifest` must be validated (`Manifest.from_json`)."""
+
+    __slots__ = ("_specs", "nbytes")
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.nbytes = manifest.nbytes
+        self._specs = tuple(
+            (
+                offset,
+                meta.nbytes // meta.dtype.itemsize,
+                meta.dtype,
+                None if len(meta.shape) == 1 else meta.shape,  # 1-D: frombuffer's own shape
+                meta.dtype is torch.bool,
+            )
+            for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True)
+        )
+
+    def tensors(self, buffer: memoryview) -> list[torch.Tensor]:
+        """The tensors viewing `buffer`, a writable byte view of exactly `nbytes` (a slot's
+        bytes); CodecError when it is not that size, or a bool tensor holds other bytes."""
+        if buffer.nbytes != self.nbytes:
+            raise CodecError(f"buffer holds {buffer.nbytes} bytes, the layout {self.nbytes}")
+        out: list[torch.Tensor] = []
+        for offset, count, dtype, shape, boolean in self._specs:
+            if not count:
+                out.append(torch.empty(shape if shape is not None else (0,), dtype=dtype))
+                continue
+            t = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+            if boolean and bool((t.view(torch.uint8) > 1).any()):
+                raise CodecError("bool tensor data holds bytes other than 0 and 1")
+            out.append(t if shape is None else t.view(shape))
+        return out
 
 
 def read_payload(

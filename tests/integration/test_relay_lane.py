@@ -524,3 +524,39 @@ def test_the_io_loop_outlives_an_unexpected_error(
         ingress._wake()  # one turn of the loop: it fails once
         wait_for(lambda: "unexpected error in the I/O loop" in caplog.text)
     assert_still_serves(rig, ingress, "tcp")
+
+
+def test_a_grant_lapses_on_time_while_only_inline_frames_arrive(rig: Rig) -> None:
+    """Steps that only deliver inline frames skip the ingress's housekeeping until its next
+    deadline: a grant nobody commits is still freed at the end of its lease, mid-stream."""
+    delivered: list[str] = []
+
+    def on_message(msg: Message) -> None:
+        delivered.append(msg.request_id)
+        msg.release()
+
+    ingress = rig.ingress("tcp", lease_s=0.5, on_message=on_message)
+    holder = rig.raw(ingress)
+    holder.send(proto.pack("reserve", rid="held", xid=1, nbytes=2 * MiB))
+    assert recv_reply(holder)["op"] == "grant"
+    assert ingress.pool.stats().used == 2 * MiB
+    _, sock = raw_sender(rig, ingress)
+    stop = threading.Event()
+
+    def stream() -> None:
+        i = 0
+        while not stop.is_set():
+            lane.send_frame(sock, *binary_frame(f"s{i}"))
+            i += 1
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: len(delivered) > 0)
+        wait_for(lambda: ingress.pool.stats().used == 0)  # lapsed while frames kept coming
+        count = len(delivered)
+        wait_for(lambda: len(delivered) > count)
+    finally:
+        stop.set()
+        thread.join(timeout=WAIT)
+    assert ingress.stats().rejected == 0

@@ -73,6 +73,9 @@ MAX_PEERS = 4096  # authenticated senders remembered (least recently active forg
 MAX_UNAUTHENTICATED_LANES = 64  # lanes before their hello; more are refused at once
 LANE_HELLO_S = 5.0  # a lane must say its hello this soon after connecting
 LANE_CHECK_S = 0.5  # how often lanes are checked for those deadlines
+IDLE_S = 1.0  # the longest the I/O thread sleeps, and goes without looking at deadlines
+_EVENTS = int(zmq.EVENTS)  # plain ints: enum flag arithmetic costs a few Python calls
+_POLLIN = int(zmq.POLLIN)
 
 
 def _meta(msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -193,6 +196,12 @@ class Ingress:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._rejected = 0
         self._freed = False  # a release on the I/O thread: room for paused lanes, grants
+        self._paused: dict[int, _Lane] = {}  # lanes not polled for want of inline budget, by fd
+        # housekeeping (_housekeep: expiry, grants, lane checks, loads) runs after any step
+        # that did more than deliver inline payloads (`_dirty`), and otherwise once `_due`,
+        # the earliest deadline it acts on, is reached
+        self._dirty = True
+        self._due = 0.0
         self._spares_used = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -322,24 +331,46 @@ class Ingress:
 
     def _step(self, listener: int | None) -> None:
         events = dict(self._poller.poll(timeout=self._poll_ms()))
-        if self._wake_r in events:
+        woken = self._wake_r in events
+        if woken:
             os.read(self._wake_r, 4096)
-        while not self._commands.empty():
-            self._commands.get()()
+        if not self._commands.empty():
+            self._dirty = True
+            while not self._commands.empty():
+                self._commands.get()()
         # lanes first: an inline frame is taken before a later ZMQ message of its sender
-        for fd in [fd for fd in events if fd in self._lanes]:
-            self._read_lane(fd)
-        if self._wake_r in events:
+        lanes = self._lanes
+        for fd in events:
+            if fd in lanes:
+                self._read_lane(fd)
+        if woken:
             self._freed = True
         if listener in events:
+            self._dirty = True
             self._accept_lane()
-        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._handle_one()
+        if self._sock in events:  # zmq_poll is level-triggered: one left is seen next time
+            while self._sock.getsockopt(_EVENTS) & _POLLIN:
+                self._dirty = True
+                self._handle_one()
         if self._freed:  # a release may have made room for paused lanes
             self._freed = False
-            for conn in [c for c in self._lanes.values() if c.paused]:
-                self._read_lane(conn.reader.sock.fileno())
+            for fd in list(self._paused):
+                self._read_lane(fd)
         now = time.monotonic()
+        if (
+            self._dirty
+            or now >= self._due
+            or now >= self._lane_check
+            or self._ledger.pending_count  # may wait for the lane frames just taken, or room
+        ):
+            self._housekeep(now)
+
+    def _housekeep(self, now: float) -> None:
+        """Expiry, lane deadlines, waiting reservations, load reports; then `_due`, when
+        this must run again at the latest. Only delivering inline payloads adds no work
+        here (they set no deadline, and a sender's first one marks the step `_dirty`), so
+        steps that only did that skip it until `_due`."""
+        self._dirty = False
         self._expire(now)
         if now >= self._lane_check:
             self._lane_check = now + LANE_CHECK_S
@@ -348,6 +379,7 @@ class Ingress:
         if now >= self._load_due:
             self._load_due = now + proto.LOAD_EVERY_S
             self._send_loads(now)
+        self._due = self._next_due(now)
 
     def _accept_lane(self) -> None:
         assert self._lane_listener is not None
@@ -381,6 +413,7 @@ class Ingress:
                 self._ledger.give_inline(sum(f.charge for f in frames[i:]))
                 break
             except (proto.ProtocolError, codec.CodecError) as exc:
+                self._dirty = True
                 if conn.ident is None:  # no hello: not a lane of ours
                     self.refusals.refuse(f"lane: {exc}")
                     closed = lane.LaneError(str(exc))
@@ -388,8 +421,9 @@ class Ingress:
                     break
                 self._rejected += 1
                 log.warning("ingress %s rejected a lane message: %s", self.endpoint, exc)
-            self._ledger.give_inline(frame.charge)  # what no message took over
-            frame.charge = 0
+            if frame.charge:  # what no message took over
+                self._ledger.give_inline(frame.charge)
+                frame.charge = 0
         if closed is not None:
             log.debug("ingress %s: %s", self.endpoint, closed)
             self._close_lane(conn)
@@ -398,8 +432,10 @@ class Ingress:
             conn.paused = conn.reader.blocked
             if conn.paused:
                 self._poller.unregister(fd)
+                self._paused[fd] = conn
             else:
                 self._poller.register(fd, zmq.POLLIN)
+                del self._paused[fd]
 
     def _close_lane(self, conn: _Lane) -> None:
         fd = conn.reader.sock.fileno()
@@ -407,6 +443,8 @@ class Ingress:
             return
         if not conn.paused:
             self._poller.unregister(fd)  # before closing: the number may be reused at once
+        self._paused.pop(fd, None)
+        self._dirty = True
         if conn.ident is not None and self._by_sender.get(conn.ident) is conn:
             del self._by_sender[conn.ident]
         self._ledger.give_inline(conn.reader.abandon())  # a frame cut short holds no budget
@@ -427,56 +465,76 @@ class Ingress:
                 self._close_lane(conn)
 
     def _on_lane_frame(self, conn: _Lane, frame: lane.Frame) -> None:
-        if conn.ident is None:
-            hello = proto.unpack(frame.header, LANE_HELLO)
-            token = proto.field(hello, "id", str)
-            ident = self._lane_tokens.get(token)
-            # the id was given in an authenticated welcome, once; the mac shows the key too
-            if ident is None or not auth.verify(self._key, hello.get("mac"), "lane", token):
-                raise proto.ProtocolError("lane hello: unknown id or bad mac")
-            del self._lane_tokens[token]
-            if ident not in self._peers:
-                raise proto.ProtocolError("lane hello: its sender is no longer a peer")
-            conn.ident = ident
-            conn.control = hello.get("control") is True
-            conn.reader.limits = lane.FRAME_LIMITS
-            try:
-                conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
-            except OSError as exc:  # the sender is gone already
-                raise lane.LaneError(f"lane hello not answered: {exc}") from None
-            old = self._by_sender.get(ident)
-            if old is not None:
-                self._close_lane(old)
-            self._by_sender[ident] = conn
+        ident = conn.ident
+        if ident is None:
+            self._dirty = True
+            self._lane_hello(conn, frame)
             return
         conn.taken += 1  # every frame counts: the sender counted it too
-        self._active_at[conn.ident] = self.last_message_at = time.monotonic()
-        if frame.header.nbytes and frame.header[0] == inline_wire.KIND_COMMIT:
-            self._on_commit_wire(conn, conn.ident, frame.header)
+        if ident not in self._active_at:
+            self._dirty = True  # a sender becomes active: its `load`s fall due
+        self._active_at[ident] = self.last_message_at = now = time.monotonic()
+        header = frame.header
+        first = header[0] if header.nbytes else JSON_START
+        if first == inline_wire.KIND_INLINE:  # relay/inline_wire.py: the hot path, one call
+            # per part: a function call costs a few microseconds with cold caches
+            head = inline_wire.unpack(header)
+            known = conn.layouts.layout(head.layout)
+            data = frame.data  # the tensors view it; the message takes the frame's charge
+            if data.nbytes != known.nbytes:
+                raise proto.ProtocolError(
+                    f"inline data holds {data.nbytes} B, its manifest says {known.nbytes} B"
+                )
+            payload = unflatten(head.tree, known.reader.tensors(data))
+            message = Message(head.rid, payload, known.nbytes, None, now, head.meta, frame.charge)
+            frame.charge = 0  # the message's now (on a refusal, the caller gives it back)
+            if self._ledger.admit(message, self._release):
+                self._hand_over(message)
             return
-        if frame.header.nbytes and frame.header[0] != JSON_START:  # relay/inline_wire.py
-            head = inline_wire.unpack(frame.header)
-            manifest = conn.layouts.manifest(head.layout, head.tree)
-            charge, frame.charge = frame.charge, 0
-            fields = {"rid": head.rid, "meta": head.meta}
-            self._inline(fields, manifest, frame.data, len(frame.data), charge)
+        self._dirty = True
+        if first == inline_wire.KIND_COMMIT:
+            self._on_commit_wire(conn, ident, header)
             return
+        if first != JSON_START:  # another binary kind: refused, naming it
+            inline_wire.unpack(header)
         msg: dict[str, Any] = {}
         try:
-            msg = proto.unpack(frame.header, LANE_OPS if conn.control else INLINE_OPS)
+            msg = proto.unpack(header, LANE_OPS if conn.control else INLINE_OPS)
             if msg["op"] != "inline":
                 if msg["op"] == "commit" and msg.get("chunk") is not None:
-                    self._on_cancel(conn.ident, msg)  # its slot is free again
+                    self._on_cancel(ident, msg)  # its slot is free again
                     raise proto.ProtocolError("a tcp commit cannot travel on the lane")
-                getattr(self, f"_on_{msg['op']}")(conn.ident, msg)
+                getattr(self, f"_on_{msg['op']}")(ident, msg)
                 return
         except (proto.ProtocolError, codec.CodecError) as exc:
-            self._nack_commit(conn.ident, msg, exc)
+            self._nack_commit(ident, msg, exc)
             raise
         size = len(frame.data)
         manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
         charge, frame.charge = frame.charge, 0
         self._inline(msg, manifest, frame.data, size, charge)
+
+    def _lane_hello(self, conn: _Lane, frame: lane.Frame) -> None:
+        hello = proto.unpack(frame.header, LANE_HELLO)
+        token = proto.field(hello, "id", str)
+        ident = self._lane_tokens.get(token)
+        # the id was given in an authenticated welcome, once; the mac shows the key too
+        if ident is None or not auth.verify(self._key, hello.get("mac"), "lane", token):
+            raise proto.ProtocolError("lane hello: unknown id or bad mac")
+        del self._lane_tokens[token]
+        if ident not in self._peers:
+            raise proto.ProtocolError("lane hello: its sender is no longer a peer")
+        conn.ident = ident
+        conn.control = hello.get("control") is True
+        conn.reader.limits = lane.FRAME_LIMITS
+        try:
+            conn.reader.sock.send(lane.READY)  # one byte into an empty buffer
+        except OSError as exc:  # the sender is gone already
+            raise lane.LaneError(f"lane hello not answered: {exc}") from None
+        old = self._by_sender.get(ident)
+        if old is not None:
+            self._close_lane(old)
+        self._by_sender[ident] = conn
 
     def _on_commit_wire(self, conn: _Lane, ident: bytes, header: memoryview) -> None:
         """A binary commit (relay/inline_wire.py): the plain commit path, with the layout
@@ -494,16 +552,26 @@ class Ingress:
             try:
                 if conn.commits is None:
                     conn.commits = inline_wire.LayoutCache(self.pool.allocator.capacity)
-                manifest = conn.commits.manifest(head.layout, head.tree)
+                known = conn.commits.layout(head.layout)
                 size = self.pool.allocator.size_of(slot)
-                if manifest.nbytes > size:
+                if known.nbytes > size:
                     raise proto.ProtocolError(
-                        f"manifest.nbytes: {manifest.nbytes} does not fit a slot of {size} B"
+                        f"manifest.nbytes: {known.nbytes} does not fit a slot of {size} B"
                     )
+                backing = self.pool.backing
+                if backing.has_buffer:  # the layout's tensors, worked out once
+                    tensors = known.reader.tensors(backing.buffer(slot, known.nbytes))
+                    payload = unflatten(head.tree, tensors)
+                else:
+                    placed = known.manifest
+                    manifest = Manifest(head.tree, placed.tensors, placed.offsets, known.nbytes)
+                    payload = read_payload(backing, slot, manifest)
             except BaseException:
                 self._ledger.free(slot)
                 raise
-            self._finish(ident, commit.xid, grant.rid, slot, manifest, head.meta, commit.ask)
+            self._land(
+                ident, commit.xid, grant.rid, slot, payload, known.nbytes, head.meta, commit.ask
+            )
         except (proto.ProtocolError, codec.CodecError) as exc:
             if commit is not None:  # answered, so its sender fails now
                 self._reply(ident, "nack", xid=commit.xid, reason=str(exc))
@@ -512,17 +580,24 @@ class Ingress:
     def _poll_ms(self) -> int:
         if self._freed:
             return 0  # released on this thread after the paused lanes were looked at
+        ms = int((self._due - time.monotonic()) * 1000) + 1
+        return 1 if ms < 1 else min(ms, int(IDLE_S * 1000))
+
+    def _next_due(self, now: float) -> float:
+        """The earliest deadline housekeeping acts on: a transfer's, a grant's or a waiting
+        reservation's, the next load report's while someone sends; `now` while a landing is
+        busy (polled every millisecond); at most IDLE_S away."""
         if any(landing.busy() for landing in self._landings.values()):
-            return 1
-        deadlines = [chunked.deadline for chunked in self._chunked.values()]
+            return now
+        due = now + IDLE_S
+        for chunked in self._chunked.values():
+            due = min(due, chunked.deadline)
         ledger = self._ledger.next_deadline()
         if ledger is not None:
-            deadlines.append(ledger)
+            due = min(due, ledger)
         if self._active_at:  # someone is sending: the next `load` is due
-            deadlines.append(self._load_due)
-        if not deadlines:
-            return 1000
-        return max(1, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+            due = min(due, self._load_due)
+        return due
 
     def _handle_one(self) -> None:
         ident = self._sock.recv()
@@ -929,7 +1004,21 @@ class Ingress:
         except BaseException:
             self._ledger.free(slot)
             raise
-        msg = Message(rid, payload, manifest.nbytes, slot, time.monotonic(), meta)
+        self._land(ident, xid, rid, slot, payload, manifest.nbytes, meta, ask)
+
+    def _land(
+        self,
+        ident: bytes,
+        xid: int,
+        rid: str,
+        slot: int,
+        payload: Any,
+        nbytes: int,
+        meta: dict[str, Any] | None,
+        ask: Any = None,
+    ) -> None:
+        """Deliver a committed payload (its tensors view `slot`), then ack its commit."""
+        msg = Message(rid, payload, nbytes, slot, time.monotonic(), meta)
         if not self._admit(msg):
             self._reply(ident, "nack", xid=xid, reason=f"request {rid} was aborted")
             return

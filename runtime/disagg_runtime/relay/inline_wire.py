@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disagg_runtime.codec import CodecError, decode_json, encode_json
+from disagg_runtime.layout import SlotReader
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.relay.lane import PREFIX
 from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_MESSAGE_BYTES, ProtocolError
@@ -150,9 +151,11 @@ class Inline:
 
 def unpack(header: memoryview) -> Inline:
     """Parse a binary inline header; ProtocolError naming what is wrong."""
-    _check_size(header, FIXED, "inline")
+    if not FIXED.size <= header.nbytes <= MAX_CONTROL_BYTES:
+        _check_size(header, FIXED, "inline")
     kind, version, *lengths = FIXED.unpack_from(header)
-    _check_kind(kind, version, KIND_INLINE, "inline")
+    if kind != KIND_INLINE or version != WIRE_VERSION:
+        _check_kind(kind, version, KIND_INLINE, "inline")
     return _parts(header, FIXED.size, lengths, "inline")
 
 
@@ -194,6 +197,10 @@ def _check_kind(kind: int, version: int, expected: int, what: str) -> None:
         raise ProtocolError(f"unsupported {what} header version {version}")
 
 
+_TREE = {"inline": "inline tree", "commit": "commit tree"}  # what errors name
+_META = {"inline": "inline meta", "commit": "commit meta"}
+
+
 def _parts(header: memoryview, at: int, lengths: list[int], what: str) -> Inline:
     n_rid, n_layout, n_tree, n_meta = lengths
     end = at + n_rid + n_layout + n_tree + n_meta
@@ -209,13 +216,25 @@ def _parts(header: memoryview, at: int, lengths: list[int], what: str) -> Inline
     layout = bytes(header[at : at + n_layout])
     at += n_layout
     try:
-        tree = decode_json(header[at : at + n_tree], f"{what} tree")
-        meta = decode_json(header[at + n_tree :], f"{what} meta") if n_meta else None
+        tree = decode_json(header[at : at + n_tree], _TREE[what])
+        meta = decode_json(header[at + n_tree :], _META[what]) if n_meta else None
     except CodecError as exc:
         raise ProtocolError(str(exc)) from None
     if meta is not None and type(meta) is not dict:
         raise ProtocolError("relay message: 'meta' must be an object")
     return Inline(rid, layout, tree, meta)
+
+
+class Layout:
+    """One validated layout: its `manifest` (no tree), `nbytes`, and the `reader` that views
+    its tensors in a slot's bytes (layout.py `SlotReader`), both worked out once."""
+
+    __slots__ = ("manifest", "nbytes", "reader")
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.nbytes = manifest.nbytes
+        self.reader = SlotReader(manifest)
 
 
 class LayoutCache:
@@ -225,23 +244,28 @@ class LayoutCache:
 
     def __init__(self, slot_size: int = MAX_INLINE_MESSAGE_BYTES) -> None:
         self.slot_size = slot_size
-        self._layouts: dict[bytes, Manifest] = {}
+        self._layouts: dict[bytes, Layout] = {}
 
     def __len__(self) -> int:
         return len(self._layouts)
 
-    def manifest(self, layout: bytes, tree: Any) -> Manifest:
-        """The manifest of `layout` with `tree`: validated as `Manifest.from_json` does for
-        a slot of `slot_size` bytes (the caller checks its nbytes against the slot it has:
-        an inline message's data, a commit's granted slot)."""
+    def layout(self, layout: bytes) -> Layout:
+        """`layout` validated as `Manifest.from_json` does for a slot of `slot_size` bytes
+        (the caller checks its nbytes against the slot it has: an inline message's data, a
+        commit's granted slot); CodecError naming what is wrong."""
         known = self._layouts.get(layout)
         if known is None:
             doc = decode_json(memoryview(layout), "inline layout")
             if type(doc) is not dict or "tree" in doc:
                 raise CodecError("inline layout: expected an object without a tree")
-            known = Manifest.from_json(doc, slot_size=self.slot_size)
+            known = Layout(Manifest.from_json(doc, slot_size=self.slot_size))
             if len(layout) <= MAX_CACHED_LAYOUT_BYTES:
                 if len(self._layouts) >= LAYOUT_CACHE_ENTRIES:
                     del self._layouts[next(iter(self._layouts))]  # the oldest
                 self._layouts[layout] = known
+        return known
+
+    def manifest(self, layout: bytes, tree: Any) -> Manifest:
+        """The manifest of `layout` (validated as `layout()` says) with `tree`."""
+        known = self.layout(layout).manifest
         return Manifest(tree, known.tensors, known.offsets, known.nbytes)

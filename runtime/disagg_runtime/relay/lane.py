@@ -150,57 +150,64 @@ class LaneReader:
             self._parse(frames)
             if self.blocked:
                 return frames
+        recv_into = self.sock.recv_into
         while len(frames) < MAX_FRAMES_PER_READ and not self.blocked:
-            target = (
-                memoryview(self._body)[self._got :]
-                if self._body is not None
-                else self._view[self._have :]
-            )
+            body = self._body
+            target = memoryview(body)[self._got :] if body is not None else self._view[self._have :]
             try:  # never waits, on a blocking socket too (the sender reads its replies so)
-                n = self.sock.recv_into(target, 0, socket.MSG_DONTWAIT)
+                n = recv_into(target, 0, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return frames
             except OSError as exc:
                 raise LaneError(f"lane connection failed: {exc}") from None
             if n == 0:
                 raise LaneError("lane closed by the other end")
-            if not self.partial:  # a trickle keeps no frame alive longer than its deadline
-                self.started_at = time.monotonic()
-            if self._body is not None:
+            if body is not None:
                 self._got += n
                 self._complete(frames)
             else:
+                if not self._have:  # a trickle keeps no frame alive longer than its deadline
+                    self.started_at = time.monotonic()
                 self._have += n
                 self._parse(frames)
-            if n < len(target):
+            if n < target.nbytes:
                 break  # the socket is drained for now (poll says when there is more)
         return frames
 
     def _parse(self, frames: list[Frame]) -> None:
-        used = 0
-        while self._body is None and self._have - used >= PREFIX.size:
+        """Cut the frames whose prefix is in scratch: each one complete there is copied out
+        at once (one allocation, one copy); the first one that is not becomes `_body`, and
+        the rest of it is received straight into it."""
+        used, have = 0, self._have
+        max_header, max_data = self.limits
+        admit = self._admit
+        while self._body is None and have - used >= PREFIX.size:
             header_bytes, data_bytes = PREFIX.unpack_from(self._scratch, used)
-            max_header, max_data = self.limits
             if header_bytes > max_header or data_bytes > max_data:
                 raise LaneError(
                     f"lane frame of {header_bytes} + {data_bytes} B is over the limits "
                     f"({max_header} B header, {max_data} B data)"
                 )
             total = header_bytes + data_bytes
-            if self._admit is not None and not self._admit(total):
+            if admit is not None and not admit(total):
                 self.blocked = True  # the prefix stays: parsed again on the next read
                 break
             used += PREFIX.size
-            take = min(total, self._have - used)
+            charge = total if admit is not None else 0
+            end = used + total
+            if end <= have:  # all here
+                frames.append(Frame(bytearray(self._view[used:end]), header_bytes, charge))
+                used = end
+                continue
             self._body = bytearray(total)
-            self._body[:take] = self._view[used : used + take]
-            self._header_bytes, self._got = header_bytes, take
-            self._charge = total if self._admit is not None else 0
-            used += take
-            self._complete(frames)
-        if used:  # keep the start of a frame whose prefix is not complete yet
-            self._scratch[: self._have - used] = self._scratch[used : self._have]
-            self._have -= used
+            self._body[: have - used] = self._view[used:have]
+            self._header_bytes, self._got, self._charge = header_bytes, have - used, charge
+            used = have
+        if used == have:
+            self._have = 0
+        elif used:  # keep the start of a frame whose prefix is not complete yet
+            self._scratch[: have - used] = self._scratch[used:have]
+            self._have = have - used
 
     def _complete(self, frames: list[Frame]) -> None:
         if self._body is not None and self._got == len(self._body):

@@ -638,6 +638,8 @@ def test_bool_data_must_be_zero_or_one() -> None:
         (b'{"v": 1, "v": 1, "tree": null, "tensors": []}', r"repeats the key 'v'"),
         (b'{"v": 1, "tree": ' + b"9" * 5000 + b', "tensors": []}', r"not valid JSON"),
         (b"[" * 100_000, r"nested too deeply"),
+        (b'{"v": 1, "tree": null, "tensors": []} x', r"not valid JSON: Extra data"),
+        (b'{"v": 1, "tree": {"d": {"a": 1, "a": 2}}, "tensors": []}', r"repeats the key 'a'"),
     ],
 )
 def test_bad_headers(header: bytes, match: str) -> None:
@@ -742,6 +744,14 @@ def test_depth_limit_on_decode() -> None:
         ({"b": "A" * (4 * MAX_BYTES_VALUE)}, 0, r"over the limit of"),
         ({"f": "NaN"}, 0, r"'f' node holds 'NaN'"),
         ({"f": 1.0}, 0, r"'f' node holds 1\.0"),
+        # a flat dict (unflatten's one-loop path) says what is wrong as the walk does
+        ({"d": {"a": {"t": 0}, "b": {"t": 0}}}, 1, r"payload\['b'\]: tensor index 0 used more"),
+        ({"d": {"a": {"t": 1}}}, 1, r"payload\['a'\]: tensor index 1 out of range"),
+        ({"d": {"a": {"t": True}}}, 1, r"payload\['a'\]: tensor index True is not an int"),
+        ({"d": {"a": {"t": 0}}}, 2, r"never references tensor\(s\) \[1\]"),
+        ({"d": {"a": {"x": 0}}}, 0, r"payload\['a'\]: unknown tree tag 'x'"),
+        ({"d": {"a": {"t": 0, "l": []}}}, 1, r"payload\['a'\]: bad tree node"),
+        ({"d": {"a": [1]}}, 0, r"payload\['a'\]: bad tree node"),
     ],
 )
 def test_bad_trees(tree: Any, count: int, match: str) -> None:
@@ -751,6 +761,24 @@ def test_bad_trees(tree: Any, count: int, match: str) -> None:
     header = {"v": 1, "tree": tree, "tensors": [{"dtype": "uint8", "shape": [1]}] * count}
     with pytest.raises(CodecError, match=match):
         decode(frames_with(header, *[b"\x00"] * count))
+
+
+def test_whitespace_around_a_header_is_allowed() -> None:
+    """Strict JSON allows it: the decoder's fast path (the scanner alone) hands it on."""
+    assert decode_header(b' \n{"v": 1, "tree": null, "tensors": []}\t ')["v"] == 1
+
+
+def test_a_flat_dict_comes_back_as_the_tree_walk_builds_it() -> None:
+    """unflatten's one-loop path for a dict of tensors and scalars: the same dict, in order."""
+    tensors = [torch.zeros(1), torch.ones(2)]
+    tree = {"d": {"b": {"t": 1}, "n": None, "t": True, "i": 3, "f": 0.5, "s": "x", "a": {"t": 0}}}
+    out = unflatten(tree, tensors)
+    assert list(out) == ["b", "n", "t", "i", "f", "s", "a"]
+    assert out["b"] is tensors[1] and out["a"] is tensors[0]
+    assert [out[k] for k in "ntifs"] == [None, True, 3, 0.5, "x"]
+    assert unflatten({"d": {}}, []) == {}
+    with pytest.raises(CodecError, match=r"limit of 0"):
+        unflatten({"d": {"a": 1}}, [], max_depth=0)
 
 
 class Custom:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from disagg_runtime.codec import CodecError
-from disagg_runtime.layout import plan
+from disagg_runtime.layout import buffer_tensors, plan, slot_image
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.relay import inline_wire as wire
 from disagg_runtime.relay import lane
@@ -244,3 +244,35 @@ def test_a_layout_cache_refuses_layouts_larger_than_its_slots() -> None:
     with pytest.raises(CodecError, match="does not fit a slot of 4095 B"):
         wire.LayoutCache(4095).manifest(layout, manifest.tree)
     assert wire.LayoutCache(4096).manifest(layout, manifest.tree) == manifest
+
+
+def test_a_cached_layout_reads_the_tensors_buffer_tensors_reads() -> None:
+    """The layout's reader (worked out once) views the same values, dtypes and shapes."""
+    payload = {
+        "a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "b": torch.tensor([True, False, True]),
+        "c": torch.tensor(7, dtype=torch.int64),  # 0-d
+        "d": torch.empty(0, 5, dtype=torch.bfloat16),  # no bytes
+        "e": torch.arange(5, dtype=torch.int16),
+    }
+    manifest, tensors = plan(payload)
+    data = memoryview(slot_image(manifest, tensors))
+    known = wire.LayoutCache().layout(wire.layout_bytes(manifest))
+    assert known.nbytes == manifest.nbytes
+    got = known.reader.tensors(data)
+    want = buffer_tensors(data, manifest)
+    assert [(t.dtype, t.shape) for t in got] == [(t.dtype, t.shape) for t in want]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    got[0][0, 0] = 42.0  # views, not copies
+    assert want[0][0, 0] == 42.0
+
+
+def test_a_cached_layout_refuses_a_buffer_of_another_size_or_bad_bool_bytes() -> None:
+    manifest, tensors = plan({"m": torch.tensor([True, False])})
+    image = slot_image(manifest, tensors)
+    known = wire.LayoutCache().layout(wire.layout_bytes(manifest))
+    with pytest.raises(CodecError, match="holds 1 bytes"):
+        known.reader.tensors(memoryview(image)[:1])
+    image[1] = 2
+    with pytest.raises(CodecError, match="other than 0 and 1"):
+        known.reader.tensors(memoryview(image))
