@@ -40,6 +40,7 @@ from disagg_runtime.codec import (
     tensor_from_buffer,
     unflatten,
 )
+from tests.payload_strategies import payloads as payload_strategies
 
 ALL_DTYPES = sorted(DTYPES)
 SHAPES = [(), (0,), (3, 0, 2), (7,), (2, 3, 4, 5)]
@@ -437,43 +438,7 @@ def test_decode_views_frames_unless_copy() -> None:
 # ---------------------------------------------------------------- property tests
 
 
-@st.composite
-def small_tensors(draw: st.DrawFn) -> torch.Tensor:
-    dtype = DTYPES[draw(st.sampled_from(ALL_DTYPES))]
-    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
-    nbytes = math.prod(shape) * dtype.itemsize
-    data = draw(st.binary(min_size=nbytes, max_size=nbytes))
-    raw = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    if dtype == torch.bool:
-        raw = raw & 1
-    t = raw.view(dtype).reshape(shape)
-    if t.dim() >= 2 and draw(st.booleans()):
-        t = t.transpose(0, 1)
-    return t
-
-
-leaves = (
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=8)
-    | st.binary(max_size=16)
-    | small_tensors()
-)
-payloads = st.recursive(
-    leaves,
-    lambda children: (
-        st.lists(children, max_size=4)
-        | st.lists(children, max_size=4).map(tuple)
-        | st.dictionaries(st.text(max_size=5), children, max_size=4)
-    ),
-    max_leaves=20,
-)
+payloads = payload_strategies(max_leaves=20)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disagg_runtime.codec import DTYPES, CodecError
+from disagg_runtime.codec import CodecError
 from disagg_runtime.layout import (
     MAX_PLANNED_TENSORS,
     PLANNED_SIGNATURES,
@@ -21,6 +21,7 @@ from disagg_runtime.layout import (
     slot_image,
 )
 from disagg_runtime.relay import inline_wire, lane
+from tests.payload_strategies import payloads as payload_strategies
 
 
 def fresh_frame(payload: Any, rid: str, meta: dict[str, Any] | None) -> bytes:
@@ -156,39 +157,7 @@ def test_a_strided_tensor_s_host_copy_lives_until_the_slot_image_has_it() -> Non
 # -- any payload -------------------------------------------------------------------------
 
 
-@st.composite
-def tensors(draw: st.DrawFn) -> torch.Tensor:
-    dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
-    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
-    nbytes = math.prod(shape) * dtype.itemsize
-    data = bytearray(draw(st.binary(min_size=nbytes, max_size=nbytes)))
-    raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    if dtype == torch.bool:
-        raw = raw & 1
-    t = raw.view(dtype).reshape(shape)
-    if t.dim() >= 2 and draw(st.booleans()):
-        t = t.transpose(0, 1)  # strided
-    return t
-
-
-leaves = (
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=6)
-    | st.binary(max_size=8)
-    | tensors()
-)
-payloads = st.recursive(
-    leaves,
-    lambda children: (
-        st.lists(children, max_size=4)
-        | st.lists(children, max_size=4).map(tuple)
-        | st.dictionaries(st.text(max_size=4), children, max_size=4)
-    ),
-    max_leaves=12,
-)
+payloads = payload_strategies(max_leaves=12, text=6, binary=8, keys=4)
 SHARED = Planner()  # across examples: payloads of one signature meet in it
 
 
