@@ -20,7 +20,7 @@ from disagg_runtime import peers
 from disagg_runtime.client import Client, UploadExpired, chunk_sources
 from disagg_runtime.gateway import native
 from disagg_runtime.peers import Dedicated
-from disagg_runtime.relay import RelayError, RelayTimeout, ShmSender, TcpSender
+from disagg_runtime.relay import Ingress, RelayError, RelayTimeout, ShmSender, TcpSender
 from disagg_runtime.relay.landing import chunk_targets
 from tests.relay_rig import KEY, WAIT, Rig
 
@@ -129,16 +129,24 @@ def test_a_slot_filled_too_late_is_not_committed(rig: Rig) -> None:
     wait_used(ingress, 0)
 
 
-def test_a_body_streamed_in_chunks_arrives_as_its_payload(rig: Rig) -> None:
-    """Chunks of 4 KiB (several per tensor, tensors nesting out of data order) sent from
-    the body's data section land where the manifest puts them; each chunk is taken by the
-    receiver as it comes (the sender waits for nothing but the final ack)."""
+def chunked_tcp(
+    rig: Rig,
+) -> tuple[Ingress, TcpSender, bytes, Any, memoryview, list[tuple[int, int]]]:
+    """A tcp ingress and a sender of 4 KiB chunks (nothing inline), a mixed body, its
+    manifest and data section, and where each chunk comes from in that section."""
     ingress = rig.ingress("tcp")
     sender = rig.sender("tcp", ingress, chunk_bytes=4096, inline_max=0)
     assert isinstance(sender, TcpSender)
     body = mixed_body()
     manifest, data, starts = parsed(body)
-    sources = chunk_sources(manifest, 4096, starts)
+    return ingress, sender, body, manifest, data, chunk_sources(manifest, 4096, starts)
+
+
+def test_a_body_streamed_in_chunks_arrives_as_its_payload(rig: Rig) -> None:
+    """Chunks of 4 KiB (several per tensor, tensors nesting out of data order) sent from
+    the body's data section land where the manifest puts them; each chunk is taken by the
+    receiver as it comes (the sender waits for nothing but the final ack)."""
+    ingress, sender, body, manifest, data, sources = chunked_tcp(rig)
     assert [n for _, n in chunk_targets(0, manifest, 4096)] == [e - b for b, e in sources]
     grant = sender.reserve("t1", manifest, timeout=WAIT)
     assert ingress.pool.allocator.stats().used > 0
@@ -155,12 +163,7 @@ def test_a_body_streamed_in_chunks_arrives_as_its_payload(rig: Rig) -> None:
 def test_a_cut_stream_frees_its_slot_and_the_connection_goes_on(rig: Rig) -> None:
     """Leaving the stream half way (the source went away): the receiver frees the slot at
     once, nothing is delivered, and the same connection carries the next transfer."""
-    ingress = rig.ingress("tcp")
-    sender = rig.sender("tcp", ingress, chunk_bytes=4096, inline_max=0)
-    assert isinstance(sender, TcpSender)
-    body = mixed_body()
-    manifest, data, starts = parsed(body)
-    sources = chunk_sources(manifest, 4096, starts)
+    ingress, sender, _, manifest, data, sources = chunked_tcp(rig)
     grant = sender.reserve("t2", manifest, timeout=WAIT)
     with pytest.raises(ConnectionError), sender.stream(grant, timeout=WAIT) as out:
         for begin, end in sources[: len(sources) // 2]:
