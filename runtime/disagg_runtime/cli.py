@@ -112,7 +112,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--methods",
         default=None,
         help="comma list of methods to run (default: all of the device's: "
-        "memcpy,memcpy_large,raw_unix,shm,tcp,pickle_zmq,copy_clone_zmq; "
+        "memcpy,memcpy_large,raw_unix,py_unix,shm,tcp,pickle_zmq,copy_clone_zmq; "
         "with --device cuda: d2d,cuda_ipc,shm,tcp; nixl on request, with the nixl extra)",
     )
     transport.add_argument(

@@ -41,6 +41,10 @@ def test_transport_json_has_every_method_and_size():
             assert row["p50_over_raw"] > 0
         if row["method"] == "raw_unix":
             assert row["p50_over_raw"] == pytest.approx(1.0)
+        if row["method"] not in ("memcpy", "memcpy_large", "raw_unix"):
+            assert row["p50_over_py"] > 0  # the Python floor is measured before the relays
+        if row["method"] == "py_unix":
+            assert row["p50_over_py"] == pytest.approx(1.0)
         if row["method"] in ("shm", "tcp"):
             assert row["pool_bytes"] >= row["size_bytes"]
             assert row["receiver_rss_delta_bytes"] is not None

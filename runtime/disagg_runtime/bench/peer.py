@@ -104,6 +104,30 @@ def serve_raw(path: str, nbytes: int) -> None:
             sock.sendall(struct.pack("d", delay))
 
 
+PY_HEADER = struct.Struct("<dQ")  # `py_unix`: the sender's stamp, the tensor's bytes
+
+
+def serve_py(path: str, _nbytes: int = 0) -> None:
+    """`py_unix`: receive header + tensor messages on a unix stream socket, each into a
+    tensor of its own, answering each with the one-way delay once the tensor is made."""
+    head = bytearray(PY_HEADER.size)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        while True:
+            if sock.recv_into(head, PY_HEADER.size, socket.MSG_WAITALL) < PY_HEADER.size:
+                return
+            stamp, size = PY_HEADER.unpack(head)
+            if size:
+                body = bytearray(size)
+                if sock.recv_into(body, size, socket.MSG_WAITALL) < size:
+                    return
+                x = torch.frombuffer(body, dtype=torch.uint8)
+            else:
+                x = torch.empty(0, dtype=torch.uint8)
+            payload = {"x": x, "sent": stamp}
+            sock.sendall(struct.pack("d", time.perf_counter() - payload["sent"]))
+
+
 def _one_way(payload: dict[str, Any]) -> bytes:
     """Seconds since the sender stamped the payload: perf_counter is CLOCK_MONOTONIC on
     Linux, one clock for every process on the machine."""

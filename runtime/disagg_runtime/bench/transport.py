@@ -13,10 +13,15 @@ torch thread, so it is like for like. The limits, measured in the same run:
   last-level cache, so every copy reads and writes memory (the limit for medium sizes:
   a payload handed to another process is rarely in the cache);
 - `raw_unix`: the message as bytes over one AF_UNIX stream socket to a receiver blocked
-  in `recv_into` (no framing, no flow control): the floor for a wake-up between processes.
+  in `recv_into` (no framing, no flow control): the floor for a wake-up between processes;
+- `py_unix`: the least Python that hands a tensor to another process: `raw_unix` with a
+  16-byte header (stamp, size), the tensor's bytes copied into the message by torch, and
+  the receiver making a tensor of what it read (`torch.frombuffer`) in a dict. No
+  authentication, flow control, ordering or release: the floor for any Python API that
+  delivers tensors, against which the relays' per-message cost can be read.
 
 Every row carries its ratio to each limit (`x memcpy`, `x large`: rate over rate;
-`x raw`: p50 over raw_unix p50).
+`x raw`, `x py`: p50 over raw_unix's and py_unix's p50).
 
 `--device cuda`: the payload lives on the GPU and every receiver ends with it on the GPU.
 `d2d` (a device-to-device `copy_`, synchronized) is the limit; `cuda_ipc` copies into the
@@ -57,11 +62,20 @@ from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.pool import cuda_unavailable_reason
 from disagg_runtime.relay import Relay, auth, connect, registry
 
-METHODS = ("memcpy", "memcpy_large", "raw_unix", "shm", "tcp", "pickle_zmq", "copy_clone_zmq")
+METHODS = (
+    "memcpy",
+    "memcpy_large",
+    "raw_unix",
+    "py_unix",
+    "shm",
+    "tcp",
+    "pickle_zmq",
+    "copy_clone_zmq",
+)
 GPU_METHODS = ("d2d", "cuda_ipc", "shm", "tcp")
 OPTIONAL = ("nixl",)  # run when asked for (--methods), if this machine has the package
 LIMIT = {"cpu": "memcpy", "cuda": "d2d"}
-LIMITS = ("memcpy", "d2d", "memcpy_large", "raw_unix")  # measured first, in this order
+LIMITS = ("memcpy", "d2d", "memcpy_large", "raw_unix", "py_unix")  # measured first, in this order
 LLC_FALLBACK = 32 << 20
 RELAYS = {"shm": "shm", "tcp": "tcp", "cuda_ipc": "cuda-ipc", "nixl": "nixl"}
 LATENCY_MAX = 64 * 1024
@@ -120,6 +134,7 @@ class Result:
     p99_us: float | None = None
     ratio_to_large: float | None = None  # gbps / memcpy_large gbps (same size, same run)
     p50_over_raw: float | None = None  # p50 / raw_unix p50 (same size, same run)
+    p50_over_py: float | None = None  # p50 / py_unix p50 (same size, same run)
     sender_rss_delta_bytes: int | None = None
     receiver_rss_delta_bytes: int | None = None
     pool_bytes: int | None = None
@@ -174,9 +189,36 @@ def measure_memcpy_large(size: int, repeats: int) -> list[float]:
 def measure_raw_unix(size: int, repeats: int) -> list[float]:
     """One-way delays of `size` bytes written whole to a unix stream socket whose receiver
     (another process) is blocked in `recv_into`; it answers each with the delay it saw."""
+    buf = bytearray(max(size, 8))  # the stamp travels in the message
+
+    def message() -> bytearray:
+        struct.pack_into("d", buf, 0, time.perf_counter())
+        return buf
+
+    return _unix_delays(peer.serve_raw, len(buf), message, repeats)
+
+
+def measure_py_unix(size: int, repeats: int) -> list[float]:
+    """As `measure_raw_unix`, with the least a Python tensor hand-off does on each side:
+    a header (stamp, size) and the tensor's bytes copied by torch into one message here;
+    the header parsed, the bytes received into their own buffer and made a tensor there."""
+    x = torch.ones(size, dtype=torch.uint8)
+
+    def message() -> bytearray:
+        frame = bytearray(peer.PY_HEADER.size + size)
+        peer.PY_HEADER.pack_into(frame, 0, time.perf_counter(), size)
+        if size:
+            torch.frombuffer(frame, dtype=torch.uint8, offset=peer.PY_HEADER.size).copy_(x)
+        return frame
+
+    return _unix_delays(peer.serve_py, 0, message, repeats)
+
+
+def _unix_delays(serve: Any, nbytes: int, message: Any, repeats: int) -> list[float]:
+    """Run `serve(path, nbytes)` in another process, write it `repeats` + 1 messages (each
+    `message()`, which stamps itself) over a unix stream socket, one at a time, and return
+    the one-way delays it answers (the first, a warm-up, dropped)."""
     spawn = mp.get_context("spawn")
-    nbytes = max(size, 8)  # the stamp travels in the message
-    buf = bytearray(nbytes)
     delays: list[float] = []
     with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
         path = os.path.join(tmp, "raw.sock")
@@ -184,19 +226,17 @@ def measure_raw_unix(size: int, repeats: int) -> list[float]:
         listener.bind(path)
         listener.listen(1)
         listener.settimeout(60)
-        proc = spawn.Process(target=peer.serve_raw, args=(path, nbytes), daemon=True)
+        proc = spawn.Process(target=serve, args=(path, nbytes), daemon=True)
         proc.start()
         try:
             conn, _ = listener.accept()
             conn.settimeout(60)
             with conn:
                 for _ in range(repeats + 1):
-                    stamp = time.perf_counter()
-                    struct.pack_into("d", buf, 0, stamp)
-                    conn.sendall(buf)
+                    conn.sendall(message())
                     reply = conn.recv(8, socket.MSG_WAITALL)
                     if len(reply) != 8:
-                        raise RuntimeError("raw_unix receiver went away")
+                        raise RuntimeError("the unix socket's receiver went away")
                     delays.append(struct.unpack("d", reply)[0])
         finally:
             listener.close()
@@ -323,6 +363,7 @@ def run(
         n = repeats or default_repeats(size)
         rates: dict[str, float] = {}
         raw_p50: float | None = None
+        py_p50: float | None = None
         for method in methods:
             rss: dict[str, int] = {}
             if method == "memcpy":
@@ -333,6 +374,8 @@ def run(
                 times = one_way = measure_d2d(size, n)
             elif method == "raw_unix":
                 times = one_way = measure_raw_unix(size, n)
+            elif method == "py_unix":
+                times = one_way = measure_py_unix(size, n)
             else:
                 times, one_way, rss = measure_remote(method, size, n, device)
             p50 = statistics.median(one_way)
@@ -351,12 +394,16 @@ def run(
                 rates[method] = result.gbps
             if method == "raw_unix":
                 raw_p50 = p50
+            if method == "py_unix":
+                py_p50 = p50
             if LIMIT[device] in rates:
                 result.ratio_to_memcpy = result.gbps / rates[LIMIT[device]]
             if "memcpy_large" in rates:
                 result.ratio_to_large = result.gbps / rates["memcpy_large"]
             if raw_p50:
                 result.p50_over_raw = p50 / raw_p50
+            if py_p50:
+                result.p50_over_py = p50 / py_p50
             results.append(result)
     return results
 
@@ -366,7 +413,7 @@ def _cell(value: float | None, fmt: str) -> str:
 
 
 def render_table(results: list[Result]) -> str:
-    columns = ["size", "GB/s", "x memcpy", "x large", "p50 us", "p99 us", "x raw"]
+    columns = ["size", "GB/s", "x memcpy", "x large", "p50 us", "p99 us", "x raw", "x py"]
     columns += ["tx MiB", "rx MiB"]
     head = f"{'method':<16}" + "".join(f"{c:>9}" for c in columns)
     lines = [head, "-" * len(head)]
@@ -379,6 +426,7 @@ def render_table(results: list[Result]) -> str:
             _cell(r.p50_us, ".0f"),
             _cell(r.p99_us, ".0f"),
             _cell(r.p50_over_raw, ".2f"),
+            _cell(r.p50_over_py, ".2f"),
             _cell(
                 None if r.sender_rss_delta_bytes is None else r.sender_rss_delta_bytes / 2**20,
                 ".0f",
@@ -391,7 +439,7 @@ def render_table(results: list[Result]) -> str:
         lines.append(f"{r.method:<16}" + "".join(f"{c:>9}" for c in cells))
     lines.append(
         "GB/s: size / p50 one-way. x memcpy, x large: GB/s over memcpy's and memcpy_large's "
-        "(buffers beyond the LLC); x raw: p50 over raw_unix's p50."
+        "(buffers beyond the LLC); x raw, x py: p50 over raw_unix's and py_unix's p50."
     )
     lines.append("tx/rx MiB: peak RSS growth of sender/receiver during the run (pool included).")
     if any(r.device == "cuda" for r in results):
