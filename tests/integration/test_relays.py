@@ -31,7 +31,9 @@ from disagg_runtime.relay import (
     connect,
 )
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.sender import Sender
+from disagg_runtime.relay.sender import INLINE_THRESHOLD, Sender
+from disagg_runtime.relay.tcp import TCP_INLINE_MAX
+from disagg_runtime.relay.tcp import inline_limit as tcp_inline_limit
 from tests.payload_checks import assert_bit_exact, tensors_of
 from tests.relay_rig import (
     KEY,
@@ -128,6 +130,53 @@ def test_tcp_chunking_reassembles_exactly(rig: Rig) -> None:
         assert_bit_exact(msg.payload, payload)
 
 
+def test_tcp_sends_medium_payloads_inline_to_a_host_pool_and_reserves_beyond(rig: Rig) -> None:
+    """Up to TCP_INLINE_MAX, a tcp payload to a receiver whose pool is plain host memory
+    goes as one lane frame (held in the inline budget, no pool slot); above it, without a
+    lane, or with `inline_max` set lower, it is reserved and chunked into the pool."""
+    ingress = rig.ingress("tcp")  # a cpu pool: its welcome says so
+    assert handshake(rig.raw(ingress, authenticate=False), relay="tcp")["pool_device"] == "cpu"
+    sender = rig.sender("tcp", ingress)
+    assert isinstance(sender, TcpSender) and sender.inline_max == TCP_INLINE_MAX
+    # without a lane, where the budget cannot stall it (an inline payload over ZMQ that
+    # does not fit is dropped), the default stays
+    laneless = rig.sender("tcp", ingress, lane=False)
+    assert isinstance(laneless, TcpSender) and laneless.inline_max == INLINE_THRESHOLD
+    medium, big = filled(512 * KiB, 3), filled(TCP_INLINE_MAX + 1, 4)
+    told = rig.sender("tcp", ingress, inline_max=64 * KiB)
+    for via, payload, rid in ((sender, medium, "m"), (sender, big, "b"), (told, medium, "t")):
+        via.send(payload, request_id=rid)
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.request_id == rid
+            assert_bit_exact(msg.payload, payload)
+            if rid == "m":  # inline: in the ingress's budget, not in a pool slot
+                assert msg.slot is None and msg.charge >= msg.nbytes
+                assert ingress.pool.stats().used == 0
+                assert ingress.stats().inline_used >= msg.nbytes
+            else:
+                assert msg.slot is not None and ingress.pool.stats().used >= msg.nbytes
+    assert ingress.stats().inline_used == 0 and ingress.pool.stats().used == 0
+
+
+@pytest.mark.parametrize(
+    ("device", "limit"),
+    [
+        ("shm", TCP_INLINE_MAX),
+        ("cpu", TCP_INLINE_MAX),
+        ("cpu-pinned", INLINE_THRESHOLD),
+        ("cuda", INLINE_THRESHOLD),
+        (None, INLINE_THRESHOLD),
+        (7, INLINE_THRESHOLD),
+    ],
+)
+def test_tcp_inline_limit_follows_where_the_receiver_lands_payloads(
+    device: Any, limit: int
+) -> None:
+    """A pool on a GPU, or pinned for one, keeps medium payloads reserved there (they land
+    where the role computes); so does a welcome that says nothing (an older ingress)."""
+    assert tcp_inline_limit(device) == limit
+
+
 def test_recv_times_out_when_nothing_arrives(rig: Rig) -> None:
     ingress = rig.ingress("tcp")
     with pytest.raises(RelayTimeout):
@@ -183,7 +232,7 @@ def test_shm_and_tcp_senders_share_one_ingress(rig: Rig) -> None:
 @pytest.mark.parametrize("kind", RELAY_KINDS)
 def test_threads_share_one_sender(rig: Rig, kind: str) -> None:
     ingress = rig.ingress(kind, size=8 * MiB, min_block=256 * KiB)
-    sender = rig.sender(kind, ingress)
+    sender = rig.sender(kind, ingress, inline_max=INLINE_THRESHOLD)  # tcp too: 300 KiB staged
     threads, per_thread = 4, 4
     expected: dict[str, Any] = {}
     for t in range(threads):

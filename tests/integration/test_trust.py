@@ -60,7 +60,7 @@ from tests.support import wait_for
 HERE = Path(__file__).resolve().parent
 WAIT = 20.0
 START_S = 120.0
-BIG = torch.arange(ph.BIG, dtype=torch.float32)  # 256 KiB: staged through pools, not inline
+BIG = torch.arange(ph.BIG, dtype=torch.float32)  # 256 KiB: staged in shm pools (tcp: inline)
 
 
 def wait_until(
@@ -422,15 +422,16 @@ def test_huge_deadlines_are_clamped_to_the_request_timeout(replies: Replies) -> 
     """Four requests with deadlines of now+2e6 s and now+1e9 s, replying to an endpoint
     whose pool never has room, hold the role's workers for its request timeout (3 s), not
     for weeks, and raise no OverflowError; then good requests are served."""
-    jammed = Replies(size=1 * MiB)
+    jammed = Replies(size=4 * MiB)
     assert jammed.pool.allocate(jammed.pool.allocator.capacity) is not None  # never a grant
+    huge = torch.arange(512 * 1024, dtype=torch.float32)  # 2 MiB: reserved (over tcp's inline)
     doc = pipeline_doc("trust-deadline", [("r", "identity")], timeout=3.0, concurrency=2)
     try:
         with roles(doc) as rp:
             sender = key_sender(rp.endpoint("r"))
             try:
                 for far in (2e6, 1e9, 2e6, 1e9):
-                    request(sender, {"x": BIG}, jammed.endpoint(), deadline=time.time() + far)
+                    request(sender, {"x": huge}, jammed.endpoint(), deadline=time.time() + far)
                 wait_until(  # each within its 3 s: they used to hold the workers for weeks
                     lambda: (
                         counter(rp.samples("r"), 'disagg_requests_total{outcome="failed"}') == 4

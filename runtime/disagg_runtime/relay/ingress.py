@@ -728,6 +728,7 @@ class Ingress:
     def _welcome(self, ident: bytes, msg: dict[str, Any], theirs: str, ours: str) -> None:
         fields = {
             "pool": self.pool.name,
+            "pool_device": self.pool.backing.device,  # where staged payloads land
             "pool_size": self.pool.allocator.capacity,
             "max_allocation": self.pool.allocator.max_allocation,
             "lease_s": self.lease_s,

@@ -8,7 +8,8 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
     hello {relay, nonce}           -->
                                    <--   challenge {nonce}
     auth {mac}                     -->   (relay/auth.py: both ends prove the peer key)
-                                   <--   welcome {pool, pool_size, max_allocation, lease_s,
+                                   <--   welcome {pool, pool_device, pool_size,
+                                                  max_allocation, lease_s,
                                                   lane_id[, lane_port | lane_path],
                                                   [inline_wire, commit_wire,] load, [compat,]
                                                   [role,] mac}
@@ -67,6 +68,9 @@ binary header instead of this JSON (relay/inline_wire.py): struct-packed lengths
 manifest's layout cached per lane by its bytes. Senders use it only where offered.
 `commit_wire` (a version, 1) says the same for an shm sender's `commit` on a control lane:
 its fields (rid, xid, offset, manifest, meta, next) in a binary header of the same form.
+
+`pool_device` (shm, cpu, cpu-pinned, cuda) says where the ingress lands staged payloads; a
+sender picks its inline limit by it (relay/tcp.py: medium payloads inline to host pools).
 
 `role` names the role an ingress serves, under the welcome's mac: a sender that dialled
 a role's address checks it, so an address another role's pod has taken over (before the

@@ -2,9 +2,13 @@
 
 All speak `protocol` to an `Ingress`. Payloads up to `inline_max` bytes of tensors go as
 one message carrying their slot's bytes (latency-bound, no handshake), on the inline lane
-the ingress offers (relay/lane.py) or else over ZMQ. Larger ones reserve a slot in the
-receiver's pool first, so a slow receiver stalls its senders (flow control) rather than
-dropping or over-allocating:
+the ingress offers (relay/lane.py) or else over ZMQ; they count against the ingress's
+inline budget, so on the lane they too stall a receiver's senders when it is full. Unless
+told, a sender with a lane sets `inline_max` from what the welcome says of the receiver
+(`inline_limit`: the tcp relay sends medium payloads inline to a receiver whose pool is
+plain host memory); without one it stays INLINE_THRESHOLD.
+Larger ones reserve a slot in the receiver's pool first, so a slow receiver stalls its
+senders (flow control) rather than dropping or over-allocating:
 
     shm:  reserve -> grant -> copy tensors into the receiver's shared pool -> commit -> ack
           (in a stream of medium payloads the ack grants the next slot ahead, a spare:
@@ -69,7 +73,7 @@ from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout
 
 log = logging.getLogger(__name__)
-INLINE_THRESHOLD = 64 * 1024
+INLINE_THRESHOLD = 64 * 1024  # inline up to this unless a backend's `inline_limit` says more
 CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN = 64 * 1024
 HWM = 16
@@ -141,7 +145,7 @@ class Sender:
         endpoint: str,
         *,
         timeout: float = 30.0,
-        inline_max: int = INLINE_THRESHOLD,
+        inline_max: int | None = None,
         lane: bool = True,
         context: zmq.Context[Any] | None = None,
         key: bytes,
@@ -152,11 +156,12 @@ class Sender:
         self.timeout = timeout
         self._key = auth.check_key(key)
         self.pools = pools  # shm pools must be named with this prefix (None: any disagg pool)
-        if not 0 <= inline_max <= proto.MAX_INLINE_MESSAGE_BYTES:
+        if inline_max is not None and not 0 <= inline_max <= proto.MAX_INLINE_MESSAGE_BYTES:
             raise ValueError(
                 f"inline_max must be within [0, {proto.MAX_INLINE_MESSAGE_BYTES}] bytes"
             )
-        self.inline_max = inline_max
+        # None: the backend's choice for this receiver, once its welcome says what it is
+        self.inline_max = INLINE_THRESHOLD if inline_max is None else inline_max
         self.use_lane = lane  # False: inline payloads over ZMQ even where a lane is offered
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -186,6 +191,7 @@ class Sender:
         self._inline_wire = False  # the ingress reads binary inline headers on the lane
         self._commit_wire = False  # ... and binary commit headers (relay/inline_wire.py)
         self._planner = Planner()  # payloads shaped like recent ones are not laid out again
+        self._lane_inline_max: int | None = None  # `inline_max` while the lane is up, if set so
         self._last_staged = -SPARE_STREAM_S  # when the last staged payload was sent
         try:
             welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)
@@ -201,6 +207,10 @@ class Sender:
             self._inline_wire = welcome.get("inline_wire") == inline_wire.WIRE_VERSION
             self._commit_wire = welcome.get("commit_wire") == inline_wire.WIRE_VERSION
             self._open_lane(welcome)
+            if inline_max is None and self._lane is not None:
+                # the backend's limit only on a lane, where a full inline budget stalls this
+                # sender (over ZMQ an inline payload the budget cannot take is dropped)
+                self.inline_max = self._lane_inline_max = self.inline_limit(welcome)
         except BaseException:
             self._close_sockets()
             raise
@@ -346,6 +356,11 @@ class Sender:
 
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
         """Backend hook: e.g. attach the receiver's shared pool."""
+
+    def inline_limit(self, welcome: dict[str, Any]) -> int:
+        """Backend hook: the largest payload sent inline on the lane to the receiver that
+        sent `welcome`, when the caller set no `inline_max`."""
+        return INLINE_THRESHOLD
 
     def _open_lane(self, welcome: dict[str, Any]) -> None:
         """Take the inline lane the ingress offers (relay/lane.py); without one, or when it
@@ -541,6 +556,8 @@ class Sender:
             self._lane_control = False
             self._lane_replies.clear()
             self._watch_replies()
+            if self._lane_inline_max is not None:  # over ZMQ now: the default again
+                self.inline_max = INLINE_THRESHOLD
 
     def _control(self, header: bytes, *, opens: bool = False) -> None:
         """Send a control message where this sender's replies come from. When the lane is
