@@ -50,6 +50,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -214,7 +215,12 @@ def measure_py_unix(size: int, repeats: int) -> list[float]:
     return _unix_delays(peer.serve_py, 0, message, repeats)
 
 
-def _unix_delays(serve: Any, nbytes: int, message: Any, repeats: int) -> list[float]:
+def _unix_delays(
+    serve: Callable[[str, int], None],
+    nbytes: int,
+    message: Callable[[], bytearray],
+    repeats: int,
+) -> list[float]:
     """Run `serve(path, nbytes)` in another process, write it `repeats` + 1 messages (each
     `message()`, which stamps itself) over a unix stream socket, one at a time, and return
     the one-way delays it answers (the first, a warm-up, dropped)."""
