@@ -158,6 +158,32 @@ def test_tcp_sends_medium_payloads_inline_to_a_host_pool_and_reserves_beyond(rig
     assert ingress.stats().inline_used == 0 and ingress.pool.stats().used == 0
 
 
+def test_a_medium_tcp_payload_whose_lane_went_before_it_is_reserved_not_sent_over_zmq(
+    rig: Rig,
+) -> None:
+    """A lane lost between a payload's inline decision and its send (another thread's send
+    found it broken) takes the medium limit with it: over ZMQ, where the inline budget
+    cannot stall its sender, that payload could be dropped, so it is reserved instead."""
+
+    class LosesItsLane(TcpSender):
+        def _start_send(self) -> None:
+            self._close_lane()  # as a failed send on another thread does, under the lock
+            super()._start_send()
+
+    ingress = rig.ingress("tcp")
+    sender = LosesItsLane(ingress.endpoint, key=KEY, timeout=WAIT)
+    try:
+        assert sender.inline_max == TCP_INLINE_MAX  # the lane was up at the decision
+        payload = filled(512 * KiB, 5)
+        sender.send(payload, request_id="after-the-lane")
+        assert sender.inline_max == INLINE_THRESHOLD
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.slot is not None  # reserved in the pool, not inline over ZMQ
+            assert_bit_exact(msg.payload, payload)
+    finally:
+        sender.close()
+
+
 @pytest.mark.parametrize(
     ("device", "limit"),
     [

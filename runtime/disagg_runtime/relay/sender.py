@@ -422,7 +422,7 @@ class Sender:
             try:
                 if frame is not None and self._lane is not None:
                     self._send_lane(request_id, frame, at, tree, placed, meta)
-                elif frame is not None:
+                elif frame is not None and nbytes <= self.inline_max:  # the lane may have gone
                     manifest = placed.manifest(tree)
                     self._sock.send_multipart(_over_zmq(frame, at, request_id, manifest, meta))
                 else:
