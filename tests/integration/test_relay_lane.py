@@ -20,6 +20,7 @@ from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import (
     KINDS,
     WAIT,
+    KiB,
     Rig,
     assert_still_serves,
     filled,
@@ -162,6 +163,26 @@ def test_a_broken_lane_is_dropped_and_zmq_carries_that_payload_and_the_next(
         with ingress.recv(timeout=WAIT) as msg:
             assert msg.request_id == rid
     wait_for(lambda: ingress.stats().lanes == 0)
+
+
+def test_a_medium_tcp_payload_whose_lane_breaks_under_it_is_reserved(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inline on the lane, a medium tcp payload whose write finds the lane broken goes
+    reserved, as later ones do: over ZMQ a full inline budget would drop it."""
+    ingress = rig.ingress("tcp")
+    sender = rig.sender("tcp", ingress)
+    medium = filled(256 * KiB, 9)
+    assert isinstance(sender, Sender) and sender.inline_max >= medium["x"].numel()
+
+    def broken(*args: Any) -> None:
+        raise ConnectionResetError("peer reset")
+
+    monkeypatch.setattr(lane, "send_whole", broken)
+    sender.send(medium, request_id="when-it-broke")
+    with ingress.recv(timeout=WAIT) as msg:
+        assert msg.request_id == "when-it-broke" and msg.slot is not None
+        assert_bit_exact(msg.payload, medium)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -420,9 +420,13 @@ class Sender:
         with self._lock:
             self._start_send()
             try:
-                if frame is not None and self._lane is not None:
-                    self._send_lane(request_id, frame, at, tree, placed, meta)
-                elif frame is not None and nbytes <= self.inline_max:  # the lane may have gone
+                if (
+                    frame is not None
+                    and self._lane is not None
+                    and self._send_lane(request_id, frame)
+                ):
+                    return nbytes
+                if frame is not None and nbytes <= self.inline_max:  # the lane may have gone
                     manifest = placed.manifest(tree)
                     self._sock.send_multipart(_over_zmq(frame, at, request_id, manifest, meta))
                 else:
@@ -506,22 +510,15 @@ class Sender:
         placed.fill(frame, at, tensors)
         return frame, at
 
-    def _send_lane(
-        self,
-        rid: str,
-        frame: bytearray,
-        at: int,
-        tree: Any,
-        placed: Placement,
-        meta: Mapping[str, Any] | None,
-    ) -> None:
+    def _send_lane(self, rid: str, frame: bytearray) -> bool:
         """One frame on the lane, written by one call, waiting at most the sender's `timeout`
-        for room (the kernel's send timeout: cheaper than a deadline per call). A failure
-        cuts the stream mid-frame, which the ingress drops whole, and closes the lane. A
-        broken connection took every earlier frame with it, so this payload goes over ZMQ,
-        as later ones do (ZMQ queues for a peer that comes back); a full one (the receiver
-        stopped reading) still holds earlier frames this one must not overtake:
-        RelayTimeout."""
+        for room (the kernel's send timeout: cheaper than a deadline per call); False when
+        the lane broke. A failure cuts the stream mid-frame, which the ingress drops whole,
+        and closes the lane. A broken connection took every earlier frame with it, so the
+        caller sends this payload over ZMQ, as later ones go (ZMQ queues for a peer that
+        comes back), or reserves it when it is over the limit without a lane; a full one
+        (the receiver stopped reading) still holds earlier frames this one must not
+        overtake: RelayTimeout."""
         assert self._lane is not None
         try:
             lane.send_whole(self._lane, frame)
@@ -533,9 +530,9 @@ class Sender:
                 ) from None
             self._check_session(LOST_GRACE_S)  # the receiver went away: reconnect, not ZMQ
             log.info("%s relay to %s: lane lost (%s); over ZMQ now", self.kind, self.endpoint, exc)
-            self._sock.send_multipart(_over_zmq(frame, at, rid, placed.manifest(tree), meta))
-            return
+            return False
         self._lane_sent += 1
+        return True
 
     def _lane_frame(self, header: bytes, data: bytes | bytearray = b"") -> OSError | None:
         """Write one frame on the lane and count it; on failure close the lane and return
