@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 REF_PATH = "cond.emb"  # the tensor reference the ref pipelines mark on their first edge
-BIG = 64 * 1024  # float32 elements: 256 KiB, above the relays' inline limit (staged in pools)
+BIG = 64 * 1024  # float32 elements: 256 KiB: staged in shm pools (tcp to host pools: inline)
 
 Payload = dict[str, Any]
 
