@@ -191,7 +191,7 @@ class Sender:
         self._inline_wire = False  # the ingress reads binary inline headers on the lane
         self._commit_wire = False  # ... and binary commit headers (relay/inline_wire.py)
         self._planner = Planner()  # payloads shaped like recent ones are not laid out again
-        self._lane_inline_max: int | None = None  # `inline_max` while the lane is up, if set so
+        self._limit_on_lane = False  # `inline_max` is the backend's, for while the lane is up
         self._last_staged = -SPARE_STREAM_S  # when the last staged payload was sent
         try:
             welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)
@@ -210,7 +210,8 @@ class Sender:
             if inline_max is None and self._lane is not None:
                 # the backend's limit only on a lane, where a full inline budget stalls this
                 # sender (over ZMQ an inline payload the budget cannot take is dropped)
-                self.inline_max = self._lane_inline_max = self.inline_limit(welcome)
+                self.inline_max = self.inline_limit(welcome)
+                self._limit_on_lane = True
         except BaseException:
             self._close_sockets()
             raise
@@ -553,7 +554,7 @@ class Sender:
             self._lane_control = False
             self._lane_replies.clear()
             self._watch_replies()
-            if self._lane_inline_max is not None:  # over ZMQ now: the default again
+            if self._limit_on_lane:  # over ZMQ now: the default again
                 self.inline_max = INLINE_THRESHOLD
 
     def _control(self, header: bytes, *, opens: bool = False) -> None:
