@@ -52,11 +52,17 @@ class Forwarder:
         self.host, self.port, self.upstream = host, port, upstream
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._client, self.host, self.port)
+        self._server = await asyncio.start_server(self._connected, self.host, self.port)
 
     async def stop(self) -> None:
+        """Close the port and end every connection. A connection the loop accepted before the
+        close is made a turn or two later: `_connected` closes it then, so nothing outlives
+        this (a handler left pending would be closed by the garbage collector after the loop,
+        and its `finally` would raise there)."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for task in list(self._pipes):
@@ -66,22 +72,27 @@ class Forwarder:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
 
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
+    def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The server's callback as each connection is made: its handler is registered here,
+        synchronously, so `stop` sees it even before it first runs."""
+        if self._closing:
+            writer.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._client(reader, writer))
         self._pipes.add(task)
+        task.add_done_callback(self._pipes.discard)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
             writer.close()
-            self._pipes.discard(task)
             return
         try:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
             for w in (writer, up_writer):
                 w.close()
-            self._pipes.discard(task)
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -111,9 +111,12 @@ class Node:
         ready = threading.Event()
 
         def main() -> None:
-            self._loop = asyncio.new_event_loop()
-            self._loop.call_soon(ready.set)
-            self._loop.run_forever()
+            loop = self._loop = asyncio.new_event_loop()
+            loop.call_soon(ready.set)
+            try:
+                loop.run_forever()
+            finally:
+                _close(loop)
 
         self._thread = threading.Thread(target=main, name=f"test-node-{self.tag}", daemon=True)
         self._thread.start()
@@ -260,3 +263,17 @@ class Node:
             if name.startswith(network.NAME_PREFIX + self.tag):
                 pids.extend(network.processes_in(f"/run/netns/{name}"))
         return pids
+
+
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    """Close a stopped loop the way `asyncio.run` does: whatever task is still pending is
+    cancelled and run to its end first. A task left pending would be closed later by the
+    garbage collector, inside whatever the process does then, and its `finally` would find
+    the loop closed."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    with contextlib.suppress(Exception):
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
