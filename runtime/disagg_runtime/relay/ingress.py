@@ -563,9 +563,7 @@ class Ingress:
                     tensors = known.reader.tensors(backing.buffer(slot, known.nbytes))
                     payload = unflatten(head.tree, tensors)
                 else:
-                    placed = known.manifest
-                    manifest = Manifest(head.tree, placed.tensors, placed.offsets, known.nbytes)
-                    payload = read_payload(backing, slot, manifest)
+                    payload = read_payload(backing, slot, known.with_tree(head.tree))
             except BaseException:
                 self._ledger.free(slot)
                 raise

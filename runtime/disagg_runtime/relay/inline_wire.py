@@ -236,6 +236,11 @@ class Layout:
         self.nbytes = manifest.nbytes
         self.reader = SlotReader(manifest)
 
+    def with_tree(self, tree: Any) -> Manifest:
+        """The whole manifest of a message that carries this layout with `tree`."""
+        m = self.manifest
+        return Manifest(tree, m.tensors, m.offsets, m.nbytes)
+
 
 class LayoutCache:
     """The last few layouts a lane validated, by their exact bytes (bounded: at most
@@ -264,8 +269,3 @@ class LayoutCache:
                     del self._layouts[next(iter(self._layouts))]  # the oldest
                 self._layouts[layout] = known
         return known
-
-    def manifest(self, layout: bytes, tree: Any) -> Manifest:
-        """The manifest of `layout` (validated as `layout()` says) with `tree`."""
-        known = self.layout(layout).manifest
-        return Manifest(tree, known.tensors, known.offsets, known.nbytes)

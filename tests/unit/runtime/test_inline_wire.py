@@ -40,7 +40,11 @@ def header(
 
 def parse(head: memoryview, cache: wire.LayoutCache | None = None) -> Manifest:
     inline = wire.unpack(head)
-    return (cache if cache is not None else wire.LayoutCache()).manifest(inline.layout, inline.tree)
+    return (
+        (cache if cache is not None else wire.LayoutCache())
+        .layout(inline.layout)
+        .with_tree(inline.tree)
+    )
 
 
 def test_a_header_round_trips_with_its_tree_meta_and_request_id() -> None:
@@ -51,7 +55,7 @@ def test_a_header_round_trips_with_its_tree_meta_and_request_id() -> None:
     )
     assert head.rid == "réq-7"
     assert head.meta == meta
-    assert wire.LayoutCache().manifest(head.layout, head.tree) == manifest
+    assert wire.LayoutCache().layout(head.layout).with_tree(head.tree) == manifest
 
 
 def test_no_meta_travels_as_nothing_and_reads_as_none() -> None:
@@ -78,13 +82,13 @@ def test_the_cache_keeps_a_bounded_number_of_small_layouts() -> None:
     cache = wire.LayoutCache()
     for n in range(1, wire.LAYOUT_CACHE_ENTRIES + 10):
         manifest = planned(n)
-        cache.manifest(wire.layout_bytes(manifest), manifest.tree)
+        cache.layout(wire.layout_bytes(manifest)).with_tree(manifest.tree)
     assert len(cache) == wire.LAYOUT_CACHE_ENTRIES
     big, _ = plan([torch.zeros(1, dtype=torch.uint8) for _ in range(200)])
     layout = wire.layout_bytes(big)
     assert len(layout) > wire.MAX_CACHED_LAYOUT_BYTES
     fresh = wire.LayoutCache()
-    assert fresh.manifest(layout, big.tree) == big  # validated, not kept
+    assert fresh.layout(layout).with_tree(big.tree) == big  # validated, not kept
     assert len(fresh) == 0
 
 
@@ -93,7 +97,7 @@ def test_a_refused_layout_is_not_cached() -> None:
     bad = b'{"v":1,"nbytes":8,"tensors":[{"dtype":"uint8","shape":[16],"offset":0}]}'
     for _ in range(2):
         with pytest.raises(CodecError, match="exceed 8"):
-            cache.manifest(bad, {"t": 0})
+            cache.layout(bad).with_tree({"t": 0})
     assert len(cache) == 0
 
 
@@ -204,7 +208,7 @@ def test_a_commit_header_round_trips_with_its_numbers_and_ask(ask: dict[str, int
     commit = wire.unpack_commit(memoryview(packed))
     assert (commit.xid, commit.offset, commit.ask) == (2**40, 4 << 20, ask)
     assert (commit.head.rid, commit.head.layout, commit.head.meta) == ("rid-é", layout, {"a": [1]})
-    assert wire.LayoutCache(1 << 30).manifest(layout, commit.head.tree) == manifest
+    assert wire.LayoutCache(1 << 30).layout(layout).with_tree(commit.head.tree) == manifest
 
 
 @pytest.mark.parametrize(
@@ -242,8 +246,8 @@ def test_a_layout_cache_refuses_layouts_larger_than_its_slots() -> None:
     manifest = planned(4096)
     layout = wire.layout_bytes(manifest)
     with pytest.raises(CodecError, match="does not fit a slot of 4095 B"):
-        wire.LayoutCache(4095).manifest(layout, manifest.tree)
-    assert wire.LayoutCache(4096).manifest(layout, manifest.tree) == manifest
+        wire.LayoutCache(4095).layout(layout).with_tree(manifest.tree)
+    assert wire.LayoutCache(4096).layout(layout).with_tree(manifest.tree) == manifest
 
 
 def test_a_cached_layout_reads_the_tensors_buffer_tensors_reads() -> None:
