@@ -13,8 +13,10 @@ container  join the pause process's network, IPC, UTS and mount namespaces, unsh
            bind every volume at its mountPath (a missing mount point is made inside an
            overlay of its nearest existing parent, so the host's tree is never written),
            optionally remount / read-only, make the "image" (the interpreter's prefix)
-           reachable when it sits under a private directory, drop to runAsUser/runAsGroup,
-           exec the command.
+           reachable when it sits under a private directory, bind the "image" (the
+           virtual environment, the interpreter, the checkout) read-only back at its own
+           path where a volume hides it (a checkout under /tmp and an emptyDir at /tmp),
+           drop to runAsUser/runAsGroup, exec the command.
 """
 
 from __future__ import annotations
@@ -144,6 +146,33 @@ def reveal(path: str, scratch: str, n: int) -> None:
     mount(aside, path, None, MS_BIND | MS_REC, None)
 
 
+def _same(path: str, fd: int) -> bool:
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def keep_visible(paths: list[str], held: list[int]) -> None:
+    """Bind each of `paths` (held open before the volumes were mounted) read-only back at
+    its own path where a volume now hides it: the host's virtual environment is this
+    node's image, and a checkout under /tmp sits below a pod's emptyDir at /tmp."""
+    for path, fd in zip(paths, held, strict=True):
+        if _same(path, fd):
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"the host environment {path} is hidden by a volume and no mount "
+                f"point can be made for it there ({exc.strerror})",
+            ) from None
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+
+
 def container(spec: dict[str, Any]) -> None:
     pid = spec["pid"]
     for name, kind in (("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)):
@@ -158,6 +187,8 @@ def container(spec: dict[str, Any]) -> None:
     # the sources are held open before any overlay: an overlay of a parent such as /run
     # (for /var/run/secrets/...) would otherwise stand between a source under it and the mount
     sources = [os.open(m["source"], os.O_PATH | os.O_CLOEXEC) for m in spec["mounts"]]
+    image = sorted(spec.get("keep", []), key=len)  # parents first
+    held = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in image]
     overlays: list[str] = []
     for m in spec["mounts"]:
         _ensure_target(m["target"], os.path.isfile(m["source"]), scratch, overlays)
@@ -166,6 +197,9 @@ def container(spec: dict[str, Any]) -> None:
         os.close(fd)
         if m.get("readOnly"):
             mount("none", m["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+    keep_visible(image, held)
+    for fd in held:
+        os.close(fd)
     if spec.get("readOnlyRoot"):
         mount("none", "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
         for parent in overlays:

@@ -28,6 +28,19 @@ from pathlib import Path
 from .network import Bridge, processes_in
 
 NSEXEC = str(Path(__file__).with_name("nsexec.py"))
+CHECKOUT = str(Path(__file__).resolve().parents[3])  # tests/k8s/node/sandbox.py
+
+
+def host_image(pythonpath: str) -> list[str]:
+    """What a container needs of the host to run from its virtual environment (this node's
+    image): the environment, its interpreter, the checkout (editable installs, the tests'
+    handlers) and PYTHONPATH; nested paths left out (a bind of the parent carries them)."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, CHECKOUT)}
+    paths |= {os.path.realpath(p) for p in pythonpath.split(os.pathsep) if os.path.isdir(p)}
+    top = sorted(p for p in paths if p != "/")
+    return [p for p in top if not any(p.startswith(q.rstrip("/") + "/") for q in top if q != p)]
+
+
 CLUSTER_DOMAIN = "cluster.local"
 
 
@@ -119,6 +132,7 @@ class Sandbox:
             "pid": self.pause.pid,
             "reveal": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
             "scratch": scratch,
+            "keep": host_image(env.get("PYTHONPATH", "")),
             "mounts": etc + mounts,
             "uid": uid,
             "gid": gid,
