@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build both images with whichever engine runs here (docker/engine.sh), tagged as the chart
+# and the samples name them: ghcr.io/disagg/operator:<version>, ghcr.io/disagg/runtime:<version>
+# (<version> from pyproject.toml). `make images` runs this.
+#
+#   docker/build.sh [operator|runtime ...]     BASE_IMAGE=..., TORCH_VARIANT=... pass through
+#
+# With Podman, this machine's pip configuration (`pip config list`: indexes, find-links, the
+# CA bundle, constraints) is written to a pip.conf mounted at /etc/pip.conf for the build
+# steps, and every local path it names is mounted read-only at the same path: builds use the
+# local torch wheel and package indexes without any of it entering an image. With Docker
+# (no build-time mounts), pip inside the build uses its defaults (PyPI, PyTorch's index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. docker/engine.sh
+version="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n1)"
+images=("$@")
+[ ${#images[@]} -gt 0 ] || images=(operator runtime)
+
+args=()
+[ -z "${BASE_IMAGE:-}" ] || args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
+[ -z "${TORCH_VARIANT:-}" ] || args+=(--build-arg "TORCH_VARIANT=$TORCH_VARIANT")
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+if [ "$(basename "$engine")" = podman ]; then
+  args+=(--network host --layers)
+  pip="$(command -v pip3 || command -v pip || true)"
+  if [ -n "$pip" ] && "$pip" config list >"$tmp/pip.list" 2>/dev/null && [ -s "$tmp/pip.list" ]; then
+    python3 - "$tmp/pip.list" "$tmp/pip.conf" "$tmp/mounts" <<'EOF'
+import os, re, sys
+keys = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"^[^.]*\.([a-z-]+)='(.*)'$", line.strip())
+    if m:
+        keys[m.group(1)] = m.group(2)  # env (PIP_*) lines come first: later lines win
+with open(sys.argv[2], "w") as f:
+    f.write("[global]\n" + "".join(f"{k} = {v}\n" for k, v in sorted(keys.items())))
+paths = set()
+for value in keys.values():
+    for word in value.split():
+        path = word.removeprefix("file://").rstrip("/")
+        if word.startswith("file://") and os.path.basename(path) == "simple":
+            path = os.path.dirname(path)  # an index's links lead to its ../files
+        if path.startswith("/") and os.path.exists(path):
+            paths.add(os.path.realpath(path))
+open(sys.argv[3], "w").write("".join(p + "\n" for p in sorted(paths)))
+EOF
+    args+=(-v "$tmp/pip.conf:/etc/pip.conf:ro")
+    while read -r path; do args+=(-v "$path:$path:ro"); done <"$tmp/mounts"
+    # a torch wheel of the pinned variant among the local files: use it, not PyTorch's index
+    if grep -qs "torch-" <(ls $(grep -v '^/etc' "$tmp/mounts") 2>/dev/null); then
+      args+=(--build-arg TORCH_INDEX_URL=)
+    fi
+  fi
+fi
+
+for image in "${images[@]}"; do
+  tag="ghcr.io/disagg/$image:$version"
+  start=$SECONDS
+  ignore=()
+  [ "$(basename "$engine")" != podman ] || ignore=(--ignorefile "docker/$image.Dockerfile.dockerignore")
+  "$engine" build ${BUILD_FLAGS:---quiet} -f "docker/$image.Dockerfile" "${ignore[@]}" "${args[@]}" -t "$tag" . >/dev/null
+  size="$("$engine" image inspect --format '{{.Size}}' "$tag")"
+  echo "images: $tag built in $((SECONDS - start)) s ($engine, $((size / 1000000)) MB)"
+done
