@@ -143,6 +143,7 @@ class LocalCluster:
             ca_pem=self.tls.ca_pem if self.tls is not None else None,
             token=self.k8s.token,
             in_cluster=in_cluster,
+            images=True,  # the chart's operator and the samples' roles from their images
         ).start()
         if self.tls is not None:
             self.tls.issue(self.node.bridge.gateway)  # the address pods reach the API at

@@ -119,7 +119,9 @@ class Sandbox:
         groups: list[int],
         read_only_root: bool,
         working_dir: str,
+        rootfs: str | None = None,
     ) -> asyncio.subprocess.Process:
+        """`rootfs`: the image's root filesystem (else the host's, with its venv)."""
         if self.pause is None:
             raise RuntimeError("the sandbox is not running")
         cdir = os.path.join(self.pod_dir, "containers", f"{name}-{restart}")
@@ -128,11 +130,14 @@ class Sandbox:
         logs = os.path.join(self.pod_dir, "logs", name)
         os.makedirs(logs, exist_ok=True)
         etc = [{"source": src, "target": dst} for dst, src in sorted(self.etc.items())]
+        host = {
+            "reveal": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
+            "keep": host_image(env.get("PYTHONPATH", "")),
+        }
         spec = {
             "pid": self.pause.pid,
-            "reveal": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
+            **({"rootfs": rootfs} if rootfs else host),
             "scratch": scratch,
-            "keep": host_image(env.get("PYTHONPATH", "")),
             "mounts": etc + mounts,
             "uid": uid,
             "gid": gid,
