@@ -42,9 +42,11 @@ test: lint typecheck verify pytest e2e-local
 e2e: venv
 	$(BIN)/pytest -m e2e tests/e2e
 
-# the operator's pods run as sandboxed processes on a test node (root; see tests/e2e_local);
-# part of `make test`
+# the operator's pods run as sandboxed processes on a test node (root; see tests/e2e_local),
+# from the images where an engine and the base image are here (rebuilt first: cached layers,
+# seconds), else from the venv; part of `make test`
 e2e-local: venv
+	docker/build.sh --if-ready
 	$(BIN)/pytest -m e2e_local tests/e2e_local
 
 # both images with docker or podman, tagged as the chart and the samples name them

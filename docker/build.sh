@@ -4,6 +4,8 @@
 # (<version> from pyproject.toml). `make images` runs this.
 #
 #   docker/build.sh [operator|runtime ...]     BASE_IMAGE=..., TORCH_VARIANT=... pass through
+#   docker/build.sh --if-ready                  (`make e2e-local`) build when an engine and the
+#                                               base image are there, else say why and exit 0
 #
 # With Podman, this machine's pip configuration (`pip config list`: indexes, find-links, the
 # CA bundle, constraints) is written to a pip.conf mounted at /etc/pip.conf for the build
@@ -12,7 +14,17 @@
 # (no build-time mounts), pip inside the build uses its defaults (PyPI, PyTorch's index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. docker/engine.sh
+if_ready=0
+if [ "${1:-}" = --if-ready ]; then if_ready=1; shift; fi
+if ! . docker/engine.sh; then
+  [ $if_ready = 1 ] && { echo "images: not built (no engine); pods run from the host venv"; exit 0; }
+  exit 1
+fi
+base="${BASE_IMAGE:-docker.io/library/python:3.11-slim}"
+if [ $if_ready = 1 ] && ! "$engine" image inspect "$base" >/dev/null 2>&1; then
+  echo "images: not built (no $base in $engine's storage: make images, or make local-base)"
+  exit 0
+fi
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -n1)"
 images=("$@")
 [ ${#images[@]} -gt 0 ] || images=(operator runtime)

@@ -3,9 +3,11 @@ containers, probes them, restarts them and writes the pod's status back through 
 status subresource.
 
 - Containers start in spec order; env = the container's env (value, $(VAR) references,
-  valueFrom fieldRef / secretKeyRef / configMapKeyRef), envFrom, plus PATH (the "image":
-  the local virtual environment's bin first), PYTHONPATH carried from the node, HOSTNAME,
-  HOME. `image` is ignored: every container runs from the local virtual environment.
+  valueFrom fieldRef / secretKeyRef / configMapKeyRef), envFrom, plus HOSTNAME, HOME and
+  the image's env. With `Config.images`, a container whose image the local engine has runs
+  from it (its root filesystem, entrypoint/cmd merged with command/args, USER, Env,
+  WorkingDir; see images); any other runs from the local virtual environment (PATH with
+  its bin first, PYTHONPATH carried from the node).
 - securityContext (container over pod): runAsUser, runAsGroup, fsGroup and
   supplementalGroups (as groups), runAsNonRoot (refused when the uid is 0),
   readOnlyRootFilesystem (root remounted read-only in the container's mount namespace).

@@ -27,7 +27,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import network, sandbox
+from . import apiserver, network, sandbox
 from .api import Api, Obj
 from .apiserver import Forwarder, InCluster
 from .controllers import Controllers
@@ -179,7 +179,12 @@ class Node:
         for coro in controllers.tasks():
             self._tasks.append(asyncio.ensure_future(coro))
         await asyncio.gather(*(i.synced.wait() for i in self.informers.values()))
-        resolver = ClusterResolver(self.informers["services"], self.informers["endpointslices"])
+        static = {}
+        if self.in_cluster is not None:  # kubernetes.default.svc.cluster.local: the bridge
+            static[apiserver.NAMES[-1]] = [self.bridge.gateway]
+        resolver = ClusterResolver(
+            self.informers["services"], self.informers["endpointslices"], static=static
+        )
         self.dns = ClusterDns(resolver, self.bridge.gateway)
         self.dns.start()
 
