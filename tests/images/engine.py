@@ -72,7 +72,11 @@ class Engine:
         return done.stdout
 
     def has(self, image: str) -> bool:
-        return self.run("image", "inspect", image, check=False, timeout=60) != ""
+        """Whether local storage has `image` (never pulled)."""
+        probe = subprocess.run(
+            [self.name, "image", "inspect", image], env=self.env, capture_output=True, timeout=60
+        )
+        return probe.returncode == 0
 
     def inspect(self, image: str) -> dict[str, Any]:
         data = json.loads(self.run("image", "inspect", image, timeout=60))
