@@ -69,9 +69,15 @@ fi
 for image in "${images[@]}"; do
   tag="ghcr.io/disagg/$image:$version"
   start=$SECONDS
+  old="$("$engine" image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)"
   ignore=()
   [ "$(basename "$engine")" != podman ] || ignore=(--ignorefile "docker/$image.Dockerfile.dockerignore")
   "$engine" build ${BUILD_FLAGS:---quiet} -f "docker/$image.Dockerfile" "${ignore[@]}" "${args[@]}" -t "$tag" . >/dev/null
   size="$("$engine" image inspect --format '{{.Size}}' "$tag")"
+  # the tag's previous image, untagged by this build: removed (its layers below the source
+  # are this one's too), so rebuilds leave no dangling images; kept if anything uses it
+  if [ -n "$old" ] && [ "$old" != "$("$engine" image inspect --format '{{.Id}}' "$tag")" ]; then
+    "$engine" rmi "$old" >/dev/null 2>&1 || true
+  fi
   echo "images: $tag built in $((SECONDS - start)) s ($engine, $((size / 1000000)) MB)"
 done
