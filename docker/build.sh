@@ -8,9 +8,10 @@
 #                                               base image are there, else say why and exit 0
 #
 # With Podman, this machine's pip configuration (`pip config list`: indexes, find-links, the
-# CA bundle, constraints) is written to a pip.conf mounted at /etc/pip.conf for the build
-# steps, and every local path it names is mounted read-only at the same path: builds use the
-# local torch wheel and package indexes without any of it entering an image. With Docker
+# CA bundle, constraints) is written to a pip.conf for the build steps (PIP_CONFIG_FILE, a
+# build argument) and every local path it names is mounted read-only under
+# /run/disagg-build: builds use the local torch wheel and package indexes without any of it
+# entering an image (empty mount points under /run/disagg-build are all that remains). With Docker
 # (no build-time mounts), pip inside the build uses its defaults (PyPI, PyTorch's index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,24 +46,31 @@ for line in open(sys.argv[1]):
     m = re.match(r"^[^.]*\.([a-z-]+)='(.*)'$", line.strip())
     if m:
         keys[m.group(1)] = m.group(2)  # env (PIP_*) lines come first: later lines win
+paths = {}  # host path -> where the build sees it (under /run/disagg-build: no residue in /etc)
+def inside(word):
+    url = word.startswith("file://")
+    path = word.removeprefix("file://").rstrip("/")
+    # an index's links lead to its ../files: mount its parent
+    top = os.path.dirname(path) if url and os.path.basename(path) == "simple" else path
+    if not top.startswith("/") or not os.path.exists(top):
+        return word  # a URL, a number, or nothing here
+    target = paths.setdefault(os.path.realpath(top), f"/run/disagg-build/{len(paths)}")
+    return ("file://" if url else "") + target + path[len(top):]
 with open(sys.argv[2], "w") as f:
-    f.write("[global]\n" + "".join(f"{k} = {v}\n" for k, v in sorted(keys.items())))
-paths = set()
-for value in keys.values():
-    for word in value.split():
-        path = word.removeprefix("file://").rstrip("/")
-        if word.startswith("file://") and os.path.basename(path) == "simple":
-            path = os.path.dirname(path)  # an index's links lead to its ../files
-        if path.startswith("/") and os.path.exists(path):
-            paths.add(os.path.realpath(path))
-open(sys.argv[3], "w").write("".join(p + "\n" for p in sorted(paths)))
+    f.write("[global]\n")
+    for k, v in sorted(keys.items()):
+        f.write(f"{k} = {' '.join(inside(w) for w in v.split())}\n")
+open(sys.argv[3], "w").write("".join(f"{h}:{c}\n" for h, c in sorted(paths.items())))
 EOF
-    args+=(-v "$tmp/pip.conf:/etc/pip.conf:ro")
-    while read -r path; do args+=(-v "$path:$path:ro"); done <"$tmp/mounts"
-    # a torch wheel of the pinned variant among the local files: use it, not PyTorch's index
-    if grep -qs "torch-" <(ls $(grep -v '^/etc' "$tmp/mounts") 2>/dev/null); then
-      args+=(--build-arg TORCH_INDEX_URL=)
-    fi
+    args+=(-v "$tmp/pip.conf:/run/disagg-build/pip.conf:ro")
+    args+=(--build-arg PIP_CONFIG_FILE=/run/disagg-build/pip.conf)
+    torch=0
+    while IFS=: read -r host inside; do
+      args+=(-v "$host:$inside:ro")
+      ! compgen -G "$host/torch-*" >/dev/null || torch=1
+    done <"$tmp/mounts"
+    # a local torch wheel (pip's find-links): use it, not PyTorch's index
+    [ $torch = 0 ] || args+=(--build-arg TORCH_INDEX_URL=)
   fi
 fi
 

@@ -12,6 +12,8 @@
 # build (docker/build.sh), never copied into the image.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
+# pip's configuration for the build steps only (docker/build.sh mounts it; unset: defaults)
+ARG PIP_CONFIG_FILE
 
 RUN groupadd --gid 65532 disagg \
  && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /nonexistent \

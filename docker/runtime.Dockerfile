@@ -19,6 +19,8 @@
 # a code change rebuilds in seconds.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
+# pip's configuration for the build steps only (docker/build.sh mounts it; unset: defaults)
+ARG PIP_CONFIG_FILE
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cpu
