@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint typecheck verify generate pytest demo bench e2e e2e-local clean
+.PHONY: venv test lint typecheck verify generate pytest demo bench e2e e2e-local images local-base clean
 
 venv: $(VENV)/.installed
 
@@ -42,10 +42,21 @@ test: lint typecheck verify pytest e2e-local
 e2e: venv
 	$(BIN)/pytest -m e2e tests/e2e
 
-# the operator's pods run as sandboxed processes on a test node (root; see tests/e2e_local);
-# part of `make test`
+# the operator's pods run as sandboxed processes on a test node (root; see tests/e2e_local),
+# from the images where an engine and the base image are here (rebuilt first: cached layers,
+# seconds), else from the venv; part of `make test`
 e2e-local: venv
+	docker/build.sh --if-ready
 	$(BIN)/pytest -m e2e_local tests/e2e_local
+
+# both images with docker or podman, tagged as the chart and the samples name them
+# (ghcr.io/disagg/{operator,runtime}:<version>); BASE_IMAGE=..., TORCH_VARIANT=cu128 pass through
+images:
+	docker/build.sh
+
+# where no registry is reachable (CI here): the base image from debootstrap (root; cached)
+local-base:
+	docker/local-base.sh
 
 bench: venv
 	$(BIN)/disagg bench transport

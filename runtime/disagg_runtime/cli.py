@@ -13,10 +13,20 @@ from disagg_core.contract import DISPATCH_MODES
 from disagg_operator import flags as operator_flags
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("disagg")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="disagg", description="Disaggregated inference pipelines: runtime and tools."
     )
+    parser.add_argument("--version", action="version", version=f"disagg {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     validate = sub.add_parser("validate", help="validate DisaggregatedPipeline files")

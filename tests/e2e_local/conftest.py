@@ -6,18 +6,24 @@
   `ip`, no network namespaces). At its end every pod is terminated and the node's network
   removed; anything left fails the module.
 - `figures(line)`: record a scenario's line of figures (printed in the terminal summary).
-- the session sweep (autouse): after the last test, whatever any test node of this run
+- the session sweep (autouse): before the first test, what earlier runs left (test nodes
+  of dead processes, shared-memory pools of dead processes) is removed and named in the
+  summary; after the last test, whatever any test node of this run
   left (network namespaces, interfaces, processes in them, files) is removed and reported
   as a failure, even when a test failed half-way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
+import re
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
 from tests.e2e_local.local_cluster import LocalCluster
 from tests.k8s.node import node as node_module
 from tests.k8s.node.network import can_create_namespaces
@@ -32,8 +38,26 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(line)
 
 
+def sweep_before() -> list[str]:
+    """What an earlier run (the rest of the suite, a run killed half-way) left that would
+    weigh on these scenarios: test nodes of dead processes (their pods' processes still
+    running, holding CPU and memory) and shared-memory pools of dead processes (RAM)."""
+    found = node_module.sweep_stale()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            m = re.search(r"-(\d+)-\d+$", name)
+            if name.startswith(SHM_PREFIX) and m and not os.path.exists(f"/proc/{m.group(1)}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+                    found.append(f"{SHM_DIR}/{name}")
+    return found
+
+
 @pytest.fixture(scope="session", autouse=True)
 def sweep_test_nodes() -> Iterator[None]:
+    before = sweep_before()
+    if before:
+        FIGURES.append(f"swept before the run (left by an earlier one): {before[:10]}")
     yield
     left: list[str] = []
     for tag in node_module.Node.created:

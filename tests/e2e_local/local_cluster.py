@@ -29,7 +29,7 @@ import yaml
 
 from disagg_operator import generate, install
 from tests.k8s.fixtures import Kubectl
-from tests.k8s.node import Node
+from tests.k8s.node import Node, apiserver
 from tests.k8s.node.apiserver import InCluster
 from tests.k8s.rbac import Authenticator
 from tests.k8s.server import EmulatorThread
@@ -143,9 +143,11 @@ class LocalCluster:
             ca_pem=self.tls.ca_pem if self.tls is not None else None,
             token=self.k8s.token,
             in_cluster=in_cluster,
+            images=True,  # the chart's operator and the samples' roles from their images
         ).start()
         if self.tls is not None:
-            self.tls.issue(self.node.bridge.gateway)  # the address pods reach the API at
+            # the address pods reach the API at, and the `kubernetes` Service's names
+            self.tls.issue(self.node.bridge.gateway, *apiserver.NAMES)
         self.operator: subprocess.Popen[bytes] | None = None
         self.operator_log = workdir / "operator.log"
         try:

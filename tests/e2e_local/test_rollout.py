@@ -2,8 +2,8 @@
 pairing. prefill (2 pods) -> decode (2 pods), both `compat: kv-1`, one rollout group with
 maxSkew 0.5. While a client pod sends requests, prefill's image and both roles' compat
 are changed together to kv-2 (a new prefill build with a new payload contract on both sides
-of the edge; the node runs the test's venv whatever `image` says, so the image string is
-what changes). The operator steps the StatefulSets'
+of the edge; no engine has `local/prefill:kv-N`, so the node runs these pods from the test's
+venv and the image string is what changes). The operator steps the StatefulSets'
 partitions; the node replaces pods highest ordinal first.
 
 Checks: the rollout completes; at every observed moment the two roles' updated fractions
@@ -66,8 +66,8 @@ def pipeline(token: str) -> dict[str, Any]:
                     "name": role,
                     "handler": f"{HANDLERS}:{role}",
                     "replicas": 2,
-                    # the node runs the test's venv whatever the image says: a new image
-                    # string is what a new prefill build would be to the operator
+                    # no engine has these images (the node runs the test's venv): a new
+                    # image string is what a new prefill build would be to the operator
                     **({"image": prefill_image(token)} if role == "prefill" else {}),
                     "compat": token,
                     "env": [{"name": "REVISION", "value": token}],

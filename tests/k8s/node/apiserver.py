@@ -17,6 +17,15 @@ from dataclasses import dataclass
 
 PORT = 443
 MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+# the names of the `kubernetes` Service: the cluster DNS answers the last with the bridge
+# address, and the API server's certificate names them all (as a cluster's does): clients
+# that do not read KUBERNETES_SERVICE_HOST (kopf's own in-cluster login) use them
+NAMES = (
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
 VOLUME = "kube-api-access"
 
 

@@ -28,13 +28,24 @@ Obj = dict[str, Any]
 
 
 class ClusterResolver(BaseResolver):  # type: ignore[misc]
-    def __init__(self, services: Informer, slices: Informer, domain: str = "cluster.local"):
+    def __init__(
+        self,
+        services: Informer,
+        slices: Informer,
+        domain: str = "cluster.local",
+        static: dict[str, list[str]] | None = None,
+    ):
+        """`static`: names answered as given (the `kubernetes` Service, which has no
+        EndpointSlice of pods here)."""
         self.services = services
         self.slices = slices
         self.suffix = f".svc.{domain}"
+        self.static = dict(static or {})
 
     def addresses(self, name: str) -> list[str] | None:
         """IPs for `name` (no trailing dot); None when the name does not exist."""
+        if name in self.static:
+            return self.static[name]
         if not name.endswith(self.suffix):
             return None
         labels = name[: -len(self.suffix)].split(".")

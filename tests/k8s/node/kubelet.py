@@ -3,9 +3,11 @@ containers, probes them, restarts them and writes the pod's status back through 
 status subresource.
 
 - Containers start in spec order; env = the container's env (value, $(VAR) references,
-  valueFrom fieldRef / secretKeyRef / configMapKeyRef), envFrom, plus PATH (the "image":
-  the local virtual environment's bin first), PYTHONPATH carried from the node, HOSTNAME,
-  HOME. `image` is ignored: every container runs from the local virtual environment.
+  valueFrom fieldRef / secretKeyRef / configMapKeyRef), envFrom, plus HOSTNAME, HOME and
+  the image's env. With `Config.images`, a container whose image the local engine has runs
+  from it (its root filesystem, entrypoint/cmd merged with command/args, USER, Env,
+  WorkingDir; see images); any other runs from the local virtual environment (PATH with
+  its bin first, PYTHONPATH carried from the node).
 - securityContext (container over pod): runAsUser, runAsGroup, fsGroup and
   supplementalGroups (as groups), runAsNonRoot (refused when the uid is 0),
   readOnlyRootFilesystem (root remounted read-only in the container's mount namespace).
@@ -39,6 +41,7 @@ import aiohttp
 
 from . import apiserver, volumes
 from .api import Api, ApiError, Obj
+from .images import Image, ImageStore
 from .probes import Probe
 from .sandbox import Sandbox
 
@@ -81,6 +84,7 @@ class Container:
     liveness: Probe | None = None
     started: bool = False
     ready: bool = False
+    image: Image | None = None  # None: the host's virtual environment
 
     @property
     def name(self) -> str:
@@ -100,6 +104,7 @@ class Config:
     node_name: str = "test-node"
     extra_env: dict[str, str] = field(default_factory=dict)
     in_cluster: apiserver.InCluster | None = None  # pods get the `kubernetes` Service
+    images: ImageStore | None = None  # containers run from their images when stored there
 
 
 class PodWorker:
@@ -170,6 +175,7 @@ class PodWorker:
         if vols is None:
             return
         self.api_access = await self._api_access(vols)
+        await self._images()
         await self.sandbox.create(vols.tmpfs)
         self.vols = vols
         await self._write_status()
@@ -212,6 +218,19 @@ class PodWorker:
         volumes.write_atomic(target, files, 0o644, volumes.fs_group(self.pod))
         vols.paths[apiserver.VOLUME] = target
         return True
+
+    async def _images(self) -> None:
+        """Each container's image from the node's store (mounted before the sandbox is
+        made, so that its mount namespace has them); the host's venv where it is absent."""
+        store = self.config.images
+        if store is None:
+            return
+        for c in self.containers:
+            ref = str(c.spec.get("image") or "")
+            try:
+                c.image = await asyncio.to_thread(store.get, ref)
+            except (RuntimeError, OSError, ValueError) as exc:
+                self.errors.append(f"pod {self.ns}/{self.name} image {ref}: {exc}")
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -302,12 +321,13 @@ class PodWorker:
 
     async def _start(self, c: Container) -> None:
         try:
-            env = await self._env(c.spec)
-            words = [*(c.spec.get("command") or []), *(c.spec.get("args") or [])]
-            argv = [expand(str(a), env) for a in words]
+            env = await self._env(c.spec, c.image)
+            command = [expand(str(a), env) for a in c.spec.get("command") or []]
+            args = [expand(str(a), env) for a in c.spec.get("args") or []]
+            argv = c.image.argv(command, args) if c.image else [*command, *args]
             if not argv:
-                raise ValueError("no command: this node has no image entrypoints")
-            uid, gid, groups, ro = self._security(c.spec)
+                raise ValueError("no command, and no image entrypoint")
+            uid, gid, groups, ro = self._security(c.spec, c.image)
         except (ValueError, ApiError, volumes.VolumeError) as exc:
             c.waiting = "CreateContainerConfigError"
             self.message = f"container {c.name}: {exc}"
@@ -339,7 +359,10 @@ class PodWorker:
             gid=gid,
             groups=groups,
             read_only_root=ro,
-            working_dir=str(c.spec.get("workingDir") or "/"),
+            working_dir=str(
+                c.spec.get("workingDir") or (c.image.working_dir if c.image else "") or "/"
+            ),
+            rootfs=c.image.rootfs if c.image else None,
         )
         c.started_at, c.started_mono = now_iso(), time.monotonic()
         c.waiting, c.started, c.ready = "", False, False
@@ -355,10 +378,19 @@ class PodWorker:
             probe("readinessProbe"),
         )
 
-    def _security(self, spec: Obj) -> tuple[int | None, int | None, list[int], bool]:
+    def _security(
+        self, spec: Obj, image: Image | None = None
+    ) -> tuple[int | None, int | None, list[int], bool]:
+        """uid, gid, groups, read-only root: the securityContext (container over pod) over
+        the image's USER."""
         pod_sc = self.pod["spec"].get("securityContext") or {}
         sc = {**pod_sc, **(spec.get("securityContext") or {})}
         uid, gid = sc.get("runAsUser"), sc.get("runAsGroup")
+        if image is not None:
+            image_uid, image_gid = image.ids()
+            if uid is None:
+                uid = image_uid
+                gid = image_gid if gid is None else gid
         if sc.get("runAsNonRoot") and (uid is None or int(uid) == 0):
             raise ValueError("runAsNonRoot is set and the container would run as root")
         groups = [int(g) for g in pod_sc.get("supplementalGroups") or []]
@@ -373,15 +405,20 @@ class PodWorker:
             bool(sc.get("readOnlyRootFilesystem")),
         )
 
-    async def _env(self, spec: Obj) -> dict[str, str]:
+    async def _env(self, spec: Obj, image: Image | None = None) -> dict[str, str]:
         uid = (spec.get("securityContext") or {}).get(
-            "runAsUser", (self.pod["spec"].get("securityContext") or {}).get("runAsUser", 0)
+            "runAsUser", (self.pod["spec"].get("securityContext") or {}).get("runAsUser")
         )
-        env: dict[str, str] = {
+        if uid is None and image is not None:
+            uid = image.ids()[0]
+        host = {
             "PATH": f"{self.config.venv_bin}:{SYSTEM_PATH}",
+            **({"PYTHONPATH": self.config.pythonpath} if self.config.pythonpath else {}),
+        }
+        env: dict[str, str] = {
+            **({"PATH": SYSTEM_PATH, **image.env} if image is not None else host),
             "HOSTNAME": self.sandbox.hostname,
             "HOME": "/root" if int(uid or 0) == 0 else "/",
-            **({"PYTHONPATH": self.config.pythonpath} if self.config.pythonpath else {}),
             **self.config.extra_env,
             **(self.config.in_cluster.env() if self.config.in_cluster else {}),
         }
@@ -458,7 +495,7 @@ class PodWorker:
         status: Obj = {
             "name": c.name,
             "image": str(c.spec.get("image", "")),
-            "imageID": "",
+            "imageID": f"sha256:{c.image.id}" if c.image else "",
             "containerID": f"node://{self.uid}/{c.name}/{c.restarts}",
             "ready": c.ready and c.running,
             "started": c.started and c.running,

@@ -24,13 +24,15 @@ import sys
 import threading
 import urllib.parse
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
-from . import network, sandbox
+from . import apiserver, network, sandbox
 from .api import Api, Obj
 from .apiserver import Forwarder, InCluster
 from .controllers import Controllers
 from .dns import ClusterDns, ClusterResolver
+from .images import ImageStore
 from .informer import Informer, Key
 from .kubelet import Config, Kubelet, PodWorker
 
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RESOURCES = ("pods", "services", "endpoints", "endpointslices", "statefulsets", "deployments")
 ROOT = "/run/disagg-node"
+OWNER = "owner.pid"  # in <ROOT>/<tag>: the process running that node
 KEEP_ENV = "DISAGG_TEST_NODE_KEEP"  # copy the pods' files (logs) here when the node stops
 
 
@@ -50,6 +53,22 @@ def leftovers(tag: str) -> list[str]:
             found += [f"process {pid}" for pid in pids]
     if os.path.exists(f"{ROOT}/{tag}"):
         found.append(f"dir {ROOT}/{tag}")
+    return found
+
+
+def sweep_stale() -> list[str]:
+    """Sweep every node whose process is gone (a run killed half-way, or a suite that left
+    a node behind): its pods' processes, namespaces and bridge would otherwise outlive it,
+    holding CPU, memory and addresses while a later run starts. Returns what was there."""
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        for tag in os.listdir(ROOT):
+            try:
+                pid = int(Path(f"{ROOT}/{tag}/{OWNER}").read_text())
+            except (OSError, ValueError):
+                continue
+            if not os.path.exists(f"/proc/{pid}"):
+                found += sweep(tag)
     return found
 
 
@@ -74,10 +93,14 @@ class Node:
         ca_pem: bytes | None = None,
         token: str | None = None,
         in_cluster: InCluster | None = None,
+        images: bool = False,
     ) -> None:
         """`ca_pem`, `token`: the node's own credentials (an HTTPS emulator that
         authenticates); `in_cluster`: give pods the `kubernetes` Service (the bridge address,
-        port 443, forwarded to the emulator), its env and service-account tokens."""
+        port 443, forwarded to the emulator), its env and service-account tokens. `images`:
+        run a container from its image where the local engine (docker/podman) has it
+        (`make images`), else from the host's virtual environment; `image_store` then says
+        which engine, or `images_unavailable` why none."""
         self.tag = secrets.token_hex(2)
         Node.created.append(self.tag)
         self.root = f"{ROOT}/{self.tag}"
@@ -93,6 +116,9 @@ class Node:
             backoff=backoff,
             extra_env=dict(extra_env or {}),
         )
+        self.images = images
+        self.image_store: ImageStore | None = None
+        self.images_unavailable = ""
         self._pods = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -105,8 +131,17 @@ class Node:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Node:
+        os.makedirs(ROOT, mode=0o755, exist_ok=True)
+        sweep_stale()
         os.makedirs(self.root, mode=0o755)
         os.chmod(ROOT, 0o755)
+        Path(f"{self.root}/{OWNER}").write_text(str(os.getpid()))
+        if self.images:
+            found = ImageStore.find(self.root)
+            if isinstance(found, str):
+                self.images_unavailable = found
+            else:
+                self.image_store = self.config.images = found
         self.bridge.create()
         ready = threading.Event()
 
@@ -144,7 +179,12 @@ class Node:
         for coro in controllers.tasks():
             self._tasks.append(asyncio.ensure_future(coro))
         await asyncio.gather(*(i.synced.wait() for i in self.informers.values()))
-        resolver = ClusterResolver(self.informers["services"], self.informers["endpointslices"])
+        static = {}
+        if self.in_cluster is not None:  # kubernetes.default.svc.cluster.local: the bridge
+            static[apiserver.NAMES[-1]] = [self.bridge.gateway]
+        resolver = ClusterResolver(
+            self.informers["services"], self.informers["endpointslices"], static=static
+        )
         self.dns = ClusterDns(resolver, self.bridge.gateway)
         self.dns.start()
 
@@ -181,6 +221,8 @@ class Node:
                 self._thread.join(10)
         if self.dns is not None:
             self.dns.stop()
+        if self.image_store is not None:  # after every container stopped
+            self.image_store.close()
         network.sweep(self.tag)
         self.bridge.delete()
         keep = os.environ.get(KEEP_ENV)

@@ -13,8 +13,12 @@ container  join the pause process's network, IPC, UTS and mount namespaces, unsh
            bind every volume at its mountPath (a missing mount point is made inside an
            overlay of its nearest existing parent, so the host's tree is never written),
            optionally remount / read-only, make the "image" (the interpreter's prefix)
-           reachable when it sits under a private directory, drop to runAsUser/runAsGroup,
-           exec the command.
+           reachable when it sits under a private directory, bind the "image" (the
+           virtual environment, the interpreter, the checkout) read-only back at its own
+           path where a volume hides it (a checkout under /tmp and an emptyDir at /tmp),
+           drop to runAsUser/runAsGroup, exec the command. With a "rootfs" (the
+           pod's image, mounted by the node), the container's root is an overlay of it
+           instead: /proc, /dev, /sys, the volumes and /etc files bound inside, chroot.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import os
 import signal
 import socket
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -34,6 +38,7 @@ CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
@@ -144,6 +149,76 @@ def reveal(path: str, scratch: str, n: int) -> None:
     mount(aside, path, None, MS_BIND | MS_REC, None)
 
 
+def _same(path: str, fd: int) -> bool:
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def keep_visible(paths: list[str], held: list[int]) -> None:
+    """Bind each of `paths` (held open before the volumes were mounted) read-only back at
+    its own path where a volume now hides it: the host's virtual environment is this
+    node's image, and a checkout under /tmp sits below a pod's emptyDir at /tmp."""
+    for path, fd in zip(paths, held, strict=True):
+        if _same(path, fd):
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"the host environment {path} is hidden by a volume and no mount "
+                f"point can be made for it there ({exc.strerror})",
+            ) from None
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+
+
+def _make_target(target: str, is_file: bool) -> None:
+    """A mount point inside the container's own root (an overlay: nothing is written to the
+    image)."""
+    if os.path.lexists(target):
+        return
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if is_file:
+        with open(target, "w"):
+            pass
+    else:
+        os.makedirs(target)
+
+
+def image_root(spec: dict[str, Any], scratch: str) -> None:
+    """Enter the image's root filesystem: an overlay of it (the upper layer in the
+    container's scratch tmpfs, so the image stays as it is) with /proc, /dev and /sys, then
+    the pod's volumes and /etc files bound at their paths inside it (symlinks of the image,
+    such as /var/run -> /run, resolve inside it), optionally read-only."""
+    root, upper, work = f"{scratch}/root", f"{scratch}/rootup", f"{scratch}/rootwork"
+    for d in (root, upper, work):
+        os.makedirs(d)
+    sources = [os.open(m["source"], os.O_PATH | os.O_CLOEXEC) for m in spec["mounts"]]
+    is_file = [os.path.isfile(m["source"]) for m in spec["mounts"]]
+    mount(
+        "overlay", root, "overlay", 0, f"lowerdir={spec['rootfs']},upperdir={upper},workdir={work}"
+    )
+    for d in ("proc", "dev", "sys"):
+        os.makedirs(f"{root}/{d}", exist_ok=True)
+    mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    mount("/dev", f"{root}/dev", None, MS_BIND | MS_REC, None)
+    mount("/sys", f"{root}/sys", None, MS_BIND | MS_REC, None)
+    os.chroot(root)
+    os.chdir("/")
+    for m, fd, file in zip(spec["mounts"], sources, is_file, strict=True):
+        _make_target(m["target"], file)
+        mount(f"/proc/self/fd/{fd}", m["target"], None, MS_BIND | MS_REC, None)
+        os.close(fd)
+        if m.get("readOnly"):
+            mount("none", m["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+    if spec.get("readOnlyRoot"):
+        mount("none", "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+
+
 def container(spec: dict[str, Any]) -> None:
     pid = spec["pid"]
     for name, kind in (("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC), ("uts", CLONE_NEWUTS)):
@@ -152,12 +227,18 @@ def container(spec: dict[str, Any]) -> None:
     unshare(CLONE_NEWNS)
     private_root()
     scratch = spec["scratch"]
-    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700,size=16m")
+    size = "64m" if spec.get("rootfs") else "16m"  # an image's overlay: the root's writes
+    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,size={size}")
+    if spec.get("rootfs"):
+        image_root(spec, scratch)
+        _exec(spec)
     for n, path in enumerate(spec.get("reveal", [])):
         reveal(path, scratch, n)
     # the sources are held open before any overlay: an overlay of a parent such as /run
     # (for /var/run/secrets/...) would otherwise stand between a source under it and the mount
     sources = [os.open(m["source"], os.O_PATH | os.O_CLOEXEC) for m in spec["mounts"]]
+    image = sorted(spec.get("keep", []), key=len)  # parents first
+    held = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in image]
     overlays: list[str] = []
     for m in spec["mounts"]:
         _ensure_target(m["target"], os.path.isfile(m["source"]), scratch, overlays)
@@ -166,10 +247,17 @@ def container(spec: dict[str, Any]) -> None:
         os.close(fd)
         if m.get("readOnly"):
             mount("none", m["target"], None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+    keep_visible(image, held)
+    for fd in held:
+        os.close(fd)
     if spec.get("readOnlyRoot"):
         mount("none", "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
         for parent in overlays:
             mount("none", parent, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
+    _exec(spec)
+
+
+def _exec(spec: dict[str, Any]) -> NoReturn:
     uid, gid = spec.get("uid"), spec.get("gid")
     if gid is not None:
         os.setgroups([int(g) for g in spec.get("groups", [])])

@@ -28,6 +28,19 @@ from pathlib import Path
 from .network import Bridge, processes_in
 
 NSEXEC = str(Path(__file__).with_name("nsexec.py"))
+CHECKOUT = str(Path(__file__).resolve().parents[3])  # tests/k8s/node/sandbox.py
+
+
+def host_image(pythonpath: str) -> list[str]:
+    """What a container needs of the host to run from its virtual environment (this node's
+    image): the environment, its interpreter, the checkout (editable installs, the tests'
+    handlers) and PYTHONPATH; nested paths left out (a bind of the parent carries them)."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, CHECKOUT)}
+    paths |= {os.path.realpath(p) for p in pythonpath.split(os.pathsep) if os.path.isdir(p)}
+    top = sorted(p for p in paths if p != "/")
+    return [p for p in top if not any(p.startswith(q.rstrip("/") + "/") for q in top if q != p)]
+
+
 CLUSTER_DOMAIN = "cluster.local"
 
 
@@ -106,7 +119,9 @@ class Sandbox:
         groups: list[int],
         read_only_root: bool,
         working_dir: str,
+        rootfs: str | None = None,
     ) -> asyncio.subprocess.Process:
+        """`rootfs`: the image's root filesystem (else the host's, with its venv)."""
         if self.pause is None:
             raise RuntimeError("the sandbox is not running")
         cdir = os.path.join(self.pod_dir, "containers", f"{name}-{restart}")
@@ -115,9 +130,13 @@ class Sandbox:
         logs = os.path.join(self.pod_dir, "logs", name)
         os.makedirs(logs, exist_ok=True)
         etc = [{"source": src, "target": dst} for dst, src in sorted(self.etc.items())]
+        host = {
+            "reveal": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
+            "keep": host_image(env.get("PYTHONPATH", "")),
+        }
         spec = {
             "pid": self.pause.pid,
-            "reveal": sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}),
+            **({"rootfs": rootfs} if rootfs else host),
             "scratch": scratch,
             "mounts": etc + mounts,
             "uid": uid,

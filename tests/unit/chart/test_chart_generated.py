@@ -180,13 +180,20 @@ def test_the_dockerfiles_run_what_the_chart_and_planner_expect() -> None:
         assert len(re.findall(r"^FROM ", text, re.MULTILINE)) == 1  # one stage, small
     assert "EXPOSE 8080 9090" in operator
     assert f"EXPOSE {contract.DEFAULT_INGRESS_PORT} {contract.DEFAULT_METRICS_PORT}" in runtime
-    assert '"/src[operator]"' in operator
+    # the dependencies layer from pyproject.toml's extra, then the source without them
+    assert "['optional-dependencies']['operator']" in operator
     assert "torch" not in "".join(re.findall(r"^RUN .*$", operator, re.MULTILINE))
-    assert '"/src[runtime]"' in runtime
+    assert "['optional-dependencies']['runtime']" in runtime
+    for text in (operator, runtime):
+        assert "--no-deps /src" in text
+        assert text.index("COPY pyproject.toml") < text.index("COPY core")
+        assert "ARG BASE_IMAGE=python:3.11-slim\nFROM ${BASE_IMAGE}" in text
     makefile = (REPO / "Makefile").read_text()
     pin = re.search(r"^TORCH := torch==(\S+)$", makefile, re.MULTILINE)
     assert pin and f"ARG TORCH_VERSION={pin.group(1)}" in runtime
-    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in runtime
+    assert "ARG TORCH_VARIANT=cpu" in runtime  # pinned as torch==<version>+<variant>
+    assert '"torch==${TORCH_VERSION}+${TORCH_VARIANT}"' in runtime
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}" in runtime
 
 
 def test_the_operator_extra_has_no_torch() -> None:
