@@ -54,8 +54,10 @@ e2e-local: venv
 bench: venv
 	$(BIN)/disagg bench transport
 
+# also writes charts of the run (latency, throughput, replicas, time per role) to $(REPORT)
+REPORT ?= disagg-up-report.html
 demo: venv
-	$(BIN)/disagg up examples/text-to-video.yaml --requests 200
+	$(BIN)/disagg up examples/text-to-video.yaml --requests 200 --report $(REPORT)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis .import_linter_cache
