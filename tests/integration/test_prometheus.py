@@ -141,6 +141,7 @@ def _operator_metrics() -> tuple[Callable[[], None], Callable[[], None], int]:
         metrics.duration.labels(kind="spec").observe(0.02)
         metrics.errors.labels(kind="spec", reason="Conflict").inc()
         metrics.api_request("operator")("patch", "statefulsets", "200")
+        metrics.scaled("default", "itest-observe", "back", 1, 2, "occupancy")
 
     port = free_port()
     return reconciled, metrics.serve(port, "127.0.0.1"), port

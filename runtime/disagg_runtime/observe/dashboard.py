@@ -22,6 +22,8 @@ TITLE: Final = "disagg: pipelines"
 QUANTILES: Final = (0.5, 0.9, 0.99)
 _ROLE: Final = 'namespace=~"$namespace",pipeline=~"$pipeline",role=~"$role"'
 _PIPELINE: Final = 'namespace=~"$namespace",pipeline=~"$pipeline"'
+# the operator's per-pipeline series (a scrape gives `namespace` the operator's own)
+_OPERATOR: Final = 'pipeline_namespace=~"$namespace",pipeline=~"$pipeline",role=~"$role"'
 _WIDTH: Final = 12  # two panels per line of Grafana's 24 columns
 _HEIGHT: Final = 8
 
@@ -312,7 +314,28 @@ def _gateway(c: Catalog) -> list[Panel]:
 
 def _operator(c: Catalog) -> list[Panel]:
     duration = c.histogram("disagg_operator_reconcile_duration_seconds")
+    decisions = c.counter("disagg_operator_scale_decisions_total")
+    autoscaled = c.gauge("disagg_operator_autoscaled_replicas")
     return [
+        Panel(
+            "Scale decisions",
+            "The operator's autoscaler decisions that changed a role's replicas, by direction "
+            "(per rate interval).",
+            "short",
+            (
+                (
+                    f"sum by (pipeline, role, direction) "
+                    f"(increase({decisions}{{{_OPERATOR}}}[$__rate_interval]))",
+                    "{{role}} {{direction}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Autoscaled replicas",
+            "Replicas the operator's autoscaler last decided per role.",
+            "short",
+            ((f"max by (pipeline, role) ({autoscaled}{{{_OPERATOR}}})", "{{role}}"),),
+        ),
         Panel(
             "Reconciles/s and duration p99",
             "Reconciles per second by kind (spec, status), and their 99th percentile.",

@@ -20,11 +20,12 @@ from typing import Any, Final
 
 import yaml
 
+from disagg_operator import podmonitor
 from disagg_runtime.observe.catalog import Catalog
 
 GROUP: Final = "disagg"
 BY: Final = "namespace, pipeline, role"
-COMPONENT_LABEL: Final = "disagg_component"  # target label the PodMonitor sets (role|gateway)
+COMPONENT_LABEL: Final = podmonitor.COMPONENT_LABEL  # the target label: role | gateway
 
 
 def _alert(name: str, expr: str, pending: str, severity: str, summary: str) -> dict[str, Any]:
