@@ -162,3 +162,13 @@ def test_the_report_draws_four_charts(tmp_path: Path) -> None:
     image = tmp_path / "r.png"
     report.write(str(image), data)
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_docs_describe_every_panel_and_rule(cat: catalog.Catalog) -> None:
+    doc = (REPO / "docs" / "observability.md").read_text()
+    for _, row in dashboard.rows(cat):
+        for panel in row:
+            assert f"**{panel.title}**" in doc, panel.title
+    for rule in rules.rules(cat)["groups"][0]["rules"]:
+        name = rule.get("alert") or rule["record"]
+        assert name in doc, name
