@@ -76,9 +76,11 @@ async def test_a_pipeline_that_asks_gets_one_and_loses_it_when_it_stops(
     await s.call(k8s.apply, CRD)
     async with s.running_operator(k8s):
         await s.call(k8s.create, asking("watched", True), NS)
-        monitor = await s.until(
+        found = await s.until(
             k8s, lambda: k8s.get(MONITORS, "watched-metrics", NS), "the PodMonitor"
         )
+        assert found is not None
+        monitor: dict[str, Any] = found
         assert monitor["spec"]["selector"]["matchLabels"]["disagg.dev/pipeline"] == "watched"
         ports = [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]]
         assert ports == [podmonitor.metrics_port_name(0), podmonitor.GATEWAY_PORT]
