@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from disagg_runtime import metrics as role_metrics
-from disagg_runtime.observe import catalog, dashboard, generate, report, rules
+from disagg_runtime.observe import catalog, dashboard, generate, panels, report, rules
 
 REPO = Path(__file__).resolve().parents[3]
 SERIES = re.compile(r"\b(disagg_[a-z_]+?)(?:_bucket|_sum|_count)?\b(?=[{\[)])")
@@ -51,7 +51,7 @@ def test_every_panel_names_only_exported_series(cat: catalog.Catalog) -> None:
 
 
 def test_the_dashboard_covers_the_issue_s_list(cat: catalog.Catalog) -> None:
-    titles = [p.title for _, row in dashboard.rows(cat) for p in row]
+    titles = [p.title for _, row in panels.rows(cat) for p in row]
     for words in (
         "Requests/s",
         "Request latency",
@@ -166,7 +166,7 @@ def test_the_report_draws_four_charts(tmp_path: Path) -> None:
 
 def test_the_docs_describe_every_panel_and_rule(cat: catalog.Catalog) -> None:
     doc = (REPO / "docs" / "observability.md").read_text()
-    for _, row in dashboard.rows(cat):
+    for _, row in panels.rows(cat):
         for panel in row:
             assert f"**{panel.title}**" in doc, panel.title
     for rule in rules.rules(cat)["groups"][0]["rules"]:
