@@ -103,11 +103,14 @@ def _draw(ax: Any, key: str, title: str, data: ReportData) -> None:
         ax.step(starts, counts, where="post", color="tab:green")
         ax.set_xlabel("s since the first request")
         ax.set_ylabel("requests/s")
+        ax.set_ylim(bottom=0)
     elif key == "replicas":
         for role, steps in data.replicas.items():
             ax.step([t for t, _ in steps], [n for _, n in steps], where="post", label=role)
         ax.set_xlabel("s since the first request")
         ax.set_ylabel("replicas")
+        ax.set_ylim(bottom=0)
+        ax.yaxis.get_major_locator().set_params(integer=True)
         ax.legend(loc="best", fontsize="small")
     else:
         roles = list(data.split_s)
