@@ -71,7 +71,10 @@ def _endpoint(port: str, relabelings: list[dict[str, Any]]) -> dict[str, Any]:
 
 def endpoints(containers_per_pod: Iterable[int]) -> list[dict[str, Any]]:
     """The endpoints for pods of at most max(containers_per_pod) role containers."""
-    pipeline_label = _set("pipeline", source=_meta_label(names.LABEL_PIPELINE))
+
+    def pipeline_label() -> dict[str, Any]:  # a fresh dict each time: no shared objects
+        return _set("pipeline", source=_meta_label(names.LABEL_PIPELINE))
+
     ports = dict.fromkeys(metrics_port_name(k) for n in containers_per_pod for k in range(n))
     roles = [
         _endpoint(
@@ -79,7 +82,7 @@ def endpoints(containers_per_pod: Iterable[int]) -> list[dict[str, Any]]:
             [
                 _keep(names.LABEL_ROLE, ".+"),
                 _set(COMPONENT_LABEL, value="role"),
-                pipeline_label,
+                pipeline_label(),
                 _set("role", source="__meta_kubernetes_pod_container_name"),
             ],
         )
@@ -90,7 +93,7 @@ def endpoints(containers_per_pod: Iterable[int]) -> list[dict[str, Any]]:
         [
             _keep(names.LABEL_COMPONENT, names.COMPONENT_GATEWAY),
             _set(COMPONENT_LABEL, value="gateway"),
-            pipeline_label,
+            pipeline_label(),
         ],
     )
     return [*roles, gateway]

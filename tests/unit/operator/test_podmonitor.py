@@ -8,6 +8,7 @@ import pathlib
 from typing import Any
 
 import pytest
+import yaml
 
 from disagg_core import spec
 from disagg_core.spec.model import Pipeline
@@ -19,8 +20,6 @@ ON = planner.PlanOptions(pod_monitors=True, pod_monitor_default=True)
 
 
 def fan_out(monitoring: dict[str, Any] | None = None) -> Pipeline:
-    import yaml
-
     doc = yaml.safe_load((pathlib.Path(EXAMPLES) / "fan-out.yaml").read_text())
     if monitoring is not None:
         doc = copy.deepcopy(doc)
@@ -82,6 +81,7 @@ def test_selects_every_role_container_and_the_gateway() -> None:
         "sourceLabels": ["__meta_kubernetes_pod_container_name"],
     } in role
     assert gateway[0]["regex"] == names.COMPONENT_GATEWAY
+    assert "&id" not in yaml.safe_dump(monitor)  # no shared objects (render prints them)
     for rules, component in ((role, "role"), (gateway, "gateway")):
         assert {
             "action": "replace",
