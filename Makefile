@@ -13,7 +13,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[runtime,operator,test,dev,models,nixl]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[runtime,operator,test,dev,models,nixl,report]'
 	touch $@
 
 lint: venv
@@ -25,12 +25,16 @@ typecheck: venv
 	$(BIN)/mypy
 
 # every generated file (the CRD and its chart copy, manifests/install.yaml, docs/reference.md,
-# docs/contract.md; the list is disagg_operator/generate.py): write them, or fail when one is stale
+# docs/contract.md; the list is disagg_operator/generate.py; the Grafana dashboard and the
+# Prometheus rules from the metric tables: disagg_runtime/observe/generate.py): write them, or
+# fail when one is stale
 generate: venv
 	$(BIN)/python -m disagg_operator.generate
+	$(BIN)/python -m disagg_runtime.observe.generate
 
 verify: venv
 	$(BIN)/python -m disagg_operator.generate --check
+	$(BIN)/python -m disagg_runtime.observe.generate --check
 
 pytest: venv
 	$(BIN)/pytest
@@ -61,8 +65,10 @@ local-base:
 bench: venv
 	$(BIN)/disagg bench transport
 
+# also writes charts of the run (latency, throughput, replicas, time per role) to $(REPORT)
+REPORT ?= disagg-up-report.html
 demo: venv
-	$(BIN)/disagg up examples/text-to-video.yaml --requests 200
+	$(BIN)/disagg up examples/text-to-video.yaml --requests 200 --report $(REPORT)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis .import_linter_cache

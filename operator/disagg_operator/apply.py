@@ -72,6 +72,7 @@ PLURALS: Final[Mapping[str, str]] = {
     "NetworkPolicy": "networkpolicies",
     "Secret": "secrets",
     "Pod": "pods",
+    "PodMonitor": "podmonitors",
     names.PIPELINE_KIND: names.PLURAL,
 }
 
@@ -296,6 +297,17 @@ class Api:
         ref = ObjectRef.of(obj)
         path = collection_path(ref.api_version, ref.kind, ref.namespace)
         return await self.request("POST", path, body=obj)
+
+    async def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in `api_version` (its discovery document,
+        which every authenticated client may read: no RBAC); False when the group is absent."""
+        try:
+            found = await self.request("GET", f"/apis/{api_version}")
+        except ApiError as error:
+            if error.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in found.get("resources") or [])
 
     async def delete(self, ref: ObjectRef, *, uid: str | None = None) -> bool:
         """Delete (background propagation); False when it was already gone."""

@@ -646,6 +646,20 @@ def network_peers_schema(description: str) -> Schema:
     return _array(description, peer, maxItems=MAX_NETWORK_PEERS)
 
 
+def monitoring_schema() -> Schema:
+    return _object(
+        "Scraping of the pipeline by the Prometheus Operator. docs/observability.md.",
+        {
+            "podMonitor": _boolean(
+                "true: a PodMonitor <pipeline>-metrics for the roles' and the gateway's metrics "
+                "ports; false: none. Unset: the operator's default (the chart's "
+                "monitoring.podMonitors). Only where the PodMonitor CRD is installed."
+            ),
+        },
+        default={},
+    )
+
+
 def network_policy_schema() -> Schema:
     return _object(
         "The pipeline's NetworkPolicy <pipeline>-network: the role ports admit only the "
@@ -851,6 +865,7 @@ def spec_schema() -> Schema:
             ),
             "rollout": rollout_schema(),
             "gateway": gateway_schema(),
+            "monitoring": monitoring_schema(),
         },
         required=("roles",),
         **{"x-kubernetes-validations": _spec_rules()},

@@ -57,6 +57,12 @@ def add_operator_arguments(op: argparse.ArgumentParser) -> None:
         help="pods of NS may scrape every role's metrics port (repeatable; the chart passes "
         "the operator's own namespace, whose autoscaler scrapes them)",
     )
+    op.add_argument(
+        "--pod-monitors",
+        action="store_true",
+        help="a PodMonitor per pipeline unless its spec.monitoring.podMonitor is false (where "
+        "the cluster serves PodMonitors: the Prometheus Operator's CRDs)",
+    )
     op.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
 
 

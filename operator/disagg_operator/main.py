@@ -152,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         gpu_mode=args.gpu_mode,
         dra_api_version=args.dra_api_version,
         metrics_namespaces=tuple(getattr(args, "metrics_namespace", None) or ()),
+        pod_monitor_default=bool(getattr(args, "pod_monitors", False)),
     )
     return OperatorConfig(
         namespaces=tuple(namespaces),

@@ -14,6 +14,15 @@ in one test process do not collide), served by `serve(port)`:
                                                         verb and resource as RBAC names them,
                                                         outcome = the HTTP status or "error"
                                                         (no response)
+    disagg_operator_scale_decisions_total{pipeline_namespace,pipeline,role,direction,signal}
+                                                        counter; the autoscaler's decisions
+                                                        that changed a unit's replicas:
+                                                        direction = up | down, signal = what
+                                                        drove it (occupancy, queue, ...)
+    disagg_operator_autoscaled_replicas{pipeline_namespace,pipeline,role}
+                                                        gauge; the replicas last decided
+
+(`pipeline_namespace`, not `namespace`: a scrape gives `namespace` the operator's own.)
 """
 
 from __future__ import annotations
@@ -55,6 +64,27 @@ class Metrics:
             ["client", "verb", "resource", "outcome"],
             registry=self.registry,
         )
+
+        self.scale_decisions = prometheus_client.Counter(
+            PREFIX + "scale_decisions",
+            "Autoscaler decisions that changed a unit's replicas, by direction and signal.",
+            ["pipeline_namespace", "pipeline", "role", "direction", "signal"],
+            registry=self.registry,
+        )
+        self.autoscaled = prometheus_client.Gauge(
+            PREFIX + "autoscaled_replicas",
+            "Replicas the autoscaler last decided for a unit.",
+            ["pipeline_namespace", "pipeline", "role"],
+            registry=self.registry,
+        )
+
+    def scaled(
+        self, namespace: str, pipeline: str, role: str, current: int, desired: int, signal: str
+    ) -> None:
+        """One decision that changed `role`'s replicas from `current` to `desired`."""
+        direction = "up" if desired > current else "down"
+        self.scale_decisions.labels(namespace, pipeline, role, direction, signal).inc()
+        self.autoscaled.labels(namespace, pipeline, role).set(desired)
 
     def api_request(self, client: str) -> Callable[[str, str, str], None]:
         """A recorder of one client's requests: (verb, resource, outcome)."""

@@ -15,6 +15,9 @@ Naming (P = metadata.name, at most 40 characters; R = a role; G = a colocation g
     NetworkPolicy          P-network     unless spec.networkPolicy.enabled is false
     Service, Deployment    P, P-gateway  the HTTP gateway, unless spec.gateway.enabled is
                                          false (see `gateway`)
+    PodMonitor             P-metrics     roles' and gateway's metrics, where the cluster
+                                         serves PodMonitors and the pipeline wants one
+                                         (see `podmonitor`)
 
 and, not planned but ensured by the reconciler (the planner draws no randomness):
 
@@ -139,7 +142,7 @@ from typing import Any, Final, Literal
 from disagg_core import contract, placement
 from disagg_core.spec.fields import Problem, SpecError, child
 from disagg_core.spec.model import ColocationGroup, Pipeline, Role
-from disagg_operator import gateway, names, pods
+from disagg_operator import gateway, names, podmonitor, pods
 
 GpuMode = Literal["dra", "device-plugin", "none"]
 GPU_MODES: Final[tuple[GpuMode, ...]] = ("dra", "device-plugin", "none")
@@ -190,6 +193,8 @@ class PlanOptions:
     metrics_namespaces: tuple[str, ...] = ()  # whose pods may scrape every role's metrics
     # the rollout's partition per unit (operator/disagg_operator/rollout.py); 0 when absent
     partitions: Mapping[str, int] = field(default_factory=dict)
+    pod_monitors: bool = False  # the cluster serves PodMonitors (podmonitor.py)
+    pod_monitor_default: bool = False  # for pipelines without spec.monitoring.podMonitor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -457,6 +462,10 @@ def plan(
     ]
     if pipeline.gateway.enabled:
         objects += _gateway(pipeline, units, namespace, options)
+    if options.pod_monitors and podmonitor.wanted(pipeline, options.pod_monitor_default):
+        labels = common_labels(pipeline.name, "metrics")
+        sizes = [len(unit.roles) for unit in units]
+        objects.append(podmonitor.pod_monitor(pipeline, namespace, sizes, labels))
     if owner is not None:
         for obj in objects:
             obj["metadata"]["ownerReferences"] = [owner.reference()]
@@ -730,7 +739,8 @@ def _gateway(
 
 def child_kinds(options: PlanOptions | None = None) -> tuple[tuple[str, str], ...]:
     """(apiVersion, kind) of every kind `plan` may return, for listing and pruning children."""
-    dra = (options or PlanOptions()).dra_api_version
+    options_ = options or PlanOptions()
+    dra = options_.dra_api_version
     return (
         ("v1", "ConfigMap"),
         (dra, "ResourceClaimTemplate"),
@@ -738,4 +748,4 @@ def child_kinds(options: PlanOptions | None = None) -> tuple[tuple[str, str], ..
         ("networking.k8s.io/v1", "NetworkPolicy"),
         ("apps/v1", "StatefulSet"),
         ("apps/v1", "Deployment"),
-    )
+    ) + (((podmonitor.API_VERSION, podmonitor.KIND),) if options_.pod_monitors else ())

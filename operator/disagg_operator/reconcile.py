@@ -83,6 +83,7 @@ from disagg_operator import (
     liveness,
     names,
     planner,
+    podmonitor,
     pods,
     rollout_state,
     status,
@@ -185,6 +186,7 @@ class Reconciler:
     states: dict[Key, PipelineState] = field(default_factory=dict, init=False)
     _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
+    _pod_monitors_detected: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics.count_pipelines(lambda: len(self.states))
@@ -288,9 +290,23 @@ class Reconciler:
 
     # ------------------------------------------------------------------ steps
 
+    async def _detect_pod_monitors(self, body: Mapping[str, Any]) -> None:
+        """Once per run, when a pipeline may want a PodMonitor (the default, or its spec):
+        does the cluster serve them? (`podmonitor`)"""
+        if self._pod_monitors_detected:
+            return
+        asked = ((body.get("spec") or {}).get("monitoring") or {}).get("podMonitor")
+        if not (self.options.pod_monitor_default or asked is True):
+            return
+        self._pod_monitors_detected = True
+        found = await self.api.serves(podmonitor.API_VERSION, podmonitor.PLURAL)
+        log.info("PodMonitors %s", "served: rendering them" if found else "not served: none")
+        self.options = dataclasses.replace(self.options, pod_monitors=found)
+
     async def _reconcile(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
         namespace = body["metadata"]["namespace"]
         owner = planner.Owner.of(body)
+        await self._detect_pod_monitors(body)
         options = self._options_for(state)
         pipeline = self.validated(body, state, options)
         if isinstance(pipeline, SpecError):

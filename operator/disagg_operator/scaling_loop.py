@@ -182,6 +182,9 @@ class ScalingLoop:
         managed = {unit: n for unit, n in replicas.items() if unit in plan.managed}
         await self._write_status(body, records, managed)
         for decision in changed:
+            self.reconciler.metrics.scaled(
+                namespace, name, decision.role, decision.current, decision.desired, decision.signal
+            )
             type_, reason, message = autoscaling.decision_event(decision)
             log.info("%s/%s: %s", namespace, name, message)
             self.reconciler.post_event(body, type_, reason, message[: reconcile.MAX_EVENT_MESSAGE])

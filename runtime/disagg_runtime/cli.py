@@ -53,6 +53,12 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grace", type=float, default=10.0, help="drain time at stop (s)")
     up.add_argument("--json", action="store_true", help="print the summary as JSON")
     up.add_argument(
+        "--report",
+        metavar="FILE",
+        help="write charts of the run to FILE.html (or .png): latency histogram, throughput "
+        "and replicas over time, time split per role (needs the report extra: matplotlib)",
+    )
+    up.add_argument(
         "--autoscale", action="store_true", help="scale roles by pool occupancy while running"
     )
     up.add_argument(

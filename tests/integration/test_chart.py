@@ -50,6 +50,13 @@ PEERINGS = frozenset({
 ADDITIONS: dict[Rule, str] = {
     ("", "configmaps", "delete"): "pruning a child the plan dropped applies to every kind",
     ("apps", "deployments", "delete"): "pruning the gateway when spec.gateway.enabled is false",
+    # PodMonitors (operator/disagg_operator/podmonitor.py): the emulator serves no
+    # monitoring.coreos.com, so the recorded run makes none; a real API server's apply of an
+    # absent object needs create besides patch
+    **{
+        ("monitoring.coreos.com", "podmonitors", verb): "a pipeline's PodMonitor"
+        for verb in ("get", "list", "create", "patch", "delete")
+    },
 }
 PEERING_ADDITIONS: dict[Rule, str] = {
     ("kopf.dev", "clusterkopfpeerings", "patch"): (

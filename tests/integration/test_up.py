@@ -188,9 +188,12 @@ def test_killed_role_fails_in_flight_requests_and_leaves_nothing(
 
 
 @pytest.mark.timeout(120)
-def test_up_json_summary() -> None:
+def test_up_json_summary(tmp_path: Path) -> None:
+    """...and the same run's --report: one HTML file with the four charts."""
     file = PIPELINES / "up-linear.yaml"
+    page = tmp_path / "report.html"
     args = ["up", str(file), "--requests", "20", "--concurrency", "4", "--json"]
+    args += ["--report", str(page)]
 
     proc = subprocess.run(
         [*disagg(), *args], env=role_env(), capture_output=True, text=True, timeout=90
@@ -214,6 +217,11 @@ def test_up_json_summary() -> None:
         assert r["completed"] == 20 and r["failed"] == 0, (name, r)
         assert r["mean_ms"] >= 0
     assert not segments("itest-up-linear-")
+    html = page.read_text()
+    for chart in ("latency", "throughput", "replicas", "split"):
+        assert f'<img id="{chart}"' in html, chart
+    assert html.count("data:image/png;base64,") == 4
+    assert f"report written to {page}" in proc.stderr
 
 
 def test_up_on_an_invalid_file_names_every_problem() -> None:

@@ -105,6 +105,9 @@ Both print "true" or nothing.
 - --metrics-namespace={{ . }}
 {{- end }}
 - --autoscale-interval={{ .Values.operator.autoscaleIntervalSeconds }}
+{{- if .Values.monitoring.podMonitors }}
+- --pod-monitors
+{{- end }}
 - --log-level={{ .Values.logLevel }}
 {{- end }}
 
@@ -164,6 +167,12 @@ namespace with rbac.namespaced). */}}
   - apiGroups: [""]
     resources: ["events"]
     verbs: ["create"]
+  # The pipelines' PodMonitors (where the Prometheus Operator's CRDs are installed and a
+  # pipeline, or monitoring.podMonitors, asks for one): applied, listed, pruned. Whether
+  # they are served is read from API discovery, which needs no rule.
+  - apiGroups: ["monitoring.coreos.com"]
+    resources: ["podmonitors"]
+    verbs: ["get", "list", "create", "patch", "delete"]
   {{- if and .Values.peering.enabled (not (include "disagg-operator.clusterWide" .)) }}
   # Peering in each watched namespace (kopf writes its liveness into the object; into its
   # status subresource where the CRD has one).

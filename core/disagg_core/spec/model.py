@@ -297,6 +297,15 @@ class NetworkPolicy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Monitoring:
+    """`spec.monitoring`: `pod_monitor` asks the operator for a PodMonitor of the pipeline's
+    roles and gateway (None: the operator's default, `--pod-monitors`); made only where the
+    Prometheus Operator's CRDs are installed."""
+
+    pod_monitor: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class SecretKeyRef:
     """A key of a Secret in the pipeline's namespace."""
 
@@ -338,6 +347,7 @@ class Pipeline:
     network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
     rollout: Rollout = field(default_factory=Rollout)
     gateway: Gateway = field(default_factory=Gateway)
+    monitoring: Monitoring = field(default_factory=Monitoring)
 
     @property
     def role_names(self) -> tuple[str, ...]:

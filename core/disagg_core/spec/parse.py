@@ -27,12 +27,13 @@ METADATA_KEYS = (
     "managedFields", "ownerReferences", "generateName", "selfLink",
 )  # fmt: skip
 NETWORK_POLICY_KEYS = ("enabled", "clients", "metricsFrom")
+MONITORING_KEYS = ("podMonitor",)
 PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
 SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 SPEC_KEYS = (
     "image", "transport", "roles", "edges", "colocation", "ratioLocks", "networkPolicy",
-    "rollout", "gateway",
+    "rollout", "gateway", "monitoring",
 )  # fmt: skip
 ROLLOUT_KEYS = (
     "maxUnavailable", "maxSkew", "partition", "paused", "stepDeadlineSeconds", "groups",
@@ -100,6 +101,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
     network = _network_policy(out, spec.get("networkPolicy", {}), "spec.networkPolicy")
     rollout = _rollout(out, spec.get("rollout", {}), "spec.rollout")
     gateway = _gateway(out, spec.get("gateway", {}), "spec.gateway")
+    monitoring = _monitoring(out, spec.get("monitoring", {}), "spec.monitoring")
     pipeline = m.Pipeline(
         name=name,
         namespace=namespace,
@@ -114,6 +116,7 @@ def parse_document(doc: object) -> tuple[m.Pipeline, Collector]:
         network_policy=network,
         rollout=rollout,
         gateway=gateway,
+        monitoring=monitoring,
     )
     return pipeline, out
 
@@ -602,6 +605,11 @@ def _ratio_lock(out: Collector, raw: object, path: str) -> m.RatioLock | None:
 
 def _share(out: Collector, r: dict[str, object], key: str, path: str) -> int | None:
     return f.integer(out, r, key, path, minimum=1, maximum=m.MAX_RATIO_SHARE)
+
+
+def _monitoring(out: Collector, raw: object, path: str) -> m.Monitoring:
+    n = f.fields(out, raw, path, known=MONITORING_KEYS) or {}
+    return m.Monitoring(pod_monitor=f.boolean(out, n, "podMonitor", path))
 
 
 def _network_policy(out: Collector, raw: object, path: str) -> m.NetworkPolicy:

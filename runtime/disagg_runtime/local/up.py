@@ -59,6 +59,8 @@ class Tally:
     submitted: int = 0
     input_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    started: float = field(default_factory=time.monotonic)
+    completed_at: list[float] = field(default_factory=list)  # s since started (--report)
 
     @property
     def done(self) -> int:
@@ -68,7 +70,9 @@ class Tally:
         with self.lock:
             exc = future.exception()
             if exc is None:
-                self.latencies.append(time.monotonic() - started)
+                now = time.monotonic()
+                self.latencies.append(now - started)
+                self.completed_at.append(now - self.started)
             else:
                 self.failed += 1
                 if len(self.errors) < 5:
@@ -322,6 +326,8 @@ def run_cli(args: argparse.Namespace) -> int:
             for role, report in scaler.report().items():
                 summary["roles"][role].update(report)
             summary["scale_events"] = scaler.events
+        if getattr(args, "report", None):
+            _report(args.report, local, summary, tally)
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: stopping every role", file=sys.stderr)
@@ -341,6 +347,24 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         print(render(summary))
     return 0 if summary["failed"] == 0 and not summary["died"] else 1
+
+
+def _report(path: str, local: LocalPipeline, summary: dict[str, Any], tally: Tally) -> None:
+    """`--report FILE`: the run's charts (disagg_runtime/observe/report.py, matplotlib)."""
+    from disagg_runtime.observe import report
+
+    samples = local.metrics()
+    by_role: dict[str, list[dict[str, float]]] = {}
+    for rp in local.processes:
+        by_role.setdefault(rp.config.role, []).append(samples.get(rp.label, {}))
+    data = report.ReportData.of(
+        summary,
+        latencies_s=tally.latencies,
+        completed_at_s=tally.completed_at,
+        role_samples=by_role,
+    )
+    report.write(path, data)
+    print(f"report written to {path}", file=sys.stderr)
 
 
 def _serve(local: LocalPipeline, args: argparse.Namespace) -> int:

@@ -49,6 +49,15 @@ FULL: Obj = {
             "labels": {"release": "prometheus"},
         },
     },
+    "monitoring": {
+        "podMonitors": True,
+        "dashboard": {
+            "enabled": True,
+            "labels": {"team": "ml"},
+            "annotations": {"grafana_folder": "disagg"},
+        },
+        "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
+    },
     "resources": {
         "requests": {"cpu": "250m", "memory": "256Mi"},
         "limits": {"cpu": 1, "memory": "1Gi"},

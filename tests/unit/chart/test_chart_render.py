@@ -24,7 +24,7 @@ from tests.unit.chart import chart_support as c
 
 NEWEST = kubernetes_validate.utils.latest_version()
 VERSIONS = ("1.30", NEWEST)
-CUSTOM_KINDS = {"ServiceMonitor", "ClusterKopfPeering", "KopfPeering"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ClusterKopfPeering", "KopfPeering"}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +228,18 @@ def test_the_full_values_reach_the_objects(rendered: dict[str, list[c.Obj]]) -> 
     assert monitor["spec"]["endpoints"] == [
         {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "5s"}
     ]
+    assert "--pod-monitors" in box["args"]
+    dashboard = next(
+        o for o in c.of_kind(objects, "ConfigMap") if "dashboard" in o["metadata"]["name"]
+    )
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["annotations"] == {"grafana_folder": "disagg"}
+    shipped = (c.CHART / "files" / "dashboards" / "disagg.json").read_text()
+    assert json.loads(dashboard["data"]["disagg.json"]) == json.loads(shipped)
+    rule = c.only(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    shipped_rules = yaml.safe_load((c.CHART / "files" / "rules" / "disagg.rules.yaml").read_text())
+    assert rule["spec"] == shipped_rules
     peerings = c.of_kind(objects, "KopfPeering")
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["ml", "research"]
     assert {p["metadata"]["name"] for p in peerings} == {"disagg"}
