@@ -86,7 +86,7 @@ def template_findings(
 ) -> list[Problem]:
     """The weakening settings of one PodTemplateSpec overlay (see the module docstring);
     `own` says which Secret names it may mount or read."""
-    found = podrules.annotations(template.get("metadata"), child(path, "metadata"))
+    found = podrules.profile_annotations(template.get("metadata"), child(path, "metadata"))
     if "spec" in template and template["spec"] is None:
         found.append(Problem(child(path, "spec"), "null removes the whole hardened pod spec"))
     spec = template.get("spec")

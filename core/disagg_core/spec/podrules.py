@@ -69,14 +69,15 @@ HARDENING_KEYS: Final = (
 )
 
 
-def annotations(metadata: Any, path: str) -> list[Problem]:
+def profile_annotations(metadata: Any, path: str) -> list[Problem]:
     """seccomp and AppArmor profiles set through the (deprecated) pod annotations."""
     notes = metadata.get("annotations") if isinstance(metadata, Mapping) else None
     if not isinstance(notes, Mapping):
         return []
     found: list[Problem] = []
+    allowed: tuple[str, ...]
     for key, value in notes.items():
-        if key.startswith(SECCOMP_ANNOTATIONS) or key == SECCOMP_ANNOTATIONS[0]:
+        if key.startswith(SECCOMP_ANNOTATIONS):
             allowed = SECCOMP_VALUES
         elif key.startswith(APPARMOR_ANNOTATION):
             allowed = APPARMOR_VALUES

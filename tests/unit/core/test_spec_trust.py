@@ -78,7 +78,11 @@ WEAKENING = [
     ("root user", container({"runAsUser": 0}), f"{C}.runAsUser"),
     ("root allowed", container({"runAsNonRoot": False}), f"{C}.runAsNonRoot"),
     ("container hardening removed", container(None), C),
-    ("seccomp off", container({"seccompProfile": {"type": "Unconfined"}}), f"{C}.seccompProfile.type"),
+    (
+        "seccomp off",
+        container({"seccompProfile": {"type": "Unconfined"}}),
+        f"{C}.seccompProfile.type",
+    ),
     (
         "apparmor off",
         container({"appArmorProfile": {"type": "Unconfined"}}),

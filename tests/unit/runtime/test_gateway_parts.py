@@ -384,9 +384,9 @@ def test_spec_gateway_defaults_and_fields() -> None:
         1,
     )
     full = spec.parse_pipeline(
-        doc({"api": "openai", "model": "m", "auth": {"secretRef": {"name": "tok"}}, "port": 81})
+        doc({"api": "openai", "model": "m", "auth": {"secretRef": {"name": "p-tok"}}, "port": 81})
     ).gateway
-    assert full.auth is not None and (full.auth.name, full.auth.key) == ("tok", "token")
+    assert full.auth is not None and (full.auth.name, full.auth.key) == ("p-tok", "token")
 
 
 @pytest.mark.parametrize(
