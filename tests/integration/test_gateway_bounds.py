@@ -31,7 +31,7 @@ class Scripted:
         self.chunks = chunks
 
     async def stream(self, payload: Any, **_: Any) -> AsyncGenerator[Any, None]:
-        for _ in range(self.chunks):
+        for _chunk in range(self.chunks):
             yield {"text": self.piece, "token_ids": [1]}
             await asyncio.sleep(0)
         yield {"text": "", "finish_reason": "length"}
