@@ -26,6 +26,7 @@ from disagg_runtime.gateway.app import READY_CACHE_S, Gateway, Settings
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.peers import PeerSet
+from disagg_runtime.pool import PoolError
 from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 
@@ -192,7 +193,7 @@ def main(unix: str | None = None) -> int:
         config = parse_gateway_env(os.environ)
         settings = settings_for(config)
         client = client_for(config)
-    except (ContractError, PeerKeyError, OSError) as exc:
+    except (ContractError, PeerKeyError, PoolError, OSError) as exc:
         log.error("cannot start the gateway: %s", exc)
         return 2
     gateway = gateway_for(client, settings)
