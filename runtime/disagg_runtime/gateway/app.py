@@ -73,6 +73,9 @@ class Settings:
     max_connections: int = contract.DEFAULT_GATEWAY_MAX_CONNECTIONS
     max_json: int = contract.DEFAULT_GATEWAY_MAX_JSON  # parsed, JSON costs several times this
     json_in_flight: int = 64 * 2**20  # bytes of JSON bodies read and parsed at once
+    max_uploads: int = 16  # large (staged) uploads at once, each holding a pool slot
+    max_uploads_per_client: int = 4  # of them, from one client address
+    upload_stall: float = upload.STALL_S  # a large body that sends nothing this long: 408
 
     @property
     def json_limit(self) -> int:
@@ -176,6 +179,7 @@ class Gateway:
     arena: upload.Arena = field(init=False)
     token: BearerToken = field(init=False)
     json_budget: limits.Budget = field(init=False)
+    uploads: limits.Uploads = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -184,6 +188,9 @@ class Gateway:
         self.metrics = GatewayMetrics(self.settings.pipeline)
         self.arena = upload.Arena(upload.arena_size(self.settings.max_body))
         self.json_budget = limits.Budget(self.settings.json_in_flight)
+        self.uploads = limits.Uploads(
+            self.settings.max_uploads, self.settings.max_uploads_per_client
+        )
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -368,7 +375,19 @@ class Gateway:
             raise HttpError(411, "a safetensors body needs Content-Length", kind="length_required")
         if length < upload.MIN_TAKEOVER:
             return native.request_from_safetensors(await self._read(request)), _nothing
-        body = upload.Body(request, time.monotonic() + self.settings.timeout)
+        client = request.remote or ""
+        refused = self.uploads.enter(client)
+        if refused:
+            retry = {"Retry-After": str(RETRY_AFTER_S)}
+            raise HttpError(429, f"{refused}; retry", kind="overloaded", headers=retry)
+        try:
+            return await self._staged(request)
+        finally:
+            self.uploads.leave(client)
+
+    async def _staged(self, request: web.Request) -> tuple[Any, Callable[[], None]]:
+        deadline = time.monotonic() + self.settings.timeout
+        body = upload.Body(request, deadline, stall_s=self.settings.upload_stall)
         try:
             return await self._land(body)
         except upload.BodyTimeout as exc:
@@ -392,6 +411,7 @@ class Gateway:
         await body.fill([memoryview(header)])
         metadata, spans = native.parse_header(header, body.length - 8 - size)
         manifest, places = native.slot_layout(metadata, spans)
+        await body.flowing()  # no slot for a body that stops after its header
         remaining = max(0.0, body.deadline - time.monotonic())
         reserved = streaming = None
         if manifest.nbytes:  # (a body of metadata only has nothing to land)

@@ -106,3 +106,31 @@ def give_back(nbytes: int) -> None:
     trim = getattr(_libc, "malloc_trim", None) if _libc else None
     if trim is not None:
         trim(0)
+
+
+class Uploads:
+    """Large (staged) uploads at once, in total and per client address: each holds a slot
+    of the entry role's pool (or the arena) while its body comes."""
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.total = total
+        self.per_client = per_client
+        self._by_client: dict[str, int] = {}
+        self.active = 0
+
+    def enter(self, client: str) -> str:
+        """ "" when the upload may go on (then `leave` once done), else why not."""
+        if self.active >= self.total:
+            return f"{self.active} large uploads are in flight (at most {self.total})"
+        mine = self._by_client.get(client, 0)
+        if mine >= self.per_client:
+            return f"this client has {mine} large uploads in flight (at most {self.per_client})"
+        self.active += 1
+        self._by_client[client] = mine + 1
+        return ""
+
+    def leave(self, client: str) -> None:
+        self.active -= 1
+        left = self._by_client.pop(client, 1) - 1
+        if left:
+            self._by_client[client] = left
