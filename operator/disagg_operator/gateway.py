@@ -81,6 +81,7 @@ def config(
         pool_size=pipeline.transport.pool_size,
         request_timeout=pipeline.transport.request_timeout_seconds,
         peer_key_file=contract.DEFAULT_PEER_KEY_FILE,
+        max_tokens=pipeline.gateway_max_tokens,
     )
 
 

@@ -54,6 +54,7 @@ class GatewayConfig:
     idle_timeout: float = DEFAULT_GATEWAY_IDLE_TIMEOUT
     max_connections: int = DEFAULT_GATEWAY_MAX_CONNECTIONS
     max_json: int = DEFAULT_GATEWAY_MAX_JSON
+    max_tokens: int = 0  # the model's largest max_tokens (0: not known here)
     pool_size: int = DEFAULT_POOL_SIZE
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
     node_local: bool = False
@@ -145,6 +146,15 @@ GATEWAY_ENV: Final[tuple[EnvVar, ...]] = (
         _unless_default(BYTES, DEFAULT_GATEWAY_MAX_JSON),
         "gateway: largest JSON body (large tensors belong in safetensors bodies)",
         format_bytes(DEFAULT_GATEWAY_MAX_JSON),
+        optional=True,
+    ),
+    EnvVar(
+        "GATEWAY_MAX_TOKENS",
+        "max_tokens",
+        _unless_default(INT, 0),
+        "gateway: the largest max_tokens of the OpenAI API (400 above it; the pipeline "
+        "annotation disagg.dev/gateway-max-tokens)",
+        "0",
         optional=True,
     ),
     EnvVar(

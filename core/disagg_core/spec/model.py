@@ -69,6 +69,10 @@ MAX_RATIO_SHARE = 1000
 # The pipeline annotation that lets role podTemplates weaken the pods' isolation (privileged,
 # host namespaces, hostPath, root, added capabilities; see `podpolicy`). Only "true" opts in.
 ANNOTATION_ALLOW_PRIVILEGED = "disagg.dev/allow-privileged"
+# The largest `max_tokens` the model behind an OpenAI gateway accepts: the gateway answers
+# 400 naming `max_tokens` above it, instead of a role's 502 naming its own parameter.
+ANNOTATION_GATEWAY_MAX_TOKENS = "disagg.dev/gateway-max-tokens"
+MAX_GATEWAY_TOKENS = 2**31 - 1
 DEFAULT_GATEWAY_PORT = 8080
 DEFAULT_GATEWAY_REPLICAS = 1
 DEFAULT_TOKEN_KEY = "token"
@@ -367,6 +371,12 @@ class Pipeline:
     def derived(self) -> dict[Any, Any]:
         """A cache for values derived from this pipeline (the contract's topology)."""
         return {}
+
+    @property
+    def gateway_max_tokens(self) -> int:
+        """ANNOTATION_GATEWAY_MAX_TOKENS as a number; 0 when absent (or invalid: `checks`)."""
+        raw = self.annotations.get(ANNOTATION_GATEWAY_MAX_TOKENS, "")
+        return int(raw) if raw.isdigit() and 0 < int(raw) <= MAX_GATEWAY_TOKENS else 0
 
     def role(self, name: str) -> Role:
         try:

@@ -76,6 +76,7 @@ class Settings:
     max_uploads: int = 16  # large (staged) uploads at once, each holding a pool slot
     max_uploads_per_client: int = 4  # of them, from one client address
     upload_stall: float = upload.STALL_S  # a large body that sends nothing this long: 408
+    max_tokens: int = 0  # the model's largest max_tokens (0: the pipeline checks alone)
 
     @property
     def json_limit(self) -> int:
@@ -497,7 +498,8 @@ class Gateway:
         self._check_length(request)
         parse = openai.parse_chat if chat else openai.parse_completion
         try:
-            payload, sampling = parse(await self._json(request), self.settings.model)
+            doc = await self._json(request)
+            payload, sampling = parse(doc, self.settings.model, self.settings.max_tokens)
         except (native.InputError, openai.ModelNotFound) as exc:
             raise from_failure(exc) from None
         answer = openai.Answer(self.settings.model, chat)

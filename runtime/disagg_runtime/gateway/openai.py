@@ -44,7 +44,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
 
 
-def parse_completion(doc: Any, model: str) -> tuple[dict[str, Any], Sampling]:
+def parse_completion(doc: Any, model: str, max_tokens: int = 0) -> tuple[dict[str, Any], Sampling]:
     """`/v1/completions` body -> (entry payload, how to answer)."""
     body = _object(doc)
     _model(body, model)
@@ -54,10 +54,10 @@ def parse_completion(doc: Any, model: str) -> tuple[dict[str, Any], Sampling]:
     if not isinstance(prompt, str):
         raise InputError("$.prompt", "expected a string (one prompt per request)")
     payload: dict[str, Any] = {"prompt": prompt}
-    return _sampling(body, payload, default_max=DEFAULT_COMPLETION_TOKENS)
+    return _sampling(body, payload, default_max=DEFAULT_COMPLETION_TOKENS, most=max_tokens)
 
 
-def parse_chat(doc: Any, model: str) -> tuple[dict[str, Any], Sampling]:
+def parse_chat(doc: Any, model: str, max_tokens: int = 0) -> tuple[dict[str, Any], Sampling]:
     """`/v1/chat/completions` body -> (entry payload, how to answer)."""
     body = _object(doc)
     _model(body, model)
@@ -67,7 +67,7 @@ def parse_chat(doc: Any, model: str) -> tuple[dict[str, Any], Sampling]:
     out = [_message(m, f"$.messages[{i}]") for i, m in enumerate(messages)]
     if "max_completion_tokens" in body and "max_tokens" not in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _sampling(body, {"messages": out}, default_max=None)
+    return _sampling(body, {"messages": out}, default_max=None, most=max_tokens)
 
 
 def _object(doc: Any) -> dict[str, Any]:
@@ -108,12 +108,15 @@ def _message(raw: Any, path: str) -> dict[str, str]:
 
 
 def _sampling(
-    body: Mapping[str, Any], payload: dict[str, Any], *, default_max: int | None
+    body: Mapping[str, Any], payload: dict[str, Any], *, default_max: int | None, most: int = 0
 ) -> tuple[dict[str, Any], Sampling]:
+    """`most`: the model's largest max_tokens (0: not known; the pipeline checks it)."""
     max_tokens = body.get("max_tokens", default_max)
     if max_tokens is not None:
         if not _int(max_tokens) or max_tokens < 1:
             raise InputError("$.max_tokens", "expected an integer >= 1")
+        if most and max_tokens > most:
+            raise InputError("$.max_tokens", f"at most {most} for this model, got {max_tokens}")
         payload["max_tokens"] = max_tokens
     for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
         value = body.get(key)

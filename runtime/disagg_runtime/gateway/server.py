@@ -180,6 +180,7 @@ def settings_for(config: GatewayConfig) -> Settings:
         idle_timeout=config.idle_timeout,
         max_connections=config.max_connections,
         max_json=config.max_json,
+        max_tokens=config.max_tokens,
     )
 
 
