@@ -948,6 +948,7 @@ def status_schema() -> Schema:
                     "url": _string("In-cluster URL: http://<pipeline>.<namespace>.svc:<port>."),
                     "desired": _integer("Replicas wanted.", **count),
                     "ready": _integer("Replicas that pass their readiness probe.", **count),
+                    "warning": _string("Set when the gateway takes requests without a token."),
                 },
             ),
             "problems": _array(

@@ -736,8 +736,15 @@ def _gateway(
         )
         for role in pipeline.entry_roles
     )
+    policy = []
+    if pipeline.network_policy.enabled:
+        clients = [dict(peer) for peer in pipeline.network_policy.clients]
+        policy = [
+            gateway.network_policy(pipeline, namespace, role_selector(pipeline.name), clients)
+        ]
     return [
         gateway.service(pipeline, namespace),
+        *policy,
         gateway.deployment(
             pipeline,
             namespace,

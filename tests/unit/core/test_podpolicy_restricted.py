@@ -276,3 +276,21 @@ def test_the_gateway_token_must_be_the_pipelines_own_secret() -> None:
     assert len(found) == 1 and found[0].startswith("spec.gateway.auth.secretRef.name: ")
     assert problems(auth("p-gateway-token")) == []
     assert problems(auth("cluster-admin-token", **OPT_IN)) == []
+
+
+def test_validate_warns_of_an_unauthenticated_gateway(tmp_path: Any) -> None:
+    """Issue 30, item 15: the unauthenticated default is a visible choice."""
+    import io
+
+    import yaml
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(base()))
+    out, err = io.StringIO(), io.StringIO()
+    assert spec.validate_cli([str(path)], out=out, err=err) == 0
+    assert out.getvalue() == f"{path}: ok\n"
+    assert f"{path}: warning: spec.gateway.auth: the gateway is unauthenticated" in err.getvalue()
+    path.write_text(yaml.safe_dump(auth("p-token")))
+    err = io.StringIO()
+    assert spec.validate_cli([str(path)], out=io.StringIO(), err=err) == 0
+    assert err.getvalue() == ""

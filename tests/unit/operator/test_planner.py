@@ -57,6 +57,7 @@ def test_names_kinds_and_order(examples: dict[str, Pipeline]) -> None:
         ("StatefulSet", "fan-out-encoders"),
         ("StatefulSet", "fan-out-fuse"),
         ("Service", "fan-out"),  # the gateway's
+        ("NetworkPolicy", "fan-out-gateway-network"),
         ("Deployment", "fan-out-gateway"),
     ]
     assert all(o["metadata"]["namespace"] == NS for o in objects)
