@@ -129,3 +129,31 @@ def test_staged_uploads_are_capped_per_client(local: LocalPipeline) -> None:
             sock.close()
         server.close()
         client.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("relay", ["shm", "tcp"])
+def test_a_payload_that_can_never_fit_the_entry_pool_is_413(
+    local: LocalPipeline, relay: str
+) -> None:
+    """Issue 30, item 11: 20 MiB for a 16 MiB entry pool is a 413 at once, not a
+    retryable 503."""
+    from tests.integration.test_gateway import gateway_client
+
+    client = gateway_client(local, relay)
+    server = Served(gateway_for(client, Settings(pipeline="itest-gateway")))
+    try:
+        _, content = large_head(20 << 20)
+        started = time.monotonic()
+        answer = httpx.post(
+            f"{server.url}/v1/infer",
+            content=content,
+            headers={"Content-Type": native.SAFETENSORS},
+            timeout=WAIT,
+        )
+        assert answer.status_code == 413, answer.text
+        assert "never fit" in answer.json()["error"]["message"]
+        assert time.monotonic() - started < 10
+    finally:
+        server.close()
+        client.close()
+    wait_until(lambda: all(v == 0 for v in pools_used(local).values()), what="pools free")

@@ -38,6 +38,7 @@ from aiohttp import web
 from disagg_core import contract
 from disagg_runtime import codec
 from disagg_runtime.client import (
+    TOO_LARGE,
     RequestFailed,
     RequestOverloaded,
     RequestTimeout,
@@ -133,6 +134,8 @@ def from_failure(exc: BaseException) -> HttpError:
     if isinstance(exc, RequestFailed):
         error = exc.error
         retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if error.get("reason") == TOO_LARGE:  # no wait or retry helps
+            return HttpError(413, str(exc), kind="too_large")
         if isinstance(exc, RequestOverloaded) or error.get("reason") == "overloaded":
             return HttpError(429, str(exc), kind="overloaded", headers=retry, role=exc.role)
         if not error:  # never reached a role: none reachable, or the gateway is closing
