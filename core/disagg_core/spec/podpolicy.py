@@ -72,6 +72,9 @@ def findings(pipeline: Pipeline) -> list[Problem]:
     result: list[Problem] = []
     for path, template in templates(pipeline):
         result += template_findings(template, path, own)
+    for i, role in enumerate(pipeline.roles):  # a role's own `env` may read Secrets too
+        env = [{"name": var.name, "valueFrom": var.value_from} for var in role.env]
+        result += podrules.container_refs({"env": env}, f"spec.roles[{i}]", own)
     auth = pipeline.gateway.auth
     if auth is not None and not own_secret(pipeline, auth.name):
         where = "spec.gateway.auth.secretRef.name"

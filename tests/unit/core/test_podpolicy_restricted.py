@@ -294,3 +294,14 @@ def test_validate_warns_of_an_unauthenticated_gateway(tmp_path: Any) -> None:
     err = io.StringIO()
     assert spec.validate_cli([str(path)], out=io.StringIO(), err=err) == 0
     assert err.getvalue() == ""
+
+
+def test_a_roles_own_env_may_not_read_another_secret() -> None:
+    document = base()
+    ref = {"secretKeyRef": {"name": "db-password", "key": "k"}}
+    document["spec"]["roles"][0]["env"] = [{"name": "A", "valueFrom": ref}]
+    found = problems(document)
+    assert len(found) == 1
+    assert found[0].startswith("spec.roles[0].env[0].valueFrom.secretKeyRef.name: ")
+    document["spec"]["roles"][0]["env"][0]["valueFrom"] = {"secretKeyRef": {"name": "p-x"}}
+    assert problems(document) == []
