@@ -24,27 +24,29 @@ from typing import Any, Final
 import yaml
 
 from disagg_core import autoscale, compat, quantity, relays
+from disagg_core.spec import limits
 from disagg_core.spec import model as m
 from disagg_core.spec.parse import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE
 from disagg_operator import names
 
 Schema = dict[str, Any]
 
-MAX_ROLES: Final = 64
-MAX_EDGES: Final = 256
-MAX_TENSOR_REFS: Final = 16
-MAX_GROUPS: Final = 16
-MAX_GROUP_ROLES: Final = 8
-MAX_ENV: Final = 128
-MAX_PORTS: Final = 32
-MAX_ARGS: Final = 256
-MAX_IMAGE_LENGTH: Final = 1024
-MAX_HANDLER_LENGTH: Final = 512
-MAX_PATH_LENGTH: Final = 256
-MAX_ENV_NAME_LENGTH: Final = 256
+# The spec's bounds live in disagg_core.spec.limits (the validator enforces the same ones).
+MAX_ROLES: Final = limits.MAX_ROLES
+MAX_EDGES: Final = limits.MAX_EDGES
+MAX_TENSOR_REFS: Final = limits.MAX_TENSOR_REFS
+MAX_GROUPS: Final = limits.MAX_GROUPS
+MAX_GROUP_ROLES: Final = limits.MAX_GROUP_ROLES
+MAX_ENV: Final = limits.MAX_ENV
+MAX_PORTS: Final = limits.MAX_PORTS
+MAX_ARGS: Final = limits.MAX_ARGS
+MAX_IMAGE_LENGTH: Final = limits.MAX_IMAGE_LENGTH
+MAX_HANDLER_LENGTH: Final = limits.MAX_HANDLER_LENGTH
+MAX_PATH_LENGTH: Final = limits.MAX_PATH_LENGTH
+MAX_ENV_NAME_LENGTH: Final = limits.MAX_ENV_NAME_LENGTH
 MAX_CONDITIONS: Final = 8
 MAX_SCALE_DECISIONS: Final = 50
-MAX_NETWORK_PEERS: Final = 32
+MAX_NETWORK_PEERS: Final = limits.MAX_NETWORK_PEERS
 
 DNS_1035_LABEL: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_1123_LABEL: Final = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -961,6 +963,7 @@ def status_schema() -> Schema:
                     "url": _string("In-cluster URL: http://<pipeline>.<namespace>.svc:<port>."),
                     "desired": _integer("Replicas wanted.", **count),
                     "ready": _integer("Replicas that pass their readiness probe.", **count),
+                    "warning": _string("Set when the gateway takes requests without a token."),
                 },
             ),
             "problems": _array(

@@ -81,6 +81,7 @@ def config(
         pool_size=pipeline.transport.pool_size,
         request_timeout=pipeline.transport.request_timeout_seconds,
         peer_key_file=contract.DEFAULT_PEER_KEY_FILE,
+        max_tokens=pipeline.gateway_max_tokens,
     )
 
 
@@ -190,6 +191,42 @@ def deployment(
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector(pipeline)},
             "template": template,
+        },
+    }
+
+
+def network_policy_name(pipeline: Pipeline) -> str:
+    return pipeline.derived_name("gateway-network")
+
+
+def network_policy(
+    pipeline: Pipeline, namespace: str, roles: dict[str, Any], clients: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """NetworkPolicy P-gateway-network (with the pipeline's, unless spec.networkPolicy is
+    off): the gateway's HTTP port admits its namespace's pods and `clients`
+    (spec.networkPolicy.clients); its reply port (`ingress`) only the role pods (`roles`, a
+    selector), which send it results. Egress stays open."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": network_policy_name(pipeline),
+            "namespace": namespace,
+            "labels": labels(pipeline),
+        },
+        "spec": {
+            "podSelector": {"matchLabels": selector(pipeline)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {}}, *copy.deepcopy(clients)],
+                    "ports": [{"protocol": "TCP", "port": pipeline.gateway.port}],
+                },
+                {
+                    "from": [{"podSelector": copy.deepcopy(roles)}],
+                    "ports": [{"protocol": "TCP", "port": REPLY_PORT}],
+                },
+            ],
         },
     }
 

@@ -242,8 +242,16 @@ def child_selector(pipeline: str) -> dict[str, str]:
 
 
 def workloads(pipeline: Pipeline, options: PlanOptions | None = None) -> tuple[Workload, ...]:
-    """The units in declaration order (a group where its first member is declared)."""
+    """The units in declaration order (a group where its first member is declared); once
+    per pipeline and options (asked per role)."""
     options = options or PlanOptions()
+    cached = pipeline.derived.get(workloads)
+    if cached is None or cached[0] != options:
+        cached = pipeline.derived[workloads] = (options, _workloads(pipeline, options))
+    return cached[1]
+
+
+def _workloads(pipeline: Pipeline, options: PlanOptions) -> tuple[Workload, ...]:
     result: list[Workload] = []
     seen: set[str] = set()
     for role in pipeline.roles:
@@ -306,8 +314,8 @@ def spec_hash(pipeline: Pipeline, namespace: str, roles: tuple[str, ...]) -> str
     """The hash of what the pods of `roles` read from outside their own template: their own
     slices of the topology file (and the pipeline and namespace it names). A graph change
     rolls only the roles whose slice it changes."""
-    topo = topology(pipeline, namespace).to_json()
-    slices = [r for r in topo["roles"] if r["name"] in roles]
+    topo = topology(pipeline, namespace).to_json(only=roles)
+    slices = topo["roles"]
     mine = {"pipeline": topo["pipeline"], "namespace": topo["namespace"], "roles": slices}
     text = json.dumps(mine, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -386,6 +394,21 @@ def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Proble
     return problems
 
 
+def _layout(
+    pipeline: Pipeline, options: PlanOptions
+) -> tuple[tuple[Workload, ...], dict[str, RolePorts], dict[str, Workload]]:
+    """The units, every role's ports and each role's unit: computed once per pipeline and
+    options (`role_config` runs per role; recomputing them made a plan quadratic)."""
+    cached = pipeline.derived.get(_layout)
+    if cached is not None and cached[0] == options:
+        return cached[1]  # type: ignore[no-any-return]
+    units = workloads(pipeline, options)
+    ports = {name: p for w in units for name, p in role_ports(w).items()}
+    homes = {r.name: w for w in units for r in w.roles}
+    pipeline.derived[_layout] = (options, (units, ports, homes))
+    return units, ports, homes
+
+
 def role_config(
     pipeline: Pipeline,
     role: str,
@@ -396,9 +419,8 @@ def role_config(
     """The contract of one container of `role` (replica 0, no pod name: those come from the
     pod). `render_env` of it, minus DISAGG_REPLICA, is the container's DISAGG_* env."""
     options = options or PlanOptions()
-    units = workloads(pipeline, options)
-    ports = {name: p for w in units for name, p in role_ports(w).items()}
-    home = next(w for w in units if role in (r.name for r in w.roles))
+    _, ports, homes = _layout(pipeline, options)
+    home = homes[role]
     where = placement.Placement(
         namespace=namespace,
         addresses={
@@ -723,8 +745,15 @@ def _gateway(
         )
         for role in pipeline.entry_roles
     )
+    policy = []
+    if pipeline.network_policy.enabled:
+        clients = [dict(peer) for peer in pipeline.network_policy.clients]
+        policy = [
+            gateway.network_policy(pipeline, namespace, role_selector(pipeline.name), clients)
+        ]
     return [
         gateway.service(pipeline, namespace),
+        *policy,
         gateway.deployment(
             pipeline,
             namespace,

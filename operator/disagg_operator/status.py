@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from disagg_core import spec
 from disagg_core.spec.fields import ROOT, SpecError
 from disagg_core.spec.model import Pipeline
 from disagg_operator import gateway, names, planner
@@ -154,6 +155,8 @@ def build_status(
             "desired": pipeline.gateway.replicas,
             "ready": int((deployment.get("status") or {}).get("readyReplicas") or 0),
         }
+        for problem in spec.warnings(pipeline):  # an unauthenticated gateway, said plainly
+            fields["gateway"]["warning"] = f"{problem.path}: {problem.reason}"
     return _status(fields, [], conditions, generation, now, previous_conditions)
 
 

@@ -52,6 +52,7 @@ from disagg_runtime.relay import (
     Unanswered,
 )
 from disagg_runtime.relay.auth import check_key, key_from_env
+from disagg_runtime.relay.errors import NeverFits
 from disagg_runtime.relay.sender import Grant
 from disagg_runtime.relay.tcp import chunk_plan
 
@@ -61,6 +62,9 @@ ABORT_BACKLOG = 4096  # aborts waiting for the control thread
 log = logging.getLogger(__name__)
 
 
+TOO_LARGE = "too_large"  # RequestFailed.error["reason"] of a payload no pool can hold
+
+
 class RequestFailed(RuntimeError):
     """A role failed the request; `role` and `error` say where and why."""
 
@@ -68,6 +72,13 @@ class RequestFailed(RuntimeError):
         super().__init__(message)
         self.role = role
         self.error = error or {}
+
+
+def _failed(what: str, exc: BaseException) -> RequestFailed:
+    """A request that a relay could not submit; one that can never fit says so (reason
+    `too_large`: a gateway answers 413, not a retryable 503)."""
+    error = {"reason": TOO_LARGE} if isinstance(exc, NeverFits) else None
+    return RequestFailed(f"{what}: {exc}", error=error)
 
 
 class RequestTimeout(RequestFailed, TimeoutError):
@@ -160,7 +171,7 @@ class Reserved:
         try:
             self._relay.commit(self.grant, meta=meta.to_json(), timeout=remaining)
         except (RelayError, OSError) as exc:
-            client._finish(rid, exc=RequestFailed(f"request {rid} could not be submitted: {exc}"))
+            client._finish(rid, exc=_failed(f"request {rid} could not be submitted", exc))
         return rid, pending.future
 
     def release(self) -> None:
@@ -320,7 +331,7 @@ class Upload:
                 relay, grant = self._reserve()
             except (RelayError, OSError) as exc:
                 self.granted.set_exception(
-                    RequestFailed(f"request {self.rid}: no slot in the entry role's pool: {exc}")
+                    _failed(f"request {self.rid}: no slot in the entry role's pool", exc)
                 )
                 return
             self.write_by = min(self.deadline, grant.write_by)
@@ -470,7 +481,7 @@ class Client:
             )
         except (RelayError, OSError) as exc:
             peers.unpin(rid)
-            raise RequestFailed(f"request {rid}: no slot in the entry role's pool: {exc}") from None
+            raise _failed(f"request {rid}: no slot in the entry role's pool", exc) from None
         assert isinstance(relay, ShmSender)
         return Reserved(self, peers, relay, grant, deadline)
 
@@ -560,7 +571,7 @@ class Client:
             for peers in self.entries:
                 self._send(peers, meta, payload)
         except (RelayError, OSError) as exc:
-            self._finish(rid, exc=RequestFailed(f"request {rid} could not be submitted: {exc}"))
+            self._finish(rid, exc=_failed(f"request {rid} could not be submitted", exc))
         except BaseException:  # e.g. a payload the codec refuses: the caller gets the error
             self._finish(rid, exc=RequestFailed(f"request {rid} was not submitted"))
             raise

@@ -1,8 +1,9 @@
 """Staging pools: a buddy allocator over one block of memory that is allocated once.
 
 Why: fresh memory per message costs page faults, not copies (DESIGN.md section 3), so a
-pool maps its memory once, faults every page in at creation (MAP_POPULATE), and hands
-out reusable slots. Backings:
+pool maps its memory once, reserves and faults every page in at creation (posix_fallocate
+for shared memory, so a /dev/shm too small fails start-up instead of a SIGBUS later;
+MAP_POPULATE), and hands out reusable slots. Backings:
 
     cpu         anonymous private memory; for tcp receives (recv_into a slot)
     shm         POSIX shared memory /dev/shm/disagg-<pipeline>-<role>-<pid>-<n>; other
@@ -301,6 +302,30 @@ def _publish(fd: int, name: str) -> None:
     raise PoolError(f"shared-memory pool {name!r} keeps being created by another process")
 
 
+def _reserve(fd: int, size: int) -> None:
+    """Size the segment and reserve its pages now. `ftruncate` + MAP_POPULATE do not fail on
+    a full tmpfs: the pages missing are a SIGBUS at the first touch, under load, after the
+    role said it was ready. `posix_fallocate` allocates them or fails (ENOSPC), so a
+    /dev/shm smaller than the pool is a clear error at start-up."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        free = _free_bytes(SHM_DIR)
+        raise PoolError(
+            f"cannot reserve a {size / MiB:.1f} MiB shared-memory pool in {SHM_DIR} "
+            f"({free / MiB:.1f} MiB free there): {exc.strerror}; make {SHM_DIR} larger "
+            "(a memory emptyDir's sizeLimit) or the pool smaller (transport.poolSize)"
+        ) from None
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return 0
+    return stat.f_bavail * stat.f_frsize
+
+
 def _create_shm(device: Device, size: int, name: str) -> Backing:
     try:
         fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR, 0o600)
@@ -309,7 +334,7 @@ def _create_shm(device: Device, size: int, name: str) -> Backing:
     mapping: mmap.mmap | None = None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh inode: nobody else has it
-        os.ftruncate(fd, size)
+        _reserve(fd, size)
         mapping = _map(fd, size)
         _publish(fd, name)
     except BaseException:
@@ -333,7 +358,11 @@ def create_backing(device: Device, size: int, *, name: str | None = None) -> Bac
             raise PoolError(f"cannot allocate a {size} B pool on cuda:{index}: {exc}") from None
         return Backing(device, tensor)
     if device == "cpu":
-        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE
+        try:  # (anonymous memory: no SIGBUS; too little is ENOMEM here, or the OOM killer)
+            mapping = mmap.mmap(-1, size, flags=flags)
+        except OSError as exc:
+            raise PoolError(f"cannot allocate a {size / MiB:.1f} MiB pool: {exc}") from None
         return Backing(device, torch.frombuffer(mapping, dtype=torch.uint8), mapping=mapping)
     if device not in ("shm", "cpu-pinned"):
         raise PoolError(f"unknown pool device {device!r}; expected one of {', '.join(DEVICES)}")

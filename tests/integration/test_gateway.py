@@ -633,7 +633,13 @@ def llm() -> Iterator[Served]:
         local.start()
         local.wait_ready(timeout=60)
         client = local.client()
-        settings = Settings(pipeline=pipeline.name, api="openai", model="demo-llm", token="t0k")
+        settings = Settings(
+            pipeline=pipeline.name,
+            api="openai",
+            model="demo-llm",
+            token="t0k",
+            max_tokens=pipeline.gateway_max_tokens,  # as `disagg up --serve` and the operator
+        )
         server = Served(gateway_for(client, settings))
         yield server
     finally:
@@ -711,6 +717,22 @@ def test_openai_errors(llm: Served) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         oa(llm).completions.create(model="demo-llm", prompt="x", max_tokens=0)
     assert "max_tokens" in str(info.value)
+
+
+def test_openai_max_tokens_over_the_models_limit_is_400_naming_max_tokens(llm: Served) -> None:
+    """Not the decode role's 502 naming its own `max_new_tokens` (issue 30, item 17): the
+    example pipeline says its model's limit (disagg.dev/gateway-max-tokens)."""
+    for create in (
+        lambda: oa(llm).completions.create(model="demo-llm", prompt="x", max_tokens=5000),
+        lambda: oa(llm).chat.completions.create(
+            model="demo-llm", messages=[{"role": "user", "content": "x"}], max_tokens=5000
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            create()
+        body: Any = info.value.body
+        assert body["param"] == "$.max_tokens" and "max_new_tokens" not in body["message"]
+        assert "1024" in body["message"]
 
 
 # ---- the command line ---------------------------------------------------------------------------

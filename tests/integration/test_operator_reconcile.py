@@ -62,8 +62,8 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
 
         # the same objects as `disagg render` plans (server-set metadata aside), with the
         # hash of the peer key the operator made
-        (policy,) = s.guards(k8s, NAME, "NetworkPolicy")
-        kids[f"NetworkPolicy/{policy['metadata']['name']}"] = policy
+        for policy in s.guards(k8s, NAME, "NetworkPolicy"):  # the roles' and the gateway's
+            kids[f"NetworkPolicy/{policy['metadata']['name']}"] = policy
         (secret,) = s.guards(k8s, NAME, "Secret")
         digest = planner.peer_key_digest(reconcile.peer_key_text(secret))
         pipeline = spec.parse_pipeline(s.example())

@@ -280,6 +280,8 @@ def test_up_reports_a_role_that_dies_mid_run(crash_run: subprocess.CompletedProc
     assert not segments("itest-up-crash-")  # the dead role's pool included
     logs = Path(s["logs"])  # the run directory stays for its logs, but is no run any more
     assert (logs / "dier-0.log").exists() and not (logs / "run.json").exists()
+    assert not (logs / "peer-key").exists()  # the logs stay, not the pipeline's key
+    assert str(logs) in crash_run.stderr  # and it says where they are
 
 
 def test_up_fails_every_request_of_a_dead_pipeline_with_the_role_at_once(

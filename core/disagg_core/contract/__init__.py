@@ -34,7 +34,10 @@ from disagg_core.contract.env import (
     parse_downstream,
 )
 from disagg_core.contract.gateway import (
+    DEFAULT_GATEWAY_IDLE_TIMEOUT,
     DEFAULT_GATEWAY_MAX_BODY,
+    DEFAULT_GATEWAY_MAX_CONNECTIONS,
+    DEFAULT_GATEWAY_MAX_JSON,
     DEFAULT_GATEWAY_PORT,
     GATEWAY_APIS,
     GATEWAY_ENV,
@@ -65,7 +68,10 @@ from disagg_core.contract.topology import (
 )
 
 __all__ = [
+    "DEFAULT_GATEWAY_IDLE_TIMEOUT",
     "DEFAULT_GATEWAY_MAX_BODY",
+    "DEFAULT_GATEWAY_MAX_CONNECTIONS",
+    "DEFAULT_GATEWAY_MAX_JSON",
     "DEFAULT_GATEWAY_PORT",
     "DEFAULT_INGRESS_PORT",
     "DEFAULT_LANE_PORT",

@@ -12,6 +12,7 @@ from disagg_core.contract.env import (
     BYTES,
     INT,
     PREFIX,
+    SECONDS,
     TEXT,
     ContractError,
     EnvVar,
@@ -27,6 +28,10 @@ from disagg_core.spec.model import DEFAULT_POOL_SIZE, DEFAULT_REQUEST_TIMEOUT_SE
 
 DEFAULT_GATEWAY_PORT = 8080
 DEFAULT_GATEWAY_MAX_BODY = 256 * 2**20
+# Bounds before authentication (the gateway's `limits`): rendered only when not the default.
+DEFAULT_GATEWAY_IDLE_TIMEOUT = 15.0
+DEFAULT_GATEWAY_MAX_CONNECTIONS = 1024
+DEFAULT_GATEWAY_MAX_JSON = 16 * 2**20
 GATEWAY_APIS = ("native", "openai")
 
 
@@ -46,6 +51,10 @@ class GatewayConfig:
     model: str = ""
     token_file: str = ""
     max_body: int = DEFAULT_GATEWAY_MAX_BODY
+    idle_timeout: float = DEFAULT_GATEWAY_IDLE_TIMEOUT
+    max_connections: int = DEFAULT_GATEWAY_MAX_CONNECTIONS
+    max_json: int = DEFAULT_GATEWAY_MAX_JSON
+    max_tokens: int = 0  # the model's largest max_tokens (0: not known here)
     pool_size: int = DEFAULT_POOL_SIZE
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
     node_local: bool = False
@@ -58,6 +67,11 @@ def _parse_api(name: str, raw: str) -> str:
     if raw not in GATEWAY_APIS:
         raise ContractError(f"{name}={raw!r}; expected one of {GATEWAY_APIS}")
     return raw
+
+
+def _unless_default(kind: Kind, default: object) -> Kind:
+    """`kind`, rendered empty (so left out) for the default value."""
+    return Kind(lambda value: "" if value == default else kind.render(value), kind.parse)
 
 
 def _role_var(key: str, field: str) -> EnvVar:
@@ -108,6 +122,40 @@ GATEWAY_ENV: Final[tuple[EnvVar, ...]] = (
         BYTES,
         "gateway: largest request body (bytes or a quantity)",
         format_bytes(DEFAULT_GATEWAY_MAX_BODY),
+    ),
+    EnvVar(
+        "GATEWAY_IDLE_TIMEOUT",
+        "idle_timeout",
+        _unless_default(SECONDS, DEFAULT_GATEWAY_IDLE_TIMEOUT),
+        "gateway: seconds a connection has to complete its next request's headers (new, "
+        "idle or slow connections are closed after it)",
+        f"{DEFAULT_GATEWAY_IDLE_TIMEOUT:g}",
+        optional=True,
+    ),
+    EnvVar(
+        "GATEWAY_MAX_CONNECTIONS",
+        "max_connections",
+        _unless_default(INT, DEFAULT_GATEWAY_MAX_CONNECTIONS),
+        "gateway: open connections at most (more are answered 503 and closed)",
+        str(DEFAULT_GATEWAY_MAX_CONNECTIONS),
+        optional=True,
+    ),
+    EnvVar(
+        "GATEWAY_MAX_JSON",
+        "max_json",
+        _unless_default(BYTES, DEFAULT_GATEWAY_MAX_JSON),
+        "gateway: largest JSON body (large tensors belong in safetensors bodies)",
+        format_bytes(DEFAULT_GATEWAY_MAX_JSON),
+        optional=True,
+    ),
+    EnvVar(
+        "GATEWAY_MAX_TOKENS",
+        "max_tokens",
+        _unless_default(INT, 0),
+        "gateway: the largest max_tokens of the OpenAI API (400 above it; the pipeline "
+        "annotation disagg.dev/gateway-max-tokens)",
+        "0",
+        optional=True,
     ),
     EnvVar(
         "POD_IP",

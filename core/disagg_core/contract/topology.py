@@ -66,25 +66,42 @@ class Topology:
 
     @classmethod
     def from_pipeline(cls, pipeline: Pipeline, namespace: str | None = None) -> Topology:
+        """Built once per pipeline and namespace (the planner asks for it per role)."""
+        key = (cls, namespace)
+        if key not in pipeline.derived:
+            pipeline.derived[key] = cls._build(pipeline, namespace)
+        topology: Topology = pipeline.derived[key]
+        return topology
+
+    @classmethod
+    def _build(cls, pipeline: Pipeline, namespace: str | None) -> Topology:
         refs = [
             RefSpec(edge.source, ref.path, ref.to)
             for edge in pipeline.edges
             for ref in edge.tensor_refs
         ]
+        by_source: dict[str, list[RefSpec]] = {}
+        by_target: dict[str, list[RefSpec]] = {}
+        for ref in refs:
+            by_source.setdefault(ref.source, []).append(ref)
+            by_target.setdefault(ref.target, []).append(ref)
         roles = {
             name: RoleTopology(
                 name=name,
                 upstream=pipeline.upstream(name),
                 downstream=pipeline.downstream(name),
-                refs_out=tuple(r for r in refs if r.source == name),
-                refs_in=tuple(r for r in refs if r.target == name),
+                refs_out=tuple(by_source.get(name, ())),
+                refs_in=tuple(by_target.get(name, ())),
             )
             for name in pipeline.topological_order
         }
         ns = namespace if namespace is not None else (pipeline.namespace or "")
         return cls(pipeline=pipeline.name, namespace=ns, roles=roles)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, only: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """The topology file's document (with `only`, just those roles' entries)."""
+        wanted = None if only is None else frozenset(only)
+        chosen = [r for r in self.roles.values() if wanted is None or r.name in wanted]
         return {
             "version": TOPOLOGY_VERSION,
             "pipeline": self.pipeline,
@@ -97,7 +114,7 @@ class Topology:
                     "refsOut": [{"path": x.path, "to": x.target} for x in r.refs_out],
                     "refsIn": [{"path": x.path, "from": x.source} for x in r.refs_in],
                 }
-                for r in self.roles.values()
+                for r in chosen
             ],
         }
 

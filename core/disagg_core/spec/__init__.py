@@ -17,8 +17,9 @@ starting point and the autoscaler clamps it. See `model` for the name-length con
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Hashable, Sequence
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
 import yaml
 
@@ -130,7 +131,7 @@ def load_pipeline_file(path: str | os.PathLike[str]) -> Pipeline:
     return load_pipeline_text(text, source)
 
 
-def validate_cli(files: Sequence[str], *, out: TextIO) -> int:
+def validate_cli(files: Sequence[str], *, out: TextIO, err: TextIO | None = None) -> int:
     """`disagg validate`: `FILE: ok` per valid file, `FILE: <path>: <reason>` per problem.
 
     Returns the exit status: 0 when every file is valid, else 1.
@@ -147,7 +148,25 @@ def validate_cli(files: Sequence[str], *, out: TextIO) -> int:
             print(f"{name}: ok", file=out)
             for path, note in relay_notes(pipeline):
                 print(f"{name}: note: {path}: {note}", file=out)
+            for problem in warnings(pipeline):  # (on stderr: stdout stays the verdicts)
+                print(f"{name}: warning: {problem.path}: {problem.reason}", file=err or sys.stderr)
     return status
+
+
+UNAUTHENTICATED: Final = (
+    "the gateway is unauthenticated: any pod of the namespace (and spec.networkPolicy."
+    "clients; anyone, where NetworkPolicies are not enforced) can send it requests; set "
+    "spec.gateway.auth.secretRef, or spec.gateway.enabled: false"
+)
+
+
+def warnings(pipeline: Pipeline) -> list[Problem]:
+    """Valid choices worth a second look (`disagg validate` prints them; the operator puts
+    them in the status): today, a gateway without a token."""
+    gateway = pipeline.gateway
+    if gateway.enabled and gateway.auth is None:
+        return [Problem("spec.gateway.auth", UNAUTHENTICATED)]
+    return []
 
 
 def relay_notes(pipeline: Pipeline) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from disagg_core import compat, quantity, relays
 from disagg_core.spec import model as m
 from disagg_core.spec import podpolicy
-from disagg_core.spec.fields import Collector
+from disagg_core.spec.fields import Collector, child
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,15 @@ def check(pipeline: m.Pipeline, out: Collector) -> None:
     _check_cuda_ipc(pipeline, links, members, out)
     _check_ratio_locks(pipeline, roles, out)
     _check_pod_policy(pipeline, out)
+    _check_gateway_max_tokens(pipeline, out)
     _check_rollout_groups(pipeline, roles, out)
+
+
+def _check_gateway_max_tokens(pipeline: m.Pipeline, out: Collector) -> None:
+    raw = pipeline.annotations.get(m.ANNOTATION_GATEWAY_MAX_TOKENS)
+    if raw is not None and not pipeline.gateway_max_tokens:
+        path = child("metadata.annotations", m.ANNOTATION_GATEWAY_MAX_TOKENS)
+        out.add(path, f"expected a whole number from 1 to {m.MAX_GATEWAY_TOKENS}")
 
 
 def _check_pod_policy(pipeline: m.Pipeline, out: Collector) -> None:

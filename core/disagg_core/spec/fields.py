@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from disagg_core import quantity
+from disagg_core.spec import limits
 
 ROOT = "<document>"  # how a problem about the whole document shows its path
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -121,6 +122,10 @@ def text(out: Collector, m: dict[str, object], key: str, path: str) -> str | Non
     if not value:
         out.add(child(path, key), "must not be empty")
         return None
+    longest = limits.max_length(child(path, key))
+    if longest is not None and len(value) > longest:
+        out.add(child(path, key), f"at most {longest} characters, got {len(value)}")
+        return None
     return value
 
 
@@ -209,6 +214,10 @@ def items(
     if not isinstance(value, list):
         out.add(child(path, key), f"expected a list, got {kind_of(value)}")
         return
+    most = limits.max_items(child(path, key))
+    if most is not None and len(value) > most:
+        out.add(child(path, key), f"at most {most} items, got {len(value)}")
+        value = value[:most]  # the rest is not read: the work stays bounded
     for index, item in enumerate(value):
         yield f"{child(path, key)}[{index}]", item
 
@@ -252,5 +261,12 @@ def free_mapping(
     value = m[key]
     if not isinstance(value, dict) or not all(isinstance(name, str) for name in value):
         out.add(child(path, key), f"expected a mapping with string keys, got {kind_of(value)}")
+        return None
+    too_deep = limits.deeper_than(value)
+    if too_deep is not None:
+        where = child(path, key)
+        for part in too_deep[: limits.MAX_FREE_DEPTH + 1]:
+            where = f"{where}{part}" if part.startswith("[") else child(where, part)
+        out.add(where, f"nested deeper than {limits.MAX_FREE_DEPTH} levels")
         return None
     return value

@@ -13,9 +13,11 @@ that an edge's `from`/`to` are `source`/`target` (`from` is a Python keyword).
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal, get_args
 
 from disagg_core.relays import RELAYS as RELAYS
@@ -67,6 +69,10 @@ MAX_RATIO_SHARE = 1000
 # The pipeline annotation that lets role podTemplates weaken the pods' isolation (privileged,
 # host namespaces, hostPath, root, added capabilities; see `podpolicy`). Only "true" opts in.
 ANNOTATION_ALLOW_PRIVILEGED = "disagg.dev/allow-privileged"
+# The largest `max_tokens` the model behind an OpenAI gateway accepts: the gateway answers
+# 400 naming `max_tokens` above it, instead of a role's 502 naming its own parameter.
+ANNOTATION_GATEWAY_MAX_TOKENS = "disagg.dev/gateway-max-tokens"
+MAX_GATEWAY_TOKENS = 2**31 - 1
 DEFAULT_GATEWAY_PORT = 8080
 DEFAULT_GATEWAY_REPLICAS = 1
 DEFAULT_TOKEN_KEY = "token"
@@ -353,11 +359,40 @@ class Pipeline:
     def role_names(self) -> tuple[str, ...]:
         return tuple(role.name for role in self.roles)
 
+    # Indexes of the graph, built once per (immutable) pipeline: the planner asks these
+    # questions for every role, so a scan per question made rendering cubic in the roles.
+    @cached_property
+    def _by_name(self) -> dict[str, Role]:
+        return {role.name: role for role in self.roles}
+
+    @cached_property
+    def _edges_by(self) -> tuple[dict[str, tuple[Edge, ...]], dict[str, tuple[Edge, ...]]]:
+        sources: dict[str, list[Edge]] = {}
+        targets: dict[str, list[Edge]] = {}
+        for edge in self.edges:
+            sources.setdefault(edge.source, []).append(edge)
+            targets.setdefault(edge.target, []).append(edge)
+        return (
+            {k: tuple(v) for k, v in sources.items()},
+            {k: tuple(v) for k, v in targets.items()},
+        )
+
+    @cached_property
+    def derived(self) -> dict[Any, Any]:
+        """A cache for values derived from this pipeline (the contract's topology)."""
+        return {}
+
+    @property
+    def gateway_max_tokens(self) -> int:
+        """ANNOTATION_GATEWAY_MAX_TOKENS as a number; 0 when absent (or invalid: `checks`)."""
+        raw = self.annotations.get(ANNOTATION_GATEWAY_MAX_TOKENS, "")
+        return int(raw) if raw.isdigit() and 0 < int(raw) <= MAX_GATEWAY_TOKENS else 0
+
     def role(self, name: str) -> Role:
-        for role in self.roles:
-            if role.name == name:
-                return role
-        raise KeyError(f"pipeline {self.name!r} has no role {name!r}")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"pipeline {self.name!r} has no role {name!r}") from None
 
     def derived_name(self, part: str) -> str:
         """The object name the operator derives for a role or colocation group."""
@@ -365,11 +400,11 @@ class Pipeline:
 
     def edges_from(self, name: str) -> tuple[Edge, ...]:
         self.role(name)
-        return tuple(edge for edge in self.edges if edge.source == name)
+        return self._edges_by[0].get(name, ())
 
     def edges_to(self, name: str) -> tuple[Edge, ...]:
         self.role(name)
-        return tuple(edge for edge in self.edges if edge.target == name)
+        return self._edges_by[1].get(name, ())
 
     def downstream(self, name: str) -> tuple[str, ...]:
         """Roles `name` sends to directly, in edge order."""
@@ -402,14 +437,14 @@ class Pipeline:
         sources = {edge.source for edge in self.edges}
         return tuple(name for name in self.role_names if name not in sources)
 
-    @property
+    @cached_property
     def topological_order(self) -> tuple[str, ...]:
         """Every role after all of its upstreams; ties keep declaration order."""
         indegree = {name: len(self.upstream(name)) for name in self.role_names}
         order: list[str] = []
-        ready = [name for name in self.role_names if indegree[name] == 0]
+        ready = collections.deque(name for name in self.role_names if indegree[name] == 0)
         while ready:
-            current = ready.pop(0)
+            current = ready.popleft()
             order.append(current)
             for target in self.downstream(current):
                 indegree[target] -= 1

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from disagg_core import compat, quantity
 from disagg_core.spec import fields as f
+from disagg_core.spec import limits
 from disagg_core.spec import model as m
 from disagg_core.spec.fields import Collector, child
 
@@ -210,8 +211,12 @@ def _rollout(out: Collector, raw: object, path: str) -> m.Rollout:
     for group_path, group in f.items(out, r, "groups", path):
         if not isinstance(group, list) or not all(isinstance(x, str) and x for x in group):
             out.add(group_path, "expected a list of role names")
+        elif long := [k for k, x in enumerate(group) if len(x) > m.MAX_LABEL_LENGTH]:
+            out.add(f"{group_path}[{long[0]}]", f"at most {m.MAX_LABEL_LENGTH} characters")
         elif len(group) < 2:
             out.add(group_path, f"a rollout group needs at least 2 roles, got {len(group)}")
+        elif len(group) > (most := limits.MAX_ITEMS["spec.rollout.groups[]"]):
+            out.add(group_path, f"at most {most} items, got {len(group)}")
         else:
             groups.append(tuple(group))
     return m.Rollout(

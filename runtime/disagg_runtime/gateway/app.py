@@ -35,15 +35,17 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from disagg_core import contract
 from disagg_runtime import codec
 from disagg_runtime.client import (
+    TOO_LARGE,
     RequestFailed,
     RequestOverloaded,
     RequestTimeout,
     Upload,
     UploadExpired,
 )
-from disagg_runtime.gateway import native, openai, openapi, sse, upload
+from disagg_runtime.gateway import limits, native, openai, openapi, sse, upload
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.metrics import GatewayMetrics
 from disagg_runtime.gateway.token import BearerToken
@@ -54,6 +56,8 @@ OPEN_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json
 READY_CACHE_S: Final = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STARTED: Final = web.RequestKey("started", float)
+MAX_ECHO: Final = 1000  # characters of an error message (they may quote the input)
+MAX_PARAM: Final = 200  # characters of a field path or other detail of an error
 STREAM_PIECE: Final = 1 << 20  # tcp uploads: the body is read and sent on in pieces of this
 
 
@@ -65,6 +69,29 @@ class Settings:
     token: str | BearerToken = ""  # a file's token is read again when the file changes
     max_body: int = 256 * 2**20
     timeout: float = 30.0
+    # Bounds before authentication (see `limits`).
+    idle_timeout: float = contract.DEFAULT_GATEWAY_IDLE_TIMEOUT  # for the next headers
+    max_connections: int = contract.DEFAULT_GATEWAY_MAX_CONNECTIONS
+    max_json: int = contract.DEFAULT_GATEWAY_MAX_JSON  # parsed, JSON costs several times this
+    json_in_flight: int = 64 * 2**20  # bytes of JSON bodies read and parsed at once
+    max_uploads: int = 16  # large (staged) uploads at once, each holding a pool slot
+    max_uploads_per_client: int = 4  # of them, from one client address
+    upload_stall: float = upload.STALL_S  # a large body that sends nothing this long: 408
+    max_tokens: int = 0  # the model's largest max_tokens (0: the pipeline checks alone)
+
+    @property
+    def json_limit(self) -> int:
+        return min(self.max_json, self.max_body)
+
+
+def bounded(text: str, limit: int = 0) -> str:
+    """`text` as echoed to a client: at most `limit` (MAX_ECHO) characters, its head and
+    tail kept (a request cannot make its error answer larger than itself)."""
+    limit = limit or MAX_ECHO
+    if len(text) <= limit:
+        return text
+    keep = (limit - 40) // 2
+    return f"{text[:keep]}...({len(text) - 2 * keep} characters cut)...{text[-keep:]}"
 
 
 class HttpError(Exception):
@@ -80,10 +107,12 @@ class HttpError(Exception):
         headers: dict[str, str] | None = None,
         **extra: str,
     ) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.status = status
+        param = None if param is None else bounded(param, MAX_PARAM)
         self.body = openai.error(message, kind=kind, code=kind, param=param)
-        self.body["error"].update(extra)
+        self.body["error"].update({k: bounded(v, MAX_PARAM) for k, v in extra.items()})
         self.headers = headers or {}
 
     def response(self) -> web.Response:
@@ -105,6 +134,8 @@ def from_failure(exc: BaseException) -> HttpError:
     if isinstance(exc, RequestFailed):
         error = exc.error
         retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if error.get("reason") == TOO_LARGE:  # no wait or retry helps
+            return HttpError(413, str(exc), kind="too_large")
         if isinstance(exc, RequestOverloaded) or error.get("reason") == "overloaded":
             return HttpError(429, str(exc), kind="overloaded", headers=retry, role=exc.role)
         if not error:  # never reached a role: none reachable, or the gateway is closing
@@ -118,6 +149,22 @@ def from_failure(exc: BaseException) -> HttpError:
             exception=error.get("type", "") or error.get("reason", ""),
         )
     raise exc
+
+
+async def _read_upto(request: web.Request, limit: int) -> bytes:
+    """A body without Content-Length, refused (413) once it passes `limit` bytes."""
+    pieces, size = [], 0
+    async for piece in request.content.iter_any():
+        size += len(piece)
+        if size > limit:
+            raise HttpError(413, f"body is over the limit of {limit} bytes", kind="too_large")
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
+def _raw(text: str) -> bytes:
+    """A header's bytes back: aiohttp decodes bytes that are not UTF-8 as surrogates."""
+    return text.encode("utf-8", "surrogateescape")
 
 
 def _nothing() -> None:
@@ -135,6 +182,8 @@ class Gateway:
     metrics: GatewayMetrics = field(init=False)
     arena: upload.Arena = field(init=False)
     token: BearerToken = field(init=False)
+    json_budget: limits.Budget = field(init=False)
+    uploads: limits.Uploads = field(init=False)
     started: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -142,6 +191,10 @@ class Gateway:
         self.token = token if isinstance(token, BearerToken) else BearerToken(token)
         self.metrics = GatewayMetrics(self.settings.pipeline)
         self.arena = upload.Arena(upload.arena_size(self.settings.max_body))
+        self.json_budget = limits.Budget(self.settings.json_in_flight)
+        self.uploads = limits.Uploads(
+            self.settings.max_uploads, self.settings.max_uploads_per_client
+        )
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -194,7 +247,7 @@ class Gateway:
             given = request.headers.get("Authorization", "")
             scheme, _, value = given.partition(" ")
             ok = scheme.lower() == "bearer" and hmac.compare_digest(
-                value.strip().encode(), token.encode()
+                _raw(value.strip()), _raw(token)
             )
             if not ok:
                 raise HttpError(
@@ -254,7 +307,7 @@ class Gateway:
                     f"application/json or {native.SAFETENSORS}",
                     kind="unsupported_media_type",
                 )
-            doc = native.loads(await self._read(request))
+            doc = await self._json(request)
             return native.request_from_json(doc), _nothing
         except native.InputError as exc:
             raise from_failure(exc) from None
@@ -268,12 +321,47 @@ class Gateway:
                 kind="too_large",
             )
 
-    async def _read(self, request: web.Request) -> bytes:
+    async def _json(self, request: web.Request) -> Any:
+        """A JSON body, parsed: at most `json_limit` bytes, and only while the bytes of the
+        JSON bodies in flight fit `json_in_flight` (429 otherwise, before reading)."""
+        limit = self.settings.json_limit
+        length = request.content_length
+        if length is not None and length > limit:
+            raise HttpError(
+                413,
+                f"a JSON body of {length} bytes is over the JSON limit of {limit}; send "
+                f"large tensors as {native.SAFETENSORS}",
+                kind="too_large",
+            )
+        held = limit if length is None else length
+        if not self.json_budget.take(held):
+            raise HttpError(
+                429,
+                "too many JSON bytes in flight; retry",
+                kind="overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        try:
+            doc = await self._parse(await self._read(request, limit))
+        finally:
+            self.json_budget.give(held)
+        if held >= limits.TRIM_AFTER:  # the body's bytes are gone: give the heap back
+            await asyncio.to_thread(limits.give_back, held)
+        return doc
+
+    async def _parse(self, body: bytes) -> Any:
+        if len(body) < limits.TRIM_AFTER:
+            return native.loads(body)
+        return await asyncio.to_thread(native.loads, body)  # the loop keeps serving
+
+    async def _read(self, request: web.Request, limit: int | None = None) -> bytes:
         try:
             if request.content.is_eof():  # here whole (small bodies): no timer to set
                 return await request.read()
             async with asyncio.timeout(self.settings.timeout):
-                return await request.read()
+                if limit is None or request.content_length is not None:
+                    return await request.read()
+                return await _read_upto(request, limit)
         except TimeoutError:
             raise HttpError(
                 408,
@@ -291,7 +379,19 @@ class Gateway:
             raise HttpError(411, "a safetensors body needs Content-Length", kind="length_required")
         if length < upload.MIN_TAKEOVER:
             return native.request_from_safetensors(await self._read(request)), _nothing
-        body = upload.Body(request, time.monotonic() + self.settings.timeout)
+        client = request.remote or ""
+        refused = self.uploads.enter(client)
+        if refused:
+            retry = {"Retry-After": str(RETRY_AFTER_S)}
+            raise HttpError(429, f"{refused}; retry", kind="overloaded", headers=retry)
+        try:
+            return await self._staged(request)
+        finally:
+            self.uploads.leave(client)
+
+    async def _staged(self, request: web.Request) -> tuple[Any, Callable[[], None]]:
+        deadline = time.monotonic() + self.settings.timeout
+        body = upload.Body(request, deadline, stall_s=self.settings.upload_stall)
         try:
             return await self._land(body)
         except upload.BodyTimeout as exc:
@@ -315,6 +415,7 @@ class Gateway:
         await body.fill([memoryview(header)])
         metadata, spans = native.parse_header(header, body.length - 8 - size)
         manifest, places = native.slot_layout(metadata, spans)
+        await body.flowing()  # no slot for a body that stops after its header
         remaining = max(0.0, body.deadline - time.monotonic())
         reserved = streaming = None
         if manifest.nbytes:  # (a body of metadata only has nothing to land)
@@ -400,7 +501,8 @@ class Gateway:
         self._check_length(request)
         parse = openai.parse_chat if chat else openai.parse_completion
         try:
-            payload, sampling = parse(native.loads(await self._read(request)), self.settings.model)
+            doc = await self._json(request)
+            payload, sampling = parse(doc, self.settings.model, self.settings.max_tokens)
         except (native.InputError, openai.ModelNotFound) as exc:
             raise from_failure(exc) from None
         answer = openai.Answer(self.settings.model, chat)

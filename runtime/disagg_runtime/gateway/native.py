@@ -80,6 +80,10 @@ def loads(body: bytes) -> Any:
         raise InputError("$", f"invalid JSON: {exc.msg} ({where})") from None
     except codec.CodecError as exc:  # NaN/Infinity or a duplicate key
         raise InputError("$", str(exc)) from None
+    except RecursionError:  # nesting deeper than the decoder's stack
+        raise InputError("$", "JSON nested too deeply") from None
+    except ValueError as exc:  # an integer over Python's digit limit (sys.int_info)
+        raise InputError("$", f"invalid JSON: {str(exc)[:200]}") from None
 
 
 def request_from_json(doc: Any) -> Any:

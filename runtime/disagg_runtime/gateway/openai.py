@@ -27,7 +27,8 @@ from typing import Any
 
 from disagg_runtime.gateway.native import InputError
 
-MAX_STOP = 4
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_STOP_CHARS = 256  # per sequence: bounds the text held back and the work per chunk
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -43,7 +44,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
 
 
-def parse_completion(doc: Any, model: str) -> tuple[dict[str, Any], Sampling]:
+def parse_completion(doc: Any, model: str, max_tokens: int = 0) -> tuple[dict[str, Any], Sampling]:
     """`/v1/completions` body -> (entry payload, how to answer)."""
     body = _object(doc)
     _model(body, model)
@@ -53,10 +54,10 @@ def parse_completion(doc: Any, model: str) -> tuple[dict[str, Any], Sampling]:
     if not isinstance(prompt, str):
         raise InputError("$.prompt", "expected a string (one prompt per request)")
     payload: dict[str, Any] = {"prompt": prompt}
-    return _sampling(body, payload, default_max=DEFAULT_COMPLETION_TOKENS)
+    return _sampling(body, payload, default_max=DEFAULT_COMPLETION_TOKENS, most=max_tokens)
 
 
-def parse_chat(doc: Any, model: str) -> tuple[dict[str, Any], Sampling]:
+def parse_chat(doc: Any, model: str, max_tokens: int = 0) -> tuple[dict[str, Any], Sampling]:
     """`/v1/chat/completions` body -> (entry payload, how to answer)."""
     body = _object(doc)
     _model(body, model)
@@ -66,7 +67,7 @@ def parse_chat(doc: Any, model: str) -> tuple[dict[str, Any], Sampling]:
     out = [_message(m, f"$.messages[{i}]") for i, m in enumerate(messages)]
     if "max_completion_tokens" in body and "max_tokens" not in body:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _sampling(body, {"messages": out}, default_max=None)
+    return _sampling(body, {"messages": out}, default_max=None, most=max_tokens)
 
 
 def _object(doc: Any) -> dict[str, Any]:
@@ -107,12 +108,15 @@ def _message(raw: Any, path: str) -> dict[str, str]:
 
 
 def _sampling(
-    body: Mapping[str, Any], payload: dict[str, Any], *, default_max: int | None
+    body: Mapping[str, Any], payload: dict[str, Any], *, default_max: int | None, most: int = 0
 ) -> tuple[dict[str, Any], Sampling]:
+    """`most`: the model's largest max_tokens (0: not known; the pipeline checks it)."""
     max_tokens = body.get("max_tokens", default_max)
     if max_tokens is not None:
         if not _int(max_tokens) or max_tokens < 1:
             raise InputError("$.max_tokens", "expected an integer >= 1")
+        if most and max_tokens > most:
+            raise InputError("$.max_tokens", f"at most {most} for this model, got {max_tokens}")
         payload["max_tokens"] = max_tokens
     for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
         value = body.get(key)
@@ -154,8 +158,10 @@ def _stop(raw: Any) -> tuple[str, ...]:
     if not isinstance(items, list) or len(items) > MAX_STOP:
         raise InputError("$.stop", f"expected a string or a list of up to {MAX_STOP} strings")
     for i, s in enumerate(items):
-        if not isinstance(s, str) or not s:
-            raise InputError(f"$.stop[{i}]", "expected a non-empty string")
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+            raise InputError(
+                f"$.stop[{i}]", f"expected a string of 1 to {MAX_STOP_CHARS} characters"
+            )
     return tuple(items)
 
 
@@ -199,14 +205,14 @@ class Completion:
         return self._release(piece if isinstance(piece, str) else "")
 
     def _release(self, piece: str) -> str:
+        """Linear in the chunk and the stop sequences: `find` scans the held text and the new
+        piece once, and the hold-back is each sequence's KMP state at the end (`_overlap`)."""
         buf = self._held + piece
         cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self._held, self.stopped, self.finish_reason = "", True, "stop"
             return self._emit(buf[:cut])
-        hold = max(
-            (k for s in self.stop for k in range(1, len(s)) if buf.endswith(s[:k])), default=0
-        )
+        hold = max((_overlap(buf, s) for s in self.stop), default=0)
         self._held = buf[len(buf) - hold :] if hold else ""
         return self._emit(buf[: len(buf) - hold])
 
@@ -227,6 +233,27 @@ class Completion:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest proper prefix of `stop` that ends `text`, in
+    O(len(stop)): the Knuth-Morris-Pratt automaton of `stop` run over the last
+    len(stop) - 1 characters of `text` (a longer tail cannot matter)."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    k = 0
+    for ch in text[-(len(stop) - 1) :] if len(stop) > 1 else "":
+        while k and ch != stop[k]:
+            k = fail[k - 1]
+        if ch == stop[k]:
+            k += 1
+    return k  # < len(stop): the tail is shorter than `stop`
 
 
 def _count(token_ids: Any) -> int:

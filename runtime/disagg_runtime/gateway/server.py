@@ -21,10 +21,12 @@ from aiohttp import web
 
 from disagg_core.contract import ContractError, GatewayConfig, parse_gateway_env
 from disagg_runtime.client import Client
+from disagg_runtime.gateway import limits
 from disagg_runtime.gateway.app import READY_CACHE_S, Gateway, Settings
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.peers import PeerSet
+from disagg_runtime.pool import PoolError
 from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 
@@ -117,8 +119,14 @@ class Server:
         self.host = host
         self.port = port
         self.unix = unix
-        self._runner = web.AppRunner(
-            gateway.app(), handler_cancellation=True, access_log=None, read_bufsize=READ_BUFSIZE
+        settings = gateway.settings
+        self._runner = limits.Runner(
+            gateway.app(),
+            max_connections=settings.max_connections,
+            keepalive_timeout=settings.idle_timeout,
+            handler_cancellation=True,
+            access_log=None,
+            read_bufsize=READ_BUFSIZE,
         )
 
     async def start(self) -> int:
@@ -169,6 +177,10 @@ def settings_for(config: GatewayConfig) -> Settings:
         token=BearerToken.from_file(config.token_file) if config.token_file else BearerToken(),
         max_body=config.max_body,
         timeout=config.request_timeout,
+        idle_timeout=config.idle_timeout,
+        max_connections=config.max_connections,
+        max_json=config.max_json,
+        max_tokens=config.max_tokens,
     )
 
 
@@ -182,7 +194,7 @@ def main(unix: str | None = None) -> int:
         config = parse_gateway_env(os.environ)
         settings = settings_for(config)
         client = client_for(config)
-    except (ContractError, PeerKeyError, OSError) as exc:
+    except (ContractError, PeerKeyError, PoolError, OSError) as exc:
         log.error("cannot start the gateway: %s", exc)
         return 2
     gateway = gateway_for(client, settings)

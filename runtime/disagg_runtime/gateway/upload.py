@@ -29,6 +29,7 @@ from aiohttp import web
 from disagg_runtime.allocator import BuddyAllocator, MiB
 
 MIN_TAKEOVER: Final = 1 * MiB  # smaller bodies are read by aiohttp as usual
+STALL_S: Final = 5.0  # a large body that sends no byte for this long is 408, its slot freed
 CLOSES: Final = web.RequestKey("closes", bool)
 
 
@@ -90,6 +91,7 @@ class _Reader(asyncio.BufferedProtocol):
         self.targets: collections.deque[memoryview] = collections.deque()
         self.received = 0
         self.done: asyncio.Future[None] | None = None
+        self.moved: asyncio.Future[None] | None = None  # set by the next bytes, however few
         self.failure: BodyError | None = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -97,6 +99,8 @@ class _Reader(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.received += nbytes
+        if self.moved is not None and not self.moved.done():
+            self.moved.set_result(None)
         first = self.targets[0]
         if nbytes < len(first):
             self.targets[0] = first[nbytes:]
@@ -117,8 +121,9 @@ class _Reader(asyncio.BufferedProtocol):
 
     def _fail(self, exc: BodyError) -> None:
         self.failure = self.failure or exc
-        if self.done is not None and not self.done.done():
-            self.done.set_exception(exc)
+        for waiter in (self.done, self.moved):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(exc)
 
 
 class Body:
@@ -129,9 +134,10 @@ class Body:
     the connection closes once answered). `deadline` (time.monotonic) bounds the whole
     body: past it, `fill` raises BodyTimeout."""
 
-    def __init__(self, request: web.Request, deadline: float) -> None:
+    def __init__(self, request: web.Request, deadline: float, *, stall_s: float = STALL_S) -> None:
         self.length = request.content_length or 0
         self.deadline = deadline
+        self.stall_s = stall_s
         self.filled = 0
         self._content = request.content
         self._left = memoryview(b"")  # buffered by aiohttp, read out, not yet placed
@@ -170,19 +176,64 @@ class Body:
         reader.done = asyncio.get_running_loop().create_future()
         reader.transport.resume_reading()
         try:
-            async with asyncio.timeout(max(0.0, self.deadline - time.monotonic())):
-                await reader.done
-        except TimeoutError:
-            got = self.filled - sum(len(t) for t in reader.targets)
-            raise BodyTimeout(
-                f"the request body was not received in time: {got} of {self.length} bytes "
-                "came before the deadline"
-            ) from None
+            await self._wait(reader, reader.done)
         finally:
             reader.transport.pause_reading()
             if reader.done.done() and not reader.done.cancelled():
                 reader.done.exception()  # retrieved: a disconnect is reported by cancellation
             reader.done = None
+
+    async def _wait(self, reader: _Reader, done: asyncio.Future[None]) -> None:
+        """Until `done`, the deadline, or `stall_s` without a byte (BodyTimeout)."""
+        while True:
+            seen = reader.received
+            left = self.deadline - time.monotonic()
+            try:
+                async with asyncio.timeout(max(0.0, min(left, self.stall_s))):
+                    await asyncio.shield(done)
+                return
+            except TimeoutError:
+                got = self.filled - sum(len(t) for t in reader.targets)
+                if left <= self.stall_s:
+                    raise BodyTimeout(
+                        f"the request body was not received in time: {got} of {self.length} "
+                        "bytes came before the deadline"
+                    ) from None
+                if reader.received == seen:
+                    raise BodyTimeout(
+                        f"the request body stalled: no byte for {self.stall_s:g} s after "
+                        f"{got} of {self.length} bytes"
+                    ) from None
+
+    async def flowing(self, scratch: int = 64 << 10) -> None:
+        """Wait until the body's data begins to arrive (at most `stall_s`; BodyTimeout):
+        the first bytes are kept for the next `fill`. So a client that sends a header and
+        stops holds no slot of the entry role's pool."""
+        if self._left or self.filled >= self.length:
+            return
+        piece = self._content.read_nowait(-1)
+        if piece:
+            self._left = memoryview(piece)
+            return
+        reader = self._reader
+        if reader is None:
+            return
+        if reader.failure is not None:
+            raise reader.failure
+        buffer = memoryview(bytearray(min(scratch, self.length - self.filled)))
+        reader.targets = collections.deque([buffer])
+        reader.moved = asyncio.get_running_loop().create_future()
+        reader.transport.resume_reading()
+        try:
+            await self._wait(reader, reader.moved)
+        finally:
+            reader.transport.pause_reading()
+            if reader.moved.done() and not reader.moved.cancelled():
+                reader.moved.exception()
+            reader.moved = None
+            got = len(buffer) - sum(len(t) for t in reader.targets)
+            reader.targets.clear()
+            self._left = buffer[:got]
 
     def _place(self, targets: collections.deque[memoryview]) -> None:
         """Copy what aiohttp has buffered into `targets` (shortening them as they fill)."""

@@ -38,6 +38,8 @@ from disagg_runtime.pool import MiB, reclaim_stale
 
 RECORD = "run.json"
 LOCK = "supervisor.lock"
+KEPT = "kept-logs"  # marks a run directory kept for its logs (no record, no lock)
+KEEP_LOGS = 5  # kept run directories left by `open_run`: the newest; older ones go
 log = logging.getLogger(__name__)
 
 
@@ -132,12 +134,22 @@ class RunDir:
             json.dump(self.record, f)
         os.replace(tmp, self.file(RECORD))  # a reader sees the old record or the new one
 
-    def close(self, *, keep: bool = False) -> None:
-        """The run is over: remove the directory, or (`keep`) only its record and lock."""
+    def close(self, *, keep: bool = False, secrets: tuple[str, ...] = ()) -> None:
+        """The run is over: remove the directory, or (`keep`) only its record, its lock and
+        its `secrets` (the run's peer key: the logs are what is worth keeping), mark it
+        KEPT and say where it is; `open_run` removes all but the newest KEEP_LOGS."""
         if keep:
-            for name in (RECORD, LOCK):
+            for name in (RECORD, LOCK, *secrets):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.file(name))
+            with open(self.file(KEPT), "w") as f:
+                f.write("a role died: its log is here; `disagg up` removes old ones\n")
+            log.warning(
+                "disagg up: a role died; the run's logs are kept in %s (remove it when done; "
+                "later runs keep the newest %d such folders)",
+                self.path,
+                KEEP_LOGS,
+            )
         else:
             shutil.rmtree(self.path, ignore_errors=True)
         if self._lock_fd is not None:
@@ -222,10 +234,27 @@ def _reclaim(path: str, done: Reclaimed, wait_s: float) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def prune_kept(root: str, keep: int = KEEP_LOGS) -> list[str]:
+    """Remove the run directories kept for their logs, all but the newest `keep`."""
+    kept = []
+    for name in os.listdir(root):
+        marker = os.path.join(root, name, KEPT)
+        with contextlib.suppress(OSError):
+            kept.append((os.lstat(marker).st_mtime, name))
+    gone = [name for _, name in sorted(kept, reverse=True)[keep:]]
+    for name in gone:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return gone
+
+
 def open_run(pipeline: str, root: str | None = None) -> RunDir:
-    """Clean up after runs whose supervisor was killed (one log line), then start a run."""
+    """Clean up after runs whose supervisor was killed (one log line) and old kept logs,
+    then start a run."""
     root = root or runs_root()
     reclaimed = reclaim_stale_runs(root)
     if reclaimed:
         log.warning("disagg up: %s", reclaimed.summary())
+    gone = prune_kept(root)
+    if gone:
+        log.info("disagg up: removed %d old kept run folder(s): %s", len(gone), ", ".join(gone))
     return RunDir.create(pipeline, root)

@@ -35,6 +35,7 @@ def serve(
         model=pipeline.gateway.model or "",
         token=token,
         timeout=client.timeout,
+        max_tokens=pipeline.gateway_max_tokens,
     )
     gateway = gateway_for(client, settings)
     died: list[str] = []

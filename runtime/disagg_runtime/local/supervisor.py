@@ -348,7 +348,7 @@ class LocalPipeline:
         if self._monitor is not None:
             self._monitor.join(timeout=2)
         self._terminate(self.processes)
-        self.run.close(keep=bool(self.deaths))
+        self.run.close(keep=bool(self.deaths), secrets=(os.path.basename(self.key_file),))
 
     def _terminate(self, processes: list[RoleProcess]) -> None:
         for rp in processes:

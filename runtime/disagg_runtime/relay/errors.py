@@ -9,6 +9,11 @@ class RelayTimeout(RelayError, TimeoutError):
     """A transfer did not complete in time (typically: the receiver's pool stayed full)."""
 
 
+class NeverFits(RelayError):
+    """The payload is larger than the receiver's pool can ever hold (its largest block):
+    waiting or retrying cannot help."""
+
+
 class NotAPeer(RelayError):
     """The other end did not prove the pipeline's peer key, or refused ours."""
 

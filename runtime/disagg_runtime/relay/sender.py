@@ -70,7 +70,7 @@ from disagg_runtime.layout import Placement, Planner
 from disagg_runtime.manifest import Manifest
 from disagg_runtime.relay import auth, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout
+from disagg_runtime.relay.errors import NeverFits, NotAPeer, PeerLost, RelayError, RelayTimeout
 
 log = logging.getLogger(__name__)
 INLINE_THRESHOLD = 64 * 1024  # inline up to this unless a backend's `inline_limit` says more
@@ -447,7 +447,7 @@ class Sender:
         (RelayTimeout when none came); PeerLost as for `send` (nothing was reserved)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         if manifest.nbytes > self.max_allocation:
-            raise RelayError(
+            raise NeverFits(
                 f"payload of {manifest.nbytes} B can never fit the receive pool at "
                 f"{self.endpoint} (largest block {self.max_allocation} B)"
             )
@@ -647,7 +647,7 @@ class Sender:
         meta: Mapping[str, Any] | None,
     ) -> None:
         if manifest.nbytes > self.max_allocation:
-            raise RelayError(
+            raise NeverFits(
                 f"payload of {manifest.nbytes} B can never fit the receive pool at "
                 f"{self.endpoint} (largest block {self.max_allocation} B)"
             )

@@ -63,7 +63,7 @@ spec:
       env:
         - {name: MODEL, value: t5}
         - name: TOKEN
-          valueFrom: {secretKeyRef: {name: s, key: k}}
+          valueFrom: {secretKeyRef: {name: t2v-s, key: k}}
       resources:
         requests: {cpu: 500m, memory: 1Gi}
         limits: {memory: 2Gi, nvidia.com/gpu: 1}
@@ -162,7 +162,7 @@ def test_full_document_parses_into_the_model() -> None:
     assert encoder.args == ("role", "--verbose", "")
     assert encoder.env == (
         EnvVar(name="MODEL", value="t5"),
-        EnvVar(name="TOKEN", value_from={"secretKeyRef": {"name": "s", "key": "k"}}),
+        EnvVar(name="TOKEN", value_from={"secretKeyRef": {"name": "t2v-s", "key": "k"}}),
     )
     assert encoder.resources == Resources(
         requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "2Gi", "nvidia.com/gpu": "1"}

@@ -61,7 +61,7 @@ WEAKENING = [
     (
         "added capabilities",
         container({"capabilities": {"add": ["SYS_ADMIN"]}}),
-        f"{C}.capabilities",
+        f"{C}.capabilities.add",
     ),
     (
         "drop less than ALL",
@@ -78,11 +78,15 @@ WEAKENING = [
     ("root user", container({"runAsUser": 0}), f"{C}.runAsUser"),
     ("root allowed", container({"runAsNonRoot": False}), f"{C}.runAsNonRoot"),
     ("container hardening removed", container(None), C),
-    ("seccomp off", container({"seccompProfile": {"type": "Unconfined"}}), f"{C}.seccompProfile"),
+    (
+        "seccomp off",
+        container({"seccompProfile": {"type": "Unconfined"}}),
+        f"{C}.seccompProfile.type",
+    ),
     (
         "apparmor off",
         container({"appArmorProfile": {"type": "Unconfined"}}),
-        f"{C}.appArmorProfile",
+        f"{C}.appArmorProfile.type",
     ),
     ("proc unmasked", container({"procMount": "Unmasked"}), f"{C}.procMount"),
     (

@@ -373,13 +373,16 @@ def test_rules_only_the_validator_checks(
     assert crd_checker.errors(full_doc) == []
 
 
-def test_size_bounds_only_the_crd_checks(crd_checker: Any) -> None:
-    """List sizes are bounded in the CRD so that CEL costs are bounded; the validator has no
-    such limits."""
+def test_size_bounds_are_checked_by_both(crd_checker: Any) -> None:
+    """List sizes are bounded in the CRD so that CEL costs are bounded, and the validator
+    enforces the same bounds (disagg_core.spec.limits; tests/unit/core/test_spec_limits.py
+    walks every one)."""
     doc = _minimal()
     doc["spec"]["roles"] = [{"name": f"r{i}", "handler": "m:f"} for i in range(crd.MAX_ROLES + 1)]
     doc["spec"]["edges"] = []
-    spec.parse_pipeline(doc)
+    with pytest.raises(spec.SpecError) as caught:
+        spec.parse_pipeline(doc)
+    assert caught.value.problems[0].path == "spec.roles"
     assert any("roles" in error for error in crd_checker.errors(doc))
 
 

@@ -57,6 +57,7 @@ def test_names_kinds_and_order(examples: dict[str, Pipeline]) -> None:
         ("StatefulSet", "fan-out-encoders"),
         ("StatefulSet", "fan-out-fuse"),
         ("Service", "fan-out"),  # the gateway's
+        ("NetworkPolicy", "fan-out-gateway-network"),
         ("Deployment", "fan-out-gateway"),
     ]
     assert all(o["metadata"]["namespace"] == NS for o in objects)
@@ -274,7 +275,7 @@ def test_role_overrides_image_command_args_env(full_doc: Obj) -> None:
     assert names_in_order[-2:] == ["MODEL", "TOKEN"]
     assert all(n.startswith("DISAGG_") for n in names_in_order[:-2])
     token = encoder["env"][-1]
-    assert token == {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+    assert token == {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "full-s", "key": "k"}}}
     assert encoder["resources"]["limits"] == {"memory": "2Gi", "nvidia.com/gpu": "1"}
     assert [p["containerPort"] for p in encoder["ports"]] == [7401, 7500, 9400, 7400, 5678]
 

@@ -27,7 +27,9 @@ def _of_kind(objects: list[Obj], kind: str) -> list[Obj]:
 
 def _policy(pipeline: Pipeline, **options: Any) -> Obj:
     objects = planner.plan(pipeline, namespace=NS, options=planner.PlanOptions(**options))
-    (policy,) = _of_kind(objects, "NetworkPolicy")
+    (policy,) = [
+        p for p in _of_kind(objects, "NetworkPolicy") if "gateway" not in p["metadata"]["name"]
+    ]
     return policy
 
 
@@ -184,7 +186,7 @@ def test_the_operators_namespace_is_not_repeated_for_its_own_pipelines(
 def test_no_network_policy_when_turned_off(full_doc: Obj) -> None:
     full_doc["spec"]["networkPolicy"] = {"enabled": False}
     objects = planner.plan(spec.parse_pipeline(full_doc), namespace=NS)
-    assert _of_kind(objects, "NetworkPolicy") == []
+    assert _of_kind(objects, "NetworkPolicy") == []  # the gateway's too
 
 
 def test_added_containers_get_no_privileges_unless_opted_in(full_doc: Obj) -> None:
@@ -247,3 +249,37 @@ def test_an_opted_in_privileged_pod_renders_as_written(full_doc: Obj) -> None:
     assert encoder["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     # the contract stays: the peer key mount and variable are still there
     assert any(m["name"] == "peer-key" for m in encoder["volumeMounts"])
+
+
+def test_the_gateway_has_a_network_policy_of_its_own() -> None:
+    """The pipeline's NetworkPolicy selects role pods only (issue 30, item 15): the gateway's
+    HTTP port admits its namespace and spec.networkPolicy.clients, its reply port only the
+    pipeline's role pods."""
+    clients = [{"namespaceSelector": {"matchLabels": {"team": "web"}}}]
+    pipeline = spec.parse_pipeline(
+        {
+            "apiVersion": "disagg.dev/v1alpha1",
+            "kind": "DisaggregatedPipeline",
+            "metadata": {"name": "p"},
+            "spec": {
+                "image": "i:1",
+                "roles": [{"name": "a", "handler": "m:f"}],
+                "networkPolicy": {"clients": clients},
+            },
+        }
+    )
+    objects = planner.plan(pipeline, namespace=NS)
+    (policy,) = [
+        p
+        for p in _of_kind(objects, "NetworkPolicy")
+        if p["metadata"]["name"] == "p-gateway-network"
+    ]
+    (deployment,) = _of_kind(objects, "Deployment")
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selected.items() <= pod_labels.items()
+    http, reply = policy["spec"]["ingress"]
+    assert http["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert http["from"] == [{"podSelector": {}}, *clients]
+    assert reply["ports"] == [{"protocol": "TCP", "port": 7400}]
+    assert reply["from"] == [{"podSelector": planner.role_selector("p")}]

@@ -299,6 +299,8 @@ def test_gateway_url_and_readiness_apart_from_the_roles() -> None:
     pipeline = spec.parse_pipeline(doc)
     deployment = {"metadata": {"name": "p-gateway"}, "status": {"readyReplicas": 1}}
     result = status.build_status(pipeline, [*settled(), deployment], generation=3, now=T0)
+    warning = result["gateway"].pop("warning")  # no auth: said plainly
+    assert warning.startswith("spec.gateway.auth: the gateway is unauthenticated")
     assert result["gateway"] == {"url": "http://p.ml.svc:8080", "desired": 2, "ready": 1}
     assert result["phase"] == names.PHASE_READY  # the roles decide the conditions
     missing = status.build_status(pipeline, settled(), generation=3, now=T0)

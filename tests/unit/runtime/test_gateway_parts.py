@@ -384,9 +384,9 @@ def test_spec_gateway_defaults_and_fields() -> None:
         1,
     )
     full = spec.parse_pipeline(
-        doc({"api": "openai", "model": "m", "auth": {"secretRef": {"name": "tok"}}, "port": 81})
+        doc({"api": "openai", "model": "m", "auth": {"secretRef": {"name": "p-tok"}}, "port": 81})
     ).gateway
-    assert full.auth is not None and (full.auth.name, full.auth.key) == ("tok", "token")
+    assert full.auth is not None and (full.auth.name, full.auth.key) == ("p-tok", "token")
 
 
 @pytest.mark.parametrize(
@@ -406,3 +406,28 @@ def test_spec_gateway_problems(gateway: Any, role: str, path: str) -> None:
     assert path in [p.path for p in info.value.problems]
     if role == "gateway":  # fine once the gateway is off
         spec.parse_pipeline(doc({"enabled": False}, role))
+
+
+def test_the_models_max_tokens_annotation_reaches_the_gateway_and_is_checked() -> None:
+    """disagg.dev/gateway-max-tokens: the gateway's DISAGG_GATEWAY_MAX_TOKENS (rendered by
+    the operator), and a max_tokens above it is a 400 naming max_tokens (issue 30, item 17)."""
+    from disagg_operator import gateway as gateway_objects
+
+    document = doc({"api": "openai", "model": "m"})
+    document["metadata"]["annotations"] = {spec.model.ANNOTATION_GATEWAY_MAX_TOKENS: "64"}
+    pipeline = spec.parse_pipeline(document)
+    config = gateway_objects.config(pipeline, "ns", ())
+    assert contract.render_gateway_env(config)["DISAGG_GATEWAY_MAX_TOKENS"] == "64"
+    body = {"model": "m", "prompt": "x", "max_tokens": 65}
+    with pytest.raises(native.InputError) as info:
+        openai.parse_completion(body, "m", max_tokens=64)
+    assert info.value.path == "$.max_tokens"
+    assert openai.parse_completion({**body, "max_tokens": 64}, "m", 64)[0]["max_tokens"] == 64
+    document["metadata"]["annotations"] = {spec.model.ANNOTATION_GATEWAY_MAX_TOKENS: "lots"}
+    with pytest.raises(spec.SpecError) as refused:
+        spec.parse_pipeline(document)
+    assert "gateway-max-tokens" in refused.value.problems[0].path
+    plain = contract.render_gateway_env(
+        gateway_objects.config(spec.parse_pipeline(doc({})), "n", ())
+    )
+    assert "DISAGG_GATEWAY_MAX_TOKENS" not in plain and "DISAGG_GATEWAY_IDLE_TIMEOUT" not in plain

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from disagg_runtime.local.rundir import (
+    KEEP_LOGS,
+    KEPT,
     LOCK,
     RECORD,
     RunDir,
@@ -82,9 +84,31 @@ def test_a_kept_run_directory_is_no_run_any_more(root: str) -> None:
     run = RunDir.create("p", root)
     Path(run.file("a-0.log")).write_text("the log worth keeping")
     run.close(keep=True)
-    assert sorted(os.listdir(run.path)) == ["a-0.log"]
+    assert sorted(os.listdir(run.path)) == ["a-0.log", KEPT]
     assert not reclaim_stale_runs(root)
     assert os.path.exists(run.file("a-0.log"))
+
+
+def test_a_failed_start_keeps_its_logs_not_its_key_and_old_ones_go(
+    root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 30, item 18: a run whose role died keeps its logs (and says where), not the
+    pipeline's peer key; later runs keep only the newest KEEP_LOGS such folders."""
+    kept = []
+    for i in range(KEEP_LOGS + 2):
+        run = RunDir.create("p", root)
+        Path(run.file("peer-key")).write_bytes(b"k" * 32)
+        Path(run.file("a-0.log")).write_text("why the role died")
+        with caplog.at_level("WARNING"):
+            run.close(keep=True, secrets=("peer-key",))
+        assert run.path in caplog.text
+        assert not os.path.exists(run.file("peer-key"))
+        os.utime(run.file(KEPT), (1000.0 + i, 1000.0 + i))
+        kept.append(os.path.basename(run.path))
+    fresh = open_run("p", root)
+    left = sorted(set(os.listdir(root)) - {fresh.id})
+    assert left == sorted(kept[-KEEP_LOGS:])
+    fresh.close()
 
 
 def test_a_live_supervisors_run_is_left_alone(root: str, orphan: subprocess.Popen[bytes]) -> None:
