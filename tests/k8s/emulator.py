@@ -45,6 +45,7 @@ directly (``create_object``, ``patch_object``, ...) are synchronous and must run
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import random
 import re
@@ -60,13 +61,19 @@ import kmock
 import yaml
 from kmock._internal import apps, rendering
 
-from . import rbac
+from disagg_operator.crdschema import values as crd_values
+
+from . import admission, openapi, protowire, rbac, ssa
+from . import fieldsets as fs
 from . import semantics as sem
 from .errors import _bad_request, _conflict, _invalid, _not_found, api_error, status_body
 from .faults import Faults
 from .resources import BUILTIN, INITIAL_NAMESPACES, ResourceType, crd_resource_types
 from .store import ObjectStore
 from .watch import EventLog, WatchEvent, stream_watch
+
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+APPLY_PATCH = "application/apply-patch+yaml"
 
 JSON = dict[str, Any]
 ObjKey = tuple[str | None, str]  # (namespace, name)
@@ -124,6 +131,9 @@ class ApiCall:
     path: str
     code: int = 0
     user: str | None = None  # who made it, when the emulator authenticates (``auth``)
+    implied: list[str] = dataclasses.field(
+        default_factory=list
+    )  # verbs authorized besides (SSA create)
 
     @property
     def rbac_resource(self) -> str | None:
@@ -136,6 +146,12 @@ class ApiCall:
     def rbac(self) -> tuple[str | None, str | None, str]:
         """``(apiGroup, resource[/subresource], verb)``."""
         return self.group, self.rbac_resource, self.verb
+
+    @property
+    def authorizations(self) -> list[tuple[str | None, str | None, str]]:
+        """Every ``(apiGroup, resource, verb)`` the API server authorizes for it: its own verb
+        and the implied ones (``create`` for a server-side apply that creates)."""
+        return [self.rbac] + [(self.group, self.rbac_resource, v) for v in self.implied]
 
 
 @dataclass
@@ -315,8 +331,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
         call.code = response.status
         return response
 
-    def _authorize(self, request: rendering.Request, target: _Target | None, call: ApiCall) -> None:
-        """401 without a known token; 403 when RBAC does not allow the call (see ``rbac``)."""
+    def _authorize(
+        self,
+        request: rendering.Request,
+        target: _Target | None,
+        call: ApiCall,
+        *,
+        verb: str | None = None,
+    ) -> None:
+        """401 without a known token; 403 when RBAC does not allow the call (see ``rbac``), or
+        ``verb`` where the API server authorizes another (an apply that creates: create)."""
         assert self.auth is not None
         who = self.auth.identify(request.headers.get("Authorization"))
         if who is None:
@@ -325,7 +349,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if target is None or call.resource is None:
             return  # discovery, /version, /healthz: open to every authenticated user
         attributes = rbac.Attributes(
-            verb=call.verb,
+            verb=verb or call.verb,
             group=target.group,
             resource=target.plural,
             subresource=target.subresource,
@@ -447,11 +471,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise api_error(404, "NotFound", "the server could not find the requested resource")
         params = request.params
         dry_run = "dryRun" in params
+        writer = self._writer(request)
         ns = target.namespace if rt.namespaced else None
         if rt.namespaced and ns is None and call.verb not in ("list", "watch", "deletecollection"):
             raise api_error(404, "NotFound", "the server could not find the requested resource")
         ctype = request.headers.get("Content-Type", "").split(";")[0].strip()
-        if call.verb in ("create", "update") and ctype and not ctype.endswith(("json", "yaml")):
+        if call.verb in ("create", "update") and ctype == PROTOBUF:
+            request = protowire.as_json_request(request, rt)
+            ctype = "application/json"
+        elif call.verb in ("create", "update") and ctype and not ctype.endswith(("json", "yaml")):
             raise api_error(
                 415,
                 "UnsupportedMediaType",
@@ -484,13 +512,25 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if call.verb == "create":
             if target.name is not None:
                 raise api_error(405, "MethodNotAllowed", "the server does not allow this method")
-            return self._json(self.op_create(rt, ns, self._body(request), dry_run=dry_run), 201)
+            obj = self.op_create(rt, ns, self._body(request), dry_run=dry_run, writer=writer)
+            return self._json(obj, 201, writer.warnings)
         if call.verb == "update":
             obj = self.op_update(
-                rt, ns, str(target.name), self._body(request), target.subresource, dry_run=dry_run
+                rt,
+                ns,
+                str(target.name),
+                self._body(request),
+                target.subresource,
+                dry_run=dry_run,
+                writer=writer,
             )
-            return self._json(obj)
+            return self._json(obj, 200, writer.warnings)
         if call.verb == "patch":
+            if ctype == APPLY_PATCH and self._stored(rt, ns, str(target.name)) is None:
+                # an apply that creates is also a create, as the API server authorizes it
+                call.implied.append("create")
+                if self.auth is not None:
+                    self._authorize(request, target, call, verb="create")
             created, obj = self.op_patch(
                 rt,
                 ns,
@@ -499,8 +539,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 self._body(request, yaml_ok=True),
                 target.subresource,
                 dry_run=dry_run,
+                writer=writer,
             )
-            return self._json(obj, 201 if created else 200)
+            return self._json(obj, 201 if created else 200, writer.warnings)
         if call.verb == "delete":
             raw = request.body.strip()
             options = self._body(request) if raw else {}
@@ -529,8 +570,25 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return options
 
     @staticmethod
-    def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
-        return aiohttp.web.json_response(body, status=status)
+    def _json(
+        body: Any, status: int = 200, warnings: list[str] | None = None
+    ) -> aiohttp.web.Response:
+        response = aiohttp.web.json_response(body, status=status)
+        for warning in dict.fromkeys(warnings or ()):
+            response.headers.add("Warning", f"299 - {json.dumps(warning)}")
+        return response
+
+    @staticmethod
+    def _writer(request: rendering.Request) -> ssa.Writer:
+        """The request's field manager (``fieldManager``, else its User-Agent's product),
+        ``fieldValidation`` and ``force``."""
+        params = request.params
+        agent = request.headers.get("User-Agent", "").split("/")[0].strip()
+        return ssa.Writer(
+            manager=params.get("fieldManager") or agent or "unknown",
+            validation=admission.field_validation(params),
+            force=params.get("force") in ("true", "1"),
+        )
 
     @staticmethod
     def _wants_table(request: rendering.Request) -> bool:
@@ -585,6 +643,22 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     return self._json({"kind": "APIGroup", "apiVersion": "v1", **group})
         if parts[:1] == ["apis"] and len(parts) == 3:
             return self._json(self._resource_list(parts[1], parts[2]))
+        if parts[:1] == ["openapi"]:
+            return self._serve_openapi(parts[1:])
+        raise api_error(404, "NotFound", "the server could not find the requested resource")
+
+    def _serve_openapi(self, parts: list[str]) -> aiohttp.web.StreamResponse:
+        """``/openapi/v2``, ``/openapi/v3`` and ``/openapi/v3/<group-version>``."""
+        served = self.resource_types
+        if parts == ["v2"]:
+            return self._json(openapi.v2_document(served))
+        if parts == ["v3"]:
+            return self._json(openapi.v3_root(served))
+        if parts[:1] == ["v3"] and len(parts) > 1:
+            key = "/".join(parts[1:])
+            members = [rt for rt in served if openapi.group_version_key(rt) == key]
+            if members:
+                return self._json(openapi.v3_document(members))
         raise api_error(404, "NotFound", "the server could not find the requested resource")
 
     def _metrics_text(self) -> str:
@@ -812,10 +886,21 @@ class KubeEmulator(kmock.KubernetesEmulator):
     # ------------------------------------------------------------------ operations
 
     def op_create(
-        self, rt: ResourceType, namespace: str | None, body: Any, *, dry_run: bool = False
+        self,
+        rt: ResourceType,
+        namespace: str | None,
+        body: Any,
+        *,
+        dry_run: bool = False,
+        writer: ssa.Writer | None = None,
+        applying: bool = False,
     ) -> JSON:
+        """A create (``applying``: by a server-side apply whose patch is ``body``)."""
+        writer = writer or ssa.Writer()
+        patch = sem.clone(body) if applying else None
         obj = self._incoming(rt, body)
         meta = obj["metadata"]
+        meta.pop("managedFields", None)
         if rt.namespaced:
             ns = namespace or meta.get("namespace") or "default"
             if meta.get("namespace") and namespace and meta["namespace"] != namespace:
@@ -855,12 +940,17 @@ class KubeEmulator(kmock.KubernetesEmulator):
         for field in ("resourceVersion", "deletionTimestamp", "deletionGracePeriodSeconds"):
             meta.pop(field, None)
         meta["uid"] = str(uuid.uuid4())
-        meta["generation"] = 1
+        if rt.has_generation:
+            meta["generation"] = 1
+        else:
+            meta.pop("generation", None)
         meta["creationTimestamp"] = sem.now_rfc3339()
         if rt.has_status:
             obj.pop("status", None)
         if rt.from_crd:
-            sem.apply_schema_defaults(obj, rt.schema)
+            writer.warnings += admission.admit_custom(rt, obj, validation=writer.validation)
+        admission.admit_builtin(rt, obj)
+        self._own_fields(rt, None, obj, writer, None, patch=patch)
         if rt.storage_key == NAMESPACE_KEY:
             obj["status"] = {"phase": "Active"}
         new_types: list[ResourceType] = []
@@ -876,6 +966,33 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if self._owners_gone(meta):
             self._delete_stored(rt.storage_key, obj, "Background")
         return self._view(rt, obj)
+
+    def _own_fields(
+        self,
+        rt: ResourceType,
+        old: JSON | None,
+        new: JSON,
+        writer: ssa.Writer,
+        subresource: str | None,
+        *,
+        patch: JSON | None = None,
+    ) -> None:
+        """``new``'s managedFields (in place): an apply's (``patch``) or another write's."""
+        shape, now = self._shape(rt), sem.now_rfc3339()
+        common: dict[str, Any] = {
+            "shape": shape,
+            "api_version": rt.api_version,
+            "subresource": subresource,
+            "has_status": rt.has_status,
+            "now": now,
+        }
+        if patch is not None:
+            owned = ssa.apply(old, patch, manager=writer.manager, force=writer.force, **common)
+            fields = owned["metadata"].get("managedFields")
+            if fields:
+                new["metadata"]["managedFields"] = fields
+            return
+        ssa.record_update(old, new, manager=writer.manager, **common)
 
     def _owners_gone(self, meta: JSON) -> bool:
         """Every owner this object names was deleted (its creator acted on a stale view, e.g.
@@ -946,6 +1063,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         subresource: str | None = None,
         *,
         dry_run: bool = False,
+        writer: ssa.Writer | None = None,
     ) -> JSON:
         old = self._stored(rt, ns, name)
         if old is None:
@@ -962,7 +1080,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 "the namespace of the provided object does not match "
                 "the namespace sent on the request"
             )
-        return self._commit_update(rt, old, new, subresource, dry_run=dry_run)
+        return self._commit_update(rt, old, new, subresource, dry_run=dry_run, writer=writer)
 
     def op_patch(
         self,
@@ -974,26 +1092,79 @@ class KubeEmulator(kmock.KubernetesEmulator):
         subresource: str | None = None,
         *,
         dry_run: bool = False,
+        writer: ssa.Writer | None = None,
     ) -> tuple[bool, JSON]:
         """Returns (created, object): server-side apply creates absent objects."""
+        writer = writer or ssa.Writer()
         old = self._stored(rt, ns, name)
-        apply = content_type == "application/apply-patch+yaml"
+        apply = content_type == APPLY_PATCH
         if apply:
             if not isinstance(body, dict) or not body.get("apiVersion") or not body.get("kind"):
                 raise _bad_request("apply patches need apiVersion and kind")
             meta = body.setdefault("metadata", {})
             if meta.get("name", name) != name:
                 raise _bad_request("the name in the apply patch does not match the URL")
+            body = self._typed_patch(rt, ns, name, body, writer)
             if old is None:
                 if subresource is not None:
                     raise _not_found(rt, name)
                 meta["name"] = name
-                return True, self.op_create(rt, ns, body, dry_run=dry_run)
+                return True, self.op_create(
+                    rt, ns, body, dry_run=dry_run, writer=writer, applying=True
+                )
+            merged = ssa.apply(
+                self._view(rt, old),
+                sem.clone(body),
+                manager=writer.manager,
+                force=writer.force,
+                shape=self._shape(rt),
+                api_version=rt.api_version,
+                subresource=subresource,
+                has_status=rt.has_status,
+                now=sem.now_rfc3339(),
+            )
+            new = self._incoming(rt, merged)
+            return False, self._commit_update(
+                rt, old, new, subresource, dry_run=dry_run, writer=writer, owned=True
+            )
         if old is None:
             raise _not_found(rt, name)
         patched = self._apply_patch(rt, name, content_type, self._view(rt, old), body)
         new = self._incoming(rt, patched)
-        return False, self._commit_update(rt, old, new, subresource, dry_run=dry_run)
+        return False, self._commit_update(rt, old, new, subresource, dry_run=dry_run, writer=writer)
+
+    @staticmethod
+    def _shape(rt: ResourceType) -> fs.Shape:
+        return fs.schema_shape(dict(rt.schema) if rt.from_crd and rt.schema else None)
+
+    def _typed_patch(
+        self, rt: ResourceType, ns: str | None, name: str, body: JSON, writer: ssa.Writer
+    ) -> JSON:
+        """An apply patch through structured-merge-diff's typed conversion (a CRD's schema):
+        undeclared fields are refused under Strict, else pruned (warned under Warn); a wrong
+        type is refused. The refusal is the server's 500 with its message."""
+        if not rt.from_crd or not rt.schema:
+            return body
+        shape = self._shape(rt)
+        view = {k: v for k, v in body.items() if k not in ("apiVersion", "kind", "metadata")}
+        problems = fs.typed_errors(view, shape)
+        unknown = [p for p in problems if p.endswith(": field not declared in schema")]
+        if writer.validation != "Strict" and unknown and len(unknown) == len(problems):
+            pruned = admission.unknown_fields(rt, body)
+            body = sem.clone(body)
+            crd_values.prune(body, dict(rt.schema), root=True)
+            if writer.validation == "Warn":
+                writer.warnings += [f'unknown field "{path}"' for path in pruned]
+            return body
+        if problems:
+            where = f"{ns or ''}/{name}; {rt.api_version}, Kind={rt.kind}"
+            text = (
+                problems[0]
+                if len(problems) == 1
+                else "errors:\n" + "\n".join(f"  {p}" for p in problems)
+            )
+            raise api_error(500, "", f"failed to create typed patch object ({where}): {text}")
+        return body
 
     @staticmethod
     def _apply_patch(rt: ResourceType, name: str, content_type: str, base: JSON, body: Any) -> Any:
@@ -1090,7 +1261,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
         subresource: str | None,
         *,
         dry_run: bool = False,
+        writer: ssa.Writer | None = None,
+        owned: bool = False,
     ) -> JSON:
+        """Stores ``new`` over ``old``: admission, field ownership (``owned``: an apply has
+        set it), generation, resourceVersion, event."""
+        writer = writer or ssa.Writer()
         old_meta = old["metadata"]
         name = old_meta["name"]
         wanted_rv = new["metadata"].get("resourceVersion")
@@ -1114,9 +1290,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     result["status"] = sem.clone(old["status"])
                 else:
                     result.pop("status", None)
-            if rt.from_crd:
-                sem.apply_schema_defaults(result, rt.schema)
             self._check_metadata(rt, result)
+        if rt.from_crd:
+            writer.warnings += admission.admit_custom(
+                rt, result, validation=writer.validation, old=old
+            )
+        admission.admit_builtin(rt, result)
         meta = result.setdefault("metadata", {})
         for field in (
             "uid",
@@ -1137,9 +1316,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
         new_types: list[ResourceType] = []
         if rt.storage_key == CRD_KEY:
             new_types = self._crd_accept(result, rt)
+        if subresource == "status":  # the status write's own entries (an apply's), or old's
+            fields = (new if owned else old)["metadata"].get("managedFields")
+            result["metadata"]["managedFields"] = sem.clone(fields or [])
+        if not owned:
+            self._own_fields(rt, old, result, writer, subresource)
+        if not result["metadata"].get("managedFields"):
+            result["metadata"].pop("managedFields", None)
         if result == old:
             return self._view(rt, old)  # a no-op: no new resourceVersion, no event
-        if subresource is None and sem.spec_changed(old, result):
+        if subresource is None and rt.has_generation and sem.spec_changed(old, result):
             meta["generation"] = int(old_meta.get("generation", 1)) + 1
         if dry_run:
             return self._view(rt, result)

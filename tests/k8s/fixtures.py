@@ -83,10 +83,11 @@ class Kubectl:
         return json.loads(self(*args, "-o", "json", timeout=timeout).stdout)
 
     def apply(self, docs: Sequence[dict[str, Any]] | dict[str, Any], *args: str) -> str:
-        """``kubectl apply --validate=false -f -`` of documents given as dicts."""
+        """``kubectl apply -f -`` of documents given as dicts (validated by the emulator:
+        kubectl asks for Strict field validation)."""
         items = [docs] if isinstance(docs, dict) else list(docs)
         text = yaml.safe_dump_all(items, sort_keys=False)
-        return self("apply", "--validate=false", "-f", "-", *args, input=text).stdout
+        return self("apply", "-f", "-", *args, input=text).stdout
 
     def popen(self, *args: str) -> subprocess.Popen[str]:
         """Start ``kubectl <args>`` (e.g. ``get -w``); stop it with ``.terminate()``."""

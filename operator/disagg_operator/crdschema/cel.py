@@ -65,11 +65,13 @@ def _parse(rule: str) -> lark.Tree[Any]:
     return tree
 
 
-def compile_rule(entry: dict[str, Any], schema: Schema) -> Rule:
-    """The rule of `entry`, checked against `schema` (the node it is declared on): a syntax
-    error or a reference to a field the schema does not declare is a CompileError."""
+def compile_rule(entry: dict[str, Any], schema: Schema | None) -> Rule:
+    """The rule of `entry`, checked against `schema` (the node it is declared on; None: not
+    checked): a syntax error or a reference to a field the schema does not declare is a
+    CompileError."""
     tree = _parse(str(entry.get("rule", "")))
-    _Estimator(schema).cost(tree)  # undefined fields raise
+    if schema is not None:
+        _Estimator(schema).cost(tree)  # undefined fields raise
     return Rule(
         rule=str(entry["rule"]),
         message=entry.get("message"),
