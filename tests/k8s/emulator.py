@@ -61,6 +61,7 @@ import kmock
 import yaml
 from kmock._internal import apps, rendering
 
+from disagg_operator.crdschema import structural
 from disagg_operator.crdschema import values as crd_values
 
 from . import admission, openapi, protowire, rbac, ssa
@@ -1504,6 +1505,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 "spec.versions: Invalid value: "
                 "must have exactly one version marked as storage version",
             )
+        refused = structural.check(crd)  # the API server's rules for CRD schemas
+        if refused:
+            raise admission.invalid(rt, name, refused)
         try:
             types = crd_resource_types(crd)
         except (KeyError, TypeError) as e:

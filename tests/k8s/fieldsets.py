@@ -41,6 +41,11 @@ _BUILTIN_KEYS: Final[dict[str, tuple[str, ...]]] = {
     "topologySpreadConstraints": ("topologyKey", "whenUnsatisfiable"),
 }
 _BUILTIN_SETS: Final = frozenset({"finalizers"})
+# built-in fields that are maps (not structs): their own node is a member of a field set
+_BUILTIN_MAPS: Final = frozenset(
+    {"labels", "annotations", "data", "binaryData", "stringData", "matchLabels", "selector",
+     "nodeSelector", "limits", "requests", "capacity", "allocatable", "parameters"}
+)  # fmt: skip
 _KEY_DEFAULTS: Final = {"protocol": "TCP"}
 
 
@@ -83,6 +88,14 @@ class Shape:
         return ("map", keys) if keys else ("atomic", ())
 
     @property
+    def is_map(self) -> bool:
+        """A map (keys chosen by the user), not a struct: its node is itself a member."""
+        if not self.builtin:
+            node = self.schema or {}
+            return "properties" not in node
+        return self.field in _BUILTIN_MAPS
+
+    @property
     def atomic_map(self) -> bool:
         return not self.builtin and (self.schema or {}).get("x-kubernetes-map-type") == "atomic"
 
@@ -123,12 +136,14 @@ def _granular(value: Any, shape: Shape) -> bool:
 
 def field_set(value: Any, shape: Shape, prefix: Path = ()) -> dict[Path, bool]:
     """Every path of ``value`` below ``prefix``: True for a leaf, False for a node with
-    children (``"."`` in fieldsV1)."""
+    children that is a member itself (``"."`` in fieldsV1: list items, maps; a struct is
+    only the prefix of its fields)."""
     found: dict[Path, bool] = {}
     for element, item, sub in _elements(value, shape):
         path = (*prefix, element)
         granular = _granular(item, sub)
-        found[path] = not granular
+        if not granular or element[0] != "f" or (isinstance(item, dict) and sub.is_map):
+            found[path] = not granular
         if granular:
             found.update(field_set(item, sub, path))
         elif element[0] == "k" and isinstance(item, dict):
@@ -235,7 +250,8 @@ def from_fields_v1(fields: JSON, prefix: Path = ()) -> dict[Path, bool]:
         kind, _, value = key.partition(":")
         path = (*prefix, (kind, value))
         nested = {k: v for k, v in (sub or {}).items() if k != "."}
-        found[path] = not nested and "." not in (sub or {})
+        if "." in (sub or {}) or not nested:  # a member: a leaf, or a node marked "."
+            found[path] = not nested and "." not in (sub or {})
         found.update(from_fields_v1(nested, path))
     return found
 

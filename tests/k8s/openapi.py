@@ -67,7 +67,11 @@ def _operation(rt: ResourceType, action: str, *params: JSON) -> JSON:
 def paths(rt: ResourceType) -> dict[str, JSON]:
     """The resource's collection and item paths, with their operations."""
     prefix = f"/{group_version_key(rt)}"
-    base = f"{prefix}/namespaces/{{namespace}}/{rt.plural}" if rt.namespaced else f"{prefix}/{rt.plural}"
+    base = (
+        f"{prefix}/namespaces/{{namespace}}/{rt.plural}"
+        if rt.namespaced
+        else f"{prefix}/{rt.plural}"
+    )
     write = _parameters()
     found: dict[str, JSON] = {
         base: {
@@ -117,7 +121,9 @@ def v3_root(types: Iterable[ResourceType]) -> JSON:
     found: dict[str, JSON] = {}
     for key, members in sorted(grouped.items()):
         digest = hashlib.sha512(json.dumps(v3_document(members), sort_keys=True).encode())
-        found[key] = {"serverRelativeURL": f"/openapi/v3/{key}?hash={digest.hexdigest()[:64].upper()}"}
+        found[key] = {
+            "serverRelativeURL": f"/openapi/v3/{key}?hash={digest.hexdigest()[:64].upper()}"
+        }
     return {"paths": found}
 
 

@@ -171,10 +171,14 @@ def apply(
     for entry in found:
         if entry is not mine and entry.subresource == subresource:
             others.update(entry.fields)
-    for path in sorted(set(mine.fields if mine else {}) - set(applied), key=len, reverse=True):
+    removed: list[fs.Path] = []
+    for path in sorted(set(mine.fields if mine else {}) - set(applied), key=len):
+        if any(path[: len(done)] == done for done in removed):
+            continue  # gone with its parent
         if any(other[: len(path)] == path for other in others):
             continue  # another manager still owns it (or a field below it)
         fs.remove(merged_view, path, shape)
+        removed.append(path)
     result = _recombine(base, patch, merged_view, subresource, has_status=has_status)
     if mine is None:
         mine = Entry(manager, "Apply", api_version, now, subresource)

@@ -31,7 +31,10 @@ _NO_VALUE: Final = object()
 
 
 def show(value: Any) -> str:
-    """A value as field errors print it: strings quoted, numbers plain, the rest as JSON."""
+    """A value as field errors print it: strings quoted, numbers plain, nil as "null", the
+    rest as JSON."""
+    if value is None:
+        return '"null"'
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, bool):
