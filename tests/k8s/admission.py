@@ -210,3 +210,25 @@ def admit_builtin(rt: ResourceType, obj: JSON) -> None:
     errors = builtin_errors(rt, obj)
     if errors:
         raise invalid(rt, str((obj.get("metadata") or {}).get("name", "")), errors)
+
+
+# ------------------------------------------------------------------ nodes
+
+NOT_READY_TAINT: Final = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+
+
+def node_taints(node: JSON) -> None:
+    """The node lifecycle controller's taint (in place): ``node.kubernetes.io/not-ready``
+    NoSchedule while the Node's Ready condition is not True, removed once it is."""
+    conditions = (node.get("status") or {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    spec = node.setdefault("spec", {})
+    taints = [t for t in spec.get("taints") or [] if t.get("key") != NOT_READY_TAINT["key"]]
+    if not ready:
+        taints.append(dict(NOT_READY_TAINT))
+    if taints:
+        spec["taints"] = taints
+    else:
+        spec.pop("taints", None)
+        if not spec:
+            node.pop("spec")

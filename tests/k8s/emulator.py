@@ -64,7 +64,7 @@ from kmock._internal import apps, rendering
 from disagg_operator.crdschema import structural
 from disagg_operator.crdschema import values as crd_values
 
-from . import admission, openapi, protowire, rbac, ssa
+from . import admission, deletion, openapi, protowire, rbac, ssa
 from . import fieldsets as fs
 from . import semantics as sem
 from .errors import _bad_request, _conflict, _invalid, _not_found, api_error, status_body
@@ -82,6 +82,8 @@ StorageKey = tuple[str, str]  # (group, plural)
 
 CRD_KEY: StorageKey = ("apiextensions.k8s.io", "customresourcedefinitions")
 NAMESPACE_KEY: StorageKey = ("", "namespaces")
+NODE_KEY: StorageKey = ("", "nodes")
+POD_KEY: StorageKey = ("", "pods")
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 SERVER_VERSION = {
     "major": "1",
@@ -568,6 +570,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             options["propagationPolicy"] = params["propagationPolicy"]
         if "orphanDependents" in params:
             options["orphanDependents"] = params["orphanDependents"] == "true"
+        if "gracePeriodSeconds" in params:
+            options["gracePeriodSeconds"] = int(params["gracePeriodSeconds"])
         return options
 
     @staticmethod
@@ -914,6 +918,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 raise api_error(
                     404, "NotFound", f'namespaces "{ns}" not found', name=ns, kind="namespaces"
                 )
+            namespace_obj = self._store.get(NAMESPACE_KEY, (None, ns))
+            if namespace_obj is not None and namespace_obj["metadata"].get("deletionTimestamp"):
+                raise deletion.terminating_namespace(ns)
         else:
             meta.pop("namespace", None)
         if not meta.get("name"):
@@ -952,6 +959,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             writer.warnings += admission.admit_custom(rt, obj, validation=writer.validation)
         admission.admit_builtin(rt, obj)
         self._own_fields(rt, None, obj, writer, None, patch=patch)
+        if rt.storage_key == NODE_KEY:
+            admission.node_taints(obj)
         if rt.storage_key == NAMESPACE_KEY:
             obj["status"] = {"phase": "Active"}
         new_types: list[ResourceType] = []
@@ -1297,6 +1306,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 rt, result, validation=writer.validation, old=old
             )
         admission.admit_builtin(rt, result)
+        if rt.storage_key == NODE_KEY:
+            admission.node_taints(result)
         meta = result.setdefault("metadata", {})
         for field in (
             "uid",
@@ -1336,7 +1347,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             for new_rt in new_types:
                 self._register(new_rt)
         self._write(rt.storage_key, "MODIFIED", result, old)
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+        done = not meta.get("finalizers") and not meta.get("deletionGracePeriodSeconds")
+        if meta.get("deletionTimestamp") and done and rt.storage_key != NAMESPACE_KEY:
             policy = self._pending_policy.pop(meta["uid"], "Background")
             self._remove(rt.storage_key, result, policy)
         return self._view(rt, result)
@@ -1374,8 +1386,32 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise _bad_request(f"unsupported propagationPolicy: {policy!r}")
         if dry_run:
             return 200, self._view(rt, obj)
+        if rt.storage_key == POD_KEY:
+            grace = deletion.grace_period(obj, options)
+            if grace > 0 or meta.get("deletionGracePeriodSeconds"):
+                return self._terminate_pod(obj, grace, policy)
         code, result = self._delete_stored(rt.storage_key, obj, policy)
         return code, self._view(rt, result)
+
+    def _terminate_pod(self, obj: JSON, grace: int, policy: str) -> tuple[int, JSON]:
+        """A graceful pod delete: Terminating for ``grace`` seconds, until its kubelet
+        confirms with grace 0 (then it goes, finalizers aside)."""
+        rt = self.resolve("v1/pods")
+        meta = obj["metadata"]
+        current = meta.get("deletionGracePeriodSeconds")
+        if grace == 0 and not meta.get("finalizers"):
+            return 200, self._view(rt, self._remove(POD_KEY, obj, policy))
+        if current is not None and current <= grace:
+            return 200, self._view(rt, obj)  # a shorter period stands
+        marked = sem.clone(obj)
+        marked["metadata"]["deletionTimestamp"] = meta.get("deletionTimestamp") or (
+            deletion.deadline(grace)
+        )
+        marked["metadata"]["deletionGracePeriodSeconds"] = grace
+        marked["metadata"]["resourceVersion"] = str(self._next_rv())
+        self._pending_policy[meta["uid"]] = policy
+        self._write(POD_KEY, "MODIFIED", marked, obj)
+        return 200, self._view(rt, marked)
 
     def op_delete_collection(
         self,
@@ -1405,6 +1441,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def _delete_stored(self, key: StorageKey, obj: JSON, policy: str) -> tuple[int, JSON]:
         meta = obj["metadata"]
         uid = meta["uid"]
+        if key == NAMESPACE_KEY:
+            return 200, self._terminate_namespace(obj)
         if policy == "Orphan":
             self._orphan(uid)
         if meta.get("finalizers"):
@@ -1422,6 +1460,43 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if policy == "Foreground":
             self._cascade(uid)  # dependents first, then the owner
         return 200, self._remove(key, obj, policy)
+
+    def _terminate_namespace(self, obj: JSON) -> JSON:
+        """Marks the Namespace Terminating, deletes its contents, and removes it when nothing
+        is left (else when its last object goes: ``_remove``)."""
+        name = obj["metadata"]["name"]
+        if not obj["metadata"].get("deletionTimestamp"):
+            marked = sem.clone(obj)
+            marked["metadata"]["deletionTimestamp"] = sem.now_rfc3339()
+            marked["metadata"]["deletionGracePeriodSeconds"] = 0
+            marked["status"] = {"phase": "Terminating"}
+            marked["metadata"]["resourceVersion"] = str(self._next_rv())
+            self._write(NAMESPACE_KEY, "MODIFIED", marked, obj)
+            obj = marked
+        for other_key, item in list(self._store.in_namespace(name)):
+            current = self._store.get(
+                other_key, (_meta(item).get("namespace"), _meta(item)["name"])
+            )
+            if other_key == NAMESPACE_KEY or current is None:
+                continue
+            if other_key == POD_KEY:
+                self.op_delete(self.resolve("v1/pods"), name, _meta(current)["name"], {})
+            elif not _meta(current).get("deletionTimestamp"):
+                self._delete_stored(other_key, current, "Background")
+        return self._namespace_gone_if_empty(name) or obj
+
+    def _namespace_gone_if_empty(self, name: str) -> JSON | None:
+        """Removes the Terminating namespace ``name`` once nothing is left in it."""
+        ns = self._store.get(NAMESPACE_KEY, (None, name))
+        if (
+            ns is None
+            or not ns["metadata"].get("deletionTimestamp")
+            or ns["metadata"].get("finalizers")
+        ):
+            return None
+        if any(key != NAMESPACE_KEY for key, _ in self._store.in_namespace(name)):
+            return None
+        return self._remove(NAMESPACE_KEY, ns, "Background")
 
     def _remove(self, key: StorageKey, obj: JSON, policy: str) -> JSON:
         self._gone_uids.add(obj["metadata"]["uid"])
@@ -1443,6 +1518,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     self._delete_stored(other_key, current, "Background")
         if policy != "Orphan":
             self._cascade(obj["metadata"]["uid"])
+        namespace = obj["metadata"].get("namespace")
+        if namespace and key != NAMESPACE_KEY:
+            self._namespace_gone_if_empty(namespace)
         return gone
 
     def _dependents(self, uid: str) -> list[tuple[StorageKey, JSON]]:

@@ -174,6 +174,16 @@ BUILTIN: tuple[ResourceType, ...] = (
     _r("coordination.k8s.io", "v1", "leases", "Lease"),
     # events.k8s.io/v1: a second view of the core/v1 Events (same storage, converted fields)
     _r("events.k8s.io", "v1", "events", "Event", short=("ev",), storage=("", "events")),
+    # autoscaling/v2 (an HPA instead of the operator's autoscaler: manifests/samples)
+    _r(
+        "autoscaling",
+        "v2",
+        "horizontalpodautoscalers",
+        "HorizontalPodAutoscaler",
+        short=("hpa",),
+        status=True,
+        all_category=True,
+    ),
     # policy/v1
     _r("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short=("pdb",), status=True),
     # discovery.k8s.io/v1 (written by the test node's endpoints controller)
