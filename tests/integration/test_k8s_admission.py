@@ -261,3 +261,49 @@ def test_kubectl_generators_work(kubectl: Kubectl, k8s: EmulatorThread) -> None:
     assert made is not None and made["data"] == {"k": "v"}
     assert "generation" not in made["metadata"]
     assert k8s.get("v1/namespaces", "made") is not None
+
+
+def test_a_port_name_used_twice_in_a_pod_is_warned(k8s: EmulatorThread) -> None:
+    ports = [{"name": "metrics", "containerPort": 9400}]
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "w"},
+        "spec": {
+            "selector": {"matchLabels": {"a": "w"}},
+            "template": {
+                "metadata": {"labels": {"a": "w"}},
+                "spec": {
+                    "containers": [
+                        {"name": "one", "image": "i", "ports": ports},
+                        {"name": "two", "image": "i", "ports": ports},
+                    ]
+                },
+            },
+        },
+    }
+    code, _, headers = _request(k8s, "POST", "/apis/apps/v1/namespaces/default/statefulsets", sts)
+    assert code == 201
+    assert headers.get_all("Warning") == [
+        '299 - "spec.template.spec.containers[1].ports[0]: duplicate port name \\"metrics\\" '
+        "with spec.template.spec.containers[0].ports[0], services and probes that select "
+        'ports by name will use spec.template.spec.containers[0].ports[0]"'
+    ]
+    k8s.call(k8s.emulator.warnings.clear)  # else the fixture fails the test, as it should
+
+
+@pytest.mark.parametrize("sample", ["fan-out", "llm-prefill-decode", "text-to-video"])
+def test_every_rendered_object_of_the_samples_is_admitted_without_warnings(
+    kubectl: Kubectl, k8s: EmulatorThread, sample: str
+) -> None:
+    """The operator's objects for each sample (fan-out: a colocation pod of two roles), applied
+    server-side as the operator does: accepted, and no warning (unique port names)."""
+    from disagg_core import spec
+    from disagg_operator import planner, render
+    from tests.support import REPO
+
+    pipeline = spec.load_pipeline_file(str(REPO / "manifests" / "samples" / f"{sample}.yaml"))
+    objects = planner.plan(pipeline, namespace="default")
+    result = kubectl("apply", "--server-side", "-f", "-", input=render.dump_all(objects))
+    assert "Warning" not in result.stderr, result.stderr
+    assert k8s.call(lambda: list(k8s.emulator.warnings)) == []

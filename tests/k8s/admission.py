@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -232,3 +233,45 @@ def node_taints(node: JSON) -> None:
         spec.pop("taints", None)
         if not spec:
             node.pop("spec")
+
+
+# ------------------------------------------------------------------ warnings
+
+_TEMPLATE_KINDS: Final = {
+    ("apps", "deployments"): "spec.template.spec",
+    ("apps", "statefulsets"): "spec.template.spec",
+    ("apps", "daemonsets"): "spec.template.spec",
+    ("apps", "replicasets"): "spec.template.spec",
+    ("batch", "jobs"): "spec.template.spec",
+    ("", "pods"): "spec",
+}
+DUPLICATE_PORT: Final = "duplicate port name"
+
+
+def pod_warnings(rt: ResourceType, obj: JSON) -> list[str]:
+    """The API server's warnings on a pod spec (pkg/api/pod/warnings.go), as far as emulated:
+    a port name used twice in the pod's containers."""
+    where = _TEMPLATE_KINDS.get(rt.storage_key)
+    if where is None:
+        return []
+    spec: Any = obj
+    for part in where.split("."):
+        spec = spec.get(part) if isinstance(spec, dict) else None
+    if not isinstance(spec, dict):
+        return []
+    warnings: list[str] = []
+    seen: dict[str, str] = {}
+    for i, container in enumerate(spec.get("containers") or []):
+        for j, port in enumerate((container or {}).get("ports") or []):
+            name = (port or {}).get("name")
+            if not name:
+                continue
+            path = f"{where}.containers[{i}].ports[{j}]"
+            if name in seen:
+                warnings.append(
+                    f"{path}: {DUPLICATE_PORT} {json.dumps(name)} with {seen[name]}, services and "
+                    f"probes that select ports by name will use {seen[name]}"
+                )
+            else:
+                seen[name] = path
+    return warnings

@@ -227,6 +227,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     auth: rbac.Authenticator | None = None
 
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
+    # (kind, name, text) of every warning the API server would send (pod spec warnings)
+    warnings: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
     _types: dict[tuple[str, str, str], ResourceType] = attrs.field(factory=dict, init=False)
     _storage_types: dict[StorageKey, ResourceType] = attrs.field(factory=dict, init=False)
     _storage_res: dict[StorageKey, kmock.resource] = attrs.field(factory=dict, init=False)
@@ -958,6 +960,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if rt.from_crd:
             writer.warnings += admission.admit_custom(rt, obj, validation=writer.validation)
         admission.admit_builtin(rt, obj)
+        self._warn(rt, obj, writer, admission.pod_warnings(rt, obj))
         self._own_fields(rt, None, obj, writer, None, patch=patch)
         if rt.storage_key == NODE_KEY:
             admission.node_taints(obj)
@@ -976,6 +979,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if self._owners_gone(meta):
             self._delete_stored(rt.storage_key, obj, "Background")
         return self._view(rt, obj)
+
+    def _warn(self, rt: ResourceType, obj: JSON, writer: ssa.Writer, found: list[str]) -> None:
+        """Warnings for the answer's ``Warning`` headers, also kept in ``warnings``."""
+        writer.warnings += found
+        meta = obj.get("metadata") or {}
+        self.warnings += [(rt.kind, str(meta.get("name", "")), w) for w in found]
 
     def _own_fields(
         self,
@@ -1306,6 +1315,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 rt, result, validation=writer.validation, old=old
             )
         admission.admit_builtin(rt, result)
+        self._warn(rt, result, writer, admission.pod_warnings(rt, result))
         if rt.storage_key == NODE_KEY:
             admission.node_taints(result)
         meta = result.setdefault("metadata", {})

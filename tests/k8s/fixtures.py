@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from .. import support
+from . import admission
 from .server import EmulatorThread
 
 DISAGG_CRD = support.REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
@@ -108,6 +109,11 @@ def k8s() -> Iterator[EmulatorThread]:
         yield emulator
         errors = emulator.errors
         assert not errors, f"the Kubernetes emulator failed internally: {errors!r}"
+        # a pod spec a real cluster serves wrongly (a port name twice: Services and probes
+        # reach the first container's): the real server warns, the suite fails
+        warned = emulator.call(lambda: list(emulator.emulator.warnings))
+        dupes = [w for w in warned if admission.DUPLICATE_PORT in w[2]]
+        assert not dupes, f"the API server would warn: {dupes!r}"
     finally:
         emulator.stop()
 
