@@ -10,7 +10,10 @@ cannot carry a kopf operator or kubectl, so this subclass serves the API itself:
 - writes: 409 on a stale ``metadata.resourceVersion`` in PUT/PATCH bodies and on delete
   preconditions, 409 AlreadyExists, 422 on a failed JSON-patch ``test``, 422 on invalid names;
   JSON merge patch, strategic merge patch (see ``semantics.strategic_merge_patch``), JSON patch,
-  and server-side apply (creates when absent, else a strategic merge; no field ownership);
+  and server-side apply with field ownership (``ssa``: managedFields, prune, conflicts, force);
+- admission (``admission``): custom resources against their CRD's schema and CEL rules
+  (``fieldValidation``), CRDs against the API server's CRD-schema rules, Endpoints addresses,
+  pod spec warnings; ``generation`` only where a real server keeps one;
 - status subresource: the main resource ignores ``.status``, ``/status`` changes only status;
 - deletion: finalizers (``deletionTimestamp`` until the last one is removed), ownerReference
   cascades (Background and Foreground delete dependents recursively; a dependent with another
@@ -30,7 +33,7 @@ cannot carry a kopf operator or kubectl, so this subclass serves the API itself:
 - discovery: ``/api`` and ``/api/v1`` (``groupVersion: v1``), ``/apis``, ``/apis/<g>[/<v>]``
   for the built-ins in ``resources.BUILTIN`` and for every CRD once created (and gone when
   deleted); a CRD gets ``Established``/``NamesAccepted`` conditions at once; custom objects
-  get their schema ``default``s;
+  are admitted against their schema (defaults included); ``/openapi/v2`` and ``/openapi/v3``;
 - Events: core/v1 and events.k8s.io/v1 are two views of one storage, as in Kubernetes.
 
 Every request is recorded in ``emu.calls`` as an ``ApiCall`` with the Kubernetes verb (get, list,
