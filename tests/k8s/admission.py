@@ -81,7 +81,7 @@ def admit_custom(
     to send. Raises 400 (Strict, unknown fields) or 422 (schema, CEL)."""
     if rt.schema is None:
         return []
-    schema = dict(rt.schema)
+    schema = rt.schema if isinstance(rt.schema, dict) else dict(rt.schema)
     name = str((obj.get("metadata") or {}).get("name", ""))
     unknown = values.prune(obj, schema, root=True)
     if unknown and validation == "Strict":
@@ -109,9 +109,14 @@ def _schema_view(obj: JSON) -> JSON:
 
 
 def rule_errors(value: Any, schema: JSON, *, old: Any = None) -> Iterator[FieldError]:
-    """The CEL rules that ``value`` breaks, each at its node's path (plus its fieldPath)."""
+    """The CEL rules that ``value`` breaks, each at its node's path (plus its fieldPath). On
+    an update (``old``), a node whose value did not change is not evaluated again (the
+    server's validation ratcheting: an unchanged value is not refused)."""
     for path, node, item in values.walk(value, schema):
-        for entry in node.get("x-kubernetes-validations") or []:
+        rules = node.get("x-kubernetes-validations") or []
+        if rules and old is not None and _at(old, path) == item:
+            continue
+        for entry in rules:
             rule = _compiled(entry, node)
             if rule.transition and old is None:
                 continue  # a transition rule needs the old object

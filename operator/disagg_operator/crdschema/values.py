@@ -110,7 +110,7 @@ def _field_error(error: jsonschema.ValidationError, base: str) -> e.FieldError |
 def validate(value: Any, schema: Schema, path: str = "") -> list[e.FieldError]:
     """The schema's errors in `value` (after defaulting and pruning), in the server's words,
     plus the list-type rules (`list_errors`)."""
-    validator = jsonschema.Draft4Validator(to_json_schema(schema))
+    validator = _validator(schema)
     found: list[e.FieldError] = []
     for error in sorted(validator.iter_errors(value), key=lambda err: list(err.absolute_path)):
         if error.validator in ("anyOf", "oneOf") and schema_is_int_or_string(error.schema):
@@ -129,6 +129,21 @@ def validate(value: Any, schema: Schema, path: str = "") -> list[e.FieldError]:
         if converted is not None:
             found.append(converted)
     return found + list_errors(value, schema, path)
+
+
+_VALIDATORS: dict[int, tuple[Schema, jsonschema.Draft4Validator]] = {}
+
+
+def _validator(schema: Schema) -> jsonschema.Draft4Validator:
+    """The schema's validator, made once per schema object (a CRD's is validated often)."""
+    cached = _VALIDATORS.get(id(schema))
+    if cached is not None and cached[0] is schema:
+        return cached[1]
+    validator = jsonschema.Draft4Validator(to_json_schema(schema))
+    if len(_VALIDATORS) > 256:
+        _VALIDATORS.clear()
+    _VALIDATORS[id(schema)] = (schema, validator)
+    return validator
 
 
 def schema_is_int_or_string(schema: Schema) -> bool:
