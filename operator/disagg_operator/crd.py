@@ -113,6 +113,7 @@ def _quantity(description: str, *, pattern: str = QUANTITY_PATTERN, **extra: Any
 
 
 PERCENT_PATTERN: Final = "^(0|[1-9][0-9]?|100)%$"
+POSITIVE_PERCENT_PATTERN: Final = "^([1-9][0-9]?|100)%$"
 
 
 def _int_or_percent(description: str, *, minimum: int, default: int | str) -> Schema:
@@ -121,7 +122,7 @@ def _int_or_percent(description: str, *, minimum: int, default: int | str) -> Sc
         "description": description,
         "anyOf": [{"type": "integer"}, {"type": "string"}],
         "minimum": minimum,  # of an integer; a string has the pattern
-        "pattern": PERCENT_PATTERN,
+        "pattern": POSITIVE_PERCENT_PATTERN if minimum > 0 else PERCENT_PATTERN,
         "x-kubernetes-int-or-string": True,
         "default": default,
     }

@@ -307,3 +307,18 @@ def test_every_rendered_object_of_the_samples_is_admitted_without_warnings(
     result = kubectl("apply", "--server-side", "-f", "-", input=render.dump_all(objects))
     assert "Warning" not in result.stderr, result.stderr
     assert k8s.call(lambda: list(k8s.emulator.warnings)) == []
+
+
+def test_rollout_fields_take_the_int_or_percent_form(with_crd: Kubectl, k8s: EmulatorThread):
+    """maxSkew "25%" (as a Deployment's maxUnavailable) is accepted; a fraction is not an
+    int-or-string, and "0%" is no step."""
+    ok = _edit(_set("spec.rollout", {"maxSkew": "25%", "maxUnavailable": 2, "partition": "10%"}))
+    with_crd("apply", "--server-side", "-f", "-", input=yaml.safe_dump(ok))
+    for rollout, refusal in (
+        ({"maxSkew": 0.25}, ".spec.rollout.maxSkew: expected"),
+        ({"maxUnavailable": "0%"}, 'spec.rollout.maxUnavailable: Invalid value: "0%"'),
+    ):
+        bad = _edit(_set("spec.rollout", rollout), name="bad")
+        result = with_crd("create", "-f", "-", input=yaml.safe_dump(bad), check=False)
+        assert result.returncode != 0
+        assert refusal.lstrip(".").split(":")[0] in result.stderr, result.stderr
