@@ -29,8 +29,10 @@ from disagg_operator.crdschema import cel, values
 from disagg_operator.crdschema import errors as fe
 from disagg_operator.crdschema.errors import FieldError
 
+from . import fieldsets as fs
 from .errors import api_error
 from .resources import ResourceType
+from .ssa import Writer
 
 JSON = dict[str, Any]
 VALIDATIONS: Final = ("Strict", "Warn", "Ignore")
@@ -67,13 +69,6 @@ def invalid(rt: ResourceType, name: str, errors: list[FieldError]) -> kmock.Kube
     )
 
 
-def unknown_fields(rt: ResourceType, obj: JSON) -> list[str]:
-    """The fields of ``obj`` its CRD's schema does not declare (nothing changes)."""
-    if rt.schema is None:
-        return []
-    return values.prune(copy.deepcopy(obj), dict(rt.schema), root=True)
-
-
 def admit_custom(
     rt: ResourceType, obj: JSON, *, validation: str, old: JSON | None = None
 ) -> list[str]:
@@ -98,6 +93,33 @@ def admit_custom(
     if errors:
         raise invalid(rt, name, errors)
     return warnings
+
+
+def typed_patch(rt: ResourceType, ns: str | None, name: str, body: JSON, writer: Writer) -> JSON:
+    """An apply patch through structured-merge-diff's typed conversion (a CRD's schema):
+    undeclared fields are refused under Strict, else pruned (warned under Warn); a wrong type
+    is refused. The refusal is the server's: a 500 with its message."""
+    if not rt.from_crd or not rt.schema:
+        return body
+    schema = rt.schema if isinstance(rt.schema, dict) else dict(rt.schema)
+    view = {k: v for k, v in body.items() if k not in ("apiVersion", "kind", "metadata")}
+    problems = fs.typed_errors(view, fs.schema_shape(schema))
+    unknown = [p for p in problems if p.endswith(": field not declared in schema")]
+    if writer.validation != "Strict" and unknown and len(unknown) == len(problems):
+        body = copy.deepcopy(body)
+        pruned = values.prune(body, schema, root=True)
+        if writer.validation == "Warn":
+            writer.warnings += [f'unknown field "{path}"' for path in pruned]
+        return body
+    if problems:
+        where = f"{ns or ''}/{name}; {rt.api_version}, Kind={rt.kind}"
+        text = (
+            problems[0]
+            if len(problems) == 1
+            else "errors:\n" + "\n".join(f"  {p}" for p in problems)
+        )
+        raise api_error(500, "", f"failed to create typed patch object ({where}): {text}")
+    return body
 
 
 def _schema_view(obj: JSON) -> JSON:

@@ -65,7 +65,6 @@ import yaml
 from kmock._internal import apps, rendering
 
 from disagg_operator.crdschema import structural
-from disagg_operator.crdschema import values as crd_values
 
 from . import admission, deletion, openapi, protowire, rbac, ssa
 from . import fieldsets as fs
@@ -1126,7 +1125,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             meta = body.setdefault("metadata", {})
             if meta.get("name", name) != name:
                 raise _bad_request("the name in the apply patch does not match the URL")
-            body = self._typed_patch(rt, ns, name, body, writer)
+            body = admission.typed_patch(rt, ns, name, body, writer)
             if old is None:
                 if subresource is not None:
                     raise _not_found(rt, name)
@@ -1158,35 +1157,6 @@ class KubeEmulator(kmock.KubernetesEmulator):
     @staticmethod
     def _shape(rt: ResourceType) -> fs.Shape:
         return fs.schema_shape(dict(rt.schema) if rt.from_crd and rt.schema else None)
-
-    def _typed_patch(
-        self, rt: ResourceType, ns: str | None, name: str, body: JSON, writer: ssa.Writer
-    ) -> JSON:
-        """An apply patch through structured-merge-diff's typed conversion (a CRD's schema):
-        undeclared fields are refused under Strict, else pruned (warned under Warn); a wrong
-        type is refused. The refusal is the server's 500 with its message."""
-        if not rt.from_crd or not rt.schema:
-            return body
-        shape = self._shape(rt)
-        view = {k: v for k, v in body.items() if k not in ("apiVersion", "kind", "metadata")}
-        problems = fs.typed_errors(view, shape)
-        unknown = [p for p in problems if p.endswith(": field not declared in schema")]
-        if writer.validation != "Strict" and unknown and len(unknown) == len(problems):
-            pruned = admission.unknown_fields(rt, body)
-            body = sem.clone(body)
-            crd_values.prune(body, dict(rt.schema), root=True)
-            if writer.validation == "Warn":
-                writer.warnings += [f'unknown field "{path}"' for path in pruned]
-            return body
-        if problems:
-            where = f"{ns or ''}/{name}; {rt.api_version}, Kind={rt.kind}"
-            text = (
-                problems[0]
-                if len(problems) == 1
-                else "errors:\n" + "\n".join(f"  {p}" for p in problems)
-            )
-            raise api_error(500, "", f"failed to create typed patch object ({where}): {text}")
-        return body
 
     @staticmethod
     def _apply_patch(rt: ResourceType, name: str, content_type: str, base: JSON, body: Any) -> Any:
