@@ -105,7 +105,7 @@ def tracked(obj: JSON, subresource: str | None, *, has_status: bool) -> JSON:
     return view
 
 
-def _conflict_error(conflicts: list[tuple[Entry, fs.Path]], rt_kind: str) -> kmock.KubernetesError:
+def _conflict_error(conflicts: list[tuple[Entry, fs.Path]]) -> kmock.KubernetesError:
     def who(entry: Entry) -> str:
         if entry.operation == "Update":
             return f'"{entry.manager}" using {entry.api_version} at {entry.time}'
@@ -162,7 +162,7 @@ def apply(
             if present and current != wanted:
                 conflicts.append((entry, path))
     if conflicts and not force:
-        raise _conflict_error(conflicts, "")
+        raise _conflict_error(conflicts)
     for entry, path in conflicts:
         entry.fields.pop(path, None)
     mine = next((e for e in found if e.same_slot(manager, "Apply", subresource)), None)
