@@ -194,9 +194,12 @@ class PodView:
 
 
 def metrics_port(container: Mapping[str, Any]) -> int:
-    """The container's metrics port: the port named `metrics`, else DISAGG_METRICS_PORT."""
+    """The container's metrics port: the port named `metrics` (`metrics-<k>` in the k-th
+    container of a colocation pod), else DISAGG_METRICS_PORT."""
     for port in container.get("ports") or ():
-        if port.get("name") == METRICS_PORT_NAME and _count(port.get("containerPort")):
+        name = str(port.get("name", ""))
+        runtime = name == METRICS_PORT_NAME or name.startswith(METRICS_PORT_NAME + "-")
+        if runtime and _count(port.get("containerPort")):
             return int(port["containerPort"])
     for env in container.get("env") or ():
         if env.get("name") == METRICS_PORT_ENV and str(env.get("value", "")).isdigit():

@@ -114,6 +114,22 @@ def _quantity(description: str, *, pattern: str = QUANTITY_PATTERN, **extra: Any
     }
 
 
+PERCENT_PATTERN: Final = "^(0|[1-9][0-9]?|100)%$"
+POSITIVE_PERCENT_PATTERN: Final = "^([1-9][0-9]?|100)%$"
+
+
+def _int_or_percent(description: str, *, minimum: int, default: int | str) -> Schema:
+    """Kubernetes' int-or-percent form (a Deployment's maxUnavailable): `2` or `"25%"`."""
+    return {
+        "description": description,
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "minimum": minimum,  # of an integer; a string has the pattern
+        "pattern": POSITIVE_PERCENT_PATTERN if minimum > 0 else PERCENT_PATTERN,
+        "x-kubernetes-int-or-string": True,
+        "default": default,
+    }
+
+
 def _rule(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
     result = {"rule": rule, "message": message}
     if field_path is not None:
@@ -527,20 +543,25 @@ def rollout_schema() -> Schema:
         "StatefulSet's rolling-update partition, coupled roles (ratio locks and groups) "
         "keeping their updated fractions within maxSkew of each other.",
         {
-            "maxUnavailable": _integer(
-                "Pods of one role moved to the new revision per step.", minimum=1, default=1
-            ),
-            "maxSkew": _number(
-                "Largest difference between the updated fractions of coupled roles, in (0, 1] "
-                "(1: they roll independently; a value below one pod's share is rounded up "
-                "to one pod).",
-                minimum=0,
-                exclusiveMinimum=True,
-                maximum=1,
+            "maxUnavailable": _int_or_percent(
+                "Pods of one role moved to the new revision per step: a count, or a percentage "
+                "of the role's pods (rounded down, at least 1).",
+                minimum=1,
                 default=1,
             ),
-            "partition": _integer(
-                "Pods per role kept on the old revision (a canary hold).", minimum=0, default=0
+            "maxSkew": _int_or_percent(
+                "Largest difference between the updated fractions of coupled roles: a "
+                "percentage of each role's pods (100%: they roll independently), or a count of "
+                "pods (over each role's replicas); a value below one pod's share is rounded up "
+                "to one pod.",
+                minimum=1,
+                default="100%",
+            ),
+            "partition": _int_or_percent(
+                "Pods per role kept on the old revision (a canary hold): a count, or a "
+                "percentage of the role's pods (rounded up).",
+                minimum=0,
+                default=0,
             ),
             "paused": {"type": "boolean", "description": "Hold the rollout where it is."},
             "stepDeadlineSeconds": _integer(
@@ -1034,9 +1055,10 @@ def open_api_schema() -> Schema:
         {
             "apiVersion": _string("API version of this object: " + m.API_VERSION + "."),
             "kind": _string("Kind of this object: " + m.KIND + "."),
-            "metadata": _object(
-                "Standard object metadata; the schema may only restrict the name.",
-                {
+            # no description: the API server allows only name and generateName restricted here
+            "metadata": {
+                "type": "object",
+                "properties": {
                     "name": _string(
                         "Pipeline name: a DNS-1035 label of at most "
                         f"{m.MAX_PIPELINE_NAME_LENGTH} characters (role and group names are "
@@ -1045,7 +1067,7 @@ def open_api_schema() -> Schema:
                         maxLength=m.MAX_PIPELINE_NAME_LENGTH,
                     )
                 },
-            ),
+            },
             "spec": spec_schema(),
             "status": status_schema(),
         },

@@ -253,9 +253,11 @@ rule) puts into each container:
 - the topology file: the ConfigMap `P-topology` (key `topology.json`), mounted read-only at
   `/etc/disagg`; a change of the graph changes the `disagg.dev/spec-hash` annotation of the
   pods whose roles' entries it changes (a hash of just those entries), and so rolls only them;
-- ports: relay ingress and `/metrics` `/healthz` `/readyz` (7400 and 9400 for a lone role;
-  the next free ones for further containers of a group), named `ingress` and `metrics` on the
-  role's Service; probes use them;
+- ports: relay ingress, lane and `/metrics` `/healthz` `/readyz` (7400, 7500 and 9400 for a
+  lone role; the next free ones for further containers of a group), named `ingress`, `lane`
+  and `metrics` in the first container of a pod and `ingress-<k>`, `lane-<k>`, `metrics-<k>`
+  in its k-th (port names are unique in a pod), `ingress`, `lane` and `metrics` on the role's
+  Service (targetPort: the number); probes use the numbers;
 - the role's own `env` after these (the spec forbids `DISAGG_*` names there);
 - `DISAGG_PEER_KEY_FILE`: `/etc/disagg-peer-key/key`, the `key` of the Secret
   `P-peer-key` (made by the operator, 32 random bytes as hex), mounted read-only (mode 0440,

@@ -2,13 +2,17 @@
 all, `make verify` (part of `make test`) fails naming each one that is stale.
 
     python -m disagg_operator.generate [--root DIR]          # write them under DIR
-    python -m disagg_operator.generate --check [--root DIR]  # exit 1 when one is stale
+    python -m disagg_operator.generate --check [--root DIR]  # exit 1 when one is stale, or
+                                                            # a CRD the API server refuses
 
 This is the one list of generated files (`FILES`). The generators (`crd`, `install`,
 `docgen`) are given what they read from the repository (the chart, the example pipeline), so
 that none depends on where its own source lies; only this module knows the repository's
 layout, relative to --root (default: the current directory). Files are made in `FILES`
 order: the chart's copy of the CRD is written before manifests/install.yaml renders the chart.
+--check also holds every CRD file (as checked in, and as generated) to the API server's rules
+for CRD schemas (`crdschema.structural`: structural schema, metadata, list types, defaults,
+CEL compilation and cost) and names each refusal in the server's words.
 
 A development tool: it needs the `test` extra (helm-python-sdk, through `install`).
 """
@@ -22,7 +26,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Final
 
+import yaml
+
 from disagg_operator import crd, docgen, install
+from disagg_operator.crdschema import structural
 
 CHART: Final = "charts/disagg-operator"
 EXAMPLE: Final = "examples/text-to-video.yaml"  # the example docs/contract.md shows
@@ -93,6 +100,24 @@ def stale(root: pathlib.Path) -> dict[str, str]:
     return found
 
 
+def refused(root: pathlib.Path) -> dict[str, str]:
+    """The CRD files under `root` (as checked in, else as generated) that the API server would
+    refuse, each with its message (`CustomResourceDefinition.apiextensions.k8s.io "..." is
+    invalid: ...`)."""
+    found: dict[str, str] = {}
+    for name, make in FILES:
+        if not name.endswith(CRD_FILE):
+            continue
+        for text in dict.fromkeys((_read(root / name), make(root))):
+            if text is None:
+                continue
+            doc = yaml.safe_load(text)
+            problems = structural.check(doc) if isinstance(doc, dict) else []
+            if problems:
+                found.setdefault(name, structural.message(doc, problems))
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m disagg_operator.generate", description="write every generated file"
@@ -111,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("".join(lines[:DIFF_LINES]) + more)
     if found:
         sys.stderr.write(f"stale generated files: {', '.join(found)}; run `make generate`\n")
+    refusals = refused(args.root)
+    for name, text in refusals.items():
+        sys.stderr.write(f"{name}: the API server refuses it: {text}\n")
+    if found or refusals:
         return 1
     print(f"{len(FILES)} generated files are current")
     return 0

@@ -149,6 +149,8 @@ GPU_MODES: Final[tuple[GpuMode, ...]] = ("dra", "device-plugin", "none")
 DRA_API_VERSIONS: Final = ("resource.k8s.io/v1", "resource.k8s.io/v1beta2")
 DEFAULT_GPU_DEVICE_CLASS: Final = "gpu.nvidia.com"
 RESERVED_PORT_NAMES: Final = ("ingress", "lane", "metrics")
+# the runtime's ports of a pod's k-th container are named <kind>-<k> (pods.runtime_port_name)
+_RESERVED_PORT_NAME = re.compile(r"(ingress|lane|metrics)(-[0-9]+)?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
@@ -382,9 +384,25 @@ def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Proble
         )
     if options.dra_api_version not in DRA_API_VERSIONS:
         raise ValueError(f"dra_api_version must be one of {DRA_API_VERSIONS}")
+    index = {role.name: i for i, role in enumerate(pipeline.roles)}
+    for group in pipeline.colocation:
+        # one pod: port names must be unique across its containers
+        seen: dict[str, str] = {}
+        for member in group.roles:
+            role = pipeline.roles[index[member]] if member in index else None
+            for k, port in enumerate(role.ports if role else ()):
+                if port.name in seen and seen[port.name] != member:
+                    problems.append(
+                        Problem(
+                            f"spec.roles[{index[member]}].ports[{k}].name",
+                            f"{port.name!r} is also a port of {seen[port.name]!r}, in the same "
+                            f"pod (colocation group {group.name!r})",
+                        )
+                    )
+                seen.setdefault(port.name, member)
     for i, role in enumerate(pipeline.roles):
         for k, port in enumerate(role.ports):
-            if port.name in RESERVED_PORT_NAMES:
+            if _RESERVED_PORT_NAME.fullmatch(port.name):
                 problems.append(
                     Problem(
                         f"spec.roles[{i}].ports[{k}].name",

@@ -4,7 +4,8 @@
                            app.kubernetes.io/managed-by: disagg-operator} in its namespace
 
 One podMetricsEndpoint per metrics port name a role container may carry
-(`metrics_port_name(k)` for the container at index k of a pod; every unit's containers),
+(`pods.runtime_port_name("metrics", k)` for the container at index k of a pod: `metrics`,
+`metrics-1`, ...; every unit's containers),
 keeping only role pods (label disagg.dev/role present), and one for the gateway's `http`
 port, keeping only gateway pods. Each sets the target labels the rules and the dashboard
 read from ``up``: disagg_component = role | gateway, pipeline, and for roles role = the
@@ -23,19 +24,13 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from disagg_core.spec.model import Pipeline
-from disagg_operator import names
+from disagg_operator import names, pods
 
 API_VERSION: Final = "monitoring.coreos.com/v1"
 KIND: Final = "PodMonitor"
 PLURAL: Final = "podmonitors"
 GATEWAY_PORT: Final = "http"  # gateway.py's container port (the gateway serves /metrics there)
 COMPONENT_LABEL: Final = "disagg_component"  # the target label the rules select `up` by
-
-
-def metrics_port_name(index: int) -> str:
-    """The name of the metrics port of the container at `index` of a role pod (pods.py).
-    Every container names it `metrics` today; the one place to follow a renaming."""
-    return "metrics"
 
 
 def wanted(pipeline: Pipeline, default: bool) -> bool:
@@ -75,7 +70,9 @@ def endpoints(containers_per_pod: Iterable[int]) -> list[dict[str, Any]]:
     def pipeline_label() -> dict[str, Any]:  # a fresh dict each time: no shared objects
         return _set("pipeline", source=_meta_label(names.LABEL_PIPELINE))
 
-    ports = dict.fromkeys(metrics_port_name(k) for n in containers_per_pod for k in range(n))
+    ports = dict.fromkeys(
+        pods.runtime_port_name("metrics", k) for n in containers_per_pod for k in range(n)
+    )
     roles = [
         _endpoint(
             port,

@@ -47,7 +47,8 @@ def pod_template(
     known) becomes the pod annotation disagg.dev/peer-key-hash.
     """
     containers = [
-        _container(pipeline, role, configs[role.name], claim=gpu == "dra") for role in roles
+        _container(pipeline, role, configs[role.name], claim=gpu == "dra", index=k)
+        for k, role in enumerate(roles)
     ]
     if gpu == "device-plugin":
         limits = containers[0].setdefault("resources", {}).setdefault("limits", {})
@@ -102,8 +103,15 @@ def contract_env(config: contract.RoleConfig) -> list[dict[str, Any]]:
     return env
 
 
+def runtime_port_name(kind: str, index: int) -> str:
+    """The name of the runtime's `kind` port (ingress, lane, metrics) of the container at
+    `index` of a pod: `kind` for the first, `kind-<index>` for the others (port names are
+    unique in a pod, so that what selects a port by name reaches every container's)."""
+    return kind if index == 0 else f"{kind}-{index}"
+
+
 def _container(
-    pipeline: Pipeline, role: Role, config: contract.RoleConfig, *, claim: bool
+    pipeline: Pipeline, role: Role, config: contract.RoleConfig, *, claim: bool, index: int
 ) -> dict[str, Any]:
     image = pipeline.image_for(role.name)
     container: dict[str, Any] = {
@@ -115,9 +123,12 @@ def _container(
         container["args"] = list(role.args)
     container["env"] = contract_env(config) + [_user_env(var) for var in role.env]
     container["ports"] = [
-        {"name": "ingress", "containerPort": config.ingress_port, "protocol": "TCP"},
-        {"name": "lane", "containerPort": config.lane_port, "protocol": "TCP"},
-        {"name": "metrics", "containerPort": config.metrics_port, "protocol": "TCP"},
+        {"name": runtime_port_name(kind, index), "containerPort": port, "protocol": "TCP"}
+        for kind, port in (
+            ("ingress", config.ingress_port),
+            ("lane", config.lane_port),
+            ("metrics", config.metrics_port),
+        )
     ] + [
         {"name": p.name, "containerPort": p.container_port, "protocol": p.protocol}
         for p in role.ports

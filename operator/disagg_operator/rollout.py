@@ -8,15 +8,18 @@ report (`Unit`), `step` decides the next targets (pods at the update revision) w
 rules:
 
     n        = the unit's replicas, u = its pods at the update revision, f = u / n
-    cap      = n - policy.partition            (pods kept back: a canary hold)
+    cap      = n - partition(n)                (pods kept back: a canary hold)
+    (maxUnavailable, maxSkew and partition are int-or-percent: a percentage of maxUnavailable
+    is of n rounded down but at least 1, of partition rounded up; maxSkew as a fraction of
+    n is a percentage over 100, or a count of pods over n)
     a step is done when every rolling unit has u >= its target and all n pods ready, and
     no unit's controller is behind its latest spec (`stale`)
     while a step is not done:        hold every target (no unit advances)
     paused:                           hold every target
     uncoupled (alone, or maxSkew 1): next(unit) = cap at once: the StatefulSet controller
                rolls it natively, one pod at a time, each ready before the next
-    coupled:   next(unit) = min(cap, u + maxUnavailable,
-                                floor((min f over its coupled units + maxSkew) * n))
+    coupled:   next(unit) = min(cap, u + maxUnavailable(n),
+                                floor((min f over its coupled units + maxSkew(n)) * n))
                but at least u + 1 for the units at the minimum f (progress: a maxSkew
                smaller than one pod's share is rounded up to one pod), never above cap
     partition = n - next
@@ -44,24 +47,39 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from disagg_core.spec.model import ALL_PODS, NO_PODS, ONE_POD, IntOrPercent
+
 
 @dataclass(frozen=True)
 class Policy:
     """`spec.rollout`."""
 
-    max_unavailable: int = 1
-    max_skew: float = 1.0  # 1.0: units roll independently
-    partition: int = 0  # pods per unit kept on the old revision
+    max_unavailable: IntOrPercent = ONE_POD
+    max_skew: IntOrPercent = ALL_PODS  # 100%: units roll independently
+    partition: IntOrPercent = NO_PODS  # pods per unit kept on the old revision
     paused: bool = False
     step_deadline_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.max_unavailable < 1:
+        if self.max_unavailable.value < 1:
             raise ValueError(f"maxUnavailable must be >= 1, got {self.max_unavailable}")
-        if not 0 < self.max_skew <= 1:
-            raise ValueError(f"maxSkew must be in (0, 1], got {self.max_skew}")
-        if self.partition < 0:
+        if self.max_skew.value < 1 or (self.max_skew.percent and self.max_skew.value > 100):
+            raise ValueError(f"maxSkew must be at least 1 and at most 100%, got {self.max_skew}")
+        if self.partition.value < 0:
             raise ValueError(f"partition must be >= 0, got {self.partition}")
+
+    def unavailable(self, replicas: int) -> int:
+        """Pods of a unit of `replicas` moved per step (a percentage rounds down, to 1 at least)."""
+        return max(1, self.max_unavailable.of(replicas))
+
+    def kept(self, replicas: int) -> int:
+        """Pods of a unit kept on the old revision (a percentage rounds up)."""
+        return self.partition.of(replicas, round_up=True)
+
+    @property
+    def independent(self) -> bool:
+        """maxSkew 100%: coupled units roll on their own."""
+        return self.max_skew.percent and self.max_skew.value >= 100
 
 
 @dataclass(frozen=True)
@@ -156,7 +174,7 @@ def step(
     components = tuple(coupled(list(units), groups))
     current = {name: unit.target if unit.rolling else unit.replicas for name, unit in units.items()}
     waiting = tuple(sorted(n for n, u in units.items() if not u.step_done))
-    caps = {n: max(0, u.replicas - policy.partition) for n, u in units.items()}
+    caps = {n: max(0, u.replicas - policy.kept(u.replicas)) for n, u in units.items()}
     complete = all(not u.rolling or u.updated >= caps[n] for n, u in units.items())
     if waiting or policy.paused or complete:
         stalled = waiting if waiting and step_age_s > policy.step_deadline_s else ()
@@ -172,7 +190,7 @@ def step(
     targets = dict(current)
     for component in components:
         rolling = [n for n in component if units[n].rolling]
-        if len(rolling) < 2 or policy.max_skew >= 1:
+        if len(rolling) < 2 or policy.independent:
             # nothing to coordinate: the StatefulSet controller rolls on its own (one pod at
             # a time, each ready before the next), down to the partition hold
             targets.update({name: max(units[name].updated, caps[name]) for name in rolling})
@@ -180,9 +198,10 @@ def step(
         lowest = min(units[n].fraction for n in rolling)
         for name in rolling:
             unit = units[name]
-            nxt = min(caps[name], unit.updated + policy.max_unavailable)
+            nxt = min(caps[name], unit.updated + policy.unavailable(unit.replicas))
             if len(rolling) > 1:  # maxSkew binds coupled units only
-                nxt = min(nxt, math.floor((lowest + policy.max_skew) * unit.replicas + 1e-9))
+                skew = policy.max_skew.fraction(unit.replicas)
+                nxt = min(nxt, math.floor((lowest + skew) * unit.replicas + 1e-9))
             if unit.fraction <= lowest:
                 nxt = max(nxt, min(caps[name], unit.updated + 1))
             targets[name] = max(unit.updated, nxt)

@@ -62,7 +62,7 @@ def e2e_crd(e2e_kubeconfig: str, e2e_kubectl: str, e2e_client: Any) -> Iterator[
     crd = f"customresourcedefinition/{names.CRD_NAME}"
     installed = admin.kubectl("get", crd, check=False).returncode == 0
     if not installed:
-        admin.kubectl("apply", admin.validate, "-f", str(e.CRD_FILE))
+        admin.kubectl("apply", "--server-side", admin.validate, "-f", str(e.CRD_FILE))
     admin.kubectl(
         "wait",
         "--for=condition=Established",

@@ -14,11 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 
 from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
 from disagg_operator import names, planner, reconcile
 from tests.e2e import e2e_support as e
+from tests.integration import test_k8s_admission as admission_cases
 
 pytestmark = [
     pytest.mark.e2e,
@@ -246,3 +248,19 @@ def test_a_pipeline_with_a_real_image_becomes_ready(cluster: e.Cluster, pipeline
     assert status["phase"] == names.PHASE_READY
     assert status["readyRoles"] == "3/3"
     assert [r["ready"] for r in status["roles"]] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("doc", "refusal"),
+    [c[1:] for c in admission_cases.INVALID],
+    ids=[c[0] for c in admission_cases.INVALID],
+)
+def test_the_real_server_refuses_the_invalid_pipelines_with_the_emulators_paths(
+    cluster: e.Cluster, doc: dict[str, Any], refusal: str
+):
+    """The ten pipelines of tests/integration/test_k8s_admission.py, applied server-side to a
+    real cluster: refused, naming what the emulator names (a difference fails here)."""
+    text = yaml.safe_dump(doc)
+    result = cluster.kubectl("apply", "--server-side", "-f", "-", input=text, check=False)
+    assert result.returncode != 0, result.stdout
+    assert refusal in result.stderr, result.stderr

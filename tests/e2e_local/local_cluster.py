@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from disagg_operator import generate, install
+from disagg_operator import autoscaling, generate, install
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.node import Node, apiserver
 from tests.k8s.node.apiserver import InCluster
@@ -306,7 +306,7 @@ class LocalCluster:
     def metrics(self, pod: Obj, container: str) -> str:
         """A role container's /metrics, fetched from the node (host) at the pod IP."""
         spec = next(c for c in pod["spec"]["containers"] if c["name"] == container)
-        port = next(p["containerPort"] for p in spec["ports"] if p["name"] == "metrics")
+        port = autoscaling.metrics_port(spec)  # `metrics`, `metrics-<k>` in a colocation pod
         url = f"http://{pod['status']['podIP']}:{port}/metrics"
         import urllib.request
 

@@ -74,7 +74,7 @@ def test_slow_denoiser_scales_up_under_load_and_back_down(
 ) -> None:
     cluster = scaling_cluster
     doc = sample(NAME, EXAMPLES)
-    cluster.kubectl("apply", "--validate=false", "-f", str(EXAMPLES / f"{NAME}.yaml"))
+    cluster.kubectl("apply", "-f", str(EXAMPLES / f"{NAME}.yaml"))
     cluster.wait_for(lambda: cluster.ready(NAME), "Ready", 180)
     assert replicas(cluster) == (1, 1)
 

@@ -45,7 +45,7 @@ def children_uids(cluster: LocalCluster) -> dict[str, str]:
 def test_faults(local_cluster: LocalCluster, figures: Callable[[str], None]) -> None:
     cluster = local_cluster
     doc = sample(NAME)
-    cluster.kubectl("apply", "--validate=false", "-f", str(SAMPLES / f"{NAME}.yaml"))
+    cluster.kubectl("apply", "-f", str(SAMPLES / f"{NAME}.yaml"))
     cluster.wait_for(lambda: cluster.ready(NAME), "Ready", READY_TIMEOUT)
     first = cluster.run_client("client-0", doc, requests=2)
     assert first["ok"] == 2, first

@@ -45,7 +45,7 @@ from tests.k8s.node.network import can_create_namespaces
 pytestmark = [pytest.mark.e2e_local, pytest.mark.timeout(900)]
 NAME = "pairing"
 HANDLERS = "tests.e2e_local.pairing_handlers"
-MAX_SKEW = 0.5
+MAX_SKEW = 0.5  # spec.rollout.maxSkew "50%"
 
 
 def prefill_image(token: str) -> str:
@@ -60,7 +60,7 @@ def pipeline(token: str) -> dict[str, Any]:
         "spec": {
             "image": "local",
             "transport": {"poolSize": "8Mi", "minBlock": "64Ki", "requestTimeoutSeconds": 60},
-            "rollout": {"maxSkew": MAX_SKEW, "groups": [["prefill", "decode"]]},
+            "rollout": {"maxSkew": f"{MAX_SKEW:.0%}", "groups": [["prefill", "decode"]]},
             "roles": [
                 {
                     "name": role,

@@ -132,7 +132,7 @@ def test_sample_runs_and_deletes_cleanly(
     cluster = local_cluster
     doc = sample(name)
     t0 = time.monotonic()
-    cluster.kubectl("apply", "--validate=false", "-f", str(SAMPLES / f"{name}.yaml"))
+    cluster.kubectl("apply", "-f", str(SAMPLES / f"{name}.yaml"))
     cluster.wait_for(lambda: cluster.ready(name), f"{name} Ready", READY_TIMEOUT)
     ready_s = time.monotonic() - t0
     every = cluster.pods(name)

@@ -248,8 +248,10 @@ def write_rbac(rules: set[Rule]) -> None:
     ClusterRole test to compare with."""
     doc = {
         "description": (
-            "API calls (apiGroup, resource[/subresource], verb) the operator made in "
-            "tests/integration/test_operator_rbac.py against the emulator. Regenerate with "
+            "Authorizations (apiGroup, resource[/subresource], verb) of the API calls the "
+            "operator made in tests/integration/test_operator_rbac.py against the emulator: "
+            "each call's verb, and create for a server-side apply that created its object. "
+            "Regenerate with "
             f"{RBAC_RECORD_ENV}=1 pytest tests/integration/test_operator_rbac.py"
         ),
         "rules": [

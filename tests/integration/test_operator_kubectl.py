@@ -16,9 +16,9 @@ NAME = "text-to-video"
 
 
 async def test_kubectl_apply_wait_get_delete(k8s: EmulatorThread, kubectl: Kubectl):
-    await s.call(kubectl, "apply", "--validate=false", "-f", str(s.CRD))
+    await s.call(kubectl, "apply", "-f", str(s.CRD))
     async with s.running_operator(k8s):
-        out = await s.call(kubectl, "apply", "--validate=false", "-f", str(s.EXAMPLE))
+        out = await s.call(kubectl, "apply", "-f", str(s.EXAMPLE))
         assert f"disaggregatedpipeline.disagg.dev/{NAME} created" in out.stdout
         await s.until(k8s, lambda: len(k8s.list(s.STS, s.NS)) == 3, "the StatefulSets")
         await s.until(k8s, lambda: s.pipeline_status(k8s, NAME).get("phase"), "a status")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from disagg_operator import podmonitor
+from disagg_operator import podmonitor, pods
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 
@@ -83,7 +83,7 @@ async def test_a_pipeline_that_asks_gets_one_and_loses_it_when_it_stops(
         monitor: dict[str, Any] = found
         assert monitor["spec"]["selector"]["matchLabels"]["disagg.dev/pipeline"] == "watched"
         ports = [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]]
-        assert ports == [podmonitor.metrics_port_name(0), podmonitor.GATEWAY_PORT]
+        assert ports == [pods.runtime_port_name("metrics", 0), podmonitor.GATEWAY_PORT]
         owners = monitor["metadata"]["ownerReferences"]
         assert [o["kind"] for o in owners] == ["DisaggregatedPipeline"]
         patch = [{"op": "replace", "path": "/spec/monitoring/podMonitor", "value": False}]

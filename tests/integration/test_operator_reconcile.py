@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import kmock
 import pytest
 
 from disagg_core import contract, spec
@@ -304,8 +305,22 @@ INVALID_CASES = {
         {"from": "b", "to": "c"},
         {"from": "c", "to": "b"},
     ],
-    "unknown-target": [{"from": "a", "to": "b"}, {"from": "b", "to": "nowhere"}],
 }
+
+
+async def test_a_pipeline_the_crd_refuses_never_reaches_the_operator(k8s_crd: EmulatorThread):
+    """An edge to an unknown role is the CRD's CEL rule's: the API server refuses it (422), so
+    the operator's own check of it (test_spec) is for `disagg validate` and local runs."""
+    roles = [{"name": "a"}, {"name": "b"}, {"name": "c"}]
+    edges = [{"from": "a", "to": "b"}, {"from": "b", "to": "nowhere"}]
+    doc = s.pipeline_doc("unknown-target", roles, edges=edges)
+    with pytest.raises(SpecError):
+        spec.parse_pipeline(doc)
+    with pytest.raises(kmock.KubernetesError) as refused:
+        await s.call(k8s_crd.create, doc, NS)
+    assert refused.value.status == 422
+    assert "spec.edges: Invalid value" in str(refused.value.message)
+    assert k8s_crd.get(s.PIPELINES, "unknown-target", NS) is None
 
 
 @pytest.mark.parametrize("case", sorted(INVALID_CASES))

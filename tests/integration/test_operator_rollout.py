@@ -38,7 +38,7 @@ def doc(image: str, **rollout: Any) -> dict[str, Any]:
         [{"from": "prefill", "to": "decode"}],
     )
     d["spec"]["roles"][1]["image"] = image
-    d["spec"]["rollout"] = {"maxSkew": 0.25, "groups": [["prefill", "decode"]], **rollout}
+    d["spec"]["rollout"] = {"maxSkew": "25%", "groups": [["prefill", "decode"]], **rollout}
     return d
 
 

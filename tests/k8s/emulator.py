@@ -10,7 +10,10 @@ cannot carry a kopf operator or kubectl, so this subclass serves the API itself:
 - writes: 409 on a stale ``metadata.resourceVersion`` in PUT/PATCH bodies and on delete
   preconditions, 409 AlreadyExists, 422 on a failed JSON-patch ``test``, 422 on invalid names;
   JSON merge patch, strategic merge patch (see ``semantics.strategic_merge_patch``), JSON patch,
-  and server-side apply (creates when absent, else a strategic merge; no field ownership);
+  and server-side apply with field ownership (``ssa``: managedFields, prune, conflicts, force);
+- admission (``admission``): custom resources against their CRD's schema and CEL rules
+  (``fieldValidation``), CRDs against the API server's CRD-schema rules, Endpoints addresses,
+  pod spec warnings; ``generation`` only where a real server keeps one;
 - status subresource: the main resource ignores ``.status``, ``/status`` changes only status;
 - deletion: finalizers (``deletionTimestamp`` until the last one is removed), ownerReference
   cascades (Background and Foreground delete dependents recursively; a dependent with another
@@ -30,7 +33,7 @@ cannot carry a kopf operator or kubectl, so this subclass serves the API itself:
 - discovery: ``/api`` and ``/api/v1`` (``groupVersion: v1``), ``/apis``, ``/apis/<g>[/<v>]``
   for the built-ins in ``resources.BUILTIN`` and for every CRD once created (and gone when
   deleted); a CRD gets ``Established``/``NamesAccepted`` conditions at once; custom objects
-  get their schema ``default``s;
+  are admitted against their schema (defaults included); ``/openapi/v2`` and ``/openapi/v3``;
 - Events: core/v1 and events.k8s.io/v1 are two views of one storage, as in Kubernetes.
 
 Every request is recorded in ``emu.calls`` as an ``ApiCall`` with the Kubernetes verb (get, list,
@@ -45,6 +48,7 @@ directly (``create_object``, ``patch_object``, ...) are synchronous and must run
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import random
 import re
@@ -60,7 +64,10 @@ import kmock
 import yaml
 from kmock._internal import apps, rendering
 
-from . import rbac
+from disagg_operator.crdschema import structural
+
+from . import admission, deletion, openapi, protowire, rbac, ssa
+from . import fieldsets as fs
 from . import semantics as sem
 from .errors import _bad_request, _conflict, _invalid, _not_found, api_error, status_body
 from .faults import Faults
@@ -68,12 +75,17 @@ from .resources import BUILTIN, INITIAL_NAMESPACES, ResourceType, crd_resource_t
 from .store import ObjectStore
 from .watch import EventLog, WatchEvent, stream_watch
 
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+APPLY_PATCH = "application/apply-patch+yaml"
+
 JSON = dict[str, Any]
 ObjKey = tuple[str | None, str]  # (namespace, name)
 StorageKey = tuple[str, str]  # (group, plural)
 
 CRD_KEY: StorageKey = ("apiextensions.k8s.io", "customresourcedefinitions")
 NAMESPACE_KEY: StorageKey = ("", "namespaces")
+NODE_KEY: StorageKey = ("", "nodes")
+POD_KEY: StorageKey = ("", "pods")
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 SERVER_VERSION = {
     "major": "1",
@@ -124,6 +136,9 @@ class ApiCall:
     path: str
     code: int = 0
     user: str | None = None  # who made it, when the emulator authenticates (``auth``)
+    implied: list[str] = dataclasses.field(
+        default_factory=list
+    )  # verbs authorized besides (SSA create)
 
     @property
     def rbac_resource(self) -> str | None:
@@ -136,6 +151,12 @@ class ApiCall:
     def rbac(self) -> tuple[str | None, str | None, str]:
         """``(apiGroup, resource[/subresource], verb)``."""
         return self.group, self.rbac_resource, self.verb
+
+    @property
+    def authorizations(self) -> list[tuple[str | None, str | None, str]]:
+        """Every ``(apiGroup, resource, verb)`` the API server authorizes for it: its own verb
+        and the implied ones (``create`` for a server-side apply that creates)."""
+        return [self.rbac] + [(self.group, self.rbac_resource, v) for v in self.implied]
 
 
 @dataclass
@@ -208,6 +229,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     auth: rbac.Authenticator | None = None
 
     calls: list[ApiCall] = attrs.field(factory=list, init=False)
+    # (kind, name, text) of every warning the API server would send (pod spec warnings)
+    warnings: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
     _types: dict[tuple[str, str, str], ResourceType] = attrs.field(factory=dict, init=False)
     _storage_types: dict[StorageKey, ResourceType] = attrs.field(factory=dict, init=False)
     _storage_res: dict[StorageKey, kmock.resource] = attrs.field(factory=dict, init=False)
@@ -315,8 +338,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
         call.code = response.status
         return response
 
-    def _authorize(self, request: rendering.Request, target: _Target | None, call: ApiCall) -> None:
-        """401 without a known token; 403 when RBAC does not allow the call (see ``rbac``)."""
+    def _authorize(
+        self,
+        request: rendering.Request,
+        target: _Target | None,
+        call: ApiCall,
+        *,
+        verb: str | None = None,
+    ) -> None:
+        """401 without a known token; 403 when RBAC does not allow the call (see ``rbac``), or
+        ``verb`` where the API server authorizes another (an apply that creates: create)."""
         assert self.auth is not None
         who = self.auth.identify(request.headers.get("Authorization"))
         if who is None:
@@ -325,7 +356,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if target is None or call.resource is None:
             return  # discovery, /version, /healthz: open to every authenticated user
         attributes = rbac.Attributes(
-            verb=call.verb,
+            verb=verb or call.verb,
             group=target.group,
             resource=target.plural,
             subresource=target.subresource,
@@ -447,11 +478,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise api_error(404, "NotFound", "the server could not find the requested resource")
         params = request.params
         dry_run = "dryRun" in params
+        writer = self._writer(request)
         ns = target.namespace if rt.namespaced else None
         if rt.namespaced and ns is None and call.verb not in ("list", "watch", "deletecollection"):
             raise api_error(404, "NotFound", "the server could not find the requested resource")
         ctype = request.headers.get("Content-Type", "").split(";")[0].strip()
-        if call.verb in ("create", "update") and ctype and not ctype.endswith(("json", "yaml")):
+        if call.verb in ("create", "update") and ctype == PROTOBUF:
+            request = protowire.as_json_request(request, rt)
+            ctype = "application/json"
+        elif call.verb in ("create", "update") and ctype and not ctype.endswith(("json", "yaml")):
             raise api_error(
                 415,
                 "UnsupportedMediaType",
@@ -484,13 +519,25 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if call.verb == "create":
             if target.name is not None:
                 raise api_error(405, "MethodNotAllowed", "the server does not allow this method")
-            return self._json(self.op_create(rt, ns, self._body(request), dry_run=dry_run), 201)
+            obj = self.op_create(rt, ns, self._body(request), dry_run=dry_run, writer=writer)
+            return self._json(obj, 201, writer.warnings)
         if call.verb == "update":
             obj = self.op_update(
-                rt, ns, str(target.name), self._body(request), target.subresource, dry_run=dry_run
+                rt,
+                ns,
+                str(target.name),
+                self._body(request),
+                target.subresource,
+                dry_run=dry_run,
+                writer=writer,
             )
-            return self._json(obj)
+            return self._json(obj, 200, writer.warnings)
         if call.verb == "patch":
+            if ctype == APPLY_PATCH and self._stored(rt, ns, str(target.name)) is None:
+                # an apply that creates is also a create, as the API server authorizes it
+                call.implied.append("create")
+                if self.auth is not None:
+                    self._authorize(request, target, call, verb="create")
             created, obj = self.op_patch(
                 rt,
                 ns,
@@ -499,8 +546,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 self._body(request, yaml_ok=True),
                 target.subresource,
                 dry_run=dry_run,
+                writer=writer,
             )
-            return self._json(obj, 201 if created else 200)
+            return self._json(obj, 201 if created else 200, writer.warnings)
         if call.verb == "delete":
             raw = request.body.strip()
             options = self._body(request) if raw else {}
@@ -526,11 +574,30 @@ class KubeEmulator(kmock.KubernetesEmulator):
             options["propagationPolicy"] = params["propagationPolicy"]
         if "orphanDependents" in params:
             options["orphanDependents"] = params["orphanDependents"] == "true"
+        if "gracePeriodSeconds" in params:
+            options["gracePeriodSeconds"] = int(params["gracePeriodSeconds"])
         return options
 
     @staticmethod
-    def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
-        return aiohttp.web.json_response(body, status=status)
+    def _json(
+        body: Any, status: int = 200, warnings: list[str] | None = None
+    ) -> aiohttp.web.Response:
+        response = aiohttp.web.json_response(body, status=status)
+        for warning in dict.fromkeys(warnings or ()):
+            response.headers.add("Warning", f"299 - {json.dumps(warning)}")
+        return response
+
+    @staticmethod
+    def _writer(request: rendering.Request) -> ssa.Writer:
+        """The request's field manager (``fieldManager``, else its User-Agent's product),
+        ``fieldValidation`` and ``force``."""
+        params = request.params
+        agent = request.headers.get("User-Agent", "").split("/")[0].strip()
+        return ssa.Writer(
+            manager=params.get("fieldManager") or agent or "unknown",
+            validation=admission.field_validation(params),
+            force=params.get("force") in ("true", "1"),
+        )
 
     @staticmethod
     def _wants_table(request: rendering.Request) -> bool:
@@ -585,6 +652,22 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     return self._json({"kind": "APIGroup", "apiVersion": "v1", **group})
         if parts[:1] == ["apis"] and len(parts) == 3:
             return self._json(self._resource_list(parts[1], parts[2]))
+        if parts[:1] == ["openapi"]:
+            return self._serve_openapi(parts[1:])
+        raise api_error(404, "NotFound", "the server could not find the requested resource")
+
+    def _serve_openapi(self, parts: list[str]) -> aiohttp.web.StreamResponse:
+        """``/openapi/v2``, ``/openapi/v3`` and ``/openapi/v3/<group-version>``."""
+        served = self.resource_types
+        if parts == ["v2"]:
+            return self._json(openapi.v2_document(served))
+        if parts == ["v3"]:
+            return self._json(openapi.v3_root(served))
+        if parts[:1] == ["v3"] and len(parts) > 1:
+            key = "/".join(parts[1:])
+            members = [rt for rt in served if openapi.group_version_key(rt) == key]
+            if members:
+                return self._json(openapi.v3_document(members))
         raise api_error(404, "NotFound", "the server could not find the requested resource")
 
     def _metrics_text(self) -> str:
@@ -812,10 +895,21 @@ class KubeEmulator(kmock.KubernetesEmulator):
     # ------------------------------------------------------------------ operations
 
     def op_create(
-        self, rt: ResourceType, namespace: str | None, body: Any, *, dry_run: bool = False
+        self,
+        rt: ResourceType,
+        namespace: str | None,
+        body: Any,
+        *,
+        dry_run: bool = False,
+        writer: ssa.Writer | None = None,
+        applying: bool = False,
     ) -> JSON:
+        """A create (``applying``: by a server-side apply whose patch is ``body``)."""
+        writer = writer or ssa.Writer()
+        patch = sem.clone(body) if applying else None
         obj = self._incoming(rt, body)
         meta = obj["metadata"]
+        meta.pop("managedFields", None)
         if rt.namespaced:
             ns = namespace or meta.get("namespace") or "default"
             if meta.get("namespace") and namespace and meta["namespace"] != namespace:
@@ -828,6 +922,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 raise api_error(
                     404, "NotFound", f'namespaces "{ns}" not found', name=ns, kind="namespaces"
                 )
+            namespace_obj = self._store.get(NAMESPACE_KEY, (None, ns))
+            if namespace_obj is not None and namespace_obj["metadata"].get("deletionTimestamp"):
+                raise deletion.terminating_namespace(ns)
         else:
             meta.pop("namespace", None)
         if not meta.get("name"):
@@ -855,12 +952,20 @@ class KubeEmulator(kmock.KubernetesEmulator):
         for field in ("resourceVersion", "deletionTimestamp", "deletionGracePeriodSeconds"):
             meta.pop(field, None)
         meta["uid"] = str(uuid.uuid4())
-        meta["generation"] = 1
+        if rt.has_generation:
+            meta["generation"] = 1
+        else:
+            meta.pop("generation", None)
         meta["creationTimestamp"] = sem.now_rfc3339()
         if rt.has_status:
             obj.pop("status", None)
         if rt.from_crd:
-            sem.apply_schema_defaults(obj, rt.schema)
+            writer.warnings += admission.admit_custom(rt, obj, validation=writer.validation)
+        admission.admit_builtin(rt, obj)
+        self._warn(rt, obj, writer, admission.pod_warnings(rt, obj))
+        self._own_fields(rt, None, obj, writer, None, patch=patch)
+        if rt.storage_key == NODE_KEY:
+            admission.node_taints(obj)
         if rt.storage_key == NAMESPACE_KEY:
             obj["status"] = {"phase": "Active"}
         new_types: list[ResourceType] = []
@@ -876,6 +981,39 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if self._owners_gone(meta):
             self._delete_stored(rt.storage_key, obj, "Background")
         return self._view(rt, obj)
+
+    def _warn(self, rt: ResourceType, obj: JSON, writer: ssa.Writer, found: list[str]) -> None:
+        """Warnings for the answer's ``Warning`` headers, also kept in ``warnings``."""
+        writer.warnings += found
+        meta = obj.get("metadata") or {}
+        self.warnings += [(rt.kind, str(meta.get("name", "")), w) for w in found]
+
+    def _own_fields(
+        self,
+        rt: ResourceType,
+        old: JSON | None,
+        new: JSON,
+        writer: ssa.Writer,
+        subresource: str | None,
+        *,
+        patch: JSON | None = None,
+    ) -> None:
+        """``new``'s managedFields (in place): an apply's (``patch``) or another write's."""
+        shape, now = self._shape(rt), sem.now_rfc3339()
+        common: dict[str, Any] = {
+            "shape": shape,
+            "api_version": rt.api_version,
+            "subresource": subresource,
+            "has_status": rt.has_status,
+            "now": now,
+        }
+        if patch is not None:
+            owned = ssa.apply(old, patch, manager=writer.manager, force=writer.force, **common)
+            fields = owned["metadata"].get("managedFields")
+            if fields:
+                new["metadata"]["managedFields"] = fields
+            return
+        ssa.record_update(old, new, manager=writer.manager, **common)
 
     def _owners_gone(self, meta: JSON) -> bool:
         """Every owner this object names was deleted (its creator acted on a stale view, e.g.
@@ -946,6 +1084,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         subresource: str | None = None,
         *,
         dry_run: bool = False,
+        writer: ssa.Writer | None = None,
     ) -> JSON:
         old = self._stored(rt, ns, name)
         if old is None:
@@ -962,7 +1101,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 "the namespace of the provided object does not match "
                 "the namespace sent on the request"
             )
-        return self._commit_update(rt, old, new, subresource, dry_run=dry_run)
+        return self._commit_update(rt, old, new, subresource, dry_run=dry_run, writer=writer)
 
     def op_patch(
         self,
@@ -974,26 +1113,50 @@ class KubeEmulator(kmock.KubernetesEmulator):
         subresource: str | None = None,
         *,
         dry_run: bool = False,
+        writer: ssa.Writer | None = None,
     ) -> tuple[bool, JSON]:
         """Returns (created, object): server-side apply creates absent objects."""
+        writer = writer or ssa.Writer()
         old = self._stored(rt, ns, name)
-        apply = content_type == "application/apply-patch+yaml"
+        apply = content_type == APPLY_PATCH
         if apply:
             if not isinstance(body, dict) or not body.get("apiVersion") or not body.get("kind"):
                 raise _bad_request("apply patches need apiVersion and kind")
             meta = body.setdefault("metadata", {})
             if meta.get("name", name) != name:
                 raise _bad_request("the name in the apply patch does not match the URL")
+            body = admission.typed_patch(rt, ns, name, body, writer)
             if old is None:
                 if subresource is not None:
                     raise _not_found(rt, name)
                 meta["name"] = name
-                return True, self.op_create(rt, ns, body, dry_run=dry_run)
+                return True, self.op_create(
+                    rt, ns, body, dry_run=dry_run, writer=writer, applying=True
+                )
+            merged = ssa.apply(
+                self._view(rt, old),
+                sem.clone(body),
+                manager=writer.manager,
+                force=writer.force,
+                shape=self._shape(rt),
+                api_version=rt.api_version,
+                subresource=subresource,
+                has_status=rt.has_status,
+                now=sem.now_rfc3339(),
+            )
+            new = self._incoming(rt, merged)
+            return False, self._commit_update(
+                rt, old, new, subresource, dry_run=dry_run, writer=writer, owned=True
+            )
         if old is None:
             raise _not_found(rt, name)
         patched = self._apply_patch(rt, name, content_type, self._view(rt, old), body)
         new = self._incoming(rt, patched)
-        return False, self._commit_update(rt, old, new, subresource, dry_run=dry_run)
+        return False, self._commit_update(rt, old, new, subresource, dry_run=dry_run, writer=writer)
+
+    @staticmethod
+    def _shape(rt: ResourceType) -> fs.Shape:
+        return fs.schema_shape(dict(rt.schema) if rt.from_crd and rt.schema else None)
 
     @staticmethod
     def _apply_patch(rt: ResourceType, name: str, content_type: str, base: JSON, body: Any) -> Any:
@@ -1090,7 +1253,12 @@ class KubeEmulator(kmock.KubernetesEmulator):
         subresource: str | None,
         *,
         dry_run: bool = False,
+        writer: ssa.Writer | None = None,
+        owned: bool = False,
     ) -> JSON:
+        """Stores ``new`` over ``old``: admission, field ownership (``owned``: an apply has
+        set it), generation, resourceVersion, event."""
+        writer = writer or ssa.Writer()
         old_meta = old["metadata"]
         name = old_meta["name"]
         wanted_rv = new["metadata"].get("resourceVersion")
@@ -1114,9 +1282,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     result["status"] = sem.clone(old["status"])
                 else:
                     result.pop("status", None)
-            if rt.from_crd:
-                sem.apply_schema_defaults(result, rt.schema)
             self._check_metadata(rt, result)
+        if rt.from_crd:
+            writer.warnings += admission.admit_custom(
+                rt, result, validation=writer.validation, old=old
+            )
+        admission.admit_builtin(rt, result)
+        self._warn(rt, result, writer, admission.pod_warnings(rt, result))
+        if rt.storage_key == NODE_KEY:
+            admission.node_taints(result)
         meta = result.setdefault("metadata", {})
         for field in (
             "uid",
@@ -1137,9 +1311,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
         new_types: list[ResourceType] = []
         if rt.storage_key == CRD_KEY:
             new_types = self._crd_accept(result, rt)
+        if subresource == "status":  # the status write's own entries (an apply's), or old's
+            fields = (new if owned else old)["metadata"].get("managedFields")
+            result["metadata"]["managedFields"] = sem.clone(fields or [])
+        if not owned:
+            self._own_fields(rt, old, result, writer, subresource)
+        if not result["metadata"].get("managedFields"):
+            result["metadata"].pop("managedFields", None)
         if result == old:
             return self._view(rt, old)  # a no-op: no new resourceVersion, no event
-        if subresource is None and sem.spec_changed(old, result):
+        if subresource is None and rt.has_generation and sem.spec_changed(old, result):
             meta["generation"] = int(old_meta.get("generation", 1)) + 1
         if dry_run:
             return self._view(rt, result)
@@ -1149,7 +1330,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
             for new_rt in new_types:
                 self._register(new_rt)
         self._write(rt.storage_key, "MODIFIED", result, old)
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+        done = not meta.get("finalizers") and not meta.get("deletionGracePeriodSeconds")
+        if meta.get("deletionTimestamp") and done and rt.storage_key != NAMESPACE_KEY:
             policy = self._pending_policy.pop(meta["uid"], "Background")
             self._remove(rt.storage_key, result, policy)
         return self._view(rt, result)
@@ -1187,8 +1369,32 @@ class KubeEmulator(kmock.KubernetesEmulator):
             raise _bad_request(f"unsupported propagationPolicy: {policy!r}")
         if dry_run:
             return 200, self._view(rt, obj)
+        if rt.storage_key == POD_KEY:
+            grace = deletion.grace_period(obj, options)
+            if grace > 0 or meta.get("deletionGracePeriodSeconds"):
+                return self._terminate_pod(obj, grace, policy)
         code, result = self._delete_stored(rt.storage_key, obj, policy)
         return code, self._view(rt, result)
+
+    def _terminate_pod(self, obj: JSON, grace: int, policy: str) -> tuple[int, JSON]:
+        """A graceful pod delete: Terminating for ``grace`` seconds, until its kubelet
+        confirms with grace 0 (then it goes, finalizers aside)."""
+        rt = self.resolve("v1/pods")
+        meta = obj["metadata"]
+        current = meta.get("deletionGracePeriodSeconds")
+        if grace == 0 and not meta.get("finalizers"):
+            return 200, self._view(rt, self._remove(POD_KEY, obj, policy))
+        if current is not None and current <= grace:
+            return 200, self._view(rt, obj)  # a shorter period stands
+        marked = sem.clone(obj)
+        marked["metadata"]["deletionTimestamp"] = meta.get("deletionTimestamp") or (
+            deletion.deadline(grace)
+        )
+        marked["metadata"]["deletionGracePeriodSeconds"] = grace
+        marked["metadata"]["resourceVersion"] = str(self._next_rv())
+        self._pending_policy[meta["uid"]] = policy
+        self._write(POD_KEY, "MODIFIED", marked, obj)
+        return 200, self._view(rt, marked)
 
     def op_delete_collection(
         self,
@@ -1218,6 +1424,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     def _delete_stored(self, key: StorageKey, obj: JSON, policy: str) -> tuple[int, JSON]:
         meta = obj["metadata"]
         uid = meta["uid"]
+        if key == NAMESPACE_KEY:
+            return 200, self._terminate_namespace(obj)
         if policy == "Orphan":
             self._orphan(uid)
         if meta.get("finalizers"):
@@ -1235,6 +1443,43 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if policy == "Foreground":
             self._cascade(uid)  # dependents first, then the owner
         return 200, self._remove(key, obj, policy)
+
+    def _terminate_namespace(self, obj: JSON) -> JSON:
+        """Marks the Namespace Terminating, deletes its contents, and removes it when nothing
+        is left (else when its last object goes: ``_remove``)."""
+        name = obj["metadata"]["name"]
+        if not obj["metadata"].get("deletionTimestamp"):
+            marked = sem.clone(obj)
+            marked["metadata"]["deletionTimestamp"] = sem.now_rfc3339()
+            marked["metadata"]["deletionGracePeriodSeconds"] = 0
+            marked["status"] = {"phase": "Terminating"}
+            marked["metadata"]["resourceVersion"] = str(self._next_rv())
+            self._write(NAMESPACE_KEY, "MODIFIED", marked, obj)
+            obj = marked
+        for other_key, item in list(self._store.in_namespace(name)):
+            current = self._store.get(
+                other_key, (_meta(item).get("namespace"), _meta(item)["name"])
+            )
+            if other_key == NAMESPACE_KEY or current is None:
+                continue
+            if other_key == POD_KEY:
+                self.op_delete(self.resolve("v1/pods"), name, _meta(current)["name"], {})
+            elif not _meta(current).get("deletionTimestamp"):
+                self._delete_stored(other_key, current, "Background")
+        return self._namespace_gone_if_empty(name) or obj
+
+    def _namespace_gone_if_empty(self, name: str) -> JSON | None:
+        """Removes the Terminating namespace ``name`` once nothing is left in it."""
+        ns = self._store.get(NAMESPACE_KEY, (None, name))
+        if (
+            ns is None
+            or not ns["metadata"].get("deletionTimestamp")
+            or ns["metadata"].get("finalizers")
+        ):
+            return None
+        if any(key != NAMESPACE_KEY for key, _ in self._store.in_namespace(name)):
+            return None
+        return self._remove(NAMESPACE_KEY, ns, "Background")
 
     def _remove(self, key: StorageKey, obj: JSON, policy: str) -> JSON:
         self._gone_uids.add(obj["metadata"]["uid"])
@@ -1256,6 +1501,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                     self._delete_stored(other_key, current, "Background")
         if policy != "Orphan":
             self._cascade(obj["metadata"]["uid"])
+        namespace = obj["metadata"].get("namespace")
+        if namespace and key != NAMESPACE_KEY:
+            self._namespace_gone_if_empty(namespace)
         return gone
 
     def _dependents(self, uid: str) -> list[tuple[StorageKey, JSON]]:
@@ -1318,6 +1566,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 "spec.versions: Invalid value: "
                 "must have exactly one version marked as storage version",
             )
+        refused = structural.check(crd)  # the API server's rules for CRD schemas
+        if refused:
+            raise admission.invalid(rt, name, refused)
         try:
             types = crd_resource_types(crd)
         except (KeyError, TypeError) as e:

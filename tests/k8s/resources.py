@@ -6,6 +6,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# (group, plural) of the built-ins whose strategies set and bump metadata.generation
+GENERATION_KINDS = frozenset(
+    {
+        ("apps", "deployments"),
+        ("apps", "statefulsets"),
+        ("apps", "daemonsets"),
+        ("apps", "replicasets"),
+        ("batch", "jobs"),
+        ("batch", "cronjobs"),
+        ("", "pods"),
+        ("networking.k8s.io", "networkpolicies"),
+        ("networking.k8s.io", "ingresses"),
+        ("policy", "poddisruptionbudgets"),
+        ("autoscaling", "horizontalpodautoscalers"),
+        ("apiextensions.k8s.io", "customresourcedefinitions"),
+        ("resource.k8s.io", "deviceclasses"),
+        ("discovery.k8s.io", "endpointslices"),
+    }
+)
 ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 SUBRESOURCE_VERBS = ("get", "patch", "update")
 
@@ -43,6 +62,12 @@ class ResourceType:
     @property
     def storage_key(self) -> tuple[str, str]:
         return self.storage or (self.group, self.plural)
+
+    @property
+    def has_generation(self) -> bool:
+        """Whether its objects carry metadata.generation (kinds with spec semantics; not
+        ConfigMaps, Secrets, Services, Namespaces, ... on a real server)."""
+        return self.from_crd or self.storage_key in GENERATION_KINDS
 
     @property
     def has_status(self) -> bool:
@@ -149,6 +174,16 @@ BUILTIN: tuple[ResourceType, ...] = (
     _r("coordination.k8s.io", "v1", "leases", "Lease"),
     # events.k8s.io/v1: a second view of the core/v1 Events (same storage, converted fields)
     _r("events.k8s.io", "v1", "events", "Event", short=("ev",), storage=("", "events")),
+    # autoscaling/v2 (an HPA instead of the operator's autoscaler: manifests/samples)
+    _r(
+        "autoscaling",
+        "v2",
+        "horizontalpodautoscalers",
+        "HorizontalPodAutoscaler",
+        short=("hpa",),
+        status=True,
+        all_category=True,
+    ),
     # policy/v1
     _r("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short=("pdb",), status=True),
     # discovery.k8s.io/v1 (written by the test node's endpoints controller)

@@ -187,8 +187,10 @@ class EmulatorThread:
         return self.call(lambda: list(self.emulator.calls))
 
     def rbac_calls(self) -> set[tuple[str | None, str | None, str]]:
-        """``{(apiGroup, resource[/subresource], verb)}`` of every resource request so far."""
-        return {c.rbac for c in self.calls if c.resource is not None}
+        """``{(apiGroup, resource[/subresource], verb)}`` of every authorization of every
+        resource request so far: each request's own verb, and ``create`` for a server-side
+        apply that created its object (the API server authorizes both)."""
+        return {a for c in self.calls if c.resource is not None for a in c.authorizations}
 
     def clear_calls(self) -> None:
         self.call(self.emulator.calls.clear)

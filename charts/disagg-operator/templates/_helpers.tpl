@@ -135,25 +135,26 @@ namespace with rbac.namespaced). */}}
   - apiGroups: ["disagg.dev"]
     resources: ["disaggregatedpipelines/status"]
     verbs: ["patch"]
-  # Their children: server-side applied, listed by label (StatefulSets and the gateway's
+  # Their children: server-side applied (a PATCH that the API server also authorizes as
+  # `create` when the object is absent), listed by label (StatefulSets and the gateway's
   # Deployment: watched, the operator's cache), read when not found, pruned when the plan
   # drops them.
   - apiGroups: ["apps"]
     resources: ["statefulsets"]
-    verbs: ["get", "list", "watch", "patch", "delete"]
+    verbs: ["get", "list", "watch", "create", "patch", "delete"]
   - apiGroups: ["apps"]
     resources: ["deployments"]
-    verbs: ["get", "list", "watch", "patch", "delete"]
+    verbs: ["get", "list", "watch", "create", "patch", "delete"]
   - apiGroups: [""]
     resources: ["services", "configmaps"]
-    verbs: ["get", "list", "patch", "delete"]
+    verbs: ["get", "list", "create", "patch", "delete"]
   - apiGroups: ["resource.k8s.io"]
     resources: ["resourceclaimtemplates"]
-    verbs: ["get", "list", "patch", "delete"]
+    verbs: ["get", "list", "create", "patch", "delete"]
   # The pipelines' NetworkPolicies; watched (by label) so that a deleted one comes back.
   - apiGroups: ["networking.k8s.io"]
     resources: ["networkpolicies"]
-    verbs: ["get", "list", "watch", "patch", "delete"]
+    verbs: ["get", "list", "watch", "create", "patch", "delete"]
   # The peer key Secrets: read and created, never changed; watched (by label: the operator
   # lists no one else's) so that deleting one rotates the key.
   - apiGroups: [""]

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from disagg_core import quantity
 from disagg_core.spec import limits
+from disagg_core.spec.model import IntOrPercent
 
 ROOT = "<document>"  # how a problem about the whole document shows its path
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -152,6 +153,41 @@ def integer(
         out.add(child(path, key), f"must be at most {maximum}, got {value}")
         return None
     return value
+
+
+_PERCENT = re.compile(r"(0|[1-9][0-9]*)%")
+
+
+def int_or_percent(
+    out: Collector,
+    m: dict[str, object],
+    key: str,
+    path: str,
+    *,
+    minimum: int = 0,
+    max_percent: int | None = None,
+) -> IntOrPercent | None:
+    """An int-or-percent field (`2` or `"25%"`, as a Deployment's maxUnavailable): at least
+    `minimum` (count or percentage), a percentage at most `max_percent`; None when absent or
+    invalid."""
+    if key not in m:
+        return None
+    value = m[key]
+    if isinstance(value, int) and not isinstance(value, bool):
+        amount = IntOrPercent(value)
+    elif isinstance(value, str) and (match := _PERCENT.fullmatch(value)):
+        amount = IntOrPercent(int(match.group(1)), percent=True)
+    else:
+        shown = repr(value) if isinstance(value, str) else kind_of(value)
+        out.add(child(path, key), f'expected an integer or a percentage ("25%"), got {shown}')
+        return None
+    if amount.value < minimum:
+        out.add(child(path, key), f"must be at least {minimum}, got {value}")
+        return None
+    if amount.percent and max_percent is not None and amount.value > max_percent:
+        out.add(child(path, key), f"must be at most {max_percent}%, got {value}")
+        return None
+    return amount
 
 
 def boolean(out: Collector, m: dict[str, object], key: str, path: str) -> bool | None:

@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal, get_args
+from typing import Any, Final, Literal, get_args
 
 from disagg_core.relays import RELAYS as RELAYS
 from disagg_core.relays import RelayKind as RelayKind
@@ -274,17 +274,49 @@ class RatioLock:
 DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS = 600
 
 
+@dataclass(frozen=True)
+class IntOrPercent:
+    """A field in Kubernetes' int-or-percent form (a Deployment's `maxUnavailable`): a count of
+    pods (`2`), or a percentage of a role's pods (`"25%"`)."""
+
+    value: int
+    percent: bool = False
+
+    def of(self, total: int, *, round_up: bool = False) -> int:
+        """The count for `total` pods: a percentage rounded down (up with `round_up`)."""
+        if not self.percent:
+            return self.value
+        exact = self.value * total
+        return -(-exact // 100) if round_up else exact // 100
+
+    def fraction(self, total: int) -> float:
+        """The share of `total` pods (a count over total; 1.0 at most)."""
+        if self.percent:
+            return min(1.0, self.value / 100)
+        return min(1.0, self.value / total) if total else 1.0
+
+    def __str__(self) -> str:
+        return f"{self.value}%" if self.percent else str(self.value)
+
+
+NO_PODS: Final = IntOrPercent(0)
+ONE_POD: Final = IntOrPercent(1)
+ALL_PODS: Final = IntOrPercent(100, percent=True)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rollout:
     """How a template change rolls across roles (operator/disagg_operator/rollout.py): at most
     `max_unavailable` pods of a role per step; roles bound by a ratio lock or listed together
     in `groups` keep their updated fractions within `max_skew` of each other; `partition`
-    pods per role stay on the old revision; `paused` holds; a step that is not ready within
-    `step_deadline_seconds` stops the rollout."""
+    pods per role stay on the old revision (each an int-or-percent, as in a Deployment: a
+    percentage of maxUnavailable rounds down but to at least 1, of partition up, of maxSkew is
+    a share of each role's pods, a count of pods over the role's replicas); `paused` holds;
+    a step that is not ready within `step_deadline_seconds` stops the rollout."""
 
-    max_unavailable: int = 1
-    max_skew: float = 1.0
-    partition: int = 0
+    max_unavailable: IntOrPercent = ONE_POD
+    max_skew: IntOrPercent = ALL_PODS
+    partition: IntOrPercent = NO_PODS
     paused: bool = False
     step_deadline_seconds: int = DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS
     groups: tuple[tuple[str, ...], ...] = ()

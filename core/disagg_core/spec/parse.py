@@ -196,10 +196,7 @@ def _transport(out: Collector, raw: object, path: str) -> m.Transport:
 def _rollout(out: Collector, raw: object, path: str) -> m.Rollout:
     r = f.fields(out, raw, path, known=ROLLOUT_KEYS) or {}
     default = m.Rollout()
-    skew = f.number(out, r, "maxSkew", path)
-    if skew is not None and not 0 < skew <= 1:
-        out.add(child(path, "maxSkew"), f"must be in (0, 1], got {skew}")
-        skew = None
+    skew = f.int_or_percent(out, r, "maxSkew", path, minimum=1, max_percent=100)
     deadline = f.integer(out, r, "stepDeadlineSeconds", path, minimum=1)
     if deadline is not None and deadline > MAX_ROLLOUT_STEP_DEADLINE_SECONDS:
         out.add(
@@ -220,9 +217,14 @@ def _rollout(out: Collector, raw: object, path: str) -> m.Rollout:
         else:
             groups.append(tuple(group))
     return m.Rollout(
-        max_unavailable=_or(f.integer(out, r, "maxUnavailable", path, minimum=1), 1),
+        max_unavailable=_or(
+            f.int_or_percent(out, r, "maxUnavailable", path, minimum=1, max_percent=100),
+            default.max_unavailable,
+        ),
         max_skew=_or(skew, default.max_skew),
-        partition=_or(f.integer(out, r, "partition", path, minimum=0), 0),
+        partition=_or(
+            f.int_or_percent(out, r, "partition", path, max_percent=100), default.partition
+        ),
         paused=_or(f.boolean(out, r, "paused", path), False),
         step_deadline_seconds=_or(deadline, default.step_deadline_seconds),
         groups=tuple(groups),

@@ -1111,18 +1111,39 @@ def test_rollout_defaults_and_values():
     assert spec.parse_pipeline(_with_rollout({})).rollout == spec.model.Rollout()
     parsed = spec.parse_pipeline(
         _with_rollout(
-            {"maxSkew": 0.25, "maxUnavailable": 2, "paused": True, "groups": [["a", "b"]]}
+            {"maxSkew": "25%", "maxUnavailable": 2, "paused": True, "groups": [["a", "b"]]}
         )
     ).rollout
-    assert (parsed.max_skew, parsed.max_unavailable, parsed.paused) == (0.25, 2, True)
+    percent, count = spec.model.IntOrPercent(25, percent=True), spec.model.IntOrPercent(2)
+    assert (parsed.max_skew, parsed.max_unavailable, parsed.paused) == (percent, count, True)
     assert parsed.groups == (("a", "b"),)
+    shares = spec.parse_pipeline(
+        _with_rollout({"maxSkew": 1, "maxUnavailable": "50%", "partition": "10%"})
+    ).rollout
+    assert (str(shares.max_skew), str(shares.max_unavailable), str(shares.partition)) == (
+        "1",
+        "50%",
+        "10%",
+    )
+
+
+def test_rollout_fractions_are_refused_with_the_int_or_percent_form():
+    with pytest.raises(spec.SpecError) as info:
+        spec.parse_pipeline(_with_rollout({"maxSkew": 0.25}))
+    problems = info.value.problems
+    assert any(
+        p.path == "spec.rollout.maxSkew" and 'an integer or a percentage ("25%")' in p.reason
+        for p in problems
+    ), problems
 
 
 @pytest.mark.parametrize(
     ("rollout", "where"),
     [
         ({"maxSkew": 0}, "spec.rollout.maxSkew"),
-        ({"maxSkew": 1.5}, "spec.rollout.maxSkew"),
+        ({"maxSkew": "150%"}, "spec.rollout.maxSkew"),
+        ({"maxSkew": "a lot"}, "spec.rollout.maxSkew"),
+        ({"maxUnavailable": "0%"}, "spec.rollout.maxUnavailable"),
         ({"maxUnavailable": 0}, "spec.rollout.maxUnavailable"),
         ({"partition": -1}, "spec.rollout.partition"),
         ({"paused": "yes"}, "spec.rollout.paused"),

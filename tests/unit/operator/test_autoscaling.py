@@ -207,6 +207,8 @@ def test_metrics_port_from_the_named_port_then_env_then_default() -> None:
     assert autoscaling.metrics_port({"name": "a"}) == 9400
     unnamed = {"name": "a", "ports": [{"containerPort": 1234}]}
     assert autoscaling.metrics_port(unnamed) == 9400
+    second = {"name": "b", "ports": [{"name": "metrics-1", "containerPort": 9401}]}
+    assert autoscaling.metrics_port(second) == 9401  # the 2nd container of a colocation pod
 
 
 def test_pods_that_count_and_how() -> None:

@@ -62,8 +62,10 @@ def _nodes(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, 
 
 
 def test_every_field_has_a_description(crd_checker: Any) -> None:
+    """...but metadata: the API server lets the schema restrict only its name and generateName,
+    and a description is more (it refuses the CRD)."""
     lacking = [path for path, node in _nodes(crd_checker.schema) if not node.get("description")]
-    assert lacking == []
+    assert lacking == ["metadata"]
 
 
 def test_schema_is_structural(crd_checker: Any) -> None:

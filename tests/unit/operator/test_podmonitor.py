@@ -12,7 +12,7 @@ import yaml
 
 from disagg_core import spec
 from disagg_core.spec.model import Pipeline
-from disagg_operator import names, planner, podmonitor
+from disagg_operator import names, planner, podmonitor, pods
 from tests.support import EXAMPLES
 
 NS = "ml"
@@ -66,7 +66,7 @@ def test_selects_every_role_container_and_the_gateway() -> None:
     endpoints = monitor["spec"]["podMetricsEndpoints"]
     # the colocation group's pod has two containers: every metrics port name they carry
     group = max(len(u.roles) for u in planner.workloads(fan_out()))
-    role_ports = {podmonitor.metrics_port_name(k) for k in range(group)}
+    role_ports = {pods.runtime_port_name("metrics", k) for k in range(group)}
     assert [e["port"] for e in endpoints] == [*sorted(role_ports), "http"]
     assert all(e["path"] == "/metrics" and e["honorLabels"] for e in endpoints)
     role, gateway = endpoints[0]["relabelings"], endpoints[-1]["relabelings"]
