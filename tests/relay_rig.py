@@ -19,7 +19,7 @@ import zmq
 
 from disagg_core.contract import Peer, RoleConfig, RoleTopology, Topology
 from disagg_core.spec.model import PoolSettings
-from disagg_runtime.pool import MiB, Pool, shm_name
+from disagg_runtime.memory.pool import MiB, Pool, shm_name
 from disagg_runtime.relay import Ingress, Relay, auth, connect
 from disagg_runtime.relay import protocol as proto
 from tests.payload_checks import assert_bit_exact

@@ -39,7 +39,7 @@ from disagg_runtime.gateway.app import Gateway, Settings
 from disagg_runtime.gateway.server import Server, gateway_for
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.local.supervisor import LocalPipeline
-from disagg_runtime.metrics import fetch, scrape
+from disagg_runtime.role.metrics import fetch, scrape
 from tests.support import SecretVolume
 
 HERE = Path(__file__).resolve().parent

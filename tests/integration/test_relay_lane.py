@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_runtime.layout import PLANNED_SIGNATURES
-from disagg_runtime.pool import MiB
+from disagg_runtime.memory.layout import PLANNED_SIGNATURES
+from disagg_runtime.memory.pool import MiB
 from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.sender import Sender

@@ -16,12 +16,12 @@ import torch
 from safetensors.torch import save as st_save
 
 from disagg_core.contract import Peer
-from disagg_runtime import peers
 from disagg_runtime.client import Client, UploadExpired, chunk_sources
 from disagg_runtime.gateway import native
-from disagg_runtime.peers import Dedicated
 from disagg_runtime.relay import Ingress, RelayError, RelayTimeout, ShmSender, TcpSender
 from disagg_runtime.relay.landing import chunk_targets
+from disagg_runtime.routing import peers
+from disagg_runtime.routing.peers import Dedicated
 from tests.relay_rig import KEY, WAIT, Rig
 
 

@@ -31,8 +31,8 @@ from disagg_core.spec import load_pipeline_file
 from disagg_runtime.client import Client
 from disagg_runtime.local.rundir import start_time
 from disagg_runtime.local.supervisor import free_ports, plan_local
-from disagg_runtime.metrics import fetch
-from disagg_runtime.pool import SHM_DIR, reclaim_stale, shm_prefix
+from disagg_runtime.memory.pool import SHM_DIR, reclaim_stale, shm_prefix
+from disagg_runtime.role.metrics import fetch
 from tests.relay_rig import KEY, write_key
 
 HERE = Path(__file__).resolve().parent

@@ -35,10 +35,8 @@ from disagg_core import contract
 from disagg_core.contract import Peer
 from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestOverloaded
-from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.local import supervisor
-from disagg_runtime.metrics import fetch, scrape
-from disagg_runtime.pool import SHM_DIR, MiB, Pool, shm_name
+from disagg_runtime.memory.pool import SHM_DIR, MiB, Pool, shm_name
 from disagg_runtime.relay import (
     Ingress,
     Message,
@@ -51,7 +49,9 @@ from disagg_runtime.relay import (
 )
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.auth import PeerKeyError
-from disagg_runtime.role import RoleRuntime
+from disagg_runtime.role.metrics import fetch, scrape
+from disagg_runtime.role.runtime import RoleRuntime
+from disagg_runtime.wire.envelope import Meta, Reply
 from tests.integration import handler_pipelines
 from tests.integration import pipeline_handlers as ph
 from tests.relay_rig import KEY, Rig, handshake, recv_reply, write_key

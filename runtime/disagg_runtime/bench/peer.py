@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime import codec
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
-from disagg_runtime.copies import to_device
-from disagg_runtime.pool import Device, Pool, shm_name
+from disagg_runtime.memory.copies import to_device
+from disagg_runtime.memory.pool import Device, Pool, shm_name
 from disagg_runtime.relay import Ingress, Message
+from disagg_runtime.wire import codec
 
 # --device cuda: where each relay's receiver lands payloads (all end on the GPU)
 GPU_POOLS: dict[str, Device] = {

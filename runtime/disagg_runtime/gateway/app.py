@@ -35,7 +35,6 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from disagg_runtime import codec
 from disagg_runtime.client import (
     RequestFailed,
     RequestOverloaded,
@@ -47,6 +46,7 @@ from disagg_runtime.gateway import native, openai, openapi, sse, upload
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.metrics import GatewayMetrics
 from disagg_runtime.gateway.token import BearerToken
+from disagg_runtime.wire import codec
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S: Final = 1

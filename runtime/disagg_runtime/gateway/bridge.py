@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from disagg_runtime.client import Client, RequestFailed, Reserved, Streamed, Upload
-from disagg_runtime.manifest import Manifest
+from disagg_runtime.wire.manifest import Manifest
 
 INLINE_BYTES = 256 * 1024
 SUBMIT_THREADS = 4

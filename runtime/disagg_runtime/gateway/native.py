@@ -34,8 +34,8 @@ import torch
 from safetensors import TensorSpec as SafeSpec
 from safetensors import serialize
 
-from disagg_runtime import codec
-from disagg_runtime.manifest import Manifest, layout
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.manifest import Manifest, layout
 
 MAX_DEPTH = codec.MAX_DEPTH
 TENSOR_KEYS = frozenset({"dtype", "shape", "data"})

@@ -24,9 +24,9 @@ from disagg_runtime.client import Client
 from disagg_runtime.gateway.app import READY_CACHE_S, Gateway, Settings
 from disagg_runtime.gateway.bridge import Pipeline
 from disagg_runtime.gateway.token import BearerToken
-from disagg_runtime.peers import PeerSet
 from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
 from disagg_runtime.relay.auth import PeerKeyError, read_key
+from disagg_runtime.routing.peers import PeerSet
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0

@@ -26,7 +26,7 @@ from typing import Final
 
 from aiohttp import web
 
-from disagg_runtime.allocator import BuddyAllocator, MiB
+from disagg_runtime.memory.allocator import BuddyAllocator, MiB
 
 MIN_TAKEOVER: Final = 1 * MiB  # smaller bodies are read by aiohttp as usual
 CLOSES: Final = web.RequestKey("closes", bool)

@@ -15,6 +15,8 @@ from typing import Any
 
 from disagg_core.relays import CONCRETE
 from disagg_runtime.relay import registry
+from disagg_runtime.relay.backends.shm import ShmSender
+from disagg_runtime.relay.backends.tcp import TcpSender
 from disagg_runtime.relay.errors import (
     NotAPeer,
     PeerLost,
@@ -27,8 +29,6 @@ from disagg_runtime.relay.ingress import Ingress
 from disagg_runtime.relay.ledger import Message
 from disagg_runtime.relay.registry import Relay
 from disagg_runtime.relay.sender import Sender
-from disagg_runtime.relay.shm import ShmSender
-from disagg_runtime.relay.tcp import TcpSender
 
 __all__ = [
     "KINDS",

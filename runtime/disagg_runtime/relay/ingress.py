@@ -29,10 +29,10 @@ Closing without losing what is on its way: `goodbye()` tells every peer to send 
 more here (protocol.py), while the ingress goes on serving; its owner closes it once
 nothing has come for a moment (`last_message_at`).
 
-The ingress tells its senders how busy its role is (`load`, dispatch.Load, from the
+The ingress tells its senders how busy its role is (`load`, Load, from the
 `load` callback; without one, its own queue and pool): in the welcome, on every grant and
 ack, and every `LOAD_EVERY_S` to the senders active in the last `LOAD_ACTIVE_S`, so they
-can send new requests to the least busy replica (dispatch.py).
+can send new requests to the least busy replica (routing/dispatch.py).
 """
 
 from __future__ import annotations
@@ -51,16 +51,17 @@ from typing import Any
 import zmq
 
 from disagg_core.compat import Compat
-from disagg_runtime import codec, dispatch
-from disagg_runtime.codec import unflatten
-from disagg_runtime.layout import buffer_tensors, read_payload
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Pool
+from disagg_runtime.memory.layout import buffer_tensors, read_payload
+from disagg_runtime.memory.pool import Pool
 from disagg_runtime.relay import auth, inline_wire, lane, registry
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.landing import Chunked, Landing, chunk_count, chunk_targets, memory_for
 from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, Reservation, SlotLedger
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.codec import unflatten
+from disagg_runtime.wire.load import Load
+from disagg_runtime.wire.manifest import Manifest
 
 log = logging.getLogger(__name__)
 _SCRATCH = bytearray(1 << 20)
@@ -136,7 +137,7 @@ class Ingress:
         on_message: Callable[[Message], None] | None = None,
         key: bytes,
         inline_budget: int | None = None,
-        load: Callable[[], dispatch.Load] | None = None,
+        load: Callable[[], Load] | None = None,
         compat: Compat | None = None,
         role: str = "",
     ) -> None:
@@ -744,10 +745,10 @@ class Ingress:
         if self._closing is not None:  # it dialled a replica that is going: not here
             self._reply(ident, "goodbye", reason=self._closing)
 
-    def _own_load(self) -> dispatch.Load:
+    def _own_load(self) -> Load:
         """Without a role's account: this ingress's own queue, its pool, one worker."""
         capacity = self.pool.allocator.capacity
-        return dispatch.Load(
+        return Load(
             queued=self._queue.qsize(),
             active=0,
             workers=1,

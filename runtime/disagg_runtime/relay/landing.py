@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Pool
+from disagg_runtime.memory.pool import Pool
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ledger import Message, Reservation, SlotLedger
+from disagg_runtime.wire.manifest import Manifest
 
 MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
 
@@ -97,7 +97,7 @@ class Memory:
 
 def memory_for(pool: Pool) -> Memory:
     if pool.backing.device == "cuda":  # imported here: only device pools need CUDA
-        from disagg_runtime.relay.cuda_landing import DeviceMemory
+        from disagg_runtime.relay.backends.cuda_landing import DeviceMemory
 
         return DeviceMemory(pool)
     return Memory(pool)

@@ -33,9 +33,9 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   goodbye {reason}: the receiver is closing; send
                                          nothing more here (what came before it is served)
 
-`load` (dispatch.Load: queued, active, workers, free_bytes, pool_bytes, draining) is the
+`load` (Load: queued, active, workers, free_bytes, pool_bytes, draining) is the
 receiver's own account of how busy it is, for senders choosing among replicas
-(dispatch.py); it rides on the welcome, every grant and ack, and the periodic `load`
+(routing/dispatch.py); it rides on the welcome, every grant and ack, and the periodic `load`
 message (inline payloads get no reply, so that is how their senders hear). A malformed
 one fails the connection (welcome) or the reply it came on, like any bad field.
 
@@ -88,7 +88,7 @@ import re
 from typing import Any
 
 from disagg_core.compat import Compat, CompatError
-from disagg_runtime.codec import CodecError, decode_header, encode_header
+from disagg_runtime.wire.codec import CodecError, decode_header, encode_header
 
 PROTOCOL_VERSION = 1
 MAX_CONTROL_BYTES = 4 << 20

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from disagg_core import relays
 from disagg_core.compat import Compat
-from disagg_runtime.dispatch import View
 from disagg_runtime.relay.errors import RelayError
+from disagg_runtime.wire.load import View
 
 if TYPE_CHECKING:
     from disagg_runtime.relay.landing import Host, Landing
@@ -76,10 +76,10 @@ class Backend:
 
 
 _MODULES: dict[str, str] = {
-    "shm": "disagg_runtime.relay.shm",
-    "tcp": "disagg_runtime.relay.tcp",
-    "cuda-ipc": "disagg_runtime.relay.cuda_ipc",
-    "nixl": "disagg_runtime.relay.nixl",  # optional: imports nixl only when used
+    "shm": "disagg_runtime.relay.backends.shm",
+    "tcp": "disagg_runtime.relay.backends.tcp",
+    "cuda-ipc": "disagg_runtime.relay.backends.cuda_ipc",
+    "nixl": "disagg_runtime.relay.backends.nixl",  # optional: imports nixl only when used
 }
 _loaded: dict[str, Backend] = {}
 

@@ -45,7 +45,7 @@ a sender whose view of the replicas lags that this one is going).
 
 A sender keeps the receiver's latest load report (welcome, grants, acks, `load`
 messages) and counts what it sent since; `view()` says what it knows now, reading
-pending reports without waiting, for senders choosing a replica (dispatch.py).
+pending reports without waiting, for senders choosing a replica (routing/dispatch.py).
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ import torch
 import zmq
 
 from disagg_core.compat import Compat
-from disagg_runtime import dispatch
-from disagg_runtime.layout import Placement, Planner
-from disagg_runtime.manifest import Manifest
+from disagg_runtime.memory.layout import Placement, Planner
 from disagg_runtime.relay import auth, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import NotAPeer, PeerLost, RelayError, RelayTimeout
+from disagg_runtime.wire.load import Load, LoadError, View
+from disagg_runtime.wire.manifest import Manifest
 
 log = logging.getLogger(__name__)
 INLINE_THRESHOLD = 64 * 1024  # inline up to this unless a backend's `inline_limit` says more
@@ -183,7 +183,7 @@ class Sender:
         self._watch: list[tuple[Any, int]] = []  # what _start_send asks about (_watch_replies)
         self._watch_replies()
         self._lane_replies: collections.deque[bytes] = collections.deque()
-        self._load: tuple[dispatch.Load, float] | None = None  # the last report, when
+        self._load: tuple[Load, float] | None = None  # the last report, when
         self._sent_since = 0  # requests sent after that report
         self._sent_at = float("-inf")
         self._lost: str | None = None  # a refusal read between transfers, a lost connection
@@ -287,13 +287,13 @@ class Sender:
         if "load" not in msg:
             return
         try:
-            load = dispatch.Load.from_json(msg["load"])
-        except dispatch.LoadError as exc:
+            load = Load.from_json(msg["load"])
+        except LoadError as exc:
             raise proto.ProtocolError(f"relay {msg.get('op')}: {exc}") from None
         self._load = (load, at)
         self._sent_since = 0
 
-    def view(self) -> dispatch.View | None:
+    def view(self) -> View | None:
         """What this sender knows of its receiver's load now (None: nothing yet). Reports
         that arrived since the last transfer are read first, unless a transfer holds the
         socket (it reads them itself)."""
@@ -309,7 +309,7 @@ class Sender:
         if seen is None:
             return None
         load, at = seen
-        return dispatch.View(load, max(0.0, time.monotonic() - at), self._sent_since)
+        return View(load, max(0.0, time.monotonic() - at), self._sent_since)
 
     def _read_pending(self) -> None:
         """Read the replies waiting now, without blocking (call with the lock held): load

@@ -27,11 +27,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_core.contract import ContractError
-from disagg_runtime import codec
-from disagg_runtime.copies import Fence, to_device
-from disagg_runtime.layout import buffer_tensors, plan, read_payload, slot_image, write_tensors
-from disagg_runtime.layout import plan as pool_plan
-from disagg_runtime.pool import (
+from disagg_runtime.memory.copies import Fence, to_device
+from disagg_runtime.memory.layout import (
+    buffer_tensors,
+    plan,
+    read_payload,
+    slot_image,
+    write_tensors,
+)
+from disagg_runtime.memory.layout import plan as pool_plan
+from disagg_runtime.memory.pool import (
     SHM_DIR,
     SHM_PREFIX,
     Backing,
@@ -42,9 +47,10 @@ from disagg_runtime.pool import (
     pinned_staging,
     shm_name,
 )
-from disagg_runtime.relay import Ingress, Relay, RelayError, auth, connect, cuda_ipc, cuda_landing
+from disagg_runtime.relay import Ingress, Relay, RelayError, auth, connect
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.cuda_ipc import (
+from disagg_runtime.relay.backends import cuda_ipc, cuda_landing
+from disagg_runtime.relay.backends.cuda_ipc import (
     EVENT_HANDLE_BYTES,
     PROCESS_TOKEN,
     CudaIpcSender,
@@ -53,8 +59,9 @@ from disagg_runtime.relay.cuda_ipc import (
     parse_event_handle,
     unavailable_reason,
 )
-from disagg_runtime.relay.cuda_landing import DeviceMemory
+from disagg_runtime.relay.backends.cuda_landing import DeviceMemory
 from disagg_runtime.relay.select import relay_kind
+from disagg_runtime.wire import codec
 from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import KEY, a_to_b_config, handshake, recv_reply
 
@@ -694,7 +701,7 @@ def test_cuda_ipc_to_a_host_pool_falls_back_to_its_shared_memory(
     shm_ingress: Ingress, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(cuda_ipc, "unavailable_reason", lambda: None)  # as if CUDA were here
-    with caplog.at_level(logging.WARNING, logger="disagg_runtime.relay.cuda_ipc"):
+    with caplog.at_level(logging.WARNING, logger="disagg_runtime.relay.backends.cuda_ipc"):
         sender = connect("cuda-ipc", shm_ingress.endpoint, timeout=WAIT, key=KEY)
     try:
         assert isinstance(sender, CudaIpcSender) and sender.mode == "shm"

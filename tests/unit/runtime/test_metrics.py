@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from disagg_runtime.metrics import (
+from disagg_runtime.role.metrics import (
     EDGE_BUCKETS,
     FAILURE_REASONS,
     HealthServer,
@@ -293,7 +293,7 @@ def test_metrics_content_type(server):
 def test_failing_sample_still_serves_metrics(server, metrics, role, caplog):
     metrics.request_done(0.1)
     role.fail = True
-    with caplog.at_level(logging.WARNING, logger="disagg_runtime.metrics"):
+    with caplog.at_level(logging.WARNING, logger="disagg_runtime.role.metrics"):
         for _ in range(3):
             values = get_metrics(server)
             assert values['disagg_requests_total{outcome="done"}'] == 1

@@ -47,13 +47,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from disagg_runtime.layout import host_tensor
-from disagg_runtime.manifest import Manifest
+from disagg_runtime.memory.layout import host_tensor
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.landing import Landing
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import Sender
+from disagg_runtime.wire.manifest import Manifest
 
 if TYPE_CHECKING:
     from disagg_runtime.relay.landing import Host

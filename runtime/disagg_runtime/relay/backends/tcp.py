@@ -31,11 +31,9 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime import codec
-from disagg_runtime.copies import copy_async
-from disagg_runtime.layout import slot_views
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing, PoolError, pinned_staging
+from disagg_runtime.memory.copies import copy_async
+from disagg_runtime.memory.layout import slot_views
+from disagg_runtime.memory.pool import Backing, PoolError, pinned_staging
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
@@ -46,6 +44,8 @@ from disagg_runtime.relay.sender import (
     Grant,
     Sender,
 )
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.manifest import Manifest
 
 TCP_INLINE_MAX = 1 << 20
 HOST_POOLS = ("shm", "cpu")  # pool devices a payload may as well land beside, in the heap

@@ -41,7 +41,7 @@ from typing import Any, Literal, cast
 import torch
 
 from disagg_core.spec.model import POOL_DEVICES, PoolDevice
-from disagg_runtime.allocator import AllocatorError, BuddyAllocator
+from disagg_runtime.memory.allocator import AllocatorError, BuddyAllocator
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"

@@ -28,13 +28,13 @@ from typing import Any, cast
 
 import torch
 
-from disagg_runtime import codec
-from disagg_runtime.copies import new_stream
-from disagg_runtime.pool import Pool, PoolError
-from disagg_runtime.relay import cuda_ipc
+from disagg_runtime.memory.copies import new_stream
+from disagg_runtime.memory.pool import Pool, PoolError
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.backends import cuda_ipc
 from disagg_runtime.relay.landing import Host, Landing, Memory
 from disagg_runtime.relay.ledger import Message, Reservation
+from disagg_runtime.wire import codec
 
 log = logging.getLogger(__name__)
 SPIN_S = 0.005  # covers a device-to-device copy of several GiB before deferring

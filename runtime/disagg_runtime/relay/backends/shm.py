@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime.layout import write_tensors
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing, PoolError, attach_backing
+from disagg_runtime.memory.layout import write_tensors
+from disagg_runtime.memory.pool import Backing, PoolError, attach_backing
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import SPARE_MAX, Grant, Sender
+from disagg_runtime.wire.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

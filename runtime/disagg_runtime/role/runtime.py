@@ -50,22 +50,14 @@ from typing import Any
 
 from disagg_core.compat import Compat, default_token
 from disagg_core.contract import RoleConfig
-from disagg_runtime import dispatch, envelope
-from disagg_runtime.batching import BatchCancelled, BatchTimeout
-from disagg_runtime.envelope import Meta
-from disagg_runtime.handler import Handler as LoadedHandler
-from disagg_runtime.handler import HandlerError, Runner, SetupContext, default_device, load
-from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
-from disagg_runtime.peers import (
-    RESOLVE_EVERY,
-    NoCompatibleReplica,
-    PeerSet,
-    PeersFile,
-    RelayCache,
-    Resolver,
-    resolve_dns,
+from disagg_runtime.memory.pool import (
+    Pool,
+    PoolError,
+    reclaim_stale,
+    shm_name,
+    shm_namespace,
+    shm_prefix,
 )
-from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_namespace, shm_prefix
 from disagg_runtime.relay import (
     Ingress,
     Message,
@@ -77,6 +69,22 @@ from disagg_runtime.relay import (
 )
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
+from disagg_runtime.role.batching import BatchCancelled, BatchTimeout
+from disagg_runtime.role.handler import Handler as LoadedHandler
+from disagg_runtime.role.handler import HandlerError, Runner, SetupContext, default_device, load
+from disagg_runtime.role.metrics import HealthServer, RoleMetrics, RoleSample
+from disagg_runtime.routing import dispatch
+from disagg_runtime.routing.peers import (
+    RESOLVE_EVERY,
+    NoCompatibleReplica,
+    PeerSet,
+    PeersFile,
+    RelayCache,
+    Resolver,
+    resolve_dns,
+)
+from disagg_runtime.wire import envelope
+from disagg_runtime.wire.envelope import Meta
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)

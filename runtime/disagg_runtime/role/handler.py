@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_runtime.batching import Batcher
+from disagg_runtime.role.batching import Batcher
 
 
 class HandlerError(ValueError):

@@ -49,14 +49,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import torch
 
-from disagg_runtime.copies import new_event, new_stream
-from disagg_runtime.layout import write_tensors
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing, cuda_unavailable_reason
+from disagg_runtime.memory.copies import new_event, new_stream
+from disagg_runtime.memory.layout import write_tensors
+from disagg_runtime.memory.pool import Backing, cuda_unavailable_reason
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.backends.shm import ShmSender
 from disagg_runtime.relay.errors import RelayError
 from disagg_runtime.relay.registry import Backend
-from disagg_runtime.relay.shm import ShmSender
+from disagg_runtime.wire.manifest import Manifest
 
 if TYPE_CHECKING:
     from disagg_runtime.relay.landing import Host, Landing
@@ -388,7 +388,7 @@ class CudaIpcSender(ShmSender):
 
 
 def _landing(host: Host) -> Landing:
-    from disagg_runtime.relay.cuda_landing import CudaIpcLanding  # it imports this module
+    from disagg_runtime.relay.backends.cuda_landing import CudaIpcLanding  # it imports this module
 
     return CudaIpcLanding(host)
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from disagg_runtime import codec
-from disagg_runtime.codec import CodecError, tensor_from_buffer, unflatten
-from disagg_runtime.copies import Fence, copy_async, to_device
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing
+from disagg_runtime.memory.copies import Fence, copy_async, to_device
+from disagg_runtime.memory.pool import Backing
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.codec import CodecError, tensor_from_buffer, unflatten
+from disagg_runtime.wire.manifest import Manifest
 
 
 def slot_views(backing: Backing, slot: int, manifest: Manifest) -> list[torch.Tensor]:
