@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from disagg_core.spec.model import Autoscaling
+from disagg_core.spec import Autoscaling
 
 STALE_AFTER_S = 30.0
 # The role metrics the algorithm reads (runtime/disagg_runtime/metrics.py exports them):

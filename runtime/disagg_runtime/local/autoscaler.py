@@ -23,7 +23,7 @@ from disagg_core.autoscale import (
     policy_of,
     signals,
 )
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline
 from disagg_runtime.local.supervisor import HOST, LocalPipeline
 from disagg_runtime.role.metrics import fetch, scrape
 

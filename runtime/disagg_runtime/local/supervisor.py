@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from disagg_core import placement
 from disagg_core.contract import ENV, Peer, RoleConfig, render_env, write_topology
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline
 from disagg_runtime.client import Client
 from disagg_runtime.local.rundir import RunDir, open_run
 from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix

@@ -40,7 +40,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from disagg_core.spec.model import POOL_DEVICES, PoolDevice
+from disagg_core.spec import POOL_DEVICES, PoolDevice
 from disagg_runtime.memory.allocator import AllocatorError, BuddyAllocator
 
 SHM_DIR = "/dev/shm"

@@ -51,12 +51,13 @@ from typing import Any
 import zmq
 
 from disagg_core.compat import Compat
+from disagg_runtime.memory.intake import memory_for
 from disagg_runtime.memory.layout import buffer_tensors, read_payload
-from disagg_runtime.memory.pool import Pool
+from disagg_runtime.memory.pool import Pool, PoolError
 from disagg_runtime.relay import auth, inline_wire, lane, registry
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
-from disagg_runtime.relay.landing import Chunked, Landing, chunk_count, chunk_targets, memory_for
+from disagg_runtime.relay.landing import Chunked, Landing, chunk_count, chunk_targets
 from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, Reservation, SlotLedger
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.codec import unflatten
@@ -303,7 +304,8 @@ class Ingress:
             os.write(self._wake_w, b"x")
 
     def _release(self, msg: Message) -> None:
-        self.memory.before_release(msg)
+        if msg.slot is not None and not msg.released:
+            self.memory.before_release()
         if not self._ledger.release(msg):
             return
         if threading.get_ident() == self._thread.ident:
@@ -925,7 +927,10 @@ class Ingress:
                 chunk = proto.nonneg_int(msg, "chunk")
                 count = chunk_count(manifest, chunk)
                 if count:
-                    self.memory.prepare_chunks(chunk)
+                    try:
+                        self.memory.prepare_chunks(chunk)
+                    except PoolError as exc:
+                        raise proto.ProtocolError(str(exc)) from None
                     targets = chunk_targets(slot, manifest, chunk)
                     deadline = time.monotonic() + self.lease_s
                     self._chunked[ident] = Chunked(

@@ -14,15 +14,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from disagg_core import relays
 from disagg_core.compat import Compat
 from disagg_runtime.relay.errors import RelayError
+from disagg_runtime.relay.landing import Host, Landing
 from disagg_runtime.wire.load import View
-
-if TYPE_CHECKING:
-    from disagg_runtime.relay.landing import Host, Landing
 
 
 class Relay(Protocol):

@@ -34,7 +34,7 @@ def test_backends_are_imported_on_first_use_only() -> None:
         "import sys\n"
         "import disagg_runtime.relay as r\n"
         "assert 'disagg_runtime.relay.backends.cuda_ipc' not in sys.modules, 'eager'\n"
-        "assert 'disagg_runtime.relay.backends.cuda_landing' not in sys.modules, 'eager'\n"
+        "assert 'disagg_runtime.relay.backends.cuda_ipc.land' not in sys.modules, 'eager'\n"
         "assert 'disagg_runtime.relay.backends.nixl' not in sys.modules, 'eager'\n"
         "assert 'nixl' not in sys.modules, 'eager'\n"
         "r.registry.backend('cuda-ipc')\n"

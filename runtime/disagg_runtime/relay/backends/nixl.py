@@ -43,20 +43,17 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from disagg_runtime.memory.layout import host_tensor
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
-from disagg_runtime.relay.landing import Landing
+from disagg_runtime.relay.landing import Host, Landing
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import Sender
 from disagg_runtime.wire.manifest import Manifest
-
-if TYPE_CHECKING:
-    from disagg_runtime.relay.landing import Host
 
 log = logging.getLogger(__name__)
 NEEDS = "the nixl package with its UCX plugin (pip install 'disagg[nixl]')"
