@@ -552,9 +552,9 @@ def test_lane_prefixes_from_strangers_allocate_nothing_and_idle_lanes_are_closed
 
 
 def lane_hello_s() -> float:
-    from disagg_runtime.relay import ingress
+    from disagg_runtime.relay.ingress import lanes
 
-    return ingress.LANE_HELLO_S
+    return lanes.LANE_HELLO_S
 
 
 def test_inline_payloads_are_held_within_a_budget_and_stall_their_sender(rig: Rig) -> None:
