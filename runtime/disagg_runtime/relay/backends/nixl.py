@@ -52,7 +52,7 @@ from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.landing import Host, Landing
 from disagg_runtime.relay.registry import Backend
-from disagg_runtime.relay.sender import Sender
+from disagg_runtime.relay.sender import Sender, Transfer
 from disagg_runtime.wire.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -361,15 +361,9 @@ class NixlSender(Sender):
             raise RelayError(f"cannot load the NIXL metadata of {self.endpoint}: {exc}") from None
         self._offer = offer
 
-    def _transfer(
-        self,
-        commit: bytes,
-        xid: int,
-        offset: int,
-        manifest: Manifest,
-        tensors: list[torch.Tensor],
-        write_by: float,
-    ) -> None:
+    def _transfer(self, transfer: Transfer) -> None:
+        commit, xid, offset = transfer.commit, transfer.xid, transfer.offset
+        manifest, tensors, write_by = transfer.manifest, transfer.tensors, transfer.write_by
         offer, remote = self._offer, self._remote
         assert offer is not None and remote is not None  # set by the handshake
         self._check_grant(xid, offset, manifest.nbytes, offer.size)

@@ -39,11 +39,12 @@ from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import (
     CHUNK_BYTES,
-    INLINE_THRESHOLD,
     ZERO_COPY_MIN,
     Grant,
     Sender,
+    Transfer,
 )
+from disagg_runtime.relay.session import INLINE_THRESHOLD
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.manifest import Manifest
 
@@ -86,16 +87,9 @@ class TcpSender(Sender):
     def inline_limit(self, welcome: dict[str, Any]) -> int:
         return inline_limit(welcome.get("pool_device"))
 
-    def _transfer(
-        self,
-        commit: bytes,
-        xid: int,
-        offset: int,
-        manifest: Manifest,
-        tensors: list[torch.Tensor],
-        write_by: float,
-    ) -> None:
-        self._check_lease(xid, write_by)
+    def _transfer(self, transfer: Transfer) -> None:
+        commit, manifest, tensors = transfer.commit, transfer.manifest, transfer.tensors
+        self._check_lease(transfer.xid, transfer.write_by)
         chunks: list[memoryview] = []
         for tensor in self._host_tensors(manifest, tensors):
             raw = codec.tensor_bytes(tensor)

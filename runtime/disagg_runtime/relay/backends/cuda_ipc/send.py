@@ -19,7 +19,7 @@ from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.backends.cuda_ipc import handles
 from disagg_runtime.relay.backends.shm import ShmSender
 from disagg_runtime.relay.errors import RelayError
-from disagg_runtime.wire.manifest import Manifest
+from disagg_runtime.relay.sender import Transfer
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +98,11 @@ class CudaIpcSender(ShmSender):
         from the shared-memory path, whose spares are measured)."""
         return 0 if self._mapped is not None else super()._spare_limit()
 
-    def _transfer(
-        self,
-        commit: bytes,
-        xid: int,
-        offset: int,
-        manifest: Manifest,
-        tensors: list[torch.Tensor],
-        write_by: float,
-    ) -> None:
+    def _transfer(self, transfer: Transfer) -> None:
+        commit, xid, offset = transfer.commit, transfer.xid, transfer.offset
+        manifest, tensors, write_by = transfer.manifest, transfer.tensors, transfer.write_by
         if self._mapped is None or self._stream is None or self._event is None:
-            super()._transfer(commit, xid, offset, manifest, tensors, write_by)
+            super()._transfer(transfer)
             return
         if offset + manifest.nbytes > self._mapped.size:
             raise RelayError(f"receiver at {self.endpoint} granted a slot outside its pool")
