@@ -387,3 +387,21 @@ def test_scrape_keeps_extra_labels_sorted_and_escaped():
 def test_scrape_rejects_garbage():
     with pytest.raises(ValueError):
         scrape("this is { not prometheus\n")
+
+
+def test_the_docstring_table_names_every_registered_family_and_its_type(
+    metrics: RoleMetrics,
+) -> None:
+    """The module docstring's table is the operator <-> runtime contract: it lists exactly
+    the families a role registers, each with its type."""
+    import re
+
+    from disagg_runtime.role import metrics as module
+
+    doc = module.__doc__ or ""
+    table = dict(re.findall(r"^``(disagg_[a-z_]+)``\s+(gauge|counter|histogram)\b", doc, re.M))
+    registered = {
+        family.name + ("_total" if family.type == "counter" else ""): family.type
+        for family in metrics.registry.collect()
+    }
+    assert table == registered
