@@ -36,7 +36,7 @@ from disagg_core.spec import load_pipeline_file
 from disagg_runtime.client import Client
 from disagg_runtime.gateway import native, upload
 from disagg_runtime.gateway import token as token_mod
-from disagg_runtime.gateway.app import Gateway, Settings
+from disagg_runtime.gateway.app import GatewayApp, Settings
 from disagg_runtime.gateway.server import Server, gateway_for
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.local.supervisor import LocalPipeline
@@ -54,7 +54,7 @@ wait_until = functools.partial(support.wait_until, timeout=WAIT)
 class Served:
     """A gateway on its own event-loop thread."""
 
-    def __init__(self, gateway: Gateway, unix: str | None = None) -> None:
+    def __init__(self, gateway: GatewayApp, unix: str | None = None) -> None:
         self.gateway = gateway
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

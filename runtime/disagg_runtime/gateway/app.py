@@ -43,7 +43,7 @@ from disagg_runtime.client import (
     UploadExpired,
 )
 from disagg_runtime.gateway import native, openai, openapi, sse, upload
-from disagg_runtime.gateway.bridge import Pipeline
+from disagg_runtime.gateway.bridge import Bridge
 from disagg_runtime.gateway.metrics import GatewayMetrics
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.wire import codec
@@ -125,12 +125,12 @@ def _nothing() -> None:
 
 
 @dataclass
-class Gateway:
-    """Routes over one `Pipeline` bridge; `ready` says why the gateway cannot serve ("":
+class GatewayApp:
+    """Routes over one `Bridge` (to the pipeline); `ready` says why the gateway cannot serve ("":
     it can)."""
 
     settings: Settings
-    pipeline: Pipeline
+    pipeline: Bridge
     ready: Callable[[], Awaitable[str]]
     metrics: GatewayMetrics = field(init=False)
     arena: upload.Arena = field(init=False)

@@ -40,7 +40,7 @@ def _release_late(work: Future[Reserved | None]) -> None:
         reserved.release()
 
 
-class Pipeline:
+class Bridge:
     """Submit to the entry roles from async code; `client` is shared by all requests."""
 
     def __init__(self, client: Client) -> None:

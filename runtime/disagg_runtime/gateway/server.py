@@ -21,8 +21,8 @@ from aiohttp import web
 
 from disagg_core.contract import ContractError, GatewayConfig, parse_gateway_env
 from disagg_runtime.client import Client
-from disagg_runtime.gateway.app import READY_CACHE_S, Gateway, Settings
-from disagg_runtime.gateway.bridge import Pipeline
+from disagg_runtime.gateway.app import READY_CACHE_S, GatewayApp, Settings
+from disagg_runtime.gateway.bridge import Bridge
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
 from disagg_runtime.relay.auth import PeerKeyError, read_key
@@ -104,15 +104,15 @@ def _probe(peers: PeerSet, key: bytes) -> str:
     return problem
 
 
-def gateway_for(client: Client, settings: Settings) -> Gateway:
-    return Gateway(settings=settings, pipeline=Pipeline(client), ready=entries_ready(client))
+def gateway_for(client: Client, settings: Settings) -> GatewayApp:
+    return GatewayApp(settings=settings, pipeline=Bridge(client), ready=entries_ready(client))
 
 
 class Server:
-    """An aiohttp server for one `Gateway` on the running loop; with `unix`, on that Unix
+    """An aiohttp server for one `GatewayApp` on the running loop; with `unix`, on that Unix
     socket too (a sidecar or a local client: no TCP stack between them)."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int, unix: str | None = None) -> None:
+    def __init__(self, gateway: GatewayApp, host: str, port: int, unix: str | None = None) -> None:
         self.gateway = gateway
         self.host = host
         self.port = port
@@ -139,7 +139,7 @@ class Server:
 
 
 async def serve_until(
-    gateway: Gateway,
+    gateway: GatewayApp,
     host: str,
     port: int,
     *,

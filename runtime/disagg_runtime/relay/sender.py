@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 import zmq
 
-from disagg_runtime.memory.layout import Placement
+from disagg_runtime.memory.layout import SlotPlan
 from disagg_runtime.relay import inline_wire, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
@@ -197,7 +197,7 @@ class Sender(Link):
         self,
         rid: str,
         tree: Any,
-        placed: Placement,
+        placed: SlotPlan,
         tensors: list[torch.Tensor],
         meta: Mapping[str, Any] | None,
     ) -> tuple[bytearray, int]:
@@ -221,7 +221,7 @@ class Sender(Link):
         self,
         rid: str,
         manifest: Manifest,
-        placed: Placement,
+        placed: SlotPlan,
         tensors: list[torch.Tensor],
         deadline: float,
         meta: Mapping[str, Any] | None,
@@ -259,7 +259,7 @@ class Sender(Link):
         xid: int,
         offset: int,
         manifest: Manifest,
-        placed: Placement,
+        placed: SlotPlan,
         meta: Mapping[str, Any] | None,
         ask: dict[str, int] | None,
     ) -> bytes:
