@@ -40,7 +40,7 @@ from disagg_runtime.gateway.app import GatewayApp, Settings
 from disagg_runtime.gateway.server import Server, gateway_for
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.local.supervisor import LocalPipeline
-from disagg_runtime.role.metrics import fetch, scrape
+from disagg_runtime.role.health import fetch, scrape
 from tests import support
 from tests.support import SecretVolume
 

@@ -20,7 +20,7 @@ from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestFailed
 from disagg_runtime.local import supervisor
 from disagg_runtime.role.handler import Handler, SetupContext
-from disagg_runtime.role.metrics import fetch, scrape
+from disagg_runtime.role.health import fetch, scrape
 from disagg_runtime.role.runtime import RoleRuntime
 from tests.relay_rig import KEY, write_key
 

@@ -31,7 +31,7 @@ from disagg_runtime.client import Client
 from disagg_runtime.local.rundir import start_time
 from disagg_runtime.local.supervisor import free_ports, plan_local
 from disagg_runtime.memory.pool import SHM_DIR, reclaim_stale, shm_prefix
-from disagg_runtime.role.metrics import fetch
+from disagg_runtime.role.health import fetch
 from tests.relay_rig import KEY, write_key
 from tests.support import wait_until
 

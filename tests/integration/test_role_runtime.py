@@ -29,7 +29,7 @@ from disagg_runtime.client import Client, RequestFailed, RequestTimeout
 from disagg_runtime.local import supervisor
 from disagg_runtime.memory.pool import SHM_DIR, Pool
 from disagg_runtime.relay import Ingress, connect
-from disagg_runtime.role.metrics import fetch, scrape
+from disagg_runtime.role.health import fetch, scrape
 from disagg_runtime.role.runtime import Handler, RoleRuntime
 from disagg_runtime.wire import envelope
 from tests.integration import pipeline_handlers as ph

@@ -49,7 +49,7 @@ from disagg_runtime.relay import (
 )
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.auth import PeerKeyError
-from disagg_runtime.role.metrics import fetch, scrape
+from disagg_runtime.role.health import fetch, scrape
 from disagg_runtime.role.runtime import RoleRuntime
 from disagg_runtime.wire.envelope import Meta, Reply
 from tests import support

@@ -46,7 +46,7 @@ from disagg_runtime.bench.transport import format_size, measure_memcpy, parse_si
 from disagg_runtime.client import Client
 from disagg_runtime.gateway import native
 from disagg_runtime.local.supervisor import HOST, LocalPipeline, free_ports
-from disagg_runtime.role.metrics import fetch
+from disagg_runtime.role.health import fetch
 
 SMALL = 4096
 UNIX_SNDBUF = 4 << 20

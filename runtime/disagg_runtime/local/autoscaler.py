@@ -25,7 +25,7 @@ from disagg_core.autoscale import (
 )
 from disagg_core.spec import Pipeline
 from disagg_runtime.local.supervisor import HOST, LocalPipeline
-from disagg_runtime.role.metrics import fetch, scrape
+from disagg_runtime.role.health import fetch, scrape
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from disagg_runtime.client import Client
 from disagg_runtime.local.rundir import RunDir, open_run
 from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
-from disagg_runtime.role.metrics import fetch, scrape
+from disagg_runtime.role.health import fetch, scrape
 from disagg_runtime.routing.peers import FILE_RESOLVE_EVERY, write_peers_file
 
 HOST = "127.0.0.1"

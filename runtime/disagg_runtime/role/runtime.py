@@ -72,7 +72,8 @@ from disagg_runtime.relay.select import relay_kind
 from disagg_runtime.role.batching import BatchCancelled, BatchTimeout
 from disagg_runtime.role.handler import Handler as LoadedHandler
 from disagg_runtime.role.handler import HandlerError, Runner, SetupContext, default_device, load
-from disagg_runtime.role.metrics import HealthServer, RoleMetrics, RoleSample
+from disagg_runtime.role.health import HealthServer
+from disagg_runtime.role.metrics import RoleMetrics, RoleSample
 from disagg_runtime.routing import dispatch
 from disagg_runtime.routing.peers import (
     RESOLVE_EVERY,

@@ -10,15 +10,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from disagg_runtime.role.health import HealthServer, fetch, scrape
 from disagg_runtime.role.metrics import (
     EDGE_BUCKETS,
     FAILURE_REASONS,
-    HealthServer,
     RoleMetrics,
     RoleSample,
-    fetch,
     occupancy,
-    scrape,
 )
 
 GAUGES = (
