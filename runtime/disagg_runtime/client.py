@@ -380,7 +380,7 @@ class Client:
         hashed_roles: Collection[str] = (),
     ) -> None:
         """`dispatch` "load" sends each request to the entry replica whose advertised load
-        is lowest of two (dispatch.py), "hash" by its id; entry roles in `hashed_roles`
+        is lowest of two (routing/dispatch.py), "hash" by its id; entry roles in `hashed_roles`
         (those that join inputs) are always chosen by hash."""
         key = check_key(key) if key is not None else key_from_env()
         self.key = key  # the pipeline's peer key (the gateway's readiness probe proves it)

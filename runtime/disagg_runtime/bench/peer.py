@@ -58,7 +58,7 @@ def serve(
             name = shm_name("bench", "receiver") if pool_device in ("shm", "cpu-pinned") else None
             pool = Pool.create(pool_size, device=pool_device, name=name)
             endpoint = "tcp://127.0.0.1:0"  # as roles bind, whatever the relay
-            # delivered on the ingress's I/O thread, as roles receive (relay/ingress.py)
+            # delivered on the ingress's I/O thread, as roles receive (relay/ingress/)
             ingress = Ingress(
                 endpoint,
                 pool,

@@ -1,5 +1,5 @@
 """How payloads land in the receiver's pool: the parts of the ingress that differ by relay
-kind or by pool memory, apart from its I/O loop (relay/ingress.py).
+kind or by pool memory, apart from its I/O loop (relay/ingress/).
 
 - A `Landing` is one relay kind's receiving side, made (lazily, see relay/registry.py)
   the first time a sender of that kind says hello: extra welcome fields, commits it takes

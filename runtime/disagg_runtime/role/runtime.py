@@ -27,7 +27,7 @@
   the same of the other end. Deadlines are clamped on receipt to the request timeout, so
   no sender can hold a worker longer. Requests waiting for a worker are bounded
   (`max_queue`): beyond it a new request fails at once as `overloaded`.
-- Dispatch (dispatch.py): the ingress advertises this role's load (requests waiting for a
+- Dispatch (routing/dispatch.py): the ingress advertises this role's load (requests waiting for a
   worker, being handled, workers, free pool bytes, draining) to its senders; this role
   sends each new request to the downstream replica its load reports favour, and the
   rest of the request after it. A downstream role that joins inputs (fan-in, tensor

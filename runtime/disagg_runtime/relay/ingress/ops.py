@@ -204,7 +204,7 @@ class Operations(IngressParts):
         chunked.done += 1
         if chunked.error is None:
             got = self._sock.recv_into(self.memory.chunk_buffer(offset, length))
-            if got == 0 < length:  # relay/tcp.py ChunkStream.cut: its source went away
+            if got == 0 < length:  # relay/backends/tcp.py ChunkStream.cut: its source went away
                 chunked.error = f"the sender cut the transfer at chunk {chunked.done - 1}"
             elif got != length:
                 chunked.error = f"chunk {chunked.done - 1}: {got} B, expected {length} B"
