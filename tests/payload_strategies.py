@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from disagg_runtime.codec import DTYPES
+from disagg_runtime.wire.codec import DTYPES
 
 
 @st.composite

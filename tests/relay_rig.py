@@ -19,14 +19,14 @@ import zmq
 
 from disagg_core.contract import Peer, RoleConfig, RoleTopology, Topology
 from disagg_core.spec.model import PoolSettings
-from disagg_runtime.pool import MiB, Pool, shm_name
+from disagg_runtime.memory.pool import MiB, Pool, shm_name
 from disagg_runtime.relay import Ingress, Relay, auth, connect
 from disagg_runtime.relay import protocol as proto
 from tests.payload_checks import assert_bit_exact
 
 KiB = 1 << 10
 KINDS = ["shm", "tcp"]
-# every relay test runs over nixl too where this machine has it (relay/nixl.py)
+# every relay test runs over nixl too where this machine has it (relay/backends/nixl.py)
 # installed but unusable is a failure, not a skip; finding it loads nothing (no agent here)
 NIXL_MISSING = None if importlib.util.find_spec("nixl") else "the nixl package is not installed"
 NIXL = pytest.param(

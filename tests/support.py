@@ -39,6 +39,18 @@ def wait_for(
         time.sleep(interval)
 
 
+def wait_until(
+    predicate: Callable[[], object],
+    timeout: float = WAIT,
+    what: str | Callable[[], str] = "the condition",
+    *,
+    interval: float = 0.05,
+) -> None:
+    """`wait_for` for a predicate whose value is not needed; `what` names the condition
+    (a callable is asked at the timeout, to describe the state then)."""
+    wait_for(predicate, timeout, interval=interval, message=what)
+
+
 def free_port() -> int:
     """A loopback TCP port free right now (the kernel's pick)."""
     with socket.socket() as sock:

@@ -40,10 +40,10 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from disagg_core.spec.model import Autoscaling
+from disagg_core.spec import Autoscaling
 
 STALE_AFTER_S = 30.0
-# The role metrics the algorithm reads (runtime/disagg_runtime/metrics.py exports them):
+# The role metrics the algorithm reads (runtime/disagg_runtime/role/metrics.py exports them):
 OCCUPANCY_METRIC = "disagg_pool_occupancy"
 QUEUE_DEPTH_METRIC = "disagg_queue_depth"
 

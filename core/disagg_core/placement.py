@@ -31,7 +31,7 @@ from disagg_core.contract import (
     Topology,
 )
 from disagg_core.relays import requests_rdma
-from disagg_core.spec.model import Pipeline, RelayKind
+from disagg_core.spec import Pipeline, RelayKind
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,8 +48,7 @@ from disagg_core.autoscale import (
     Sample,
     policy_of,
 )
-from disagg_core.spec.fields import SpecError
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline, SpecError
 from disagg_operator import names, planner, status
 
 MAX_STATUS_DECISIONS: Final = 10

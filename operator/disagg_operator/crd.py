@@ -24,9 +24,8 @@ from typing import Any, Final
 import yaml
 
 from disagg_core import autoscale, compat, quantity, relays
-from disagg_core.spec import limits
+from disagg_core.spec import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE, limits
 from disagg_core.spec import model as m
-from disagg_core.spec.parse import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE
 from disagg_operator import names
 
 Schema = dict[str, Any]

@@ -233,7 +233,7 @@ The runtime reads nothing else from Kubernetes: no API access, no service-accoun
 
 ## Variables
 
-The table `ENV` of `core/disagg_core/contract.py`, from which the operator renders a
+The table `ENV` of `core/disagg_core/contract/role.py`, from which the operator renders a
 container's environment and the runtime parses it (all values are strings):
 """
 
@@ -295,7 +295,7 @@ def contract(example: pathlib.Path, *, shown_as: str) -> str:
         f"{EXAMPLE_NAMESPACE}` prints every object). Its environment:\n"
     )
     parts = [
-        _header("contract", "core/disagg_core/contract.py and the planner"),
+        _header("contract", "core/disagg_core/contract/ and the planner"),
         CONTRACT_INTRO,
         "| variable | default | meaning |",
         "|---|---|---|",
@@ -306,7 +306,7 @@ def contract(example: pathlib.Path, *, shown_as: str) -> str:
         "",
         "## The topology file and the rest of the contract",
         "",
-        "The docstring of `core/disagg_core/contract.py`, verbatim:",
+        "The docstring of `core/disagg_core/contract/__init__.py`, verbatim:",
         "",
         "```text",
         doc.strip("\n"),

@@ -22,7 +22,7 @@ import copy
 from typing import Any, Final
 
 from disagg_core import contract
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline
 from disagg_operator import merge, names, pods
 
 CONTAINER: Final = "gateway"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from disagg_core.spec.model import ANNOTATION_ALLOW_PRIVILEGED, API_VERSION, KIND
+from disagg_core.spec import ANNOTATION_ALLOW_PRIVILEGED, API_VERSION, KIND
 
 GROUP: Final = "disagg.dev"
 VERSION: Final = "v1alpha1"

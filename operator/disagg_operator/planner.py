@@ -140,8 +140,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from disagg_core import contract, placement
-from disagg_core.spec.fields import Problem, SpecError, child
-from disagg_core.spec.model import ColocationGroup, Pipeline, Role
+from disagg_core.spec import ColocationGroup, Pipeline, Problem, Role, SpecError, child
 from disagg_operator import gateway, names, podmonitor, pods
 
 GpuMode = Literal["dra", "device-plugin", "none"]

@@ -1,6 +1,6 @@
 """Reading the role containers' /metrics for the autoscaler.
 
-The series are the runtime's (see `disagg_runtime.metrics`, the contract table):
+The series are the runtime's (see `disagg_runtime.role.metrics`, the contract table):
 `disagg_pool_occupancy` (0..1) and `disagg_queue_depth`. Plain HTTP GETs to pod IPs, at most
 `concurrency` in flight for the whole operator (one `Scraper`; the others wait their turn
 before their clock starts), each bounded by a short total timeout of its own and a body size

@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, Final
 
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline
 from disagg_operator import names, pods
 
 API_VERSION: Final = "monitoring.coreos.com/v1"

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from disagg_core import contract, quantity
-from disagg_core.spec.model import EnvVar, Pipeline, Role
+from disagg_core.spec import EnvVar, Pipeline, Role
 from disagg_operator import merge, names
 
 TOPOLOGY_KEY: Final = os.path.basename(contract.DEFAULT_TOPOLOGY_FILE)  # topology.json

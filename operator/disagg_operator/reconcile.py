@@ -73,9 +73,7 @@ from typing import Any, Final, cast
 import kopf
 
 from disagg_core import spec
-from disagg_core.spec import podpolicy
-from disagg_core.spec.fields import SpecError
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline, SpecError, pod_policy_findings
 from disagg_operator import (
     apply,
     autoscaling,
@@ -313,7 +311,7 @@ class Reconciler:
             state.conflicts = ()
             return await self._finish(body, state, pipeline, None)
         extra = privileged_events(pipeline, state.privileged)
-        state.privileged = tuple(str(p) for p in podpolicy.findings(pipeline))
+        state.privileged = tuple(str(p) for p in pod_policy_findings(pipeline))
         kinds = planner.child_kinds(options)
         others = [k for k in kinds if k not in WORKLOAD_KINDS]
         # the reads, all at once (one round trip: a slow API server costs one wait, not three)
@@ -756,7 +754,7 @@ def peer_key_text(secret: Mapping[str, Any]) -> str:
 def privileged_events(pipeline: Pipeline, warned: Sequence[str]) -> list[Event]:
     """A Warning when the pipeline's opted-in podTemplates weaken its pods in a way not
     warned about before (by this operator process)."""
-    found = [str(problem) for problem in podpolicy.findings(pipeline)]
+    found = [str(problem) for problem in pod_policy_findings(pipeline)]
     if not found or tuple(found) == tuple(warned):
         return []
     message = (

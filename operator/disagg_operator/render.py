@@ -12,7 +12,7 @@ from typing import Any, TextIO
 import yaml
 
 from disagg_core import spec
-from disagg_core.spec.fields import ROOT
+from disagg_core.spec import ROOT
 from disagg_operator import planner
 
 DEFAULT_NAMESPACE = "default"

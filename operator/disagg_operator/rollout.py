@@ -47,7 +47,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from disagg_core.spec.model import ALL_PODS, NO_PODS, ONE_POD, IntOrPercent
+from disagg_core.spec import ALL_PODS, NO_PODS, ONE_POD, IntOrPercent
 
 
 @dataclass(frozen=True)

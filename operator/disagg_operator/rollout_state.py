@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline
 from disagg_operator import names, planner, rollout
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from disagg_core.autoscale import STALE_AFTER_S, Decision, Sample
-from disagg_core.spec.fields import SpecError
+from disagg_core.spec import SpecError
 from disagg_operator import apply, autoscaling, podmetrics, reconcile
 
 DEFAULT_INTERVAL: Final = 15.0  # seconds, the HorizontalPodAutoscaler's sync period

@@ -50,8 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from disagg_core import spec
-from disagg_core.spec.fields import ROOT, SpecError
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import ROOT, Pipeline, SpecError
 from disagg_operator import gateway, names, planner
 
 DEFAULT_PROGRESS_DEADLINE: Final = 600.0  # seconds, like a Deployment's progressDeadlineSeconds

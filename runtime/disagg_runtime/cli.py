@@ -187,9 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return operator_main.run_cli(args)
     if args.command == "role":
-        from disagg_runtime import role
+        from disagg_runtime.role import runtime
 
-        return role.main()
+        return runtime.main()
     if args.command == "gateway":
         from disagg_runtime.gateway import server
 

@@ -37,11 +37,7 @@ from typing import Any
 import torch
 
 from disagg_core.contract import Peer
-from disagg_runtime import envelope
-from disagg_runtime.envelope import Meta, Reply
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.peers import Dedicated, PeerSet, PeersFile, RelayCache, Resolver, resolve_dns
-from disagg_runtime.pool import Pool, shm_name, shm_namespace
+from disagg_runtime.memory.pool import Pool, shm_name, shm_namespace
 from disagg_runtime.relay import (
     Ingress,
     Message,
@@ -52,9 +48,20 @@ from disagg_runtime.relay import (
     Unanswered,
 )
 from disagg_runtime.relay.auth import check_key, key_from_env
+from disagg_runtime.relay.backends.tcp import chunk_plan
 from disagg_runtime.relay.errors import NeverFits
 from disagg_runtime.relay.sender import Grant
-from disagg_runtime.relay.tcp import chunk_plan
+from disagg_runtime.routing.peers import (
+    Dedicated,
+    PeerSet,
+    PeersFile,
+    RelayCache,
+    Resolver,
+    resolve_dns,
+)
+from disagg_runtime.wire import envelope
+from disagg_runtime.wire.envelope import Meta, Reply
+from disagg_runtime.wire.manifest import Manifest
 
 _END = object()
 EXPIRE_EVERY_S = 0.1  # how often requests past their deadline are failed
@@ -384,7 +391,7 @@ class Client:
         hashed_roles: Collection[str] = (),
     ) -> None:
         """`dispatch` "load" sends each request to the entry replica whose advertised load
-        is lowest of two (dispatch.py), "hash" by its id; entry roles in `hashed_roles`
+        is lowest of two (routing/dispatch.py), "hash" by its id; entry roles in `hashed_roles`
         (those that join inputs) are always chosen by hash."""
         key = check_key(key) if key is not None else key_from_env()
         self.key = key  # the pipeline's peer key (the gateway's readiness probe proves it)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
+from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX
 from tests.e2e_local.local_cluster import LocalCluster
 from tests.k8s.node import node as node_module
 from tests.k8s.node.network import can_create_namespaces

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime.pool import Pool, shm_name
+from disagg_runtime.memory.pool import Pool, shm_name
 from disagg_runtime.relay import Ingress, Message
 
 # -- payloads ------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ if [ -n "$missing" ]; then
   fi
 fi
 export PYTHONPATH="$ROOT/core:$ROOT/runtime:$ROOT/operator${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c 'import torch, zmq, disagg_runtime.relay.cuda_ipc as c
+"$PY" -c 'import torch, zmq, disagg_runtime.relay.backends.cuda_ipc.handles as c
 print("pyzmq", zmq.__version__, "| cuda-ipc:", c.unavailable_reason() or "possible")' || exit 2
 
 say "GPU tests"

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_runtime.copies import new_event, new_stream, to_device
-from disagg_runtime.layout import plan, read_payload, write_tensors
-from disagg_runtime.pool import MiB, Pool, shm_name
+from disagg_runtime.memory.copies import new_event, new_stream, to_device
+from disagg_runtime.memory.layout import plan, read_payload, write_tensors
+from disagg_runtime.memory.pool import MiB, Pool, shm_name
 from tests.gpu import gpu_peer as peer
 
 pytestmark = pytest.mark.gpu

@@ -16,10 +16,10 @@ import pytest
 import torch
 import zmq
 
-from disagg_runtime.pool import MiB
+from disagg_runtime.memory.pool import MiB
 from disagg_runtime.relay import Relay, RelayError, auth, connect
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.cuda_ipc import CudaIpcSender
+from disagg_runtime.relay.backends.cuda_ipc.send import CudaIpcSender
 from disagg_runtime.relay.select import relay_kind
 from tests.gpu import gpu_peer as peer
 from tests.gpu.test_gpu_pools import SLEEP_CYCLES, report
@@ -239,7 +239,7 @@ def test_cuda_ipc_to_a_host_pool_falls_back_to_its_shared_memory(
     remote: peer.Peer, senders: list[Relay], caplog: pytest.LogCaptureFixture
 ) -> None:
     rx = rig(remote, "cpu-pinned", size=64 * MiB)
-    with caplog.at_level(logging.WARNING, logger="disagg_runtime.relay.cuda_ipc"):
+    with caplog.at_level(logging.WARNING, logger="disagg_runtime.relay.backends.cuda_ipc.send"):
         relay = open_relay(senders, "cuda-ipc", rx["endpoint"])
     assert isinstance(relay, CudaIpcSender) and relay.mode == "shm"
     assert any("cpu-pinned memory" in r.getMessage() for r in caplog.records)

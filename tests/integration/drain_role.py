@@ -7,7 +7,7 @@ import logging
 import sys
 
 from disagg_core.contract import from_environ
-from disagg_runtime.role import RoleRuntime
+from disagg_runtime.role.runtime import RoleRuntime
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -15,9 +15,10 @@ import time
 
 import torch
 
-from disagg_runtime.pool import MiB, Pool
-from disagg_runtime.relay import Ingress, Message, connect, nixl
+from disagg_runtime.memory.pool import MiB, Pool
+from disagg_runtime.relay import Ingress, Message, connect
 from disagg_runtime.relay.auth import read_key
+from disagg_runtime.relay.backends import nixl
 
 
 def send(endpoint: str, key: bytes, name: str, count: int, nbytes: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import http.client
 import json
 import os
@@ -35,23 +36,25 @@ from disagg_core.spec import load_pipeline_file
 from disagg_runtime.client import Client
 from disagg_runtime.gateway import native, upload
 from disagg_runtime.gateway import token as token_mod
-from disagg_runtime.gateway.app import Gateway, Settings
+from disagg_runtime.gateway.app import GatewayApp, Settings
 from disagg_runtime.gateway.server import Server, gateway_for
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.local.supervisor import LocalPipeline
-from disagg_runtime.metrics import fetch, scrape
+from disagg_runtime.role.health import fetch, scrape
+from tests import support
 from tests.support import SecretVolume
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 BIG = 64 * 1024  # float32 elements: 256 KiB, staged through the pools
 WAIT = 20.0
+wait_until = functools.partial(support.wait_until, timeout=WAIT)
 
 
 class Served:
     """A gateway on its own event-loop thread."""
 
-    def __init__(self, gateway: Gateway, unix: str | None = None) -> None:
+    def __init__(self, gateway: GatewayApp, unix: str | None = None) -> None:
         self.gateway = gateway
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -65,14 +68,6 @@ class Served:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = WAIT, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

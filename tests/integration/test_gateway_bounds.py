@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from disagg_runtime.gateway import limits, openai
-from disagg_runtime.gateway.app import Gateway, Settings
+from disagg_runtime.gateway.app import GatewayApp, Settings
 from disagg_runtime.gateway.server import Server
 
 MODEL = "m"
@@ -49,7 +49,8 @@ async def always_ready() -> str:
 
 class Served:
     def __init__(self, settings: Settings, pipeline: Scripted | None = None) -> None:
-        gateway = Gateway(settings=settings, pipeline=pipeline or Scripted(), ready=always_ready)  # type: ignore[arg-type]
+        scripted = pipeline or Scripted()
+        gateway = GatewayApp(settings=settings, pipeline=scripted, ready=always_ready)  # type: ignore[arg-type]
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -18,10 +18,10 @@ from disagg_core import contract
 from disagg_core.contract import Peer
 from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestFailed
-from disagg_runtime.handler import Handler, SetupContext
 from disagg_runtime.local import supervisor
-from disagg_runtime.metrics import fetch, scrape
-from disagg_runtime.role import RoleRuntime
+from disagg_runtime.role.handler import Handler, SetupContext
+from disagg_runtime.role.health import fetch, scrape
+from disagg_runtime.role.runtime import RoleRuntime
 from tests.relay_rig import KEY, write_key
 
 

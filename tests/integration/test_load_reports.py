@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from disagg_runtime.dispatch import Load
 from disagg_runtime.relay import Ingress, RelayError
+from disagg_runtime.routing.dispatch import Load
 from tests.relay_rig import KINDS, WAIT, Rig, large_payload, small_payload
 from tests.support import wait_for
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagg_runtime.pool import MiB
+from disagg_runtime.memory.pool import MiB
 from disagg_runtime.relay import Ingress, RelayError, connect
 from tests.relay_rig import KEY, NIXL_MISSING, WAIT, Rig, write_key
 from tests.support import REPO, wait_for
@@ -138,7 +138,7 @@ def test_a_receiver_without_nixl_says_so_in_its_welcome(tmp_path: Path, keyfile:
 def test_writes_outside_the_registered_pool_are_refused_by_nixl(rig: Rig) -> None:
     """The one-sided WRITE is bounded by what the receiver registered, whatever a sender
     asks for: NIXL finds no registration that covers it."""
-    from disagg_runtime.relay import nixl
+    from disagg_runtime.relay.backends import nixl
 
     ingress: Ingress = rig.ingress("nixl", size=4 * MiB)
     rig.sender("nixl", ingress)  # the pool is registered at the first nixl hello

@@ -15,7 +15,7 @@ import pytest
 CHILD = textwrap.dedent(
     """
     import sys
-    from disagg_runtime import pool
+    from disagg_runtime.memory import pool
     pool.SHM_DIR = sys.argv[1]
     try:
         backing = pool.create_backing("shm", int(sys.argv[2]), name="disagg-test-reserve")

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_runtime.layout import PLANNED_SIGNATURES
-from disagg_runtime.pool import MiB
+from disagg_runtime.memory.layout import PLANNED_SIGNATURES
+from disagg_runtime.memory.pool import MiB
 from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.sender import Sender
@@ -339,8 +339,8 @@ def test_shm_senders_commit_in_binary_where_offered_and_in_json_otherwise(
     sender = rig.sender("shm", ingress)
     assert isinstance(sender, Sender)
     wait_for(lambda: ingress.stats().lanes == 1)
-    assert sender._commit_wire  # the welcome offered it
-    sender._commit_wire = binary  # False: as a sender from before commit_wire
+    assert sender.session.commit_wire  # the welcome offered it
+    sender.session.commit_wire = binary  # False: as a sender from before commit_wire
     payloads = [large_payload(i) if i % 2 else filled(MiB + i) for i in range(6)]
     for i, payload in enumerate(payloads):  # back to back: spares are asked for and used
         sender.send(payload, request_id=f"c{i}", meta={"i": i})
@@ -454,7 +454,7 @@ def test_senders_write_binary_inline_headers_and_every_layout_and_meta_arrives(r
     sender = rig.sender("shm", ingress)
     assert isinstance(sender, Sender)
     wait_for(lambda: ingress.stats().lanes == 1)
-    assert sender._inline_wire  # the welcome offered it
+    assert sender.session.inline_wire  # the welcome offered it
     # more layouts than either end keeps, then the first ones again
     sizes = [*range(1, max(inline_wire.LAYOUT_CACHE_ENTRIES, PLANNED_SIGNATURES) + 6), 1, 2, 3]
     for i, n in enumerate(sizes):

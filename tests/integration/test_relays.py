@@ -16,10 +16,8 @@ import pytest
 import torch
 import zmq
 
-from disagg_runtime.codec import encode_header
-from disagg_runtime.layout import plan
-from disagg_runtime.peers import RelayCache
-from disagg_runtime.pool import SHM_DIR, SHM_PREFIX, MiB
+from disagg_runtime.memory.layout import plan
+from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, MiB
 from disagg_runtime.relay import (
     Message,
     PeerLost,
@@ -31,9 +29,12 @@ from disagg_runtime.relay import (
     connect,
 )
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.sender import INLINE_THRESHOLD, Sender
-from disagg_runtime.relay.tcp import TCP_INLINE_MAX
-from disagg_runtime.relay.tcp import inline_limit as tcp_inline_limit
+from disagg_runtime.relay.backends.tcp import TCP_INLINE_MAX
+from disagg_runtime.relay.backends.tcp import inline_limit as tcp_inline_limit
+from disagg_runtime.relay.sender import Sender, Transfer
+from disagg_runtime.relay.session import INLINE_THRESHOLD
+from disagg_runtime.routing.peers import RelayCache
+from disagg_runtime.wire.codec import encode_header
 from tests.payload_checks import assert_bit_exact, tensors_of
 from tests.relay_rig import (
     KEY,
@@ -949,7 +950,7 @@ def test_a_grant_outside_the_pool_is_cancelled_and_nothing_is_written(rig: Rig, 
         xid, offset, write_by = sender._reserve("r", manifest.nbytes, time.monotonic() + WAIT)
         assert ingress.stats().pool_used > 0
         with pytest.raises(RelayError, match="outside its pool; not written"):
-            sender._transfer(b"", xid, end, manifest, tensors, write_by)
+            sender._transfer(Transfer(xid, end, manifest, tensors, write_by, b""))
     wait_for(lambda: ingress.stats().pool_used == 0)  # the grant was cancelled
     assert not ingress.pool.backing.tensor[offset : offset + MiB].any()  # nor written there
     payload = small_payload(1) | {"big": torch.ones(MiB, dtype=torch.uint8)}

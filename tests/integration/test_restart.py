@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,9 +30,10 @@ from disagg_core.spec import load_pipeline_file
 from disagg_runtime.client import Client
 from disagg_runtime.local.rundir import start_time
 from disagg_runtime.local.supervisor import free_ports, plan_local
-from disagg_runtime.metrics import fetch
-from disagg_runtime.pool import SHM_DIR, reclaim_stale, shm_prefix
+from disagg_runtime.memory.pool import SHM_DIR, reclaim_stale, shm_prefix
+from disagg_runtime.role.health import fetch
 from tests.relay_rig import KEY, write_key
+from tests.support import wait_until
 
 HERE = Path(__file__).resolve().parent
 PIPELINE = load_pipeline_file(HERE / "pipelines" / "restart.yaml")
@@ -58,14 +58,6 @@ def _unshare_refused() -> str | None:
 
 
 needs_unshare = pytest.mark.skipif(bool(_unshare_refused()), reason=str(_unshare_refused()))
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
 
 
 def gone(pid: int) -> bool:
@@ -141,7 +133,7 @@ def start_role(tmp_path: Path) -> Iterator[Callable[..., Incarnation]]:
             inc.proc.kill()
             inc.proc.wait(timeout=30)
             if pid is not None:  # gone (or a zombie): its lock on the pool is released
-                wait_until(functools.partial(gone, pid), f"role pid {pid} gone")
+                wait_until(functools.partial(gone, pid), timeout=WAIT, what=f"role pid {pid} gone")
     # pid 1 is always alive to the suite's leak check: leave nothing behind here
     reclaim_stale(PREFIX, why=None)
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
@@ -177,7 +169,7 @@ def test_role_as_pid_1_sigkilled_and_restarted_reclaims_its_pool_and_serves(
     start_role: Callable[..., Incarnation],
 ) -> None:
     first = start_role()
-    wait_until(first.ready, f"first incarnation ready:\n{first.output()}")
+    wait_until(first.ready, timeout=WAIT, what=f"first incarnation ready:\n{first.output()}")
     stale = segment_inode()
     assert stale is not None, f"the role as PID 1 names its pool {NAME}"
     serve_one(first.config)
@@ -189,7 +181,8 @@ def test_role_as_pid_1_sigkilled_and_restarted_reclaims_its_pool_and_serves(
     second = start_role()
     wait_until(
         lambda: second.ready() or second.proc.poll() is not None,
-        f"second incarnation ready:\n{second.output()}",
+        timeout=WAIT,
+        what=f"second incarnation ready:\n{second.output()}",
     )
     assert second.proc.poll() is None, f"the restarted role died:\n{second.output()}"
     assert "FileExistsError" not in second.output()
@@ -207,7 +200,7 @@ def test_live_owner_of_the_name_is_not_robbed(start_role: Callable[..., Incarnat
     """Two live PID 1s with the same pool name (same pipeline, role, replica) on one
     /dev/shm: the second refuses to start, naming the owner; the first keeps serving."""
     owner = start_role()
-    wait_until(owner.ready, f"owner ready:\n{owner.output()}")
+    wait_until(owner.ready, timeout=WAIT, what=f"owner ready:\n{owner.output()}")
     inode = segment_inode()
 
     intruder = start_role()
@@ -233,7 +226,9 @@ def test_restart_with_another_pid_frees_the_dead_incarnations_pool(
     os.close(fd)
     try:
         role = start_role(namespaced=False)
-        wait_until(lambda: role.ready() or role.proc.poll() is not None, "role ready")
+        wait_until(
+            lambda: role.ready() or role.proc.poll() is not None, timeout=WAIT, what="role ready"
+        )
         assert role.proc.poll() is None, role.output()
         assert not os.path.exists(stale)
         assert f"reclaimed shared-memory pool {os.path.basename(stale)}" in role.output()

@@ -21,7 +21,7 @@ from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestFailed
 from disagg_runtime.local import supervisor
 from disagg_runtime.relay import RelayError
-from disagg_runtime.role import RoleRuntime
+from disagg_runtime.role.runtime import RoleRuntime
 from tests.integration.handler_pipelines import pipeline_doc
 from tests.relay_rig import KEY, Rig, write_key
 from tests.support import wait_for

@@ -25,13 +25,13 @@ import torch
 from disagg_core import contract
 from disagg_core.contract import Peer
 from disagg_core.spec import parse_pipeline
-from disagg_runtime import envelope
 from disagg_runtime.client import Client, RequestFailed, RequestTimeout
 from disagg_runtime.local import supervisor
-from disagg_runtime.metrics import fetch, scrape
-from disagg_runtime.pool import SHM_DIR, Pool
+from disagg_runtime.memory.pool import SHM_DIR, Pool
 from disagg_runtime.relay import Ingress, connect
-from disagg_runtime.role import Handler, RoleRuntime
+from disagg_runtime.role.health import fetch, scrape
+from disagg_runtime.role.runtime import Handler, RoleRuntime
+from disagg_runtime.wire import envelope
 from tests.integration import pipeline_handlers as ph
 from tests.integration.handler_pipelines import pipeline_doc
 from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,8 @@ from disagg_core import contract
 from disagg_core.contract import Peer
 from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestOverloaded
-from disagg_runtime.envelope import Meta, Reply
 from disagg_runtime.local import supervisor
-from disagg_runtime.metrics import fetch, scrape
-from disagg_runtime.pool import SHM_DIR, MiB, Pool, shm_name
+from disagg_runtime.memory.pool import SHM_DIR, MiB, Pool, shm_name
 from disagg_runtime.relay import (
     Ingress,
     Message,
@@ -51,22 +49,19 @@ from disagg_runtime.relay import (
 )
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.auth import PeerKeyError
-from disagg_runtime.role import RoleRuntime
+from disagg_runtime.role.health import fetch, scrape
+from disagg_runtime.role.runtime import RoleRuntime
+from disagg_runtime.wire.envelope import Meta, Reply
+from tests import support
 from tests.integration import handler_pipelines
 from tests.integration import pipeline_handlers as ph
 from tests.relay_rig import KEY, Rig, handshake, recv_reply, write_key
-from tests.support import wait_for
 
 HERE = Path(__file__).resolve().parent
 WAIT = 20.0
+wait_until = functools.partial(support.wait_until, timeout=WAIT)
 START_S = 120.0
 BIG = torch.arange(ph.BIG, dtype=torch.float32)  # 256 KiB: staged in shm pools (tcp: inline)
-
-
-def wait_until(
-    predicate: Callable[[], object], timeout: float = WAIT, what: Callable[[], str] = str
-) -> None:
-    wait_for(predicate, timeout, interval=0.05, message=lambda: f"the condition; {what()}")
 
 
 pipeline_doc = functools.partial(handler_pipelines.pipeline_doc, concurrency=2)
@@ -93,7 +88,9 @@ class Roles:
             for config in self.configs:
                 self._spawn(config, nofile)
             for role in self.procs:  # torch imports: slow on a busy machine
-                wait_until(functools.partial(self.ready, role), START_S, what=self.log_tails)
+                wait_until(
+                    functools.partial(self.ready, role), timeout=START_S, what=self.log_tails
+                )
         except BaseException:
             self.close()
             raise
@@ -392,7 +389,7 @@ def test_a_reply_endpoint_without_the_key_never_gets_a_pool_mapped_or_written(
         sender = key_sender(rp.endpoint("a"))
         try:
             request(sender, {"x": BIG, "i": 1}, fake.endpoint, relay="shm")
-            wait_until(lambda: "auth" in [op for _, op in fake.ops], WAIT)
+            wait_until(lambda: "auth" in [op for _, op in fake.ops], timeout=WAIT)
             wait_until(lambda: counter(rp.samples("b"), 'disagg_requests_total{outcome="failed"}'))
             maps = Path(f"/proc/{rp.pid('b')}/maps").read_text()
             assert victim not in maps  # never mapped: the welcome had no valid mac
@@ -517,7 +514,7 @@ def test_running_out_of_sockets_makes_the_role_not_ready(replies: Replies) -> No
             assert rp.probe("r", "/readyz") == 503, rp.log_tails()
             assert rp.probe("r", "/healthz") == 200
             # the oldest relays were shed: it serves, and is ready again once the window passes
-            wait_until(lambda: rp.probe("r", "/readyz") == 200, 60.0, what=rp.log_tails)
+            wait_until(lambda: rp.probe("r", "/readyz") == 200, timeout=60.0, what=rp.log_tails)
             rid = request(sender, {"i": 1}, replies.endpoint(1))
             meta, _ = replies.get(timeout=WAIT)
             assert (meta["rid"], meta["kind"]) == (rid, "data")
@@ -552,9 +549,9 @@ def test_lane_prefixes_from_strangers_allocate_nothing_and_idle_lanes_are_closed
 
 
 def lane_hello_s() -> float:
-    from disagg_runtime.relay import ingress
+    from disagg_runtime.relay.ingress import lanes
 
-    return ingress.LANE_HELLO_S
+    return lanes.LANE_HELLO_S
 
 
 def test_inline_payloads_are_held_within_a_budget_and_stall_their_sender(rig: Rig) -> None:

@@ -28,8 +28,8 @@ from disagg_core.spec import load_pipeline_file
 from disagg_runtime import cli
 from disagg_runtime.client import Client, RequestFailed
 from disagg_runtime.local.supervisor import LocalPipeline, RoleProcess, remove_segments_of
-from disagg_runtime.metrics import fetch, scrape
-from disagg_runtime.pool import SHM_DIR, SHM_PREFIX
+from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX
+from disagg_runtime.role.health import fetch, scrape
 from tests.support import wait_for
 
 HERE = Path(__file__).resolve().parent

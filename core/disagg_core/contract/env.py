@@ -12,7 +12,7 @@ from typing import Any
 
 from disagg_core import compat
 from disagg_core.quantity import parse_bytes
-from disagg_core.spec.model import POOL_DEVICES, RELAYS, PoolDevice
+from disagg_core.spec import POOL_DEVICES, RELAYS, PoolDevice
 
 PREFIX = "DISAGG_"
 

@@ -24,7 +24,7 @@ from disagg_core.contract.env import (
 from disagg_core.contract.role import DEFAULT_INGRESS_PORT, ENV
 from disagg_core.contract.topology import DEFAULT_TOPOLOGY_FILE, Topology, read_topology
 from disagg_core.quantity import format_bytes
-from disagg_core.spec.model import DEFAULT_POOL_SIZE, DEFAULT_REQUEST_TIMEOUT_SECONDS
+from disagg_core.spec import DEFAULT_POOL_SIZE, DEFAULT_REQUEST_TIMEOUT_SECONDS
 
 DEFAULT_GATEWAY_PORT = 8080
 DEFAULT_GATEWAY_MAX_BODY = 256 * 2**20

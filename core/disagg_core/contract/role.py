@@ -40,7 +40,7 @@ from disagg_core.contract.topology import (
     read_topology,
 )
 from disagg_core.quantity import format_bytes
-from disagg_core.spec.model import (
+from disagg_core.spec import (
     DEFAULT_CONCURRENCY,
     DEFAULT_MIN_BLOCK,
     DEFAULT_POOL_DEVICE,

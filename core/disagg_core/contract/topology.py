@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_core.contract.env import ContractError
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline
 
 DEFAULT_TOPOLOGY_FILE = "/etc/disagg/topology.json"
 TOPOLOGY_VERSION = 1

@@ -25,16 +25,29 @@ import yaml
 
 from disagg_core import relays
 from disagg_core.spec import checks, parse
-from disagg_core.spec.fields import ROOT, Problem, SpecError
+from disagg_core.spec.fields import ROOT, Collector, Problem, SpecError, child
 from disagg_core.spec.model import (
+    ALL_PODS,
+    ANNOTATION_ALLOW_PRIVILEGED,
     API_VERSION,
+    DEFAULT_CONCURRENCY,
+    DEFAULT_MIN_BLOCK,
+    DEFAULT_POOL_DEVICE,
+    DEFAULT_POOL_SIZE,
+    DEFAULT_REQUEST_TIMEOUT_SECONDS,
     KIND,
     MAX_DERIVED_NAME_LENGTH,
     MAX_PIPELINE_NAME_LENGTH,
+    NO_PODS,
+    ONE_POD,
+    POOL_DEVICES,
+    RELAYS,
     Autoscaling,
     ColocationGroup,
     Edge,
     EnvVar,
+    IntOrPercent,
+    PathStep,
     Pipeline,
     PoolDevice,
     PoolOverride,
@@ -48,17 +61,36 @@ from disagg_core.spec.model import (
     Transport,
     parse_payload_path,
 )
+from disagg_core.spec.parse import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE
+from disagg_core.spec.podpolicy import findings as pod_policy_findings
 
 __all__ = [
+    "ALL_PODS",
+    "ANNOTATION_ALLOW_PRIVILEGED",
     "API_VERSION",
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_MIN_BLOCK",
+    "DEFAULT_POOL_DEVICE",
+    "DEFAULT_POOL_SIZE",
+    "DEFAULT_REQUEST_TIMEOUT_SECONDS",
     "KIND",
     "MAX_DERIVED_NAME_LENGTH",
     "MAX_FILE_BYTES",
     "MAX_PIPELINE_NAME_LENGTH",
+    "MAX_ROLLOUT_STEP_DEADLINE_SECONDS",
+    "MAX_TARGET_QUEUE",
+    "NO_PODS",
+    "ONE_POD",
+    "POOL_DEVICES",
+    "RELAYS",
+    "ROOT",
     "Autoscaling",
+    "Collector",
     "ColocationGroup",
     "Edge",
     "EnvVar",
+    "IntOrPercent",
+    "PathStep",
     "Pipeline",
     "PoolDevice",
     "PoolOverride",
@@ -72,10 +104,12 @@ __all__ = [
     "SpecError",
     "TensorRef",
     "Transport",
+    "child",
     "load_pipeline_file",
     "load_pipeline_text",
     "parse_payload_path",
     "parse_pipeline",
+    "pod_policy_findings",
     "validate_cli",
 ]
 

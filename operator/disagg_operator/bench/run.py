@@ -64,7 +64,7 @@ from collections.abc import Awaitable, Callable
 import kopf
 import yaml
 
-from disagg_core.spec.fields import SpecError
+from disagg_core.spec import SpecError
 from disagg_operator import apply, crd, names
 from disagg_operator.bench import cleanup, kubeconfig
 from disagg_operator.bench import measure as metering

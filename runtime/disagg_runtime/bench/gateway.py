@@ -41,13 +41,12 @@ import torch
 from safetensors.torch import save as st_save
 
 from disagg_core.contract import GatewayConfig, Peer, render_gateway_env
-from disagg_core.spec import parse_pipeline
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline, parse_pipeline
 from disagg_runtime.bench.transport import format_size, measure_memcpy, parse_size
 from disagg_runtime.client import Client
 from disagg_runtime.gateway import native
 from disagg_runtime.local.supervisor import HOST, LocalPipeline, free_ports
-from disagg_runtime.metrics import fetch
+from disagg_runtime.role.health import fetch
 
 SMALL = 4096
 UNIX_SNDBUF = 4 << 20

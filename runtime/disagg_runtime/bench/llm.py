@@ -41,7 +41,7 @@ import zmq
 from disagg_core.spec import parse_pipeline
 from disagg_runtime.bench.transport import format_size, parse_size, pool_size_for
 from disagg_runtime.local.supervisor import LocalPipeline
-from disagg_runtime.pool import Pool, shm_name
+from disagg_runtime.memory.pool import Pool, shm_name
 from disagg_runtime.relay import Ingress, Message, auth, connect
 
 LARGE_LAYERS, LARGE_KV_HEADS, LARGE_HEAD_DIM, LARGE_DTYPE = 32, 8, 128, torch.bfloat16

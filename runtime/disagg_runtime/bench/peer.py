@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime import codec
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
-from disagg_runtime.copies import to_device
-from disagg_runtime.pool import Device, Pool, shm_name
+from disagg_runtime.memory.copies import to_device
+from disagg_runtime.memory.pool import Device, Pool, shm_name
 from disagg_runtime.relay import Ingress, Message
+from disagg_runtime.wire import codec
 
 # --device cuda: where each relay's receiver lands payloads (all end on the GPU)
 GPU_POOLS: dict[str, Device] = {
@@ -58,7 +58,7 @@ def serve(
             name = shm_name("bench", "receiver") if pool_device in ("shm", "cpu-pinned") else None
             pool = Pool.create(pool_size, device=pool_device, name=name)
             endpoint = "tcp://127.0.0.1:0"  # as roles bind, whatever the relay
-            # delivered on the ingress's I/O thread, as roles receive (relay/ingress.py)
+            # delivered on the ingress's I/O thread, as roles receive (relay/ingress/)
             ingress = Ingress(
                 endpoint,
                 pool,

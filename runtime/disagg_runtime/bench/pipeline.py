@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from disagg_core.spec import parse_pipeline
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline, parse_pipeline
 from disagg_runtime.bench.transport import format_size, measure_remote, parse_size
 from disagg_runtime.local.supervisor import LocalPipeline
 

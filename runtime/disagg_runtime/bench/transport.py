@@ -57,11 +57,11 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime import codec
 from disagg_runtime.bench import peer
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
-from disagg_runtime.pool import cuda_unavailable_reason
+from disagg_runtime.memory.pool import cuda_unavailable_reason
 from disagg_runtime.relay import Relay, auth, connect, registry
+from disagg_runtime.wire import codec
 
 METHODS = (
     "memcpy",

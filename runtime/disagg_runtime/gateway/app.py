@@ -36,7 +36,6 @@ from typing import Any, Final
 from aiohttp import web
 
 from disagg_core import contract
-from disagg_runtime import codec
 from disagg_runtime.client import (
     TOO_LARGE,
     RequestFailed,
@@ -46,9 +45,10 @@ from disagg_runtime.client import (
     UploadExpired,
 )
 from disagg_runtime.gateway import limits, native, openai, openapi, sse, upload
-from disagg_runtime.gateway.bridge import Pipeline
+from disagg_runtime.gateway.bridge import Bridge
 from disagg_runtime.gateway.metrics import GatewayMetrics
 from disagg_runtime.gateway.token import BearerToken
+from disagg_runtime.wire import codec
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S: Final = 1
@@ -172,12 +172,12 @@ def _nothing() -> None:
 
 
 @dataclass
-class Gateway:
-    """Routes over one `Pipeline` bridge; `ready` says why the gateway cannot serve ("":
+class GatewayApp:
+    """Routes over one `Bridge` (to the pipeline); `ready` says why the gateway cannot serve ("":
     it can)."""
 
     settings: Settings
-    pipeline: Pipeline
+    pipeline: Bridge
     ready: Callable[[], Awaitable[str]]
     metrics: GatewayMetrics = field(init=False)
     arena: upload.Arena = field(init=False)

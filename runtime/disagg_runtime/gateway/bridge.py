@@ -26,7 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from disagg_runtime.client import Client, RequestFailed, Reserved, Streamed, Upload
-from disagg_runtime.manifest import Manifest
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.manifest import Manifest
 
 INLINE_BYTES = 256 * 1024
 SUBMIT_THREADS = 4
@@ -34,23 +35,12 @@ _END = object()
 Sent = Callable[[], None] | None
 
 
-def payload_nbytes(value: Any) -> int:
-    """Tensor bytes in a payload (to choose inline or threaded submission)."""
-    if hasattr(value, "element_size") and hasattr(value, "numel"):
-        return int(value.numel() * value.element_size())
-    if isinstance(value, dict):
-        return sum(payload_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(payload_nbytes(v) for v in value)
-    return 0
-
-
 def _release_late(work: Future[Reserved | None]) -> None:
     if not work.cancelled() and work.exception() is None and (reserved := work.result()):
         reserved.release()
 
 
-class Pipeline:
+class Bridge:
     """Submit to the entry roles from async code; `client` is shared by all requests."""
 
     def __init__(self, client: Client) -> None:
@@ -63,7 +53,7 @@ class Pipeline:
         work: Future[tuple[str, Future[Any]]]
         if isinstance(payload, (Reserved, Upload)):
             work = self._submit.submit(payload.start, on_chunk=on_chunk)
-        elif payload_nbytes(payload) <= INLINE_BYTES:
+        elif codec.payload_nbytes(payload) <= INLINE_BYTES:
             try:
                 return self.client.start(payload, timeout=timeout, on_chunk=on_chunk)
             finally:

@@ -22,7 +22,7 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-from disagg_runtime.metrics import LATENCY_BUCKETS
+from disagg_runtime.role.metrics import LATENCY_BUCKETS
 
 # a gateway hop is sub-millisecond: start lower than the roles' buckets
 GATEWAY_BUCKETS: Final = (0.0002, 0.0005, *LATENCY_BUCKETS)

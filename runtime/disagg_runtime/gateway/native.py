@@ -34,8 +34,8 @@ import torch
 from safetensors import TensorSpec as SafeSpec
 from safetensors import serialize
 
-from disagg_runtime import codec
-from disagg_runtime.manifest import Manifest, layout
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.manifest import Manifest, layout
 
 MAX_DEPTH = codec.MAX_DEPTH
 TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
@@ -72,7 +72,7 @@ class InputError(ValueError):
 def loads(body: bytes) -> Any:
     """Strict JSON (no NaN, no duplicate keys); errors say line and column."""
     try:
-        return codec._DECODER.decode(body.decode("utf-8"))
+        return codec.loads_strict(body.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise InputError("$", f"body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
@@ -181,7 +181,7 @@ def _tree(metadata: dict[str, str], items: list[tuple[str, Any]]) -> dict[str, A
         _put(tree, name, tensor)
     for name, text in metadata.items():
         try:
-            value: Any = codec._DECODER.decode(text)
+            value: Any = codec.loads_strict(text)
         except (json.JSONDecodeError, codec.CodecError):
             value = text
         _put(tree, name, value)
@@ -216,7 +216,7 @@ def parse_header(
     checks them: a JSON object, `data_offsets` that tile the data section exactly (no
     holes, no overlap) and match each tensor's dtype and shape."""
     try:
-        doc = codec._DECODER.decode(bytes(header).decode("utf-8"))
+        doc = codec.loads_strict(bytes(header).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, codec.CodecError) as exc:
         raise InputError("$", f"not a safetensors body: header is not JSON ({exc})") from None
     if not isinstance(doc, dict):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg_runtime.codec import DTYPES
+from disagg_runtime.wire.codec import DTYPES
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _TENSOR = {

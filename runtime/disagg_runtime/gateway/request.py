@@ -30,7 +30,7 @@ def target(url: str) -> str:
 def sample_body(file: str, index: int) -> bytes:
     from disagg_core.spec import load_pipeline_file
     from disagg_runtime.gateway import native
-    from disagg_runtime.local.up import input_factory
+    from disagg_runtime.role.handler import input_factory
 
     payload = input_factory(load_pipeline_file(file))(index)
     return native.dumps({"inputs": native.to_json(payload)})

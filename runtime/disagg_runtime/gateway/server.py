@@ -22,13 +22,13 @@ from aiohttp import web
 from disagg_core.contract import ContractError, GatewayConfig, parse_gateway_env
 from disagg_runtime.client import Client
 from disagg_runtime.gateway import limits
-from disagg_runtime.gateway.app import READY_CACHE_S, Gateway, Settings
-from disagg_runtime.gateway.bridge import Pipeline
+from disagg_runtime.gateway.app import READY_CACHE_S, GatewayApp, Settings
+from disagg_runtime.gateway.bridge import Bridge
 from disagg_runtime.gateway.token import BearerToken
-from disagg_runtime.peers import PeerSet
-from disagg_runtime.pool import PoolError
+from disagg_runtime.memory.pool import PoolError
 from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
 from disagg_runtime.relay.auth import PeerKeyError, read_key
+from disagg_runtime.routing.peers import PeerSet
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0
@@ -106,15 +106,15 @@ def _probe(peers: PeerSet, key: bytes) -> str:
     return problem
 
 
-def gateway_for(client: Client, settings: Settings) -> Gateway:
-    return Gateway(settings=settings, pipeline=Pipeline(client), ready=entries_ready(client))
+def gateway_for(client: Client, settings: Settings) -> GatewayApp:
+    return GatewayApp(settings=settings, pipeline=Bridge(client), ready=entries_ready(client))
 
 
 class Server:
-    """An aiohttp server for one `Gateway` on the running loop; with `unix`, on that Unix
+    """An aiohttp server for one `GatewayApp` on the running loop; with `unix`, on that Unix
     socket too (a sidecar or a local client: no TCP stack between them)."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int, unix: str | None = None) -> None:
+    def __init__(self, gateway: GatewayApp, host: str, port: int, unix: str | None = None) -> None:
         self.gateway = gateway
         self.host = host
         self.port = port
@@ -147,7 +147,7 @@ class Server:
 
 
 async def serve_until(
-    gateway: Gateway,
+    gateway: GatewayApp,
     host: str,
     port: int,
     *,

@@ -26,7 +26,7 @@ from typing import Final
 
 from aiohttp import web
 
-from disagg_runtime.allocator import BuddyAllocator, MiB
+from disagg_runtime.memory.allocator import BuddyAllocator, MiB
 
 MIN_TAKEOVER: Final = 1 * MiB  # smaller bodies are read by aiohttp as usual
 STALL_S: Final = 5.0  # a large body that sends no byte for this long is 408, its slot freed

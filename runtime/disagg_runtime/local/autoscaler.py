@@ -23,9 +23,9 @@ from disagg_core.autoscale import (
     policy_of,
     signals,
 )
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline
 from disagg_runtime.local.supervisor import HOST, LocalPipeline
-from disagg_runtime.metrics import fetch, scrape
+from disagg_runtime.role.health import fetch, scrape
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_runtime.pool import MiB, reclaim_stale
+from disagg_runtime.memory.pool import MiB, reclaim_stale
 
 RECORD = "run.json"
 LOCK = "supervisor.lock"

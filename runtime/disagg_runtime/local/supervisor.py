@@ -33,13 +33,13 @@ from typing import IO, Any
 
 from disagg_core import placement
 from disagg_core.contract import ENV, Peer, RoleConfig, render_env, write_topology
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import Pipeline
 from disagg_runtime.client import Client
 from disagg_runtime.local.rundir import RunDir, open_run
-from disagg_runtime.metrics import fetch, scrape
-from disagg_runtime.peers import FILE_RESOLVE_EVERY, write_peers_file
-from disagg_runtime.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
+from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
+from disagg_runtime.role.health import fetch, scrape
+from disagg_runtime.routing.peers import FILE_RESOLVE_EVERY, write_peers_file
 
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1

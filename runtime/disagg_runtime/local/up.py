@@ -8,7 +8,6 @@ requests are in flight. The summary is the same with or without `--json`.
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 import statistics
 import sys
@@ -19,34 +18,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from disagg_core.spec import SpecError, load_pipeline_file
-from disagg_core.spec.fields import ROOT
-from disagg_core.spec.model import Pipeline
+from disagg_core.spec import ROOT, SpecError, load_pipeline_file
 from disagg_runtime.client import Client
 from disagg_runtime.local.autoscaler import LocalAutoscaler
 from disagg_runtime.local.supervisor import LocalPipeline, RoleProcess, dump_json
-
-
-def input_factory(pipeline: Pipeline) -> Callable[[int], Any]:
-    """Synthetic request i for the pipeline's (first) entry role."""
-    entry = pipeline.role(pipeline.entry_roles[0])
-    module = importlib.import_module(entry.handler_module)
-    sample = getattr(module, "sample_input", None)
-    if callable(sample):
-        return lambda i: sample(entry.handler_attr, i)
-    return lambda i: {"x": torch.full((1024,), float(i)), "i": i}
-
-
-def payload_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(payload_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(payload_bytes(v) for v in value)
-    return 0
+from disagg_runtime.role.handler import input_factory
+from disagg_runtime.wire import codec
 
 
 @dataclass
@@ -113,7 +90,7 @@ def drive(
             slots.release()
             break
         payload = make(i)
-        tally.input_bytes += payload_bytes(payload)
+        tally.input_bytes += codec.payload_nbytes(payload)
         t0 = time.monotonic()
         future = client.submit_async(payload)
         tally.submitted += 1

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from disagg_runtime.handler import SetupContext
+from disagg_runtime.role.handler import SetupContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULTS: dict[str, Any] = {

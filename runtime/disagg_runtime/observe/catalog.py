@@ -2,7 +2,7 @@
 that exports them, so that a renamed metric fails generation instead of leaving a dead panel.
 
 Two sources must agree, or `catalog()` raises:
-- the documented tables (the docstrings of `disagg_runtime.metrics` and
+- the documented tables (the docstrings of `disagg_runtime.role.metrics` and
   `disagg_runtime.gateway.metrics`, rows ``name  type  ...``), and
 - the families those modules actually register (a `RoleMetrics` and a `GatewayMetrics` are
   built and collected once; the operator's `Metrics` too, which has no table).
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from disagg_operator import metrics as operator_metrics
-from disagg_runtime import metrics as role_metrics
 from disagg_runtime.gateway import metrics as gateway_metrics
+from disagg_runtime.role import metrics as role_metrics
 
 _ROW: Final = re.compile(r"^``(disagg_\w+)``\s+(counter|gauge|histogram)\b", re.MULTILINE)
 

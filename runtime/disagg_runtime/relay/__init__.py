@@ -3,8 +3,8 @@
 Each kind is a backend module found through relay/registry.py: `shm` (same node) writes
 tensors once into the receiver's shared pool; `tcp` (ZMQ, across nodes) streams them into
 the receiver's pool; `cuda-ipc` (roles on one GPU) copies them once, GPU to GPU, into the
-receiver's CUDA pool (relay/cuda_ipc.py). All end at an `Ingress`: an I/O loop
-(relay/ingress.py) over a slot ledger (relay/ledger.py) and per-kind landings
+receiver's CUDA pool (relay/backends/cuda_ipc/). All end at an `Ingress`: an I/O loop
+(relay/ingress/) over a slot ledger (relay/ledger.py) and per-kind landings
 (relay/landing.py). Which kind an edge uses is relay/select.py's. Tensors on a GPU are
 copied once, on a dedicated stream, whatever the relay.
 """
@@ -15,6 +15,8 @@ from typing import Any
 
 from disagg_core.relays import CONCRETE
 from disagg_runtime.relay import registry
+from disagg_runtime.relay.backends.shm import ShmSender
+from disagg_runtime.relay.backends.tcp import TcpSender
 from disagg_runtime.relay.errors import (
     NotAPeer,
     PeerLost,
@@ -27,8 +29,6 @@ from disagg_runtime.relay.ingress import Ingress
 from disagg_runtime.relay.ledger import Message
 from disagg_runtime.relay.registry import Relay
 from disagg_runtime.relay.sender import Sender
-from disagg_runtime.relay.shm import ShmSender
-from disagg_runtime.relay.tcp import TcpSender
 
 __all__ = [
     "KINDS",

@@ -36,11 +36,11 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from disagg_runtime.codec import CodecError, decode_json, encode_json
-from disagg_runtime.layout import SlotReader
-from disagg_runtime.manifest import Manifest
+from disagg_runtime.memory.layout import SlotReader
 from disagg_runtime.relay.lane import PREFIX
 from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, MAX_INLINE_MESSAGE_BYTES, ProtocolError
+from disagg_runtime.wire.codec import CodecError, decode_json, encode_json
+from disagg_runtime.wire.manifest import Manifest
 
 KIND_INLINE = 1
 KIND_COMMIT = 2

@@ -1,14 +1,12 @@
 """How payloads land in the receiver's pool: the parts of the ingress that differ by relay
-kind or by pool memory, apart from its I/O loop (relay/ingress.py).
+kind or by pool memory, apart from its I/O loop (relay/ingress/).
 
 - A `Landing` is one relay kind's receiving side, made (lazily, see relay/registry.py)
   the first time a sender of that kind says hello: extra welcome fields, commits it takes
   over (a cuda-ipc copy still running on the sender's stream), its own timers.
-- A `Memory` is how bytes get into the pool's memory: host pools receive tcp chunks in
-  place; device pools through a bounce buffer, and synchronize before a slot is reused.
 - `Chunked` follows one tcp transfer: where each of its next chunk messages goes.
 
-Both talk to the ingress through `Host`, so a landing can finish, nack or free what it
+A landing talks to the ingress through `Host`, so a landing can finish, nack or free what it
 took over, and never needs the socket.
 """
 
@@ -18,10 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Pool
+from disagg_runtime.memory.pool import Pool
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.ledger import Message, Reservation, SlotLedger
+from disagg_runtime.relay.ledger import Reservation, SlotLedger
+from disagg_runtime.wire.manifest import Manifest
 
 MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
 
@@ -70,37 +68,6 @@ class Landing:
 
     def close(self) -> None:
         """The ingress is closing."""
-
-
-class Memory:
-    """Host memory (cpu, shm, cpu-pinned pools): tcp chunks are received in place."""
-
-    kind = "host"
-
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-
-    def prepare_chunks(self, chunk: int) -> None:
-        """A transfer in chunks of `chunk` B is about to land; ProtocolError if it cannot."""
-
-    def chunk_buffer(self, offset: int, length: int) -> memoryview:
-        """Where the next tcp chunk for pool bytes [offset, +length) is received."""
-        return self.pool.backing.buffer(offset, length)
-
-    def chunk_landed(self, offset: int, length: int) -> str | None:
-        """A chunk arrived in `chunk_buffer`; an error message, or None."""
-        return None
-
-    def before_release(self, msg: Message) -> None:
-        """The application released `msg`: anything still reading its slot must end first."""
-
-
-def memory_for(pool: Pool) -> Memory:
-    if pool.backing.device == "cuda":  # imported here: only device pools need CUDA
-        from disagg_runtime.relay.cuda_landing import DeviceMemory
-
-        return DeviceMemory(pool)
-    return Memory(pool)
 
 
 @dataclass

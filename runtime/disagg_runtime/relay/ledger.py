@@ -8,7 +8,7 @@ Every slot has an owner and a deadline:
     delivered ──release()──> free;   abort(rid) frees all a request holds, now and later
 
 The ledger answers with what to tell senders (denials, grants) instead of telling them,
-so the I/O loop (relay/ingress.py) stays a loop and this stays testable without sockets.
+so the I/O loop (relay/ingress/) stays a loop and this stays testable without sockets.
 Pending reservations and grants are touched by the I/O thread only; delivered messages
 and the inline budget are shared with the application's threads under `lock`.
 """

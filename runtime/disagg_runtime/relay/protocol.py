@@ -21,7 +21,7 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   ack {xid[, spare]} | nack {xid, reason}
     (tcp: a chunk frame of the wrong size fails the transfer; the ingress reads the
     rest of its chunks, frees the slot and nacks. A sender cuts a transfer it cannot
-    finish so: its remaining chunks go empty, relay/tcp.py `ChunkStream.cut`)
+    finish so: its remaining chunks go empty, relay/backends/tcp.py `ChunkStream.cut`)
     cancel {xid}                   -->   sender gave up waiting: drop the reservation/grant
     abort {rid}                    -->   free every slot the request holds
                                    <--   refused {reason[, xid]}: the sender is not (or no
@@ -33,9 +33,9 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   goodbye {reason}: the receiver is closing; send
                                          nothing more here (what came before it is served)
 
-`load` (dispatch.Load: queued, active, workers, free_bytes, pool_bytes, draining) is the
+`load` (Load: queued, active, workers, free_bytes, pool_bytes, draining) is the
 receiver's own account of how busy it is, for senders choosing among replicas
-(dispatch.py); it rides on the welcome, every grant and ack, and the periodic `load`
+(routing/dispatch.py); it rides on the welcome, every grant and ack, and the periodic `load`
 message (inline payloads get no reply, so that is how their senders hear). A malformed
 one fails the connection (welcome) or the reply it came on, like any bad field.
 
@@ -70,13 +70,13 @@ manifest's layout cached per lane by its bytes. Senders use it only where offere
 its fields (rid, xid, offset, manifest, meta, next) in a binary header of the same form.
 
 `pool_device` (shm, cpu, cpu-pinned, cuda) says where the ingress lands staged payloads; a
-sender picks its inline limit by it (relay/tcp.py: medium payloads inline to host pools).
+sender picks its inline limit by it (relay/backends/tcp.py: medium payloads inline to host pools).
 
 `role` names the role an ingress serves, under the welcome's mac: a sender that dialled
 a role's address checks it, so an address another role's pod has taken over (before the
 sender's DNS lookup caught up) is refused rather than sent to (WrongRole).
 
-cuda-ipc (relay/cuda_ipc.py) adds two fields: the welcome to a `hello {relay: "cuda-ipc"}`
+cuda-ipc (relay/backends/cuda_ipc/) adds two fields: the welcome to a `hello {relay: "cuda-ipc"}`
 carries `cuda` (the CUDA pool's IPC export for this peer) or `cuda_unavailable` (why not),
 and its commits carry `event` (the sender's interprocess CUDA event; the receiver delivers
 only once it has completed).
@@ -88,7 +88,7 @@ import re
 from typing import Any
 
 from disagg_core.compat import Compat, CompatError
-from disagg_runtime.codec import CodecError, decode_header, encode_header
+from disagg_runtime.wire.codec import CodecError, decode_header, encode_header
 
 PROTOCOL_VERSION = 1
 MAX_CONTROL_BYTES = 4 << 20

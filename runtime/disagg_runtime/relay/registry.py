@@ -14,15 +14,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from disagg_core import relays
 from disagg_core.compat import Compat
-from disagg_runtime.dispatch import View
 from disagg_runtime.relay.errors import RelayError
-
-if TYPE_CHECKING:
-    from disagg_runtime.relay.landing import Host, Landing
+from disagg_runtime.relay.landing import Host, Landing
+from disagg_runtime.wire.load import View
 
 
 class Relay(Protocol):
@@ -76,10 +74,10 @@ class Backend:
 
 
 _MODULES: dict[str, str] = {
-    "shm": "disagg_runtime.relay.shm",
-    "tcp": "disagg_runtime.relay.tcp",
-    "cuda-ipc": "disagg_runtime.relay.cuda_ipc",
-    "nixl": "disagg_runtime.relay.nixl",  # optional: imports nixl only when used
+    "shm": "disagg_runtime.relay.backends.shm",
+    "tcp": "disagg_runtime.relay.backends.tcp",
+    "cuda-ipc": "disagg_runtime.relay.backends.cuda_ipc",
+    "nixl": "disagg_runtime.relay.backends.nixl",  # optional: imports nixl only when used
 }
 _loaded: dict[str, Backend] = {}
 

@@ -23,7 +23,8 @@ from disagg_core import autoscale, spec
 from disagg_core.autoscale import Decision, Policy, RatioLock, Sample
 from disagg_operator import apply, autoscaling, names, planner, podmetrics, reconcile
 from disagg_operator.scaling_loop import ScalingLoop
-from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
+from disagg_runtime.role.health import HealthServer
+from disagg_runtime.role.metrics import RoleMetrics, RoleSample
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 Obj = dict[str, Any]

@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from disagg_runtime.allocator import AllocatorError, AllocatorStats, BuddyAllocator, MiB
+from disagg_runtime.memory.allocator import AllocatorError, AllocatorStats, BuddyAllocator, MiB
 
 GiB = 1 << 30
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from disagg_runtime.batching import BatchCancelled, Batcher, BatchTimeout, Ticket, plan
+from disagg_runtime.role.batching import BatchCancelled, Batcher, BatchTimeout, Ticket, plan
 
 
 def _t(arrived: float, deadline: float = 100.0, *, cancelled: bool = False) -> Ticket:

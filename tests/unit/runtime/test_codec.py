@@ -19,8 +19,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disagg_runtime import codec
-from disagg_runtime.codec import (
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.codec import (
     DTYPES,
     FORMAT_VERSION,
     MAX_BYTES_VALUE,

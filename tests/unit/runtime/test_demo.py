@@ -13,7 +13,8 @@ import pytest
 import torch
 import yaml
 
-from disagg_runtime import codec, demo, envelope
+from disagg_runtime import demo
+from disagg_runtime.wire import codec, envelope
 from tests.support import EXAMPLES
 
 SMALL = "0.05"

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from disagg_runtime import dispatch, peers
-from disagg_runtime.dispatch import Load, LoadError, View
+from disagg_runtime.routing import dispatch, peers
+from disagg_runtime.routing.dispatch import Load, LoadError, View
 
 E = [f"tcp://10.0.0.{i}:7000" for i in range(3)]
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_runtime import envelope
-from disagg_runtime.envelope import EnvelopeError, Meta, Reply
+from disagg_runtime.wire import envelope
+from disagg_runtime.wire.envelope import EnvelopeError, Meta, Reply
 
 
 def meta(**changes):

@@ -27,11 +27,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_core.contract import ContractError
-from disagg_runtime import codec
-from disagg_runtime.copies import Fence, to_device
-from disagg_runtime.layout import buffer_tensors, plan, read_payload, slot_image, write_tensors
-from disagg_runtime.layout import plan as pool_plan
-from disagg_runtime.pool import (
+from disagg_runtime.memory import intake
+from disagg_runtime.memory.copies import Fence, to_device
+from disagg_runtime.memory.intake import DeviceMemory
+from disagg_runtime.memory.layout import (
+    buffer_tensors,
+    plan,
+    read_payload,
+    slot_image,
+    write_tensors,
+)
+from disagg_runtime.memory.layout import plan as pool_plan
+from disagg_runtime.memory.pool import (
     SHM_DIR,
     SHM_PREFIX,
     Backing,
@@ -42,19 +49,20 @@ from disagg_runtime.pool import (
     pinned_staging,
     shm_name,
 )
-from disagg_runtime.relay import Ingress, Relay, RelayError, auth, connect, cuda_ipc, cuda_landing
+from disagg_runtime.relay import Ingress, Relay, RelayError, auth, connect
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.cuda_ipc import (
+from disagg_runtime.relay.backends.cuda_ipc import handles, send
+from disagg_runtime.relay.backends.cuda_ipc.handles import (
     EVENT_HANDLE_BYTES,
     PROCESS_TOKEN,
-    CudaIpcSender,
     Export,
     encode_event_handle,
     parse_event_handle,
     unavailable_reason,
 )
-from disagg_runtime.relay.cuda_landing import DeviceMemory
+from disagg_runtime.relay.backends.cuda_ipc.send import CudaIpcSender
 from disagg_runtime.relay.select import relay_kind
+from disagg_runtime.wire import codec
 from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import KEY, a_to_b_config, handshake, recv_reply
 
@@ -483,7 +491,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 
     def map_export(export: Export, stream: Any) -> Backing:
         if fake.map_fails:
-            raise cuda_ipc.CannotMap(fake.map_fails)
+            raise handles.CannotMap(fake.map_fails)
         assert fake.pool_memory is not None
         return Backing("cuda", fake.pool_memory, owner=False)
 
@@ -492,14 +500,14 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
             raise RuntimeError("CUDA error: invalid resource handle")
         return fake.event
 
-    monkeypatch.setattr(cuda_ipc, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(cuda_ipc, "export_pool", export_pool)
-    monkeypatch.setattr(cuda_ipc, "map_export", map_export)
-    monkeypatch.setattr(cuda_ipc, "local_device", lambda export: 0)
-    monkeypatch.setattr(cuda_ipc, "new_stream", FakeStream)
-    monkeypatch.setattr(cuda_ipc, "new_event", lambda interprocess=False: fake.event)
-    monkeypatch.setattr(cuda_landing, "new_stream", FakeStream)
-    monkeypatch.setattr(cuda_landing, "pinned_buffer", lambda n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(handles, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(handles, "export_pool", export_pool)
+    monkeypatch.setattr(handles, "map_export", map_export)
+    monkeypatch.setattr(handles, "local_device", lambda export: 0)
+    monkeypatch.setattr(send, "new_stream", FakeStream)
+    monkeypatch.setattr(send, "new_event", lambda interprocess=False: fake.event)
+    monkeypatch.setattr(intake, "new_stream", FakeStream)
+    monkeypatch.setattr(intake, "pinned_buffer", lambda n: torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", staticmethod(from_ipc_handle))
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
@@ -693,8 +701,8 @@ def test_sim_a_malformed_export_is_a_relay_error(rig: CudaRig, fake_cuda: FakeCu
 def test_cuda_ipc_to_a_host_pool_falls_back_to_its_shared_memory(
     shm_ingress: Ingress, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cuda_ipc, "unavailable_reason", lambda: None)  # as if CUDA were here
-    with caplog.at_level(logging.WARNING, logger="disagg_runtime.relay.cuda_ipc"):
+    monkeypatch.setattr(handles, "unavailable_reason", lambda: None)  # as if CUDA were here
+    with caplog.at_level(logging.WARNING, logger="disagg_runtime.relay.backends.cuda_ipc.send"):
         sender = connect("cuda-ipc", shm_ingress.endpoint, timeout=WAIT, key=KEY)
     try:
         assert isinstance(sender, CudaIpcSender) and sender.mode == "shm"

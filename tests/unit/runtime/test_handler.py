@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from disagg_runtime.handler import Handler, HandlerError, Runner, SetupContext, load
+from disagg_runtime.role.handler import Handler, HandlerError, Runner, SetupContext, load
 
 
 class Model:

@@ -106,7 +106,7 @@ def test_decode_reports_the_prompt_length_once(tmp_path: pathlib.Path, tok: Any)
     """The first chunk carries `prompt_tokens` (the gateway's `usage.prompt_tokens`)."""
     import logging
 
-    from disagg_runtime.handler import SetupContext
+    from disagg_runtime.role.handler import SetupContext
 
     model = str(tiny.llm(tmp_path / "m"))
     prefill, decode = hf_llm.Prefill(), hf_llm.Decode()

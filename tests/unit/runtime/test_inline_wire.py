@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_runtime.codec import CodecError
-from disagg_runtime.layout import buffer_tensors, plan, slot_image
-from disagg_runtime.manifest import Manifest
+from disagg_runtime.memory.layout import buffer_tensors, plan, slot_image
 from disagg_runtime.relay import inline_wire as wire
 from disagg_runtime.relay import lane
 from disagg_runtime.relay.protocol import MAX_CONTROL_BYTES, ProtocolError
+from disagg_runtime.wire.codec import CodecError
+from disagg_runtime.wire.manifest import Manifest
 
 
 def planned(n: int = 16, dtype: torch.dtype = torch.uint8) -> Manifest:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disagg_runtime.allocator import BuddyAllocator
+from disagg_runtime.memory.allocator import BuddyAllocator
 from disagg_runtime.relay.ledger import (
     MAX_PENDING_PER_PEER,
     SPARE_LEASE_S,

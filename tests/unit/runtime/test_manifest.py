@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg_runtime.codec import DTYPES, CodecError, TensorMeta
-from disagg_runtime.layout import plan as pool_plan
-from disagg_runtime.manifest import (
+from disagg_runtime.memory.layout import plan as pool_plan
+from disagg_runtime.wire.codec import DTYPES, CodecError, TensorMeta
+from disagg_runtime.wire.manifest import (
     ALIGN,
     MANIFEST_VERSION,
     Manifest,

@@ -10,15 +10,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from disagg_runtime.metrics import (
+from disagg_runtime.role.health import HealthServer, fetch, scrape
+from disagg_runtime.role.metrics import (
     EDGE_BUCKETS,
     FAILURE_REASONS,
-    HealthServer,
     RoleMetrics,
     RoleSample,
-    fetch,
     occupancy,
-    scrape,
 )
 
 GAUGES = (
@@ -293,7 +291,7 @@ def test_metrics_content_type(server):
 def test_failing_sample_still_serves_metrics(server, metrics, role, caplog):
     metrics.request_done(0.1)
     role.fail = True
-    with caplog.at_level(logging.WARNING, logger="disagg_runtime.metrics"):
+    with caplog.at_level(logging.WARNING, logger="disagg_runtime.role.metrics"):
         for _ in range(3):
             values = get_metrics(server)
             assert values['disagg_requests_total{outcome="done"}'] == 1
@@ -387,3 +385,21 @@ def test_scrape_keeps_extra_labels_sorted_and_escaped():
 def test_scrape_rejects_garbage():
     with pytest.raises(ValueError):
         scrape("this is { not prometheus\n")
+
+
+def test_the_docstring_table_names_every_registered_family_and_its_type(
+    metrics: RoleMetrics,
+) -> None:
+    """The module docstring's table is the operator <-> runtime contract: it lists exactly
+    the families a role registers, each with its type."""
+    import re
+
+    from disagg_runtime.role import metrics as module
+
+    doc = module.__doc__ or ""
+    table = dict(re.findall(r"^``(disagg_[a-z_]+)``\s+(gauge|counter|histogram)\b", doc, re.M))
+    registered = {
+        family.name + ("_total" if family.type == "counter" else ""): family.type
+        for family in metrics.registry.collect()
+    }
+    assert table == registered

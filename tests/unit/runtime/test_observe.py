@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg_runtime import metrics as role_metrics
 from disagg_runtime.observe import catalog, dashboard, generate, panels, report, rules
+from disagg_runtime.role import metrics as role_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 SERIES = re.compile(r"\b(disagg_[a-z_]+?)(?:_bucket|_sum|_count)?\b(?=[{\[)])")

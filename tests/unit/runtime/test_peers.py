@@ -10,8 +10,8 @@ import pytest
 
 from disagg_core.compat import Compat, default_token
 from disagg_core.contract import Peer
-from disagg_runtime import dispatch, peers
 from disagg_runtime.relay import RelayError, Unanswered
+from disagg_runtime.routing import dispatch, peers
 
 
 def test_ip_literals_need_no_dns():

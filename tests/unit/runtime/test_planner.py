@@ -12,8 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disagg_runtime.codec import CodecError
-from disagg_runtime.layout import (
+from disagg_runtime.memory.layout import (
     MAX_PLANNED_TENSORS,
     PLANNED_SIGNATURES,
     Planner,
@@ -21,6 +20,7 @@ from disagg_runtime.layout import (
     slot_image,
 )
 from disagg_runtime.relay import inline_wire, lane
+from disagg_runtime.wire.codec import CodecError
 from tests.payload_strategies import payloads as payload_strategies
 
 

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from disagg_runtime.layout import plan as pool_plan
-from disagg_runtime.layout import read_payload, write_tensors
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import (
+from disagg_runtime.memory.layout import plan as pool_plan
+from disagg_runtime.memory.layout import read_payload, write_tensors
+from disagg_runtime.memory.pool import (
     SHM_DIR,
     SHM_PREFIX,
     MiB,
@@ -30,6 +29,7 @@ from disagg_runtime.pool import (
     shm_name,
     shm_prefix,
 )
+from disagg_runtime.wire.manifest import Manifest
 from tests.payload_checks import assert_bit_exact, raw_bytes, tensors_of
 
 KiB = 1 << 10
@@ -252,7 +252,7 @@ def test_attach_in_process_shares_memory_and_does_not_unlink(make_pool: MakePool
 def _child_attach(name: str, offset: int, length: int, conn: Connection) -> None:
     """Runs in a spawned process: read what the parent wrote, write an answer back."""
     try:
-        from disagg_runtime.pool import attach_backing as attach
+        from disagg_runtime.memory.pool import attach_backing as attach
 
         backing = attach(name)
         seen = bytes(backing.buffer(offset, length))
@@ -316,7 +316,7 @@ def test_attach_refuses_missing_or_foreign_names(name: str) -> None:
 # A real process that owns a pool under a given name until it is killed.
 _OWNER = """
 import sys, time
-from disagg_runtime.pool import MiB, Pool
+from disagg_runtime.memory.pool import MiB, Pool
 pool = Pool.create(MiB, device="shm", name=sys.argv[1])
 pool.backing.tensor[:4].fill_(0xEE)
 print("ready", flush=True)
@@ -362,7 +362,7 @@ def test_dead_owners_segment_with_the_same_name_is_reclaimed(
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert os.path.exists(shm_path(name))  # SIGKILL leaves it behind
-    with caplog.at_level(logging.WARNING, logger="disagg_runtime.pool"):
+    with caplog.at_level(logging.WARNING, logger="disagg_runtime.memory.pool"):
         pool = Pool.create(MiB, device="shm", name=name)
     try:
         assert os.stat(shm_path(name)).st_ino != stale  # a fresh segment, not the old pages

@@ -33,11 +33,11 @@ def test_backends_are_imported_on_first_use_only() -> None:
     code = (
         "import sys\n"
         "import disagg_runtime.relay as r\n"
-        "assert 'disagg_runtime.relay.cuda_ipc' not in sys.modules, 'eager'\n"
-        "assert 'disagg_runtime.relay.cuda_landing' not in sys.modules, 'eager'\n"
-        "assert 'disagg_runtime.relay.nixl' not in sys.modules, 'eager'\n"
+        "assert 'disagg_runtime.relay.backends.cuda_ipc' not in sys.modules, 'eager'\n"
+        "assert 'disagg_runtime.relay.backends.cuda_ipc.land' not in sys.modules, 'eager'\n"
+        "assert 'disagg_runtime.relay.backends.nixl' not in sys.modules, 'eager'\n"
         "assert 'nixl' not in sys.modules, 'eager'\n"
         "r.registry.backend('cuda-ipc')\n"
-        "assert 'disagg_runtime.relay.cuda_ipc' in sys.modules\n"
+        "assert 'disagg_runtime.relay.backends.cuda_ipc' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -10,7 +10,7 @@ import pytest
 
 from disagg_core import placement, spec
 from disagg_core.contract import ContractError, render_env
-from disagg_runtime.relay import nixl
+from disagg_runtime.relay.backends import nixl
 from disagg_runtime.relay.select import relay_kind
 from tests.relay_rig import NIXL_MISSING, a_to_b_config
 

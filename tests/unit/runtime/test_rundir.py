@@ -27,7 +27,7 @@ from disagg_runtime.local.rundir import (
     runs_root,
     start_time,
 )
-from disagg_runtime.pool import SHM_DIR, MiB, reclaim_stale, shm_prefix
+from disagg_runtime.memory.pool import SHM_DIR, MiB, reclaim_stale, shm_prefix
 
 
 def kill(run: RunDir) -> None:

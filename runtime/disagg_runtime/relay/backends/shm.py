@@ -17,15 +17,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import zmq
 
-from disagg_runtime.layout import write_tensors
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing, PoolError, attach_backing
+from disagg_runtime.memory.layout import write_tensors
+from disagg_runtime.memory.pool import Backing, PoolError, attach_backing
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
-from disagg_runtime.relay.sender import SPARE_MAX, Grant, Sender
+from disagg_runtime.relay.sender import SPARE_MAX, Grant, Sender, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +56,11 @@ class ShmSender(Sender):
             raise RelayError(f"cannot map the receive pool of {self.endpoint}: {exc}") from None
 
     def _spare_limit(self) -> int:
-        return SPARE_MAX if self._lane_control else 0
+        return SPARE_MAX if self.session.control else 0
 
-    def _transfer(
-        self,
-        commit: bytes,
-        xid: int,
-        offset: int,
-        manifest: Manifest,
-        tensors: list[torch.Tensor],
-        write_by: float,
-    ) -> None:
+    def _transfer(self, transfer: Transfer) -> None:
+        commit, xid, offset = transfer.commit, transfer.xid, transfer.offset
+        manifest, tensors, write_by = transfer.manifest, transfer.tensors, transfer.write_by
         assert self._backing is not None  # set by the handshake
         self._check_grant(xid, offset, manifest.nbytes, self._backing.size)
         if not self._pin_tried and any(t.is_cuda for t in tensors):

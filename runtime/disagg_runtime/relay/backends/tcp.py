@@ -31,21 +31,22 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime import codec
-from disagg_runtime.copies import copy_async
-from disagg_runtime.layout import slot_views
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing, PoolError, pinned_staging
+from disagg_runtime.memory.copies import copy_async
+from disagg_runtime.memory.layout import slot_views
+from disagg_runtime.memory.pool import Backing, PoolError, pinned_staging
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import (
     CHUNK_BYTES,
-    INLINE_THRESHOLD,
     ZERO_COPY_MIN,
     Grant,
     Sender,
+    Transfer,
 )
+from disagg_runtime.relay.session import INLINE_THRESHOLD
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.manifest import Manifest
 
 TCP_INLINE_MAX = 1 << 20
 HOST_POOLS = ("shm", "cpu")  # pool devices a payload may as well land beside, in the heap
@@ -86,16 +87,9 @@ class TcpSender(Sender):
     def inline_limit(self, welcome: dict[str, Any]) -> int:
         return inline_limit(welcome.get("pool_device"))
 
-    def _transfer(
-        self,
-        commit: bytes,
-        xid: int,
-        offset: int,
-        manifest: Manifest,
-        tensors: list[torch.Tensor],
-        write_by: float,
-    ) -> None:
-        self._check_lease(xid, write_by)
+    def _transfer(self, transfer: Transfer) -> None:
+        commit, manifest, tensors = transfer.commit, transfer.manifest, transfer.tensors
+        self._check_lease(transfer.xid, transfer.write_by)
         chunks: list[memoryview] = []
         for tensor in self._host_tensors(manifest, tensors):
             raw = codec.tensor_bytes(tensor)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from disagg_core.spec.model import PathStep, parse_payload_path
+from disagg_core.spec import PathStep, parse_payload_path
 
 Kind = Literal["data", "chunk", "end", "ref", "error", "abort"]
 KINDS: tuple[Kind, ...] = ("data", "chunk", "end", "ref", "error", "abort")

@@ -46,7 +46,6 @@ import zmq
 
 from disagg_core.compat import Compat, compatible
 from disagg_core.contract import Peer
-from disagg_runtime import dispatch
 from disagg_runtime.relay import (
     NotAPeer,
     PeerLost,
@@ -58,6 +57,7 @@ from disagg_runtime.relay import (
     WrongRole,
     connect,
 )
+from disagg_runtime.routing import dispatch
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

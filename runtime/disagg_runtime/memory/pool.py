@@ -12,7 +12,7 @@ MAP_POPULATE), and hands out reusable slots. Backings:
                 (cudaHostRegister), so GPU peers copy in and out of it at DMA speed and
                 the shm and tcp relays still land in it (needs CUDA)
     cuda        device memory on the current GPU; other processes on the same GPU map it
-                through CUDA IPC (relay/cuda_ipc.py) (needs CUDA)
+                through CUDA IPC (relay/backends/cuda_ipc/) (needs CUDA)
 
 Ownership. The owner of a shared segment holds an exclusive flock on it for as long as it
 lives; the kernel drops the lock when the owner dies, SIGKILL and OOM kill included. So a
@@ -41,8 +41,8 @@ from typing import Any, Literal, cast
 
 import torch
 
-from disagg_core.spec.model import POOL_DEVICES, PoolDevice
-from disagg_runtime.allocator import AllocatorError, BuddyAllocator
+from disagg_core.spec import POOL_DEVICES, PoolDevice
+from disagg_runtime.memory.allocator import AllocatorError, BuddyAllocator
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"

@@ -27,7 +27,7 @@
   the same of the other end. Deadlines are clamped on receipt to the request timeout, so
   no sender can hold a worker longer. Requests waiting for a worker are bounded
   (`max_queue`): beyond it a new request fails at once as `overloaded`.
-- Dispatch (dispatch.py): the ingress advertises this role's load (requests waiting for a
+- Dispatch (routing/dispatch.py): the ingress advertises this role's load (requests waiting for a
   worker, being handled, workers, free pool bytes, draining) to its senders; this role
   sends each new request to the downstream replica its load reports favour, and the
   rest of the request after it. A downstream role that joins inputs (fan-in, tensor
@@ -50,33 +50,38 @@ from typing import Any
 
 from disagg_core.compat import Compat, default_token
 from disagg_core.contract import RoleConfig
-from disagg_runtime import dispatch, envelope
-from disagg_runtime.batching import BatchCancelled, BatchTimeout
-from disagg_runtime.envelope import Meta
-from disagg_runtime.handler import Handler as LoadedHandler
-from disagg_runtime.handler import HandlerError, Runner, SetupContext, default_device, load
-from disagg_runtime.metrics import HealthServer, RoleMetrics, RoleSample
-from disagg_runtime.peers import (
+from disagg_runtime.memory.pool import (
+    Pool,
+    PoolError,
+    reclaim_stale,
+    shm_name,
+    shm_namespace,
+    shm_prefix,
+)
+from disagg_runtime.relay import (
+    Ingress,
+    Message,
+    RelayError,
+)
+from disagg_runtime.relay.auth import PeerKeyError, read_key
+from disagg_runtime.relay.select import relay_kind
+from disagg_runtime.role.batching import BatchCancelled, BatchTimeout
+from disagg_runtime.role.handler import Handler as LoadedHandler
+from disagg_runtime.role.handler import HandlerError, Runner, SetupContext, default_device, load
+from disagg_runtime.role.health import HealthServer
+from disagg_runtime.role.metrics import RoleMetrics, RoleSample
+from disagg_runtime.routing import dispatch, forward
+from disagg_runtime.routing.forward import ReplyFailed
+from disagg_runtime.routing.peers import (
     RESOLVE_EVERY,
-    NoCompatibleReplica,
     PeerSet,
     PeersFile,
     RelayCache,
     Resolver,
     resolve_dns,
 )
-from disagg_runtime.pool import Pool, PoolError, reclaim_stale, shm_name, shm_namespace, shm_prefix
-from disagg_runtime.relay import (
-    Ingress,
-    Message,
-    PeerLost,
-    Relay,
-    RelayError,
-    Unanswered,
-    WrongRole,
-)
-from disagg_runtime.relay.auth import PeerKeyError, read_key
-from disagg_runtime.relay.select import relay_kind
+from disagg_runtime.wire import envelope
+from disagg_runtime.wire.envelope import Meta
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)
@@ -84,15 +89,9 @@ ABORT_MEMORY_S = 120.0
 QUEUE_PER_WORKER = 16  # requests that may wait for each worker before new ones are refused
 PROBES_PER_CHECK = 4  # downstream replicas asked their revision per readiness check
 PROBE_S = 1.0  # how long asking one may take
-PAIR_WAIT_S = 0.25  # re-resolve this often while no downstream replica pairs with us
-PAIR_MARGIN_S = 1.0  # give up this long before the deadline, so the reason reaches the client
 CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
 LINGER_QUIET_S = 0.3  # after its goodbye a role serves until nothing came for this long
 LINGER_MAX_S = 3.0  # ... or at most this long
-
-
-class ReplyFailed(RelayError):
-    """The reply endpoint of a request could not be reached (so no error report can be)."""
 
 
 @dataclass
@@ -204,6 +203,14 @@ class RoleRuntime:
             key=self.key,
             pools=shm_namespace(config.pipeline),
             max_relays=max_relays,
+        )
+        self.forward = forward.Forwarder(
+            self.name,
+            config.replica,
+            self.peers,
+            self.relays,
+            leaving=self._leaving,
+            edge_sent=self.metrics.edge_sent,
         )
         self.health = HealthServer(
             self.metrics,
@@ -576,7 +583,7 @@ class RoleRuntime:
         try:
             result = self.runner.invoke(
                 data,
-                timeout=self._remaining(meta),
+                timeout=forward.remaining(meta),
                 cancelled=lambda: meta.rid in self._aborted or self._stopping.is_set(),
             )
             if inspect.isgenerator(result):
@@ -625,110 +632,14 @@ class RoleRuntime:
         else:
             out = meta.with_(kind="data", source=self.name)
         if self.me.exit:
-            self._send_reply(out, payload)
+            self.forward.send_reply(out, payload)
             return
         if kind == "data":
             for ref in self.me.refs_out:
                 payload, value = envelope.extract(payload, ref.path)
-                self._send_to(ref.target, out.with_(kind="ref", path=ref.path), value)
+                self.forward.send_to(ref.target, out.with_(kind="ref", path=ref.path), value)
         for target in self.me.downstream:
-            self._send_to(target, out, payload)
-
-    def _send_to(self, target: str, meta: Meta, payload: Any) -> None:
-        peers = self.peers[target]
-        new = meta.kind not in ("end", "abort")  # those follow the request, never choose
-        started = time.monotonic()
-        relay, endpoint = self._paired(peers, meta, new)
-        try:
-            try:
-                nbytes = relay.send(
-                    payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
-                )
-            except PeerLost:  # it restarted, or its pod went away: once more, chosen afresh
-                self.relays.drop(peers.kind, endpoint, relay)
-                peers.unpin(meta.rid)
-                peers.endpoints(refresh=True)
-                relay, endpoint = self._paired(peers, meta, new)
-                nbytes = relay.send(
-                    payload, request_id=meta.rid, timeout=self._remaining(meta), meta=meta.to_json()
-                )
-        except RelayError as exc:
-            self.relays.drop(peers.kind, endpoint, relay)
-            # the same type (a timeout stays a timeout), naming whom it could not reach
-            raise type(exc)(f"{target} at {endpoint}: {exc}") from exc
-        elapsed = time.monotonic() - started
-        if not new:  # the request's last message to it
-            peers.unpin(meta.rid)
-        self.metrics.edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
-
-    def _paired(self, peers: PeerSet, meta: Meta, new: bool) -> tuple[Relay, str]:
-        """A relay to the replica of `peers` the request goes to, among those that pair
-        with this role's revision. A replica found incompatible, or that does not answer
-        (peers.Unanswered), is skipped and the choice made again; while none pairs (a
-        rollout's partner not ready yet) it waits, until shortly before the request's
-        deadline, or until this role has drained (it is going: the request fails then,
-        naming why, rather than being lost with the process)."""
-        while True:
-            try:
-                endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
-            except NoCompatibleReplica as exc:
-                if self._leaving.is_set():
-                    raise NoCompatibleReplica(
-                        f"role {self.name} replica {self.config.replica} is shutting down and "
-                        f"found no partner: {exc}"
-                    ) from exc
-                if meta.deadline - time.time() <= PAIR_WAIT_S + PAIR_MARGIN_S:
-                    raise
-                self._leaving.wait(PAIR_WAIT_S)
-                peers.endpoints(refresh=True)
-                continue
-            try:
-                relay = self.relays.get(
-                    peers.kind, endpoint, timeout=self._remaining(meta), role=peers.peer.role
-                )
-            except WrongRole as exc:  # its address is another role's pod now: look again
-                if meta.deadline - time.time() <= PAIR_WAIT_S + PAIR_MARGIN_S:
-                    raise WrongRole(f"{peers.peer.role} at {endpoint}: {exc}") from exc
-                log.info("role %s: %s", self.name, exc)
-                peers.unpin(meta.rid)
-                time.sleep(PAIR_WAIT_S)
-                peers.endpoints(refresh=True)
-                continue
-            except Unanswered as exc:  # gone, or unreachable: another replica, if any
-                log.info("role %s: %s", self.name, exc)
-                peers.lost(endpoint)
-                peers.unpin(meta.rid)
-                peers.endpoints(refresh=True)
-                continue
-            except RelayError as exc:
-                self.relays.drop(peers.kind, endpoint)
-                raise type(exc)(f"{peers.peer.role} at {endpoint}: {exc}") from exc
-            if peers.admit(endpoint, relay.peer_compat):
-                return relay, endpoint
-            self.relays.drop(peers.kind, endpoint)  # asked afresh once its verdict expires
-
-    def _send_reply(self, meta: Meta, payload: Any) -> None:
-        """To the request's reply endpoint, which must prove the peer key (so it is one of
-        the pipeline's clients or gateways); connecting and sending together take no
-        longer than the request has left."""
-        kind, endpoint = meta.reply.relay, meta.reply.endpoint
-        try:
-            self.relays.send(
-                kind,
-                endpoint,
-                payload,
-                request_id=meta.rid,
-                timeout=self._remaining(meta),
-                meta=meta.to_json(),
-            )
-        except RelayError as exc:
-            self.relays.failed()
-            raise ReplyFailed(f"reply to {endpoint}: {exc}") from exc
-        self.relays.succeeded()
-
-    @staticmethod
-    def _remaining(meta: Meta) -> float:
-        return max(0.05, meta.deadline - time.time())
+            self.forward.send_to(target, out, payload)
 
     # ---- failure -----------------------------------------------------------------------------
     def _fail(
@@ -752,7 +663,9 @@ class RoleRuntime:
         }
         if not reply_failed:  # else its reply endpoint just failed: do not wait on it twice
             try:
-                self._send_reply(meta.with_(kind="error", source=self.name, error=error), None)
+                self.forward.send_reply(
+                    meta.with_(kind="error", source=self.name, error=error), None
+                )
             except Exception as exc:  # the client may be gone; the abort must still happen
                 log.warning("role %s: could not report failure of %s: %s", self.name, meta.rid, exc)
         self._abort(meta.with_(kind="abort", source=self.name))
@@ -782,7 +695,7 @@ class RoleRuntime:
         targets = set(self.me.downstream) | {r.target for r in self.me.refs_out}
         for target in sorted(targets):
             try:
-                self._send_to(target, meta.with_(kind="abort", source=self.name), None)
+                self.forward.send_to(target, meta.with_(kind="abort", source=self.name), None)
             except (RelayError, OSError) as exc:
                 log.debug("abort of %s not passed to %s: %s", meta.rid, target, exc)
 

@@ -43,20 +43,17 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from disagg_runtime.layout import host_tensor
-from disagg_runtime.manifest import Manifest
+from disagg_runtime.memory.layout import host_tensor
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
-from disagg_runtime.relay.landing import Landing
+from disagg_runtime.relay.landing import Host, Landing
 from disagg_runtime.relay.registry import Backend
-from disagg_runtime.relay.sender import Sender
-
-if TYPE_CHECKING:
-    from disagg_runtime.relay.landing import Host
+from disagg_runtime.relay.sender import Sender, Transfer
+from disagg_runtime.wire.manifest import Manifest
 
 log = logging.getLogger(__name__)
 NEEDS = "the nixl package with its UCX plugin (pip install 'disagg[nixl]')"
@@ -364,15 +361,9 @@ class NixlSender(Sender):
             raise RelayError(f"cannot load the NIXL metadata of {self.endpoint}: {exc}") from None
         self._offer = offer
 
-    def _transfer(
-        self,
-        commit: bytes,
-        xid: int,
-        offset: int,
-        manifest: Manifest,
-        tensors: list[torch.Tensor],
-        write_by: float,
-    ) -> None:
+    def _transfer(self, transfer: Transfer) -> None:
+        commit, xid, offset = transfer.commit, transfer.xid, transfer.offset
+        manifest, tensors, write_by = transfer.manifest, transfer.tensors, transfer.write_by
         offer, remote = self._offer, self._remote
         assert offer is not None and remote is not None  # set by the handshake
         self._check_grant(xid, offset, manifest.nbytes, offer.size)

@@ -27,7 +27,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_runtime.batching import Batcher
+import torch
+
+from disagg_core.spec import Pipeline
+from disagg_runtime.role.batching import Batcher
 
 
 class HandlerError(ValueError):
@@ -115,8 +118,6 @@ def load(spec: str) -> Handler:
 
 
 def default_device() -> str:
-    import torch
-
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -184,3 +185,13 @@ class Runner:
     def close(self) -> None:
         self.stop_batching()
         self.handler.close()
+
+
+def input_factory(pipeline: Pipeline) -> Callable[[int], Any]:
+    """Synthetic request i for the pipeline's (first) entry role."""
+    entry = pipeline.role(pipeline.entry_roles[0])
+    module = importlib.import_module(entry.handler_module)
+    sample = getattr(module, "sample_input", None)
+    if callable(sample):
+        return lambda i: sample(entry.handler_attr, i)
+    return lambda i: {"x": torch.full((1024,), float(i)), "i": i}

@@ -8,7 +8,7 @@ builds a slot's bytes in fresh memory for payloads small enough to travel inline
 A sender's `Planner` keeps the placements (a manifest less its tree) of the payload shapes
 it sent last, keyed by each tensor's dtype and shape in order, which is all a placement
 depends on: a payload shaped like a recent one skips laying out its manifest (~4 us, three
-times that with the caches cold after a wait), and `Placement.fill` writes its tensors
+times that with the caches cold after a wait), and `SlotPlan.fill` writes its tensors
 straight into the frame an inline payload travels in.
 """
 
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from disagg_runtime import codec
-from disagg_runtime.codec import CodecError, tensor_from_buffer, unflatten
-from disagg_runtime.copies import Fence, copy_async, to_device
-from disagg_runtime.manifest import Manifest
-from disagg_runtime.pool import Backing
+from disagg_runtime.memory.copies import Fence, copy_async, to_device
+from disagg_runtime.memory.pool import Backing
+from disagg_runtime.wire import codec
+from disagg_runtime.wire.codec import CodecError, tensor_from_buffer, unflatten
+from disagg_runtime.wire.manifest import Manifest
 
 
 def slot_views(backing: Backing, slot: int, manifest: Manifest) -> list[torch.Tensor]:
@@ -191,7 +191,7 @@ def slot_image(manifest: Manifest, tensors: Sequence[torch.Tensor]) -> bytearray
     return image
 
 
-class Placement:
+class SlotPlan:
     """Where a payload's tensors go in its slot (a manifest without its tree), which their
     dtypes and shapes alone decide: worked out once per `Planner` signature, with the copies
     that build a slot image and, on first use, its JSON (`layout_json`)."""
@@ -246,20 +246,20 @@ class Planner:
     time). Thread-safe."""
 
     def __init__(self) -> None:
-        self._known: dict[tuple[tuple[torch.dtype, torch.Size], ...], Placement] = {}
+        self._known: dict[tuple[tuple[torch.dtype, torch.Size], ...], SlotPlan] = {}
         self._lock = threading.Lock()  # taken only to add one
 
     def __len__(self) -> int:
         return len(self._known)
 
-    def plan(self, payload: Any) -> tuple[Any, list[torch.Tensor], Placement]:
+    def plan(self, payload: Any) -> tuple[Any, list[torch.Tensor], SlotPlan]:
         """The payload's tree, its tensors as `plan` gives them, and their placement:
         `plan`'s manifest is `placement.manifest(tree)` (built where it is needed)."""
         tree, tensors = codec.flatten(payload, keep_device=True)
         signature = tuple(map(_SIGNATURE, tensors))
         placed = self._known.get(signature)
         if placed is None:
-            placed = Placement(Manifest.of(tree, tensors))  # bad input fails here
+            placed = SlotPlan(Manifest.of(tree, tensors))  # bad input fails here
             if len(tensors) <= MAX_PLANNED_TENSORS:
                 with self._lock:
                     if len(self._known) >= PLANNED_SIGNATURES:

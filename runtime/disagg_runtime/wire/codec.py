@@ -590,6 +590,24 @@ def decode_json(view: memoryview, what: str) -> Any:
         raise CodecError(f"{what} is not valid JSON: {exc}") from None
 
 
+def loads_strict(text: str) -> Any:
+    """Strict JSON text -> any value, for callers that report where text is wrong (the
+    gateway's request bodies): json.JSONDecodeError (with line and column) for bad syntax,
+    CodecError for NaN/Infinity or a repeated key. `decode_json` is the wire's version."""
+    return _DECODER.decode(text)
+
+
+def payload_nbytes(value: Any) -> int:
+    """Tensor bytes in a payload tree (anything with `numel` and `element_size` counts)."""
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return int(value.numel() * value.element_size())
+    if isinstance(value, dict):
+        return sum(payload_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_nbytes(v) for v in value)
+    return 0
+
+
 def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
     """Parse a header frame: size limit checked first, then UTF-8, JSON object, version."""
     view = _byte_view(frame, "header frame")

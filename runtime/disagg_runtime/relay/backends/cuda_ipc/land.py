@@ -1,16 +1,8 @@
-"""Landing on the GPU: device pool memory, and the receiving side of `cuda-ipc`.
-
-`DeviceMemory` (any relay into a `cuda` pool):
-- tcp chunks: `recv_into` a pinned bounce buffer, then one synchronous host-to-device copy
-  on the ingress's own stream (device memory has no host buffer to receive into).
-- release: the releasing thread's current stream is synchronized before the slot is freed,
-  so kernels still reading it finish before another sender may write it. Handlers that
-  read payloads on side streams synchronize those before returning (the usual rule for
-  handing tensors back).
+"""The receiving side of `cuda-ipc` (device pool memory itself: memory/intake.py).
 
 `CudaIpcLanding` (senders that said hello as cuda-ipc):
 - the welcome carries the pool's CUDA IPC export, made once per peer
-  (`cuda_ipc.export_pool`); the peer maps it once. A host pool says why it cannot.
+  (`handles.export_pool`); the peer maps it once. A host pool says why it cannot.
 - commit with an `event`: the sender's copy into the slot may still be running. The grant
   is held out of the lease clock while the I/O thread polls the event (a short spin, then
   once per loop turn); only a completed copy is validated, delivered and acked. A copy not
@@ -28,68 +20,16 @@ from typing import Any, cast
 
 import torch
 
-from disagg_runtime import codec
-from disagg_runtime.copies import new_stream
-from disagg_runtime.pool import Pool, PoolError
-from disagg_runtime.relay import cuda_ipc
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.landing import Host, Landing, Memory
-from disagg_runtime.relay.ledger import Message, Reservation
+from disagg_runtime.relay.backends.cuda_ipc import handles
+from disagg_runtime.relay.landing import Host, Landing
+from disagg_runtime.relay.ledger import Reservation
+from disagg_runtime.wire import codec
 
 log = logging.getLogger(__name__)
 SPIN_S = 0.005  # covers a device-to-device copy of several GiB before deferring
-MAX_BOUNCE = 64 << 20  # the largest tcp chunk landed through the bounce buffer
 MAX_EXPORTS = 1024  # peers (sender sockets) the pool is exported to over the ingress's life
 MAX_EVENTS = 256  # opened peer events kept (one per recent sender)
-
-
-def pinned_buffer(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-class DeviceMemory(Memory):
-    """A `cuda` pool's memory (see the module docstring)."""
-
-    kind = "cuda"
-
-    def __init__(self, pool: Pool) -> None:
-        if pool.backing.device != "cuda":
-            raise PoolError(f"DeviceMemory needs a cuda pool, not {pool.backing.device}")
-        super().__init__(pool)
-        self.gpu = pool.backing.tensor.device
-        self._stream = new_stream(self.gpu)
-        self._bounce: torch.Tensor | None = None
-        self._bounce_view: memoryview | None = None
-
-    def prepare_chunks(self, chunk: int) -> None:
-        if chunk > MAX_BOUNCE:
-            raise proto.ProtocolError(f"chunk size {chunk} over {MAX_BOUNCE} for a CUDA pool")
-        if self._bounce is not None and self._bounce.numel() >= chunk:
-            return
-        try:
-            bounce = pinned_buffer(max(chunk, 1 << 20))
-        except RuntimeError as exc:
-            raise proto.ProtocolError(f"no pinned memory for a {chunk} B chunk: {exc}") from None
-        self._bounce, self._bounce_view = bounce, bounce.numpy().data
-
-    def chunk_buffer(self, offset: int, length: int) -> memoryview:
-        assert self._bounce_view is not None  # made when the commit announced its chunks
-        return self._bounce_view[:length]
-
-    def chunk_landed(self, offset: int, length: int) -> str | None:
-        assert self._bounce is not None
-        dst = self.pool.backing.tensor[offset : offset + length]
-        try:
-            with torch.cuda.stream(self._stream):
-                dst.copy_(self._bounce[:length], non_blocking=True)
-            self._stream.synchronize()  # the bounce buffer takes the next chunk
-        except RuntimeError as exc:
-            return f"copy to the GPU failed: {exc}"
-        return None
-
-    def before_release(self, msg: Message) -> None:
-        if msg.slot is not None and not msg.released:
-            torch.cuda.current_stream(self.gpu).synchronize()  # work reading the slot ends
 
 
 @dataclass
@@ -153,7 +93,7 @@ class CudaIpcLanding(Landing):
             if len(self._exports) >= MAX_EXPORTS:
                 return {"cuda_unavailable": f"the pool was exported to {MAX_EXPORTS} peers"}
             try:
-                export = cuda_ipc.export_pool(pool.backing).to_json()
+                export = handles.export_pool(pool.backing).to_json()
             except Exception as exc:  # the I/O thread must outlive whatever CUDA says
                 log.warning("ingress %s cannot export its CUDA pool: %s", self.host.endpoint, exc)
                 return {"cuda_unavailable": f"the receiver cannot export its CUDA pool: {exc}"}
@@ -175,7 +115,7 @@ class CudaIpcLanding(Landing):
             raise proto.ProtocolError(f"commit for xid {xid} without a live grant (lease expired?)")
         assert grant.offset is not None  # taken grants have slots
         try:
-            event = self._open_event(ident, cuda_ipc.parse_event_handle(msg.get("event")))
+            event = self._open_event(ident, handles.parse_event_handle(msg.get("event")))
         except proto.ProtocolError:
             # the peer may have queued a copy into the slot: keep it from others for a lease
             self._quarantine.append(_Quarantined(grant.offset, None, self._later()))

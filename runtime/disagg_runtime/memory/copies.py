@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from disagg_runtime import codec
+from disagg_runtime.wire import codec
 
 _local = threading.local()
 

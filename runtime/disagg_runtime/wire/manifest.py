@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from disagg_runtime.codec import CodecError, TensorMeta, encode_json
+from disagg_runtime.wire.codec import CodecError, TensorMeta, encode_json
 
 ALIGN = 64
 MANIFEST_VERSION = 1
