@@ -42,14 +42,14 @@ async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: apply.Ap
     plan = planner.plan(pipeline, namespace=NS, owner=owner)
     first = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
     assert (
-        len(first.created) == len(plan) == 10
-    )  # 7 + the NetworkPolicy + the gateway's Service and Deployment
+        len(first.created) == len(plan) == 11
+    )  # 7 + the NetworkPolicies (roles', gateway's) + the gateway's Service and Deployment
     assert not (first.updated or first.unchanged or first.pruned or first.conflicts)
     before = s.versions(s.children(k8s, stored["metadata"]["name"]))
     k8s.clear_calls()
 
     second = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
-    assert len(second.unchanged) == 10 and not second.changed
+    assert len(second.unchanged) == 11 and not second.changed
     assert s.versions(s.children(k8s, stored["metadata"]["name"])) == before
     verbs = sorted({(c.verb, c.resource) for c in k8s.calls})
     assert ("patch", "statefulsets") in verbs, "the applies were sent"
@@ -79,7 +79,7 @@ async def test_another_pipelines_object_is_a_conflict(k8s: EmulatorThread, api: 
     result = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
     assert [str(c.ref) for c in result.conflicts] == ["StatefulSet/text-to-video-encoder"]
     assert stranger.uid in str(result.conflicts[0])
-    assert len(result.created) == 9
+    assert len(result.created) == 10
     now = k8s.get(s.STS, "text-to-video-encoder", NS)
     assert now is not None
     assert now["metadata"]["resourceVersion"] == held["metadata"]["resourceVersion"]

@@ -55,8 +55,9 @@ def leftovers(k8s: EmulatorThread) -> dict[str, list[str]]:
 
 
 def check_report(result: dict[str, Any], *, samples: int, pipelines: int) -> None:
-    # topology, 3 Services + 3 StatefulSets, NetworkPolicy, gateway Deployment + Service
-    assert result["roles"] == 3 and result["children_per_pipeline"] == 10
+    # topology, 3 Services + 3 StatefulSets, 2 NetworkPolicies (roles, gateway), gateway
+    # Deployment + Service
+    assert result["roles"] == 3 and result["children_per_pipeline"] == 11
     assert result["kubernetes_version"]
     latency = result["latency"]
     assert latency["samples"] == samples == len(latency["values_s"])
@@ -170,6 +171,7 @@ def test_the_default_pipeline_is_the_text_to_video_example():
     assert sorted(bench.expected_children(doc, "ns")) == [
         ("ConfigMap", "x-topology"),
         ("Deployment", "x-gateway"),
+        ("NetworkPolicy", "x-gateway-network"),
         ("NetworkPolicy", "x-network"),
         *(("Service", f"x{r}") for r in ("", "-decoder", "-denoiser", "-encoder")),
         *(("StatefulSet", f"x-{r}") for r in ("decoder", "denoiser", "encoder")),
