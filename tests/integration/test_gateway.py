@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import http.client
 import json
@@ -70,8 +71,9 @@ class Served:
         self.loop.close()
 
 
-@pytest.fixture(scope="module")
-def local() -> Iterator[LocalPipeline]:
+@contextlib.contextmanager
+def gateway_pipeline() -> Iterator[LocalPipeline]:
+    """pipelines/gateway.yaml as local processes, with this folder's handlers importable."""
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), old]))
     pipeline = LocalPipeline(load_pipeline_file(HERE / "pipelines" / "gateway.yaml"), grace_s=5)
@@ -85,6 +87,12 @@ def local() -> Iterator[LocalPipeline]:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[LocalPipeline]:
+    with gateway_pipeline() as pipeline:
+        yield pipeline
 
 
 @pytest.fixture(scope="module")

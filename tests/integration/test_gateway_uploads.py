@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -17,29 +16,24 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from disagg_core.spec import load_pipeline_file
 from disagg_runtime.gateway import native
 from disagg_runtime.gateway.app import Settings
 from disagg_runtime.gateway.server import gateway_for
 from disagg_runtime.local.supervisor import LocalPipeline
-from tests.integration.test_gateway import HERE, WAIT, Served, large_head, pools_used, wait_until
+from tests.integration.test_gateway import (
+    WAIT,
+    Served,
+    gateway_pipeline,
+    large_head,
+    pools_used,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
 def local() -> Iterator[LocalPipeline]:
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), old]))
-    pipeline = LocalPipeline(load_pipeline_file(HERE / "pipelines" / "gateway.yaml"), grace_s=5)
-    try:
-        pipeline.start()
-        pipeline.wait_ready(timeout=60)
+    with gateway_pipeline() as pipeline:
         yield pipeline
-    finally:
-        pipeline.stop()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 def serve(local: LocalPipeline, **overrides: object) -> tuple[Served, object]:
