@@ -30,22 +30,8 @@ from disagg_operator import names
 
 Schema = dict[str, Any]
 
-# The spec's bounds live in disagg_core.spec.limits (the validator enforces the same ones).
-MAX_ROLES: Final = limits.MAX_ROLES
-MAX_EDGES: Final = limits.MAX_EDGES
-MAX_TENSOR_REFS: Final = limits.MAX_TENSOR_REFS
-MAX_GROUPS: Final = limits.MAX_GROUPS
-MAX_GROUP_ROLES: Final = limits.MAX_GROUP_ROLES
-MAX_ENV: Final = limits.MAX_ENV
-MAX_PORTS: Final = limits.MAX_PORTS
-MAX_ARGS: Final = limits.MAX_ARGS
-MAX_IMAGE_LENGTH: Final = limits.MAX_IMAGE_LENGTH
-MAX_HANDLER_LENGTH: Final = limits.MAX_HANDLER_LENGTH
-MAX_PATH_LENGTH: Final = limits.MAX_PATH_LENGTH
-MAX_ENV_NAME_LENGTH: Final = limits.MAX_ENV_NAME_LENGTH
 MAX_CONDITIONS: Final = 8
 MAX_SCALE_DECISIONS: Final = 50
-MAX_NETWORK_PEERS: Final = limits.MAX_NETWORK_PEERS
 
 DNS_1035_LABEL: Final = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_1123_LABEL: Final = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -196,7 +182,7 @@ def env_schema() -> Schema:
             "name": _string(
                 "Variable name (letters, digits, '_'); the DISAGG_ prefix is reserved.",
                 pattern=ENV_NAME_PATTERN,
-                maxLength=MAX_ENV_NAME_LENGTH,
+                maxLength=limits.MAX_ENV_NAME_LENGTH,
             ),
             "value": _string("The value (quote numbers in YAML)."),
             "valueFrom": _free_object(
@@ -222,7 +208,7 @@ def env_schema() -> Schema:
     return _array(
         "Extra environment variables of the role's container, after the contract's.",
         item,
-        maxItems=MAX_ENV,
+        maxItems=limits.MAX_ENV,
         **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
 
@@ -258,7 +244,7 @@ def ports_schema() -> Schema:
         "Extra ports of the role's container (the runtime's ingress and metrics ports are "
         "added by the operator).",
         item,
-        maxItems=MAX_PORTS,
+        maxItems=limits.MAX_PORTS,
         **{
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["name"],
@@ -374,17 +360,17 @@ def role_schema() -> Schema:
                 "'package.module:Class' with setup(ctx), __call__ or batch(payloads), close() "
                 "(docs/handlers.md).",
                 pattern=HANDLER_PATTERN,
-                maxLength=MAX_HANDLER_LENGTH,
+                maxLength=limits.MAX_HANDLER_LENGTH,
             ),
             "image": _string(
                 "Container image of the role. Unset: spec.image.",
                 pattern=NO_WHITESPACE,
-                maxLength=MAX_IMAGE_LENGTH,
+                maxLength=limits.MAX_IMAGE_LENGTH,
             ),
             "command": _array(
-                "Container command. Unset: [disagg, role].", strings, maxItems=MAX_ARGS
+                "Container command. Unset: [disagg, role].", strings, maxItems=limits.MAX_ARGS
             ),
-            "args": _array("Container arguments.", strings, maxItems=MAX_ARGS),
+            "args": _array("Container arguments.", strings, maxItems=limits.MAX_ARGS),
             "env": env_schema(),
             "resources": resources_schema(),
             "ports": ports_schema(),
@@ -475,7 +461,7 @@ def edge_schema() -> Schema:
             "path": _string(
                 "Where the tensor is in the payload: keys and [indexes], e.g. latents, a.b[0].",
                 pattern=PAYLOAD_PATH_PATTERN,
-                maxLength=MAX_PATH_LENGTH,
+                maxLength=limits.MAX_PATH_LENGTH,
             ),
             "to": _string(
                 "The role that reads it; it must be downstream of the edge's target.",
@@ -496,7 +482,7 @@ def edge_schema() -> Schema:
             "tensorRefs": _array(
                 "Tensors that skip the target and go to a later role.",
                 ref,
-                maxItems=MAX_TENSOR_REFS,
+                maxItems=limits.MAX_TENSOR_REFS,
             ),
         },
         required=("from", "to"),
@@ -527,7 +513,7 @@ def group_schema() -> Schema:
                 "The roles of the group, at least two.",
                 _string("A role name.", pattern=DNS_1035_LABEL, maxLength=m.MAX_LABEL_LENGTH),
                 minItems=2,
-                maxItems=MAX_GROUP_ROLES,
+                maxItems=limits.MAX_GROUP_ROLES,
                 **{"x-kubernetes-list-type": "set"},
             ),
         },
@@ -572,8 +558,8 @@ def rollout_schema() -> Schema:
             ),
             "groups": _array(
                 "Roles that roll together besides those bound by a ratio lock.",
-                _array("Roles of one rollout group.", role, minItems=2, maxItems=MAX_ROLES),
-                maxItems=MAX_ROLES,
+                _array("Roles of one rollout group.", role, minItems=2, maxItems=limits.MAX_ROLES),
+                maxItems=limits.MAX_ROLES,
             ),
         },
     )
@@ -665,7 +651,7 @@ def network_peers_schema(description: str) -> Schema:
         },
         minProperties=1,
     )
-    return _array(description, peer, maxItems=MAX_NETWORK_PEERS)
+    return _array(description, peer, maxItems=limits.MAX_NETWORK_PEERS)
 
 
 def monitoring_schema() -> Schema:
@@ -857,32 +843,32 @@ def spec_schema() -> Schema:
             "image": _string(
                 "Default container image of every role (a role's image overrides it).",
                 pattern=NO_WHITESPACE,
-                maxLength=MAX_IMAGE_LENGTH,
+                maxLength=limits.MAX_IMAGE_LENGTH,
             ),
             "transport": transport_schema(),
             "roles": _array(
                 "The roles, each a StatefulSet (or part of its colocation group's).",
                 role_schema(),
                 minItems=1,
-                maxItems=MAX_ROLES,
+                maxItems=limits.MAX_ROLES,
                 **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
             ),
             "edges": _array(
                 "Where results flow; the graph must be acyclic with at least one entry role.",
                 edge_schema(),
-                maxItems=MAX_EDGES,
+                maxItems=limits.MAX_EDGES,
                 **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["from", "to"]},
             ),
             "colocation": _array(
                 "Groups of roles that share one GPU and one pod.",
                 group_schema(),
-                maxItems=MAX_GROUPS,
+                maxItems=limits.MAX_GROUPS,
             ),
             "networkPolicy": network_policy_schema(),
             "ratioLocks": _array(
                 "Replica ratios the autoscaler holds between roles (e.g. denoiser:decoder 4:1).",
                 ratio_lock_schema(),
-                maxItems=MAX_ROLES,
+                maxItems=limits.MAX_ROLES,
                 **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["follower"]},
             ),
             "rollout": rollout_schema(),
@@ -1008,7 +994,7 @@ def status_schema() -> Schema:
                     "operator restart resumes from them instead of spec.roles[].replicas."
                 ),
                 "additionalProperties": _integer("Replicas.", **count),
-                "maxProperties": MAX_ROLES,
+                "maxProperties": limits.MAX_ROLES,
             },
             "rollout": _object(
                 "The coordinated rollout of a pod-template change (spec.rollout).",
@@ -1033,12 +1019,12 @@ def status_schema() -> Schema:
                                 ),
                             },
                         ),
-                        maxItems=MAX_ROLES,
+                        maxItems=limits.MAX_ROLES,
                     ),
                     "stalled": _array(
                         "Workloads whose step missed its deadline.",
                         _string("A role or colocation group."),
-                        maxItems=MAX_ROLES,
+                        maxItems=limits.MAX_ROLES,
                     ),
                 },
             ),

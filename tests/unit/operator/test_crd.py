@@ -15,8 +15,9 @@ import pytest
 
 from disagg_core import spec
 from disagg_core.spec import fields as spec_fields
+from disagg_core.spec import limits
 from disagg_core.spec.model import API_VERSION, KIND
-from disagg_operator import crd, names
+from disagg_operator import names
 
 Doc = dict[str, Any]
 Mutation = Callable[[Doc], None]
@@ -380,7 +381,9 @@ def test_size_bounds_are_checked_by_both(crd_checker: Any) -> None:
     enforces the same bounds (disagg_core.spec.limits; tests/unit/core/test_spec_limits.py
     walks every one)."""
     doc = _minimal()
-    doc["spec"]["roles"] = [{"name": f"r{i}", "handler": "m:f"} for i in range(crd.MAX_ROLES + 1)]
+    doc["spec"]["roles"] = [
+        {"name": f"r{i}", "handler": "m:f"} for i in range(limits.MAX_ROLES + 1)
+    ]
     doc["spec"]["edges"] = []
     with pytest.raises(spec.SpecError) as caught:
         spec.parse_pipeline(doc)
