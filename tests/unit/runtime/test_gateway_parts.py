@@ -19,7 +19,7 @@ from disagg_runtime.client import (
     RequestTimeout,
     UploadExpired,
 )
-from disagg_runtime.gateway import app, native, openai
+from disagg_runtime.gateway import errors, native, openai
 
 
 # ---- native codec -------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def test_answer_objects() -> None:
     ],
 )
 def test_failures_map_to_status_codes(exc: Exception, status: int, kind: str) -> None:
-    answer = app.from_failure(exc)
+    answer = errors.from_failure(exc)
     assert (answer.status, answer.body["error"]["type"]) == (status, kind)
     if status in (429, 503):
         assert answer.headers["Retry-After"] == "1"
