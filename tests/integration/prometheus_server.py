@@ -104,9 +104,12 @@ class Prometheus:
         data = self.api("query", query=expr)
         return [r for r in data["result"] if r["value"][1] not in ("NaN", "+Inf", "-Inf")]
 
-    def firing(self) -> set[str]:
+    def firing(self) -> dict[str, dict[str, str]]:
+        """The alerts firing now, by name, with their labels."""
         return {
-            a["labels"]["alertname"] for a in self.api("alerts")["alerts"] if a["state"] == "firing"
+            a["labels"]["alertname"]: a["labels"]
+            for a in self.api("alerts")["alerts"]
+            if a["state"] == "firing"
         }
 
     def diagnose(self) -> str:

@@ -84,6 +84,8 @@ class Scenario:
     local: LocalPipeline
     url: str
     seen: dict[str, float] = field(default_factory=dict)  # alert -> seconds until it fired
+    # alert -> its labels when first seen firing (a 15 s window's alert may resolve later)
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 class Traffic:
@@ -181,8 +183,9 @@ def _provoke(scenario: Scenario, ingress: str, timeout: float) -> None:
 
 
 def _seen(scenario: Scenario, t0: float) -> None:
-    for name in scenario.prometheus.firing():
+    for name, labels in scenario.prometheus.firing().items():
         scenario.seen.setdefault(name, round(time.monotonic() - t0, 1))
+        scenario.labels.setdefault(name, labels)
 
 
 @pytest.fixture(scope="module")
@@ -269,10 +272,8 @@ def test_every_panel_of_the_checked_in_dashboard_returns_data(scenario: Scenario
 
 def test_every_alert_fires_in_the_scenario_that_provokes_it(scenario: Scenario) -> None:
     assert set(scenario.seen) == set(ALERTS), scenario.seen
-    labels = {
-        a["labels"]["alertname"]: a["labels"] for a in scenario.prometheus.api("alerts")["alerts"]
-    }
-    assert labels.get("DisaggGateway5xx", {}).get("pipeline") == "itest-observe"
+    assert scenario.labels["DisaggGateway5xx"].get("pipeline") == "itest-observe"
+    assert scenario.labels["DisaggNoReadyReplica"].get("role") == "front"
 
 
 def test_the_recording_rules_have_data(scenario: Scenario) -> None:
