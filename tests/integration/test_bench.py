@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from disagg_runtime.bench.transport import METHODS, format_size, parse_size
+from disagg_runtime.bench.sizes import format_size, parse_size
+from disagg_runtime.bench.transport import METHODS
 
 DISAGG = [sys.executable, "-m", "disagg_runtime.cli"]
 
