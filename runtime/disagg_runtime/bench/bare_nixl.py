@@ -87,6 +87,7 @@ def _receive(env: dict[str, str], size: int, control: Connection, answers: Conne
         return
     deadline = time.monotonic() + 10 * WAIT_S
     while time.monotonic() < deadline:
+        os.sched_yield()
         for messages in agent.get_new_notifs().values():
             for msg in messages:
                 if msg == STOP:
@@ -121,6 +122,7 @@ def _send(
             waited = time.monotonic() + WAIT_S
             while not asks.poll(0):  # progressing the worker sends the notification
                 agent.get_new_notifs()
+                os.sched_yield()  # a busy poll, yielding to whatever else must run here
                 if time.monotonic() > waited:
                     raise RuntimeError("the receiver saw no notification")
             delays.append(STAMP.unpack(asks.recv_bytes())[0])

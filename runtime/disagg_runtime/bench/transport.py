@@ -259,6 +259,9 @@ def run(
             _relate(result, rows, LIMIT[device])
             rows[method] = result
             results.append(result)
+        rates = {m: r.gbps for m, r in rows.items()}
+        for result in rows.values():  # every peer of the size is in now, run before or after
+            result.peers = ratios.ratios(result.method, result.gbps, rates)
     return results
 
 
@@ -273,7 +276,6 @@ def _relate(result: Result, rows: dict[str, Result], limit: str) -> None:
         result.p50_over_raw = p50 / (rows["raw_unix"].p50_us or 1.0)
     if "py_unix" in rows and rows["py_unix"].p50_us:
         result.p50_over_py = p50 / (rows["py_unix"].p50_us or 1.0)
-    result.peers = ratios.ratios(result.method, result.gbps, {m: r.gbps for m, r in rows.items()})
 
 
 def _cell(value: float | None, fmt: str) -> str:
