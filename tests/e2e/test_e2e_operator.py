@@ -18,7 +18,9 @@ import yaml
 
 from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
-from disagg_operator import names, planner, reconcile
+from disagg_operator import names
+from disagg_operator.plan import planner
+from disagg_operator.reconcile import reconcile
 from tests.e2e import e2e_support as e
 from tests.integration import test_k8s_admission as admission_cases
 

@@ -12,11 +12,14 @@ from typing import Any
 
 import kmock
 import pytest
+from disagg_operator.reconcile.metrics import Metrics
 
 from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
-from disagg_operator import handlers, names, planner, reconcile
-from disagg_operator.metrics import Metrics
+from disagg_operator import names
+from disagg_operator.app import handlers
+from disagg_operator.plan import planner
+from disagg_operator.reconcile import reconcile
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 

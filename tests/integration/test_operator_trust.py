@@ -14,7 +14,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from disagg_operator import names, planner, pods, reconcile
+from disagg_operator import names
+from disagg_operator.plan import planner, pods
+from disagg_operator.reconcile import reconcile
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 

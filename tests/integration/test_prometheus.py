@@ -30,9 +30,9 @@ import httpx
 import pytest
 import torch
 import zmq
+from disagg_operator.reconcile.metrics import Metrics
 
 from disagg_core.spec import load_pipeline_file
-from disagg_operator.metrics import Metrics
 from disagg_runtime.gateway.app import Settings
 from disagg_runtime.gateway.server import gateway_for
 from disagg_runtime.local.supervisor import LocalPipeline

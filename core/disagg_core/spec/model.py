@@ -306,7 +306,7 @@ ALL_PODS: Final = IntOrPercent(100, percent=True)
 
 @dataclass(frozen=True, kw_only=True)
 class Rollout:
-    """How a template change rolls across roles (operator/disagg_operator/rollout.py): at most
+    """How a template change rolls across roles (operator/disagg_operator/rollout/steps.py): at most
     `max_unavailable` pods of a role per step; roles bound by a ratio lock or listed together
     in `groups` keep their updated fractions within `max_skew` of each other; `partition`
     pods per role stay on the old revision (each an int-or-percent, as in a Deployment: a

@@ -12,7 +12,7 @@ import yaml
 from disagg_core import placement, spec
 from disagg_core.contract import Peer, RoleConfig
 from disagg_core.spec.model import Pipeline
-from disagg_operator import planner
+from disagg_operator.plan import planner
 from disagg_runtime.local.supervisor import plan_local
 from tests.support import REPO
 

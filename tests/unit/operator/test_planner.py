@@ -12,7 +12,8 @@ import pytest
 
 from disagg_core import contract, spec
 from disagg_core.spec.model import Pipeline
-from disagg_operator import merge, names, planner
+from disagg_operator import names
+from disagg_operator.plan import merge, planner
 from tests.support import EXAMPLES
 
 NS = "ml"

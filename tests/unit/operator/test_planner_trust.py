@@ -14,7 +14,9 @@ import pytest
 from disagg_core import contract, spec
 from disagg_core.spec import podpolicy
 from disagg_core.spec.model import ANNOTATION_ALLOW_PRIVILEGED, Pipeline
-from disagg_operator import names, planner, pods, reconcile
+from disagg_operator import names
+from disagg_operator.plan import planner, pods
+from disagg_operator.reconcile import reconcile
 
 NS = "ml"
 NEWEST = kubernetes_validate.utils.latest_version()

@@ -1,5 +1,5 @@
 """The PodMonitor: when the planner makes one, what it selects, and that the discovery check
-reads the API's answer (podmonitor.py, planner.plan, apply.Api.serves)."""
+reads the API's answer (podmonitor.py, planner.plan, kube.Api.serves)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import yaml
 
 from disagg_core import spec
 from disagg_core.spec.model import Pipeline
-from disagg_operator import names, planner, podmonitor, pods
+from disagg_operator import names
+from disagg_operator.plan import planner, podmonitor, pods
 from tests.support import EXAMPLES
 
 NS = "ml"
@@ -105,13 +106,11 @@ class _Discovery:
         self.paths: list[str] = []
 
     async def request(self, method: str, path: str, **_: Any) -> Any:
-        from disagg_operator import apply
+        from disagg_operator.k8s import client as kube
 
         self.paths.append(path)
         if self.answer is None:
-            raise apply.ApiError(
-                404, "NotFound", "the server could not find the requested resource"
-            )
+            raise kube.ApiError(404, "NotFound", "the server could not find the requested resource")
         return self.answer
 
 
@@ -125,16 +124,16 @@ class _Discovery:
     ],
 )
 async def test_discovery_says_whether_podmonitors_are_served(answer: Any, served: bool) -> None:
-    from disagg_operator import apply
+    from disagg_operator.k8s import client as kube
 
     fake = _Discovery(answer)
-    found = await apply.Api.serves(fake, podmonitor.API_VERSION, podmonitor.PLURAL)  # type: ignore[arg-type]
+    found = await kube.Api.serves(fake, podmonitor.API_VERSION, podmonitor.PLURAL)  # type: ignore[arg-type]
     assert found is served
     assert fake.paths == ["/apis/monitoring.coreos.com/v1"]
 
 
 def test_scale_decisions_are_counted_by_direction() -> None:
-    from disagg_operator.metrics import Metrics
+    from disagg_operator.reconcile.metrics import Metrics
 
     m = Metrics()
     m.scaled("ml", "p", "decode", 1, 3, "occupancy")

@@ -11,14 +11,19 @@ from typing import Any, cast
 
 import kopf
 import pytest
+from disagg_operator.reconcile.metrics import Metrics
 
-from disagg_operator import apply, handlers, main, names, planner, reconcile, status
-from disagg_operator.metrics import Metrics
+from disagg_operator import names
+from disagg_operator.app import handlers, main
+from disagg_operator.k8s import client as kube
+from disagg_operator.k8s import times
+from disagg_operator.plan import planner
+from disagg_operator.reconcile import apply, reconcile
 from disagg_runtime import cli
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 OWNER = planner.Owner(name="p", uid="uid-1")
-REF = apply.ObjectRef("v1", "Service", "ns", "p-a")
+REF = kube.ObjectRef("v1", "Service", "ns", "p-a")
 
 
 def built(phase: str = names.PHASE_READY, **conditions: tuple[str, str]) -> dict[str, Any]:
@@ -63,11 +68,11 @@ def test_conflicts_degrade_the_status_and_keep_the_transition_time() -> None:
     assert condition["reason"] == reconcile.REASON_CHILD_CONFLICT
     assert condition["message"] == str(conflict)
     assert "Service/p-a exists and is not this pipeline's" in condition["message"]
-    assert condition["lastTransitionTime"] == status.format_time(NOW)
+    assert condition["lastTransitionTime"] == times.format_time(NOW)
     again = reconcile.with_conflicts(ok, [conflict], now=NOW, previous=degraded)
     later = NOW + datetime.timedelta(minutes=5)
     kept = reconcile.with_conflicts(ok, [conflict], now=later, previous=again)
-    assert kept["conditions"][0]["lastTransitionTime"] == status.format_time(NOW)
+    assert kept["conditions"][0]["lastTransitionTime"] == times.format_time(NOW)
 
 
 # ---------------------------------------------------------------------------- events
@@ -77,8 +82,8 @@ def test_events_name_what_changed_and_nothing_else() -> None:
     same = built()
     result = apply.ApplyResult(
         created=(REF,),
-        updated=(apply.ObjectRef("apps/v1", "StatefulSet", "ns", "p-b"),),
-        pruned=(apply.ObjectRef("v1", "Service", "ns", "p-c"),),
+        updated=(kube.ObjectRef("apps/v1", "StatefulSet", "ns", "p-b"),),
+        pruned=(kube.ObjectRef("v1", "Service", "ns", "p-c"),),
     )
     events = reconcile.decision_events(result=result, before=same, after=same)
     assert events == [
@@ -160,8 +165,8 @@ def test_only_our_labelled_children_are_prunable() -> None:
 
 
 def test_paths_and_status_comparison() -> None:
-    assert apply.collection_path("v1", "ConfigMap", "ns") == "/api/v1/namespaces/ns/configmaps"
-    sts = apply.ObjectRef("apps/v1", "StatefulSet", "ns", "p-a")
+    assert kube.collection_path("v1", "ConfigMap", "ns") == "/api/v1/namespaces/ns/configmaps"
+    sts = kube.ObjectRef("apps/v1", "StatefulSet", "ns", "p-a")
     assert sts.path("scale") == "/apis/apps/v1/namespaces/ns/statefulsets/p-a/scale"
     pipeline = apply.pipeline_ref("ns", "p")
     assert pipeline.path("status") == (
@@ -170,8 +175,8 @@ def test_paths_and_status_comparison() -> None:
     assert not apply.status_differs({"phase": "Ready", "scaleDecisions": [1]}, {"phase": "Ready"})
     assert apply.status_differs({"phase": "Ready"}, {"phase": "Degraded"})
     assert apply.status_differs(None, {"phase": "Ready"})
-    assert apply.ApiError(503, "ServiceUnavailable", "x").retryable
-    assert not apply.ApiError(403, "Forbidden", "x").retryable
+    assert kube.ApiError(503, "ServiceUnavailable", "x").retryable
+    assert not kube.ApiError(403, "Forbidden", "x").retryable
 
 
 def test_the_owning_pipeline_of_a_statefulset() -> None:
@@ -316,8 +321,8 @@ def test_operator_command_line_exclusions(argv: tuple[str, ...]) -> None:
 @pytest.mark.asyncio
 async def test_a_failed_reconcile_is_timed_and_counted() -> None:
     metrics = Metrics()
-    reconciler = reconcile.Reconciler(api=apply.Api(), metrics=metrics)
-    with pytest.raises(apply.ApiError):
+    reconciler = reconcile.Reconciler(api=kube.Api(), metrics=metrics)
+    with pytest.raises(kube.ApiError):
         await reconciler.reconcile("ns", "p")
     errors = {"kind": "spec", "reason": "NotLoggedIn"}
     assert metrics.value("disagg_operator_reconcile_errors_total", errors) == 1

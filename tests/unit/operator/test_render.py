@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from disagg_core import spec
-from disagg_operator import planner, render
+from disagg_operator.plan import planner, render
 from disagg_runtime import cli
 
 NEWEST = kubernetes_validate.utils.latest_version()

@@ -1,4 +1,4 @@
-"""The coordinated rollout's stepping (operator/disagg_operator/rollout.py), driven by a
+"""The coordinated rollout's stepping (operator/disagg_operator/rollout/steps.py), driven by a
 simulated StatefulSet controller that moves one pod at a time, as the real one does."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_core.spec.model import IntOrPercent
-from disagg_operator.rollout import Policy, Step, Unit, coupled, step
+from disagg_operator.rollout.steps import Policy, Step, Unit, coupled, step
 
 
 def pct(value: int) -> IntOrPercent:
@@ -182,7 +182,7 @@ def test_senders_first_still_finishes_within_the_skew(replicas, skew, unavailabl
 
 def test_feeds_only_where_both_roles_pair_by_a_declared_token():
     from disagg_core.spec import parse_pipeline
-    from disagg_operator.rollout_state import feeds_of
+    from disagg_operator.rollout.state import feeds_of
 
     doc: dict[str, Any] = {
         "apiVersion": "disagg.dev/v1alpha1",

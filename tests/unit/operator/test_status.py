@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 
 from disagg_core import spec
-from disagg_operator import names, planner, status
+from disagg_operator import names
+from disagg_operator.k8s import times
+from disagg_operator.plan import planner
+from disagg_operator.reconcile import status
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 Obj = dict[str, Any]
@@ -285,11 +288,11 @@ def test_status_matches_the_crd(crd_checker: Any) -> None:
 
 
 def test_time_helpers() -> None:
-    assert status.format_time(T0) == "2026-01-01T12:00:00Z"
-    assert status.parse_time("2026-01-01T12:00:00Z") == T0
-    assert status.parse_time("garbage") is None
+    assert times.format_time(T0) == "2026-01-01T12:00:00Z"
+    assert times.parse_time("2026-01-01T12:00:00Z") == T0
+    assert times.parse_time("garbage") is None
     with pytest.raises(ValueError, match="timezone"):
-        status.format_time(datetime.datetime(2026, 1, 1))
+        times.format_time(datetime.datetime(2026, 1, 1))
 
 
 def test_gateway_url_and_readiness_apart_from_the_roles() -> None:
