@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from disagg_operator.autoscaling import policy as autoscaling
+from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.gen import generate, install
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.node import Node, apiserver

@@ -41,7 +41,7 @@ from typing import Any, Final
 from disagg_core.autoscale import STALE_AFTER_S, Decision, Sample
 from disagg_core.spec import SpecError
 from disagg_operator.autoscaling import podmetrics
-from disagg_operator.autoscaling import policy as autoscaling
+from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.reconcile import apply, reconcile
 
 DEFAULT_INTERVAL: Final = 15.0  # seconds, the HorizontalPodAutoscaler's sync period

@@ -20,7 +20,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg_core import autoscale
-from disagg_operator.autoscaling.policy import Reading
+from disagg_operator.autoscaling.scaling import Reading
 
 DEFAULT_TIMEOUT: Final = 2.0  # seconds per scrape, connect included
 MAX_BODY: Final = 4 * 2**20  # a role's exposition is a few KiB

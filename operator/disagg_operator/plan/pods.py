@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from disagg_core import contract, quantity
-from disagg_core.spec import EnvVar, Pipeline, Role
+from disagg_core.spec import EnvSetting, Pipeline, Role
 from disagg_operator import names
 from disagg_operator.plan import merge
 
@@ -154,7 +154,7 @@ def _container(
     return container
 
 
-def _user_env(var: EnvVar) -> dict[str, Any]:
+def _user_env(var: EnvSetting) -> dict[str, Any]:
     if var.value_from is not None:
         return {"name": var.name, "valueFrom": copy.deepcopy(dict(var.value_from))}
     return {"name": var.name, "value": var.value}

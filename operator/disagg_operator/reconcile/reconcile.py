@@ -76,7 +76,7 @@ import kopf
 from disagg_core import spec
 from disagg_core.spec import Pipeline, SpecError, pod_policy_findings
 from disagg_operator import names
-from disagg_operator.autoscaling import policy as autoscaling
+from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.k8s import client as kube
 from disagg_operator.k8s import times
 from disagg_operator.plan import planner, podmonitor, pods

@@ -23,7 +23,7 @@ from disagg_operator.rollout import steps as rollout
 
 
 @dataclass(frozen=True)
-class Decision:
+class RolloutDecision:
     step: rollout.Step
     units: Mapping[str, rollout.Unit]
 
@@ -32,9 +32,9 @@ class Decision:
         return any(u.rolling for u in self.units.values())
 
 
-def policy_of(pipeline: Pipeline) -> rollout.Policy:
+def policy_of(pipeline: Pipeline) -> rollout.RolloutPolicy:
     r = pipeline.rollout
-    return rollout.Policy(
+    return rollout.RolloutPolicy(
         max_unavailable=r.max_unavailable,
         max_skew=r.max_skew,
         partition=r.partition,
@@ -132,7 +132,7 @@ def decide(
     live: Sequence[Mapping[str, Any]],
     *,
     step_age_s: float = 0.0,
-) -> Decision:
+) -> RolloutDecision:
     units = observe(planned, live)
     step = rollout.step(
         policy_of(pipeline),
@@ -141,10 +141,10 @@ def decide(
         step_age_s=step_age_s,
         feeds=feeds_of(pipeline),
     )
-    return Decision(step=step, units=units)
+    return RolloutDecision(step=step, units=units)
 
 
-def phase(decision: Decision, paused: bool) -> str:
+def phase(decision: RolloutDecision, paused: bool) -> str:
     if not decision.active or decision.step.complete:
         return "Complete"
     if decision.step.stalled:
@@ -152,7 +152,7 @@ def phase(decision: Decision, paused: bool) -> str:
     return "Paused" if paused else "Rolling"
 
 
-def status(decision: Decision, paused: bool) -> dict[str, Any]:
+def status(decision: RolloutDecision, paused: bool) -> dict[str, Any]:
     """`status.rollout`: the phase, per unit what moved, and a one-line summary."""
     units = decision.units
     return {
@@ -173,7 +173,7 @@ def status(decision: Decision, paused: bool) -> dict[str, Any]:
     }
 
 
-def summary(decision: Decision, paused: bool) -> str:
+def summary(decision: RolloutDecision, paused: bool) -> str:
     rolling = {n: u for n, u in decision.units.items() if u.rolling}
     if not rolling or decision.step.complete:
         return "-"

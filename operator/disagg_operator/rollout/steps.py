@@ -51,7 +51,7 @@ from disagg_core.spec import ALL_PODS, NO_PODS, ONE_POD, IntOrPercent
 
 
 @dataclass(frozen=True)
-class Policy:
+class RolloutPolicy:
     """`spec.rollout`."""
 
     max_unavailable: IntOrPercent = ONE_POD
@@ -162,7 +162,7 @@ def _senders_first(
 
 
 def step(
-    policy: Policy,
+    policy: RolloutPolicy,
     units: Mapping[str, Unit],
     groups: Sequence[Sequence[str]] = (),
     *,

@@ -50,7 +50,7 @@ class RolloutTracker:
         pipeline: Pipeline,
         planned: Sequence[Mapping[str, Any]],
         live: Sequence[Mapping[str, Any]],
-    ) -> rollout_state.Decision:
+    ) -> rollout_state.RolloutDecision:
         """Decide the rollout's partitions (`rollout.steps`) and keep them."""
         now = time.monotonic()
         decision = rollout_state.decide(pipeline, planned, live, step_age_s=now - self.step_started)
@@ -65,7 +65,7 @@ class RolloutTracker:
         pipeline: Pipeline,
         planned: Sequence[Mapping[str, Any]],
         statefulsets: Sequence[Mapping[str, Any]],
-    ) -> tuple[rollout_state.Decision, str | None]:
+    ) -> tuple[rollout_state.RolloutDecision, str | None]:
         """Where the rollout stands by the observed StatefulSets, and the message of a step
         newly stalled (None when none is, or it was reported already)."""
         decision = rollout_state.decide(
@@ -81,7 +81,10 @@ class RolloutTracker:
         return decision, message
 
     def schedule_step_deadline(
-        self, decision: rollout_state.Decision, pipeline: Pipeline, refresh: Callable[[], None]
+        self,
+        decision: rollout_state.RolloutDecision,
+        pipeline: Pipeline,
+        refresh: Callable[[], None],
     ) -> None:
         """While a step waits, `refresh` once its deadline passes (a stuck pod sends no event)."""
         if self.step_recheck is not None:
@@ -93,7 +96,7 @@ class RolloutTracker:
         delay = max(0.0, pipeline.rollout.step_deadline_seconds - age) + 0.1
         self.step_recheck = asyncio.get_running_loop().call_later(delay, refresh)
 
-    def next_step_due(self, decision: rollout_state.Decision) -> bool:
+    def next_step_due(self, decision: rollout_state.RolloutDecision) -> bool:
         """The observed StatefulSets finished the current step: a reconcile applies the next."""
         in_effect = {unit: self.partitions.get(unit, 0) for unit in decision.step.partitions}
         return decision.active and dict(decision.step.partitions) != in_effect

@@ -24,7 +24,7 @@ from disagg_core.autoscale import Decision, Policy, RatioLock, Sample
 from disagg_operator import names
 from disagg_operator.app.scaling_loop import ScalingLoop
 from disagg_operator.autoscaling import podmetrics
-from disagg_operator.autoscaling import policy as autoscaling
+from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.k8s import client as kube
 from disagg_operator.plan import planner
 from disagg_operator.reconcile import apply, reconcile
