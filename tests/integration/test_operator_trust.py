@@ -16,7 +16,7 @@ import pytest
 
 from disagg_operator import names
 from disagg_operator.plan import planner, pods
-from disagg_operator.reconcile import reconcile
+from disagg_operator.reconcile import events as reconcile_events
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 
@@ -191,8 +191,10 @@ async def test_a_privileged_pod_template_needs_the_opt_in(k8s_crd: EmulatorThrea
         assert pod["hostNetwork"] is True
         assert pod["containers"][0]["securityContext"]["privileged"] is True
         await s.until(
-            k8s, lambda: [e for e in events if e[1] == reconcile.EVENT_PRIVILEGED], "a Warning"
+            k8s,
+            lambda: [e for e in events if e[1] == reconcile_events.EVENT_PRIVILEGED],
+            "a Warning",
         )
-        warnings = [e for e in events if e[1] == reconcile.EVENT_PRIVILEGED]
+        warnings = [e for e in events if e[1] == reconcile_events.EVENT_PRIVILEGED]
         assert len(warnings) == 1 and warnings[0][0] == "Warning"
         assert "spec.roles[1].podTemplate.spec.hostNetwork" in warnings[0][2]

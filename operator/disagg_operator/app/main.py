@@ -41,7 +41,7 @@ from disagg_operator.app import handlers, kopfcost, liveness, scaling_loop
 from disagg_operator.autoscaling import podmetrics
 from disagg_operator.k8s import client as kube
 from disagg_operator.plan import planner
-from disagg_operator.reconcile import reconcile, status
+from disagg_operator.reconcile import events, reconcile, status
 from disagg_operator.reconcile.metrics import Metrics
 
 DEFAULT_LIVENESS_PORT: Final = 8080
@@ -107,7 +107,7 @@ def build(
     config: OperatorConfig,
     *,
     metrics: Metrics | None = None,
-    post_event: reconcile.PostEvent | None = None,
+    post_event: events.PostEvent | None = None,
 ) -> Operator:
     """A registry with the handlers, configured settings and the reconciler behind them."""
     metrics = metrics or Metrics()
@@ -116,7 +116,7 @@ def build(
         api=kube.Api(config.connection, record=metrics.api_request("operator")),
         options=config.options,
         metrics=metrics,
-        post_event=post_event or reconcile.kopf_event,
+        post_event=post_event or events.kopf_event,
         progress_deadline=config.progress_deadline,
     )
     scaler = scaling_loop.ScalingLoop(

@@ -42,7 +42,7 @@ from disagg_core.autoscale import STALE_AFTER_S, Decision, Sample
 from disagg_core.spec import SpecError
 from disagg_operator.autoscaling import podmetrics
 from disagg_operator.autoscaling import scaling as autoscaling
-from disagg_operator.reconcile import apply, reconcile
+from disagg_operator.reconcile import apply, events, reconcile
 
 DEFAULT_INTERVAL: Final = 15.0  # seconds, the HorizontalPodAutoscaler's sync period
 PARALLEL_PIPELINES: Final = 16  # steps in flight at once
@@ -189,7 +189,7 @@ class ScalingLoop:
             )
             type_, reason, message = autoscaling.decision_event(decision)
             log.info("%s/%s: %s", namespace, name, message)
-            self.reconciler.post_event(body, type_, reason, message[: reconcile.MAX_EVENT_MESSAGE])
+            self.reconciler.post_event(body, type_, reason, message[: events.MAX_EVENT_MESSAGE])
 
     async def _write_status(
         self,

@@ -1,9 +1,9 @@
 """Reconciling pipelines: planner + apply + status builder, serialized per pipeline.
 
 `Reconciler` is what the kopf handlers call; everything it decides comes from pure functions
-(`planner.plan`, `status.build_status`, and `with_conflicts`, `decision_events`,
-`recheck_delay` below), all I/O goes through `apply`, and Events through `post_event`
-(kopf's event poster by default).
+(`planner.plan`, `status.build_status`, `status.with_conflicts`, `status.recheck_delay`,
+`events.decision_events`), all I/O goes through `apply`, and Events through `post_event`
+(`events.kopf_event`, kopf's event poster, by default).
 
 A reconcile (`reconcile`), for the pipeline as it is now (read fresh, so a retry or a late
 handler never acts on an old spec):
@@ -66,44 +66,32 @@ import functools
 import logging
 import random
 import secrets
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
-
-import kopf
+from typing import Any, Final
 
 from disagg_core import spec
 from disagg_core.spec import Pipeline, SpecError, pod_policy_findings
-from disagg_operator import names
 from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.k8s import client as kube
-from disagg_operator.k8s import times
 from disagg_operator.plan import planner, podmonitor, pods
 from disagg_operator.reconcile import apply, cache, status
-from disagg_operator.reconcile.metrics import Metrics
+from disagg_operator.reconcile.events import (
+    EVENT_FAILED,
+    EVENT_ROLLOUT_STALLED,
+    MAX_EVENT_MESSAGE,
+    Event,
+    PostEvent,
+    decision_events,
+    kopf_event,
+    privileged_events,
+)
+from disagg_operator.reconcile.metrics import Measured, Metrics
 from disagg_operator.reconcile.progress import Progress
 from disagg_operator.rollout import state as rollout_state
 from disagg_operator.rollout.tracker import RolloutTracker
 
-# Degraded reason when a planned child's name is taken by an object this pipeline does not
-# control. (Not in names.REASONS: that tuple feeds the generated CRD's descriptions.)
-REASON_CHILD_CONFLICT: Final = "ChildConflict"
-log = logging.getLogger(__name__)
-
-# Event reasons.
-EVENT_CREATED: Final = "Created"
-EVENT_UPDATED: Final = "Updated"
-EVENT_DELETED: Final = "Deleted"
-EVENT_CONFLICT: Final = "ChildConflict"
-EVENT_INVALID: Final = "InvalidSpec"
-EVENT_READY: Final = "PipelineReady"
-EVENT_DEGRADED: Final = "PipelineDegraded"
-EVENT_FAILED: Final = "ReconcileFailed"
-EVENT_PRIVILEGED: Final = "PrivilegedPodTemplate"
 PEER_KEY_BYTES: Final = 32
-EVENT_ROLLOUT_STALLED: Final = "RolloutStalled"
-MAX_EVENT_MESSAGE: Final = 1024
 PARALLEL: Final = 32  # reconciles and refreshes in flight at once (the rest queue)
 COALESCE: Final = 0.1  # seconds: child events within this window give one status refresh
 REFRESH_RETRY: Final = 1.0  # seconds before a failed refresh is tried again; doubles ...
@@ -113,15 +101,7 @@ WORKLOAD_KINDS: Final = (("apps/v1", "StatefulSet"), ("apps/v1", "Deployment")) 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # namespace, name
-Event = tuple[str, str, str]  # type (Normal, Warning), reason, message
-PostEvent = Callable[[Mapping[str, Any], str, str, str], None]
 Clock = Callable[[], datetime.datetime]
-
-
-def kopf_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-    """Post through kopf's event poster (needs kopf's context: call from a handler)."""
-    raw = cast(kopf.RawBody, dict(body))
-    kopf.event(kopf.Body(raw), type=type_, reason=reason, message=message)
 
 
 def utc_now() -> datetime.datetime:
@@ -448,7 +428,7 @@ class Reconciler:
             options=self._options_for(state),
         )
         if not isinstance(parsed, SpecError):
-            after = with_conflicts(after, state.conflicts, now=now, previous=before)
+            after = status.with_conflicts(after, state.conflicts, now=now, previous=before)
             after = self._rollout_status(body, parsed, statefulsets, state, after)
         written = await apply.write_status(self.api, {**body, "status": before}, after)
         if written:
@@ -528,7 +508,7 @@ class Reconciler:
         if state.recheck is not None:
             state.recheck.cancel()
             state.recheck = None
-        delay = recheck_delay(after, now=now, deadline=self.progress_deadline)
+        delay = status.recheck_delay(after, now=now, deadline=self.progress_deadline)
         if delay is None:
             return
         meta = body["metadata"]
@@ -616,26 +596,8 @@ class Reconciler:
             self._slots = asyncio.Semaphore(max(1, self.parallel))
         return self._slots
 
-    def _measured(self, kind: str) -> _Measured:
-        return _Measured(self.metrics, kind)
-
-
-class _Measured:
-    """Times a block into the duration histogram; counts exceptions into the errors."""
-
-    def __init__(self, metrics: Metrics, kind: str) -> None:
-        self.metrics = metrics
-        self.kind = kind
-        self.started = 0.0
-
-    async def __aenter__(self) -> None:
-        self.started = time.perf_counter()
-
-    async def __aexit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
-        self.metrics.duration.labels(kind=self.kind).observe(time.perf_counter() - self.started)
-        if kind is not None and not issubclass(kind, asyncio.CancelledError):
-            reason = error.reason if isinstance(error, kube.ApiError) else kind.__name__
-            self.metrics.errors.labels(kind=self.kind, reason=reason).inc()
+    def _measured(self, kind: str) -> Measured:
+        return Measured(self.metrics, kind)
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -668,108 +630,3 @@ def peer_key_text(secret: Mapping[str, Any]) -> str:
         return base64.b64decode(str(raw), validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
         return ""
-
-
-def privileged_events(pipeline: Pipeline, warned: Sequence[str]) -> list[Event]:
-    """A Warning when the pipeline's opted-in podTemplates weaken its pods in a way not
-    warned about before (by this operator process)."""
-    found = [str(problem) for problem in pod_policy_findings(pipeline)]
-    if not found or tuple(found) == tuple(warned):
-        return []
-    message = (
-        f'{names.ANNOTATION_ALLOW_PRIVILEGED_PODS}: "true" lets these podTemplate settings '
-        "weaken the role pods: " + "; ".join(found)
-    )
-    return [("Warning", EVENT_PRIVILEGED, message)]
-
-
-def with_conflicts(
-    built: Mapping[str, Any],
-    conflicts: Sequence[apply.Conflict],
-    *,
-    now: datetime.datetime,
-    previous: Mapping[str, Any],
-) -> dict[str, Any]:
-    """`built` (from status.build_status) with Degraded True/ChildConflict and phase Degraded
-    when planned children are held by someone else."""
-    result = dict(built)
-    if not conflicts:
-        return result
-    message = "; ".join(str(c) for c in conflicts)
-    before = next(
-        (c for c in previous.get("conditions") or () if c.get("type") == names.CONDITION_DEGRADED),
-        None,
-    )
-    stamp = times.format_time(now)
-    if before is not None and before.get("status") == "True" and before.get("lastTransitionTime"):
-        stamp = str(before["lastTransitionTime"])
-    conditions = []
-    for condition in result.get("conditions") or ():
-        if condition.get("type") == names.CONDITION_DEGRADED:
-            condition = {
-                **condition,
-                "status": "True",
-                "lastTransitionTime": stamp,
-                "reason": REASON_CHILD_CONFLICT,
-                "message": message,
-            }
-        conditions.append(condition)
-    result["conditions"] = conditions
-    result["phase"] = names.PHASE_DEGRADED
-    return result
-
-
-def decision_events(
-    *,
-    result: apply.ApplyResult | None,
-    before: Mapping[str, Any],
-    after: Mapping[str, Any],
-    known_conflicts: Sequence[apply.Conflict] = (),
-) -> list[Event]:
-    """The Events a reconcile posts on the pipeline: what it created, updated, deleted and
-    could not take over; an invalid spec (when its problems are new); entering Ready or
-    Degraded. Nothing when nothing changed, so a resume or a retry posts nothing new."""
-    events: list[Event] = []
-    if result is not None:
-        for refs, reason, verb in (
-            (result.created, EVENT_CREATED, "created"),
-            (result.updated, EVENT_UPDATED, "updated"),
-            (result.pruned, EVENT_DELETED, "deleted (no longer planned)"),
-        ):
-            if refs:
-                events.append(("Normal", reason, f"{verb} {', '.join(str(r) for r in refs)}"))
-        if result.conflicts and set(result.conflicts) != set(known_conflicts):
-            message = "; ".join(str(c) for c in result.conflicts)
-            events.append(("Warning", EVENT_CONFLICT, message))
-    phase, was = after.get("phase"), before.get("phase")
-    if phase == names.PHASE_INVALID:
-        if was != phase or before.get("problems") != after.get("problems"):
-            problems = after.get("problems") or []
-            events.append(("Warning", EVENT_INVALID, "invalid spec: " + "; ".join(problems)))
-    elif phase != was and phase == names.PHASE_READY:
-        events.append(("Normal", EVENT_READY, f"all roles ready ({after.get('readyRoles')})"))
-    elif phase != was and phase == names.PHASE_DEGRADED:
-        degraded = _condition(after, names.CONDITION_DEGRADED)
-        message = f"{degraded.get('reason')}: {degraded.get('message')}"
-        events.append(("Warning", EVENT_DEGRADED, message))
-    return events
-
-
-def _condition(built: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
-    return next((c for c in built.get("conditions") or () if c.get("type") == kind), {})
-
-
-def recheck_delay(
-    built: Mapping[str, Any], *, now: datetime.datetime, deadline: float
-) -> float | None:
-    """Seconds until the progress deadline of a Progressing pipeline passes (then its status
-    must be rebuilt even if nothing else happens); None when not progressing or already past
-    the deadline."""
-    progressing = _condition(built, names.CONDITION_PROGRESSING)
-    if progressing.get("status") != "True":
-        return None
-    since = times.parse_time(progressing.get("lastTransitionTime")) or now
-    remaining = deadline - (now - since).total_seconds()
-    if remaining < 0:
-        return None  # already past: the status says ProgressDeadlineExceeded
-    return remaining + 1.0  # lastTransitionTime has whole seconds

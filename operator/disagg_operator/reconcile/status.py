@@ -54,6 +54,12 @@ from disagg_core.spec import ROOT, Pipeline, SpecError
 from disagg_operator import names
 from disagg_operator.k8s import times
 from disagg_operator.plan import gateway, planner
+from disagg_operator.reconcile import apply
+
+# Degraded reason when a planned child's name is taken by an object this pipeline does not
+# control. (Not in names.REASONS: that tuple feeds the generated CRD's descriptions.)
+REASON_CHILD_CONFLICT: Final = "ChildConflict"
+
 
 DEFAULT_PROGRESS_DEADLINE: Final = 600.0  # seconds, like a Deployment's progressDeadlineSeconds
 MAX_PROBLEMS: Final = 50  # keeps the status small; the message says how many were left out
@@ -293,3 +299,60 @@ def _true_since(conditions: Sequence[Mapping[str, Any]], kind: str) -> datetime.
     if before is None or before.get("status") != "True":
         return None
     return times.parse_time(before.get("lastTransitionTime"))
+
+
+def with_conflicts(
+    built: Mapping[str, Any],
+    conflicts: Sequence[apply.Conflict],
+    *,
+    now: datetime.datetime,
+    previous: Mapping[str, Any],
+) -> dict[str, Any]:
+    """`built` (from status.build_status) with Degraded True/ChildConflict and phase Degraded
+    when planned children are held by someone else."""
+    result = dict(built)
+    if not conflicts:
+        return result
+    message = "; ".join(str(c) for c in conflicts)
+    before = next(
+        (c for c in previous.get("conditions") or () if c.get("type") == names.CONDITION_DEGRADED),
+        None,
+    )
+    stamp = times.format_time(now)
+    if before is not None and before.get("status") == "True" and before.get("lastTransitionTime"):
+        stamp = str(before["lastTransitionTime"])
+    conditions = []
+    for condition in result.get("conditions") or ():
+        if condition.get("type") == names.CONDITION_DEGRADED:
+            condition = {
+                **condition,
+                "status": "True",
+                "lastTransitionTime": stamp,
+                "reason": REASON_CHILD_CONFLICT,
+                "message": message,
+            }
+        conditions.append(condition)
+    result["conditions"] = conditions
+    result["phase"] = names.PHASE_DEGRADED
+    return result
+
+
+def condition(built: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    """The condition of type `kind` in a built status ({} when absent)."""
+    return next((c for c in built.get("conditions") or () if c.get("type") == kind), {})
+
+
+def recheck_delay(
+    built: Mapping[str, Any], *, now: datetime.datetime, deadline: float
+) -> float | None:
+    """Seconds until the progress deadline of a Progressing pipeline passes (then its status
+    must be rebuilt even if nothing else happens); None when not progressing or already past
+    the deadline."""
+    progressing = condition(built, names.CONDITION_PROGRESSING)
+    if progressing.get("status") != "True":
+        return None
+    since = times.parse_time(progressing.get("lastTransitionTime")) or now
+    remaining = deadline - (now - since).total_seconds()
+    if remaining < 0:
+        return None  # already past: the status says ProgressDeadlineExceeded
+    return remaining + 1.0  # lastTransitionTime has whole seconds

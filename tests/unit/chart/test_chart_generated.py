@@ -113,9 +113,9 @@ def test_the_contract_doc_covers_the_contract() -> None:
 
 
 def _constants(prefixes: tuple[str, ...]) -> dict[str, str]:
-    """Module-level string constants named PREFIX... in operator/disagg_operator/*.py."""
+    """Module-level string constants named PREFIX... in operator/disagg_operator/**/*.py."""
     found: dict[str, str] = {}
-    for path in sorted((REPO / "operator" / "disagg_operator").glob("*.py")):
+    for path in sorted((REPO / "operator" / "disagg_operator").rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
             target: ast.expr | None = None
             if isinstance(node, ast.AnnAssign):

@@ -16,6 +16,7 @@ from disagg_core.spec import podpolicy
 from disagg_core.spec.model import ANNOTATION_ALLOW_PRIVILEGED, Pipeline
 from disagg_operator import names
 from disagg_operator.plan import planner, pods
+from disagg_operator.reconcile import events as reconcile_events
 from disagg_operator.reconcile import reconcile
 
 NS = "ml"
@@ -221,11 +222,11 @@ def test_added_containers_get_no_privileges_unless_opted_in(full_doc: Obj) -> No
     proxy = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "proxy")
     assert proxy["securityContext"]["privileged"] is True
     assert proxy["securityContext"]["allowPrivilegeEscalation"] is True
-    (event,) = reconcile.privileged_events(pipeline, ())
-    assert event[:2] == ("Warning", reconcile.EVENT_PRIVILEGED)
+    (event,) = reconcile_events.privileged_events(pipeline, ())
+    assert event[:2] == ("Warning", reconcile_events.EVENT_PRIVILEGED)
     assert "spec.roles[0].podTemplate.spec.containers[0].securityContext.privileged" in event[2]
     warned = [str(p) for p in podpolicy.findings(pipeline)]
-    assert reconcile.privileged_events(pipeline, warned) == []  # once per change
+    assert reconcile_events.privileged_events(pipeline, warned) == []  # once per change
 
 
 def test_an_opted_in_privileged_pod_renders_as_written(full_doc: Obj) -> None:

@@ -11,14 +11,15 @@ from typing import Any, cast
 
 import kopf
 import pytest
-from disagg_operator.reconcile.metrics import Metrics
 
 from disagg_operator import names
 from disagg_operator.app import handlers, main
 from disagg_operator.k8s import client as kube
 from disagg_operator.k8s import times
 from disagg_operator.plan import planner
-from disagg_operator.reconcile import apply, reconcile
+from disagg_operator.reconcile import apply, reconcile, status
+from disagg_operator.reconcile import events as reconcile_events
+from disagg_operator.reconcile.metrics import Metrics
 from disagg_runtime import cli
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
@@ -59,19 +60,19 @@ def child(uid: str | None = None, labels: dict[str, str] | None = None) -> dict[
 
 def test_conflicts_degrade_the_status_and_keep_the_transition_time() -> None:
     ok = built(Degraded=("False", names.REASON_ALL_ROLES_READY))
-    assert reconcile.with_conflicts(ok, [], now=NOW, previous={}) == ok
+    assert status.with_conflicts(ok, [], now=NOW, previous={}) == ok
     conflict = apply.Conflict(REF, "controlled by DisaggregatedPipeline/q, uid 2")
-    degraded = reconcile.with_conflicts(ok, [conflict], now=NOW, previous={})
+    degraded = status.with_conflicts(ok, [conflict], now=NOW, previous={})
     assert degraded["phase"] == names.PHASE_DEGRADED
     (condition,) = degraded["conditions"]
     assert condition["status"] == "True"
-    assert condition["reason"] == reconcile.REASON_CHILD_CONFLICT
+    assert condition["reason"] == status.REASON_CHILD_CONFLICT
     assert condition["message"] == str(conflict)
     assert "Service/p-a exists and is not this pipeline's" in condition["message"]
     assert condition["lastTransitionTime"] == times.format_time(NOW)
-    again = reconcile.with_conflicts(ok, [conflict], now=NOW, previous=degraded)
+    again = status.with_conflicts(ok, [conflict], now=NOW, previous=degraded)
     later = NOW + datetime.timedelta(minutes=5)
-    kept = reconcile.with_conflicts(ok, [conflict], now=later, previous=again)
+    kept = status.with_conflicts(ok, [conflict], now=later, previous=again)
     assert kept["conditions"][0]["lastTransitionTime"] == times.format_time(NOW)
 
 
@@ -85,23 +86,23 @@ def test_events_name_what_changed_and_nothing_else() -> None:
         updated=(kube.ObjectRef("apps/v1", "StatefulSet", "ns", "p-b"),),
         pruned=(kube.ObjectRef("v1", "Service", "ns", "p-c"),),
     )
-    events = reconcile.decision_events(result=result, before=same, after=same)
+    events = reconcile_events.decision_events(result=result, before=same, after=same)
     assert events == [
         ("Normal", "Created", "created Service/p-a"),
         ("Normal", "Updated", "updated StatefulSet/p-b"),
         ("Normal", "Deleted", "deleted (no longer planned) Service/p-c"),
     ]
     quiet = apply.ApplyResult(unchanged=(REF,))
-    assert reconcile.decision_events(result=quiet, before=same, after=same) == []
-    assert reconcile.decision_events(result=None, before=same, after=same) == []
+    assert reconcile_events.decision_events(result=quiet, before=same, after=same) == []
+    assert reconcile_events.decision_events(result=None, before=same, after=same) == []
 
 
 def test_conflict_events_only_when_the_conflicts_change() -> None:
     conflict = apply.Conflict(REF, "someone")
     result = apply.ApplyResult(conflicts=(conflict,))
-    first = reconcile.decision_events(result=result, before={}, after={})
+    first = reconcile_events.decision_events(result=result, before={}, after={})
     assert first == [("Warning", "ChildConflict", str(conflict))]
-    repeat = reconcile.decision_events(
+    repeat = reconcile_events.decision_events(
         result=result, before={}, after={}, known_conflicts=[conflict]
     )
     assert repeat == []
@@ -109,24 +110,24 @@ def test_conflict_events_only_when_the_conflicts_change() -> None:
 
 def test_invalid_spec_events_only_for_new_problems() -> None:
     invalid = {"phase": names.PHASE_INVALID, "problems": ["spec.edges[0].to: unknown role"]}
-    events = reconcile.decision_events(result=None, before={}, after=invalid)
+    events = reconcile_events.decision_events(result=None, before={}, after=invalid)
     assert events == [("Warning", "InvalidSpec", "invalid spec: spec.edges[0].to: unknown role")]
-    assert reconcile.decision_events(result=None, before=invalid, after=invalid) == []
+    assert reconcile_events.decision_events(result=None, before=invalid, after=invalid) == []
     other = {**invalid, "problems": ["spec.roles: a cycle"]}
-    assert len(reconcile.decision_events(result=None, before=invalid, after=other)) == 1
+    assert len(reconcile_events.decision_events(result=None, before=invalid, after=other)) == 1
 
 
 def test_phase_events_on_entering_ready_or_degraded() -> None:
     progressing = {"phase": names.PHASE_PROGRESSING}
     ready = built(names.PHASE_READY)
     degraded = built(names.PHASE_DEGRADED, Degraded=("True", names.REASON_ROLES_NOT_READY))
-    assert reconcile.decision_events(result=None, before=progressing, after=ready) == [
+    assert reconcile_events.decision_events(result=None, before=progressing, after=ready) == [
         ("Normal", "PipelineReady", "all roles ready (2/2)")
     ]
-    assert reconcile.decision_events(result=None, before=ready, after=degraded) == [
+    assert reconcile_events.decision_events(result=None, before=ready, after=degraded) == [
         ("Warning", "PipelineDegraded", "RolesNotReady: ")
     ]
-    assert reconcile.decision_events(result=None, before=ready, after=progressing) == []
+    assert reconcile_events.decision_events(result=None, before=ready, after=progressing) == []
 
 
 # ---------------------------------------------------------------------------- recheck
@@ -134,10 +135,10 @@ def test_phase_events_on_entering_ready_or_degraded() -> None:
 
 def test_a_recheck_is_due_when_the_progress_deadline_passes() -> None:
     ready = built(Progressing=("False", names.REASON_ROLLOUT_COMPLETE))
-    assert reconcile.recheck_delay(ready, now=NOW, deadline=600) is None
+    assert status.recheck_delay(ready, now=NOW, deadline=600) is None
     moving = built(Progressing=("True", names.REASON_ROLLOUT_IN_PROGRESS))  # since 03:00:00
-    assert reconcile.recheck_delay(moving, now=NOW, deadline=600) == pytest.approx(356.0)
-    assert reconcile.recheck_delay(moving, now=NOW, deadline=60) is None  # already past
+    assert status.recheck_delay(moving, now=NOW, deadline=600) == pytest.approx(356.0)
+    assert status.recheck_delay(moving, now=NOW, deadline=60) is None  # already past
 
 
 # ---------------------------------------------------------------------------- ownership
