@@ -27,14 +27,10 @@ in one test process do not collide), served by `serve(port)`:
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from typing import Final
 
 import prometheus_client
-
-from disagg_operator.k8s import client as kube
 
 PREFIX: Final = "disagg_operator_"
 BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -119,21 +115,3 @@ class Metrics:
             thread.join(timeout=5)
 
         return stop
-
-
-class Measured:
-    """Times a block into the duration histogram; counts exceptions into the errors."""
-
-    def __init__(self, metrics: Metrics, kind: str) -> None:
-        self.metrics = metrics
-        self.kind = kind
-        self.started = 0.0
-
-    async def __aenter__(self) -> None:
-        self.started = time.perf_counter()
-
-    async def __aexit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
-        self.metrics.duration.labels(kind=self.kind).observe(time.perf_counter() - self.started)
-        if kind is not None and not issubclass(kind, asyncio.CancelledError):
-            reason = error.reason if isinstance(error, kube.ApiError) else kind.__name__
-            self.metrics.errors.labels(kind=self.kind, reason=reason).inc()

@@ -66,6 +66,7 @@ import functools
 import logging
 import random
 import secrets
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -86,7 +87,7 @@ from disagg_operator.reconcile.events import (
     kopf_event,
     privileged_events,
 )
-from disagg_operator.reconcile.metrics import Measured, Metrics
+from disagg_operator.reconcile.metrics import Metrics
 from disagg_operator.reconcile.progress import Progress
 from disagg_operator.rollout import state as rollout_state
 from disagg_operator.rollout.tracker import RolloutTracker
@@ -596,8 +597,26 @@ class Reconciler:
             self._slots = asyncio.Semaphore(max(1, self.parallel))
         return self._slots
 
-    def _measured(self, kind: str) -> Measured:
-        return Measured(self.metrics, kind)
+    def _measured(self, kind: str) -> _Measured:
+        return _Measured(self.metrics, kind)
+
+
+class _Measured:
+    """Times a block into the duration histogram; counts exceptions into the errors."""
+
+    def __init__(self, metrics: Metrics, kind: str) -> None:
+        self.metrics = metrics
+        self.kind = kind
+        self.started = 0.0
+
+    async def __aenter__(self) -> None:
+        self.started = time.perf_counter()
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
+        self.metrics.duration.labels(kind=self.kind).observe(time.perf_counter() - self.started)
+        if kind is not None and not issubclass(kind, asyncio.CancelledError):
+            reason = error.reason if isinstance(error, kube.ApiError) else kind.__name__
+            self.metrics.errors.labels(kind=self.kind, reason=reason).inc()
 
 
 # ---------------------------------------------------------------------------- pure parts
