@@ -19,7 +19,7 @@ import yaml
 from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
 from disagg_operator import names
-from disagg_operator.plan import planner
+from disagg_operator.plan import model, planner
 from disagg_operator.reconcile import events as reconcile_events
 from tests.e2e import e2e_support as e
 from tests.integration import test_k8s_admission as admission_cases
@@ -80,8 +80,8 @@ def children_if(cluster: e.Cluster, name: str, keys: set[str]) -> dict[str, Any]
     return kids if set(kids) == keys else None
 
 
-def options() -> planner.PlanOptions:
-    return planner.PlanOptions(cluster_domain=e.CLUSTER_DOMAIN)
+def options() -> model.PlanOptions:
+    return model.PlanOptions(cluster_domain=e.CLUSTER_DOMAIN)
 
 
 def test_create_makes_the_children_with_the_contract_and_a_status(
@@ -127,7 +127,7 @@ def test_create_makes_the_children_with_the_contract_and_a_status(
         pod_name = f"{name}-{unit}-0"
         env[contract.PREFIX + "POD_NAME"] = pod_name  # the downward API's part
         parsed = contract.parse_env(env, topology)
-        config = planner.role_config(pipeline, unit, namespace=cluster.namespace, options=options())
+        config = model.role_config(pipeline, unit, namespace=cluster.namespace, options=options())
         assert parsed == dataclasses.replace(config, replica=0, pod_name=pod_name)
     for key in planned:
         if key.startswith("Service/"):

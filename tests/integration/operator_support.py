@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import yaml
-from disagg_operator.reconcile.metrics import Metrics
 
 from disagg_core import spec
 from disagg_operator import names
 from disagg_operator.app import main
 from disagg_operator.plan import planner
+from disagg_operator.reconcile.metrics import Metrics
 from tests.k8s.server import EmulatorThread
 from tests.support import REPO
 

@@ -14,7 +14,7 @@ import pytest_asyncio
 from disagg_core import spec
 from disagg_operator import names
 from disagg_operator.k8s import client as kube
-from disagg_operator.plan import planner
+from disagg_operator.plan import manifests, model, planner
 from disagg_operator.reconcile import apply, reconcile
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
@@ -37,7 +37,7 @@ async def api(k8s: EmulatorThread, disagg_crd: Any) -> AsyncIterator[kube.Api]:
 async def make_pipeline(k8s: EmulatorThread, doc: dict[str, Any] | None = None) -> Any:
     stored = await s.call(k8s.create, doc or s.example(), NS)
     pipeline = spec.parse_pipeline(doc or s.example())
-    return stored, pipeline, planner.Owner.of(stored)
+    return stored, pipeline, model.Owner.of(stored)
 
 
 async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: kube.Api):
@@ -63,7 +63,7 @@ async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: kube.Api
         pipeline,
         namespace=NS,
         owner=owner,
-        options=planner.PlanOptions(replicas={"denoiser": 4}),
+        options=model.PlanOptions(replicas={"denoiser": 4}),
     )
     third = await apply.apply_children(api, other, owner=owner, namespace=NS, kinds=KINDS)
     assert [str(r) for r in third.updated] == ["StatefulSet/text-to-video-denoiser"]
@@ -74,7 +74,7 @@ async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: kube.Api
 async def test_another_pipelines_object_is_a_conflict(k8s: EmulatorThread, api: kube.Api):
     _, pipeline, owner = await make_pipeline(k8s)
     plan = planner.plan(pipeline, namespace=NS, owner=owner)
-    stranger = planner.Owner(name="text-to-video", uid="00000000-0000-0000-0000-000000000000")
+    stranger = model.Owner(name="text-to-video", uid="00000000-0000-0000-0000-000000000000")
     theirs = copy.deepcopy(next(o for o in plan if o["kind"] == "StatefulSet"))
     theirs["metadata"]["ownerReferences"] = [stranger.reference()]
     held = await s.call(k8s.create, theirs, NS)
@@ -114,7 +114,7 @@ async def test_pruning_takes_only_our_children(k8s: EmulatorThread, api: kube.Ap
         "metadata": {
             "name": "p-extra",
             "namespace": NS,
-            "labels": planner.child_selector("p"),
+            "labels": model.child_selector("p"),
         },
     }
     await s.call(k8s.create, labelled_not_owned, NS)
@@ -185,10 +185,10 @@ async def test_a_kind_the_server_does_not_serve_lists_as_empty(k8s: EmulatorThre
 
 async def test_ensure_created_creates_once_and_never_overwrites(k8s: EmulatorThread, api: kube.Api):
     _, pipeline, owner = await make_pipeline(k8s)
-    first = planner.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
+    first = manifests.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
     stored, created = await apply.ensure_created(api, first)
     assert created and reconcile.peer_key_text(stored) == "a" * 64
-    second = planner.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
+    second = manifests.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
     k8s.clear_calls()
     again, created = await apply.ensure_created(api, second)
     assert not created and reconcile.peer_key_text(again) == "a" * 64
@@ -200,12 +200,12 @@ async def test_ensure_created_when_likely_absent_creates_first_and_reads_a_taken
     k8s: EmulatorThread, api: kube.Api
 ):
     _, pipeline, owner = await make_pipeline(k8s)
-    first = planner.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
+    first = manifests.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
     k8s.clear_calls()
     stored, created = await apply.ensure_created(api, first, likely_absent=True)
     assert created and reconcile.peer_key_text(stored) == "a" * 64
     assert [c.verb for c in k8s.calls if c.resource == "secrets"] == ["create"]  # no GET
-    second = planner.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
+    second = manifests.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
     k8s.clear_calls()
     again, created = await apply.ensure_created(api, second, likely_absent=True)
     assert not created and reconcile.peer_key_text(again) == "a" * 64  # kept, not overwritten

@@ -17,7 +17,7 @@ from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
 from disagg_operator import names
 from disagg_operator.app import handlers
-from disagg_operator.plan import planner
+from disagg_operator.plan import manifests, model, planner
 from disagg_operator.reconcile import events as reconcile_events
 from disagg_operator.reconcile import reconcile
 from disagg_operator.reconcile.metrics import Metrics
@@ -71,9 +71,9 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
         for policy in s.guards(k8s, NAME, "NetworkPolicy"):  # the roles' and the gateway's
             kids[f"NetworkPolicy/{policy['metadata']['name']}"] = policy
         (secret,) = s.guards(k8s, NAME, "Secret")
-        digest = planner.peer_key_digest(reconcile.peer_key_text(secret))
+        digest = manifests.peer_key_digest(reconcile.peer_key_text(secret))
         pipeline = spec.parse_pipeline(s.example())
-        owner = planner.Owner.of(pipeline_obj)
+        owner = model.Owner.of(pipeline_obj)
         for planned in planner.plan(pipeline, namespace=NS, owner=owner, peer_key_hash=digest):
             stored = kids[f"{planned['kind']}/{planned['metadata']['name']}"]
             assert {k: v for k, v in stored.items() if k not in ("metadata", "status")} == {
@@ -135,7 +135,7 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
                 pod_name = f"{sts['metadata']['name']}-{replica}"
                 env[contract.PREFIX + "POD_NAME"] = pod_name  # the downward API's part
                 parsed = contract.parse_env(env, topology)
-                wanted = planner.role_config(pipeline, unit, namespace=NS)
+                wanted = model.role_config(pipeline, unit, namespace=NS)
                 assert parsed == dataclasses.replace(wanted, replica=replica, pod_name=pod_name)
 
         # status: observedGeneration, roles, conditions, phase

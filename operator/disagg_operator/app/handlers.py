@@ -54,7 +54,7 @@ import kopf
 from disagg_operator import names
 from disagg_operator.app import scaling_loop
 from disagg_operator.k8s import client as kube
-from disagg_operator.plan import planner
+from disagg_operator.plan import model, planner
 from disagg_operator.reconcile import apply, cache, reconcile
 
 ANNOTATION_PREFIX: Final = f"operator.{names.GROUP}"
@@ -110,7 +110,7 @@ class ProgressStorage(kopf.AnnotationsProgressStorage):
         return cleared
 
 
-def configure(settings: kopf.OperatorSettings, options: planner.PlanOptions | None = None) -> None:
+def configure(settings: kopf.OperatorSettings, options: model.PlanOptions | None = None) -> None:
     """Operator settings the handlers rely on (see the module docstring)."""
     progress = ProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.progress_storage = progress
@@ -132,7 +132,7 @@ def configure(settings: kopf.OperatorSettings, options: planner.PlanOptions | No
     settings.watching.label_selectors["", "pods"] = POD_SELECTOR
 
 
-def watched_resources(options: planner.PlanOptions | None = None) -> tuple[str, ...]:
+def watched_resources(options: model.PlanOptions | None = None) -> tuple[str, ...]:
     """The plurals of every resource the handlers and indexes watch (for `liveness`)."""
     cached = [
         resource_of(api_version, kind)[2]

@@ -40,7 +40,7 @@ import kopf
 from disagg_operator.app import handlers, kopfcost, liveness, scaling_loop
 from disagg_operator.autoscaling import podmetrics
 from disagg_operator.k8s import client as kube
-from disagg_operator.plan import planner
+from disagg_operator.plan import model
 from disagg_operator.reconcile import events, reconcile, status
 from disagg_operator.reconcile.metrics import Metrics
 
@@ -57,7 +57,7 @@ class OperatorConfig:
     peering: str | None = None
     standalone: bool = False
     priority: int = 0
-    options: planner.PlanOptions = field(default_factory=planner.PlanOptions)
+    options: model.PlanOptions = field(default_factory=model.PlanOptions)
     progress_deadline: float = status.DEFAULT_PROGRESS_DEADLINE
     autoscale_interval: float = scaling_loop.DEFAULT_INTERVAL  # seconds; <= 0: off
     scrape_timeout: float = podmetrics.DEFAULT_TIMEOUT  # seconds per /metrics scrape
@@ -141,7 +141,7 @@ def build(
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     namespaces: Sequence[str] = () if args.all_namespaces else (args.namespace or ())
-    options = planner.PlanOptions(
+    options = model.PlanOptions(
         cluster_domain=args.cluster_domain,
         gpu_mode=args.gpu_mode,
         dra_api_version=args.dra_api_version,

@@ -5,7 +5,7 @@ from its decisions to status and Events. The I/O is in `podmetrics` and `scaling
 Units. The operator scales workload units (one StatefulSet: a lone role, or a colocation
 group), so the algorithm's "roles" are unit names here:
 - policies: a unit whose role has `autoscaling` (a group's members have equal policies, the
-  spec checks it), unless an external scaler owns it (`planner.external_units`);
+  spec checks it), unless an external scaler owns it (`model.external_units`);
 - ratio locks: `spec.ratioLocks` between the units of the leader and the follower; a lock
   inside one unit or touching an externally scaled unit is dropped;
 - managed units: those with a policy, plus the followers of locks led by a managed unit. The
@@ -51,7 +51,7 @@ from disagg_core.autoscale import (
 from disagg_core.spec import Pipeline, SpecError
 from disagg_operator import names
 from disagg_operator.k8s import times
-from disagg_operator.plan import planner
+from disagg_operator.plan import model
 
 MAX_STATUS_DECISIONS: Final = 10
 MAX_REASON: Final = 512
@@ -90,8 +90,8 @@ class ScalingPlan:
 
 
 def scaling_plan(pipeline: Pipeline) -> ScalingPlan:
-    external = planner.external_units(pipeline)
-    units = [u for u in planner.workloads(pipeline) if u.unit not in external]
+    external = model.external_units(pipeline)
+    units = [u for u in model.workloads(pipeline) if u.unit not in external]
     home = {role.name: unit.unit for unit in units for role in unit.roles}
     policies = {
         unit.unit: policy_of(unit.roles[0].autoscaling)

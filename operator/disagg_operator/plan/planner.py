@@ -130,242 +130,33 @@ role), plus disagg.dev/group: G on everything of a group; the ConfigMap has comp
 
 from __future__ import annotations
 
-import base64
-import copy
-import hashlib
-import json
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any
 
-from disagg_core import contract, placement
-from disagg_core.spec import ColocationGroup, Pipeline, Problem, Role, SpecError, child
+from disagg_core.spec import Pipeline, Problem, SpecError, child
 from disagg_operator import names
-from disagg_operator.plan import gateway, podmonitor, pods
+from disagg_operator.plan import manifests, model, podmonitor
 
-GpuMode = Literal["dra", "device-plugin", "none"]
-GPU_MODES: Final[tuple[GpuMode, ...]] = ("dra", "device-plugin", "none")
-DRA_API_VERSIONS: Final = ("resource.k8s.io/v1", "resource.k8s.io/v1beta2")
-DEFAULT_GPU_DEVICE_CLASS: Final = "gpu.nvidia.com"
-RESERVED_PORT_NAMES: Final = ("ingress", "lane", "metrics")
 # the runtime's ports of a pod's k-th container are named <kind>-<k> (pods.runtime_port_name)
 _RESERVED_PORT_NAME = re.compile(r"(ingress|lane|metrics)(-[0-9]+)?")
+
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Owner:
-    """The object that owns the children (the pipeline): one ownerReference on each."""
-
-    api_version: str = names.PIPELINE_API_VERSION
-    kind: str = names.PIPELINE_KIND
-    name: str
-    uid: str
-
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> Owner:
-        """The owner for a pipeline object as the API server returns it."""
-        meta = body["metadata"]
-        return cls(
-            api_version=body["apiVersion"], kind=body["kind"], name=meta["name"], uid=meta["uid"]
-        )
-
-    def reference(self) -> dict[str, Any]:
-        return {
-            "apiVersion": self.api_version,
-            "kind": self.kind,
-            "name": self.name,
-            "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanOptions:
-    """Operator-wide settings. `replicas` overrides a unit's replicas by unit name (a role
-    outside every group, or a group): the autoscaler's decisions, so applying a plan does not
-    undo them."""
-
-    cluster_domain: str = "cluster.local"
-    gpu_mode: GpuMode = "dra"
-    dra_api_version: str = DRA_API_VERSIONS[0]
-    replicas: Mapping[str, int] = field(default_factory=dict)
-    metrics_namespaces: tuple[str, ...] = ()  # whose pods may scrape every role's metrics
-    # the rollout's partition per unit (operator/disagg_operator/rollout/steps.py); 0 when absent
-    partitions: Mapping[str, int] = field(default_factory=dict)
-    pod_monitors: bool = False  # the cluster serves PodMonitors (podmonitor.py)
-    pod_monitor_default: bool = False  # for pipelines without spec.monitoring.podMonitor
-
-
-@dataclass(frozen=True, kw_only=True)
-class Workload:
-    """One StatefulSet: a role alone, or the roles of a colocation group sharing its pods."""
-
-    unit: str  # the role's or the group's name
-    name: str  # the StatefulSet's name, P-unit
-    roles: tuple[Role, ...]  # container order
-    group: ColocationGroup | None
-    replicas: int
-
-    def labels(self, pipeline: Pipeline, role: str | None = None) -> dict[str, str]:
-        """Labels of this unit's objects; `role` for a Service of one grouped role."""
-        result = common_labels(pipeline.name, self.unit)
-        result[names.LABEL_ROLE] = role or self.unit
-        if self.group is not None:
-            result[names.LABEL_GROUP] = self.group.name
-        return result
-
-    def selector(self, pipeline: Pipeline) -> dict[str, str]:
-        return {names.LABEL_PIPELINE: pipeline.name, names.LABEL_ROLE: self.unit}
-
-
-@dataclass(frozen=True)
-class RolePorts:
-    ingress: int
-    lane: int
-    metrics: int
-
-
-def common_labels(pipeline: str, component: str) -> dict[str, str]:
-    return {
-        names.LABEL_NAME: names.APP_NAME,
-        names.LABEL_INSTANCE: pipeline,
-        names.LABEL_COMPONENT: component,
-        names.LABEL_MANAGED_BY: names.MANAGER,
-        names.LABEL_PIPELINE: pipeline,
-    }
-
-
-def child_selector(pipeline: str) -> dict[str, str]:
-    """Labels that select every child of pipeline `pipeline` (for listing and pruning)."""
-    return {names.LABEL_PIPELINE: pipeline, names.LABEL_MANAGED_BY: names.MANAGER}
-
-
-def workloads(pipeline: Pipeline, options: PlanOptions | None = None) -> tuple[Workload, ...]:
-    """The units in declaration order (a group where its first member is declared); once
-    per pipeline and options (asked per role)."""
-    options = options or PlanOptions()
-    cached = pipeline.derived.get(workloads)
-    if cached is None or cached[0] != options:
-        cached = pipeline.derived[workloads] = (options, _workloads(pipeline, options))
-    return cached[1]
-
-
-def _workloads(pipeline: Pipeline, options: PlanOptions) -> tuple[Workload, ...]:
-    result: list[Workload] = []
-    seen: set[str] = set()
-    for role in pipeline.roles:
-        group = pipeline.colocation_group_of(role.name)
-        unit = role.name if group is None else group.name
-        if unit in seen:
-            continue
-        seen.add(unit)
-        members = (role,) if group is None else tuple(pipeline.role(n) for n in group.roles)
-        replicas = options.replicas.get(unit, members[0].replicas)
-        result.append(
-            Workload(
-                unit=unit,
-                name=pipeline.derived_name(unit),
-                roles=members,
-                group=group,
-                replicas=replicas,
-            )
-        )
-    return tuple(result)
-
-
-def workload_of(pipeline: Pipeline, role: str, options: PlanOptions | None = None) -> Workload:
-    return next(w for w in workloads(pipeline, options) if role in (r.name for r in w.roles))
-
-
-def role_ports(workload: Workload) -> dict[str, RolePorts]:
-    """Runtime ports of each container of the unit's pods (see the module docstring)."""
-    taken = {port.container_port for role in workload.roles for port in role.ports}
-    count = len(workload.roles)
-    ingress = _free_ports(contract.DEFAULT_INGRESS_PORT, taken, count)
-    lane = _free_ports(contract.DEFAULT_LANE_PORT, taken | set(ingress), count)
-    metrics = _free_ports(contract.DEFAULT_METRICS_PORT, taken | set(ingress) | set(lane), count)
-    return {
-        role.name: RolePorts(ingress=i, lane=n, metrics=m)
-        for role, i, n, m in zip(workload.roles, ingress, lane, metrics, strict=True)
-    }
-
-
-def _free_ports(start: int, taken: set[int], count: int) -> list[int]:
-    result: list[int] = []
-    port = start
-    while len(result) < count:
-        if port not in taken:
-            result.append(port)
-        port += 1
-    return result
-
-
-def topology(pipeline: Pipeline, namespace: str) -> contract.Topology:
-    return contract.Topology.from_pipeline(pipeline, namespace=namespace)
-
-
-def topology_text(pipeline: Pipeline, namespace: str) -> str:
-    """The ConfigMap's topology.json, byte for byte."""
-    return json.dumps(topology(pipeline, namespace).to_json(), indent=2, sort_keys=True) + "\n"
-
-
-def spec_hash(pipeline: Pipeline, namespace: str, roles: tuple[str, ...]) -> str:
-    """The hash of what the pods of `roles` read from outside their own template: their own
-    slices of the topology file (and the pipeline and namespace it names). A graph change
-    rolls only the roles whose slice it changes."""
-    topo = topology(pipeline, namespace).to_json(only=roles)
-    slices = topo["roles"]
-    mine = {"pipeline": topo["pipeline"], "namespace": topo["namespace"], "roles": slices}
-    text = json.dumps(mine, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def gpu_mode(pipeline: Pipeline, options: PlanOptions | None = None) -> GpuMode:
-    """The pipeline's GPU mode; call `check` first (an unknown value raises ValueError)."""
-    value = pipeline.annotations.get(names.ANNOTATION_GPU_MODE, (options or PlanOptions()).gpu_mode)
-    for mode in GPU_MODES:
-        if value == mode:
-            return mode
-    raise ValueError(f"unknown GPU mode {value!r}")
-
-
-def gpu_device_class(pipeline: Pipeline) -> str:
-    return pipeline.annotations.get(names.ANNOTATION_GPU_DEVICE_CLASS, DEFAULT_GPU_DEVICE_CLASS)
-
-
-def external_scaling_names(pipeline: Pipeline) -> list[str]:
-    """The names listed in the disagg.dev/external-scaling annotation, in order."""
-    value = pipeline.annotations.get(names.ANNOTATION_EXTERNAL_SCALING, "")
-    return [name.strip() for name in value.split(",") if name.strip()]
-
-
-def external_units(pipeline: Pipeline) -> frozenset[str]:
-    """Units whose replicas an external scaler owns (see the module docstring)."""
-    wanted = set(external_scaling_names(pipeline))
-    return frozenset(
-        unit.unit
-        for unit in workloads(pipeline)
-        if unit.unit in wanted or any(role.name in wanted for role in unit.roles)
-    )
-
-
-def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Problem]:
+def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[Problem]:
     """Problems the planner finds beyond the spec's own rules (operator-only settings)."""
-    options = options or PlanOptions()
+    options = options or model.PlanOptions()
     problems: list[Problem] = []
     annotations = "metadata.annotations"
     mode = pipeline.annotations.get(names.ANNOTATION_GPU_MODE, options.gpu_mode)
-    if mode not in GPU_MODES:
+    if mode not in model.GPU_MODES:
         problems.append(
             Problem(
                 child(annotations, names.ANNOTATION_GPU_MODE),
-                f"must be one of {', '.join(GPU_MODES)}; got {mode!r}",
+                f"must be one of {', '.join(model.GPU_MODES)}; got {mode!r}",
             )
         )
-    device_class = gpu_device_class(pipeline)
+    device_class = model.gpu_device_class(pipeline)
     if not _DNS_SUBDOMAIN.fullmatch(device_class) or len(device_class) > 253:
         problems.append(
             Problem(
@@ -374,7 +165,7 @@ def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Proble
             )
         )
     known = {*pipeline.role_names, *(group.name for group in pipeline.colocation)}
-    unknown = [name for name in external_scaling_names(pipeline) if name not in known]
+    unknown = [name for name in model.external_scaling_names(pipeline) if name not in known]
     if unknown:
         problems.append(
             Problem(
@@ -382,8 +173,8 @@ def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Proble
                 f"names no role or colocation group: {', '.join(unknown)}",
             )
         )
-    if options.dra_api_version not in DRA_API_VERSIONS:
-        raise ValueError(f"dra_api_version must be one of {DRA_API_VERSIONS}")
+    if options.dra_api_version not in model.DRA_API_VERSIONS:
+        raise ValueError(f"dra_api_version must be one of {model.DRA_API_VERSIONS}")
     index = {role.name: i for i, role in enumerate(pipeline.roles)}
     for group in pipeline.colocation:
         # one pod: port names must be unique across its containers
@@ -412,67 +203,12 @@ def check(pipeline: Pipeline, options: PlanOptions | None = None) -> list[Proble
     return problems
 
 
-def _layout(
-    pipeline: Pipeline, options: PlanOptions
-) -> tuple[tuple[Workload, ...], dict[str, RolePorts], dict[str, Workload]]:
-    """The units, every role's ports and each role's unit: computed once per pipeline and
-    options (`role_config` runs per role; recomputing them made a plan quadratic)."""
-    cached = pipeline.derived.get(_layout)
-    if cached is not None and cached[0] == options:
-        return cached[1]  # type: ignore[no-any-return]
-    units = workloads(pipeline, options)
-    ports = {name: p for w in units for name, p in role_ports(w).items()}
-    homes = {r.name: w for w in units for r in w.roles}
-    pipeline.derived[_layout] = (options, (units, ports, homes))
-    return units, ports, homes
-
-
-def role_config(
-    pipeline: Pipeline,
-    role: str,
-    *,
-    namespace: str,
-    options: PlanOptions | None = None,
-) -> contract.RoleConfig:
-    """The contract of one container of `role` (replica 0, no pod name: those come from the
-    pod). `render_env` of it, minus DISAGG_REPLICA, is the container's DISAGG_* env."""
-    options = options or PlanOptions()
-    _, ports, homes = _layout(pipeline, options)
-    home = homes[role]
-    where = placement.Placement(
-        namespace=namespace,
-        addresses={
-            target: (_address(pipeline, target, ports[target], home, namespace, options),)
-            for target in placement.targets(pipeline, role)
-        },
-        ingress_port=ports[role].ingress,
-        lane_port=ports[role].lane,
-        metrics_port=ports[role].metrics,
-        peer_key_file=contract.DEFAULT_PEER_KEY_FILE,
-    )
-    return placement.role_config(pipeline, role, where)
-
-
-def _address(
-    pipeline: Pipeline,
-    target: str,
-    ports: RolePorts,
-    home: Workload,
-    namespace: str,
-    options: PlanOptions,
-) -> str:
-    if any(r.name == target for r in home.roles):
-        return f"127.0.0.1:{ports.ingress}"
-    host = f"{pipeline.derived_name(target)}.{namespace}.svc.{options.cluster_domain}"
-    return f"{host}:{ports.ingress}"
-
-
 def plan(
     pipeline: Pipeline,
     *,
     namespace: str,
-    owner: Owner | None = None,
-    options: PlanOptions | None = None,
+    owner: model.Owner | None = None,
+    options: model.PlanOptions | None = None,
     peer_key_hash: str | None = None,
 ) -> list[dict[str, Any]]:
     """The desired objects, in apply order: the ConfigMap, ResourceClaimTemplates, Services,
@@ -480,30 +216,31 @@ def plan(
     Service and Deployment. Raises SpecError for
     `check` problems. `peer_key_hash`: `peer_key_digest` of the Secret's key (None: no
     annotation, as in `disagg render`, which knows no key)."""
-    options = options or PlanOptions()
+    options = options or model.PlanOptions()
     problems = check(pipeline, options)
     if problems:
         raise SpecError(problems)
-    units = workloads(pipeline, options)
-    mode = gpu_mode(pipeline, options)
-    objects: list[dict[str, Any]] = [_config_map(pipeline, namespace)]
+    units = model.workloads(pipeline, options)
+    mode = model.gpu_mode(pipeline, options)
+    objects: list[dict[str, Any]] = [manifests.config_map(pipeline, namespace)]
     if mode == "dra":
         objects += [
-            _claim_template(pipeline, unit, unit.group, namespace, options)
+            manifests.claim_template(pipeline, unit, unit.group, namespace, options)
             for unit in units
             if unit.group is not None
         ]
     for unit in units:
-        objects += [_service(pipeline, unit, role, namespace) for role in unit.roles]
+        objects += [manifests.service(pipeline, unit, role, namespace) for role in unit.roles]
     if pipeline.network_policy.enabled:
-        objects.append(_network_policy(pipeline, units, namespace, options))
+        objects.append(manifests.network_policy(pipeline, units, namespace, options))
     objects += [
-        _stateful_set(pipeline, unit, namespace, options, mode, peer_key_hash) for unit in units
+        manifests.stateful_set(pipeline, unit, namespace, options, mode, peer_key_hash)
+        for unit in units
     ]
     if pipeline.gateway.enabled:
-        objects += _gateway(pipeline, units, namespace, options)
+        objects += manifests.gateway_objects(pipeline, units, namespace, options)
     if options.pod_monitors and podmonitor.wanted(pipeline, options.pod_monitor_default):
-        labels = common_labels(pipeline.name, "metrics")
+        labels = model.common_labels(pipeline.name, "metrics")
         sizes = [len(unit.roles) for unit in units]
         objects.append(podmonitor.pod_monitor(pipeline, namespace, sizes, labels))
     if owner is not None:
@@ -512,281 +249,9 @@ def plan(
     return objects
 
 
-def topology_config_map_name(pipeline: Pipeline) -> str:
-    return pipeline.derived_name("topology")
-
-
-def network_policy_name(pipeline: Pipeline) -> str:
-    return pipeline.derived_name("network")
-
-
-def peer_key_secret_name(pipeline: str) -> str:
-    return f"{pipeline}-peer-key"
-
-
-def peer_key_digest(key: str) -> str:
-    """disagg.dev/peer-key-hash of a peer key (the Secret's `key`, as text)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-def peer_key_secret(
-    pipeline: str, *, namespace: str, key: str, owner: Owner | None = None
-) -> dict[str, Any]:
-    """The Secret the role pods mount (see the module docstring); `key` comes from the
-    caller (`secrets.token_hex(32)`), so that this stays pure."""
-    secret: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": _meta(
-            peer_key_secret_name(pipeline), namespace, common_labels(pipeline, "peer-key")
-        ),
-        "type": "Opaque",
-        "data": {pods.PEER_KEY_KEY: base64.b64encode(key.encode()).decode()},
-    }
-    if owner is not None:
-        secret["metadata"]["ownerReferences"] = [owner.reference()]
-    return secret
-
-
-def claim_template_name(pipeline: Pipeline, group: str) -> str:
-    return f"{pipeline.derived_name(group)}-gpu"
-
-
-def _meta(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"name": name, "namespace": namespace, "labels": labels}
-
-
-def _config_map(pipeline: Pipeline, namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(
-            topology_config_map_name(pipeline),
-            namespace,
-            common_labels(pipeline.name, "topology"),
-        ),
-        "data": {pods.TOPOLOGY_KEY: topology_text(pipeline, namespace)},
-    }
-
-
-def _claim_template(
-    pipeline: Pipeline,
-    unit: Workload,
-    group: ColocationGroup,
-    namespace: str,
-    options: PlanOptions,
-) -> dict[str, Any]:
-    return {
-        "apiVersion": options.dra_api_version,
-        "kind": "ResourceClaimTemplate",
-        "metadata": _meta(
-            claim_template_name(pipeline, group.name), namespace, unit.labels(pipeline)
-        ),
-        "spec": {
-            "metadata": {"labels": unit.labels(pipeline)},
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": pods.GPU_CLAIM,
-                            "exactly": {
-                                "deviceClassName": gpu_device_class(pipeline),
-                                "allocationMode": "ExactCount",
-                                "count": 1,
-                            },
-                        }
-                    ]
-                }
-            },
-        },
-    }
-
-
-def _service(pipeline: Pipeline, unit: Workload, role: Role, namespace: str) -> dict[str, Any]:
-    ports = role_ports(unit)[role.name]
-    service_ports = [
-        {"name": "ingress", "port": ports.ingress, "targetPort": ports.ingress, "protocol": "TCP"},
-        {"name": "lane", "port": ports.lane, "targetPort": ports.lane, "protocol": "TCP"},
-        {"name": "metrics", "port": ports.metrics, "targetPort": ports.metrics, "protocol": "TCP"},
-    ]
-    service_ports += [
-        {
-            "name": port.name,
-            "port": port.container_port,
-            "targetPort": port.container_port,
-            "protocol": port.protocol,
-        }
-        for port in role.ports
-    ]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(
-            pipeline.derived_name(role.name), namespace, unit.labels(pipeline, role.name)
-        ),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": False,
-            "selector": unit.selector(pipeline),
-            "ports": service_ports,
-        },
-    }
-
-
-def role_selector(pipeline: str) -> dict[str, Any]:
-    """A LabelSelector of every role pod of the pipeline (not its gateway's)."""
-    return {
-        "matchLabels": {names.LABEL_PIPELINE: pipeline, names.LABEL_MANAGED_BY: names.MANAGER},
-        "matchExpressions": [{"key": names.LABEL_ROLE, "operator": "Exists"}],
-    }
-
-
-def gateway_selector(pipeline: str) -> dict[str, Any]:
-    return {
-        "matchLabels": {
-            names.LABEL_COMPONENT: names.COMPONENT_GATEWAY,
-            names.LABEL_PIPELINE: pipeline,
-        }
-    }
-
-
-def _network_policy(
-    pipeline: Pipeline, units: tuple[Workload, ...], namespace: str, options: PlanOptions
-) -> dict[str, Any]:
-    settings = pipeline.network_policy
-    runtime: set[tuple[str, int]] = set()
-    metrics: set[tuple[str, int]] = set()
-    for unit in units:
-        for role in unit.roles:
-            ports = role_ports(unit)[role.name]
-            runtime |= {("TCP", ports.ingress), ("TCP", ports.lane)}
-            runtime |= {(port.protocol, port.container_port) for port in role.ports}
-            metrics.add(("TCP", ports.metrics))
-    peers: list[dict[str, Any]] = [
-        {"podSelector": role_selector(pipeline.name)},
-        {"podSelector": gateway_selector(pipeline.name)},
-        *(dict(peer) for peer in settings.clients),
-    ]
-    scrapers: list[dict[str, Any]] = [dict(p) for p in settings.metrics_from] or [
-        {"podSelector": {}}
-    ]
-    scrapers += [
-        {
-            "namespaceSelector": {"matchLabels": {names.LABEL_NAMESPACE_NAME: other}},
-            "podSelector": {},
-        }
-        for other in options.metrics_namespaces
-        if other != namespace or settings.metrics_from
-    ]
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(
-            network_policy_name(pipeline), namespace, common_labels(pipeline.name, "network")
-        ),
-        "spec": {
-            "podSelector": role_selector(pipeline.name),
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": copy.deepcopy(peers), "ports": _policy_ports(runtime)},
-                {"from": copy.deepcopy(scrapers), "ports": _policy_ports(metrics)},
-            ],
-        },
-    }
-
-
-def _policy_ports(ports: set[tuple[str, int]]) -> list[dict[str, Any]]:
-    return [{"protocol": protocol, "port": port} for protocol, port in sorted(ports)]
-
-
-def _stateful_set(
-    pipeline: Pipeline,
-    unit: Workload,
-    namespace: str,
-    options: PlanOptions,
-    mode: GpuMode,
-    peer_key_hash: str | None,
-) -> dict[str, Any]:
-    configs = {
-        role.name: role_config(pipeline, role.name, namespace=namespace, options=options)
-        for role in unit.roles
-    }
-    template = pods.pod_template(
-        pipeline,
-        unit.roles,
-        configs,
-        labels=unit.labels(pipeline),
-        spec_hash=spec_hash(pipeline, namespace, tuple(r.name for r in unit.roles)),
-        config_map=topology_config_map_name(pipeline),
-        peer_key_secret=peer_key_secret_name(pipeline.name),
-        peer_key_hash=peer_key_hash,
-        shared=unit.group is not None,
-        gpu=mode if unit.group is not None else "none",
-        claim_template=(
-            claim_template_name(pipeline, unit.group.name) if unit.group is not None else None
-        ),
-    )
-    spec: dict[str, Any] = {
-        "serviceName": pipeline.derived_name(unit.roles[0].name),
-        "replicas": unit.replicas,
-        "podManagementPolicy": "Parallel",
-        "updateStrategy": {
-            "type": "RollingUpdate",
-            "rollingUpdate": {"partition": options.partitions.get(unit.unit, 0)},
-        },
-        "selector": {"matchLabels": unit.selector(pipeline)},
-        "template": template,
-    }
-    if unit.unit in external_units(pipeline):
-        del spec["replicas"]  # the HPA's (or KEDA's) field
-    meta = _meta(unit.name, namespace, unit.labels(pipeline))
-    meta["annotations"] = {names.ANNOTATION_TEMPLATE_HASH: template_hash(template)}
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": spec}
-
-
-def template_hash(template: Mapping[str, Any]) -> str:
-    """A unit's pod template, hashed: the live StatefulSet's copy of it tells the rollout
-    whether its pods still have to move to a new revision."""
-    text = json.dumps(template, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _gateway(
-    pipeline: Pipeline, units: tuple[Workload, ...], namespace: str, options: PlanOptions
-) -> list[dict[str, Any]]:
-    ports = {name: p for w in units for name, p in role_ports(w).items()}
-    domain = options.cluster_domain
-    entries = tuple(
-        contract.Peer(
-            role,
-            (f"{pipeline.derived_name(role)}.{namespace}.svc.{domain}:{ports[role].ingress}",),
-        )
-        for role in pipeline.entry_roles
-    )
-    policy = []
-    if pipeline.network_policy.enabled:
-        clients = [dict(peer) for peer in pipeline.network_policy.clients]
-        policy = [
-            gateway.network_policy(pipeline, namespace, role_selector(pipeline.name), clients)
-        ]
-    return [
-        gateway.service(pipeline, namespace),
-        *policy,
-        gateway.deployment(
-            pipeline,
-            namespace,
-            entries,
-            config_map=topology_config_map_name(pipeline),
-            # the gateway reads the entry and exit roles' slices of the topology
-            spec_hash=spec_hash(pipeline, namespace, (*pipeline.entry_roles, *pipeline.exit_roles)),
-            peer_key_secret=peer_key_secret_name(pipeline.name),
-        ),
-    ]
-
-
-def child_kinds(options: PlanOptions | None = None) -> tuple[tuple[str, str], ...]:
+def child_kinds(options: model.PlanOptions | None = None) -> tuple[tuple[str, str], ...]:
     """(apiVersion, kind) of every kind `plan` may return, for listing and pruning children."""
-    options_ = options or PlanOptions()
+    options_ = options or model.PlanOptions()
     dra = options_.dra_api_version
     return (
         ("v1", "ConfigMap"),

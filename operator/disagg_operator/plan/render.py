@@ -13,7 +13,7 @@ import yaml
 
 from disagg_core import spec
 from disagg_core.spec import ROOT
-from disagg_operator.plan import planner
+from disagg_operator.plan import model, planner
 
 DEFAULT_NAMESPACE = "default"
 
@@ -24,7 +24,7 @@ def render_cli(
     namespace: str | None,
     out: TextIO,
     err: TextIO,
-    options: planner.PlanOptions | None = None,
+    options: model.PlanOptions | None = None,
 ) -> int:
     """Print the plan of `file` to `out`; returns the exit status (1: invalid input)."""
     try:

@@ -36,7 +36,7 @@ from typing import Any, Literal, TypeVar
 
 from disagg_operator import names
 from disagg_operator.k8s.client import JSON, Api, ApiError, ObjectRef
-from disagg_operator.plan import planner
+from disagg_operator.plan import model
 from disagg_operator.reconcile import cache
 
 # ---------------------------------------------------------------------------- children
@@ -82,7 +82,7 @@ def controller_of(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return next((r for r in refs if r.get("controller")), None)
 
 
-def ownership(current: Mapping[str, Any] | None, owner: planner.Owner) -> Ownership | Conflict:
+def ownership(current: Mapping[str, Any] | None, owner: model.Owner) -> Ownership | Conflict:
     """May `owner` apply over `current` (the stored object of a planned name)?"""
     if current is None:
         return "absent"
@@ -111,7 +111,7 @@ def _changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
     return _version(after) != _version(before)
 
 
-def prunable(obj: Mapping[str, Any], owner: planner.Owner) -> bool:
+def prunable(obj: Mapping[str, Any], owner: model.Owner) -> bool:
     """A child this pipeline made: our labels and controlled by the pipeline's uid."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
     controller = controller_of(obj) or {}
@@ -137,7 +137,7 @@ async def apply_children(
     api: Api,
     planned: Sequence[Mapping[str, Any]],
     *,
-    owner: planner.Owner,
+    owner: model.Owner,
     namespace: str,
     kinds: Iterable[tuple[str, str]],
     existing: Mapping[ObjectRef, JSON] | None = None,
@@ -241,7 +241,7 @@ def _waves(
     return waves
 
 
-async def owned_statefulsets(api: Api, owner: planner.Owner, namespace: str) -> list[JSON]:
+async def owned_statefulsets(api: Api, owner: model.Owner, namespace: str) -> list[JSON]:
     """The pipeline's StatefulSets and gateway Deployment (controlled by its uid), for the
     status builder."""
     children = await list_children(

@@ -13,7 +13,7 @@ handler never acts on an old spec):
    keeps the last valid workloads running, as a Deployment does with a bad rollout);
    a podTemplate that weakens the pods is invalid unless the pipeline opted in
    (disagg_core.spec.podpolicy), and then a Warning Event lists what it weakens;
-2. make sure the peer key Secret exists (`planner.peer_key_secret`, with 32 bytes from
+2. make sure the peer key Secret exists (`manifests.peer_key_secret`, with 32 bytes from
    `secrets`; created when absent, never overwritten) and plan with its key's hash, so
    that a new key rolls the role pods; a deleted Secret (watched, like the StatefulSets)
    triggers a reconcile, which makes a new key: that is how a key is rotated;
@@ -75,7 +75,7 @@ from disagg_core import spec
 from disagg_core.spec import Pipeline, SpecError, pod_policy_findings
 from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.k8s import client as kube
-from disagg_operator.plan import planner, podmonitor, pods
+from disagg_operator.plan import manifests, model, planner, podmonitor, pods
 from disagg_operator.reconcile import apply, cache, status
 from disagg_operator.reconcile.events import (
     EVENT_FAILED,
@@ -146,7 +146,7 @@ class Outcome:
 @dataclass
 class Reconciler:
     api: kube.Api
-    options: planner.PlanOptions = field(default_factory=planner.PlanOptions)
+    options: model.PlanOptions = field(default_factory=model.PlanOptions)
     metrics: Metrics = field(default_factory=Metrics)
     post_event: PostEvent = kopf_event
     clock: Clock = utc_now
@@ -277,7 +277,7 @@ class Reconciler:
 
     async def _reconcile(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
         namespace = body["metadata"]["namespace"]
-        owner = planner.Owner.of(body)
+        owner = model.Owner.of(body)
         await self._detect_pod_monitors(body)
         options = self._options_for(state)
         pipeline = self.validated(body, state, options)
@@ -298,7 +298,7 @@ class Reconciler:
         children = asyncio.ensure_future(self._existing_children(others, namespace, owner.name))
         await apply.all_of([secret, listed, children])
         (key, created), workloads, existing = secret.result(), listed.result(), children.result()
-        digest = planner.peer_key_digest(peer_key_text(key))
+        digest = manifests.peer_key_digest(peer_key_text(key))
         objects = self._plan(pipeline, state, namespace, owner, options, digest)
         state.peer_key_hash = digest
         live = [
@@ -327,10 +327,10 @@ class Reconciler:
         )
 
     async def _peer_key(
-        self, pipeline: Pipeline, namespace: str, owner: planner.Owner
+        self, pipeline: Pipeline, namespace: str, owner: model.Owner
     ) -> tuple[dict[str, Any], bool]:
         """The pipeline's peer key Secret as stored, and whether it was created now."""
-        wanted = planner.peer_key_secret(
+        wanted = manifests.peer_key_secret(
             pipeline.name,
             namespace=namespace,
             key=secrets.token_hex(PEER_KEY_BYTES),
@@ -348,7 +348,7 @@ class Reconciler:
         return await self._finish(body, state, parsed, None)
 
     def validated(
-        self, body: Mapping[str, Any], state: PipelineState, options: planner.PlanOptions
+        self, body: Mapping[str, Any], state: PipelineState, options: model.PlanOptions
     ) -> Pipeline | SpecError:
         """`validate`, remembered per pipeline for the body's content (`cache.digest`: all
         but status and server-kept metadata) and the options: the status refreshes that
@@ -368,8 +368,8 @@ class Reconciler:
         pipeline: Pipeline,
         state: PipelineState,
         namespace: str,
-        owner: planner.Owner,
-        options: planner.PlanOptions,
+        owner: model.Owner,
+        options: model.PlanOptions,
         peer_key_hash: str,
     ) -> list[dict[str, Any]]:
         """`planner.plan`; what the rollout reads of it is kept (`RolloutTracker.remember`)."""
@@ -389,8 +389,8 @@ class Reconciler:
         pipeline: Pipeline,
         state: PipelineState,
         namespace: str,
-        owner: planner.Owner,
-        options: planner.PlanOptions,
+        owner: model.Owner,
+        options: model.PlanOptions,
         peer_key_hash: str,
     ) -> list[dict[str, Any]]:
         """The planned StatefulSets as the rollout reads them (`RolloutTracker.planned_for`)."""
@@ -449,7 +449,7 @@ class Reconciler:
             events=tuple(events),
         )
 
-    def _options_for(self, state: PipelineState) -> planner.PlanOptions:
+    def _options_for(self, state: PipelineState) -> model.PlanOptions:
         if not state.replicas and not state.rollout.partitions:
             return self.options
         return dataclasses.replace(
@@ -474,7 +474,7 @@ class Reconciler:
             return dict(built)
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
-        owner, options = planner.Owner.of(body), self._options_for(state)
+        owner, options = model.Owner.of(body), self._options_for(state)
         planned = self._planned_for_rollout(
             pipeline, state, meta["namespace"], owner, options, state.peer_key_hash
         )
@@ -539,7 +539,7 @@ class Reconciler:
         else listed. One the last reconcile applied that the cache has not seen yet, or has
         seen only in an older generation, counts as it was applied (the watch lags our own
         writes; a status built from it would flap to ChildMissing or report the old spec)."""
-        owner = planner.Owner.of(body)
+        owner = model.Owner.of(body)
         namespace = body["metadata"]["namespace"]
         found = self.cache.children(WORKLOAD_KINDS, (namespace, owner.name))
         if found is None:
@@ -632,7 +632,7 @@ def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in body.items()}
 
 
-def validate(body: Mapping[str, Any], options: planner.PlanOptions) -> Pipeline | SpecError:
+def validate(body: Mapping[str, Any], options: model.PlanOptions) -> Pipeline | SpecError:
     """The validated pipeline, or every problem of the spec and of the planner's `check`."""
     try:
         pipeline = spec.parse_pipeline(_plain(body))

@@ -53,7 +53,7 @@ from disagg_core import spec
 from disagg_core.spec import ROOT, Pipeline, SpecError
 from disagg_operator import names
 from disagg_operator.k8s import times
-from disagg_operator.plan import gateway, planner
+from disagg_operator.plan import gateway, model
 from disagg_operator.reconcile import apply
 
 # Degraded reason when a planned child's name is taken by an object this pipeline does not
@@ -121,7 +121,7 @@ def build_status(
     now: datetime.datetime,
     previous_conditions: Sequence[Mapping[str, Any]] = (),
     progress_deadline: float = DEFAULT_PROGRESS_DEADLINE,
-    options: planner.PlanOptions | None = None,
+    options: model.PlanOptions | None = None,
 ) -> dict[str, Any]:
     """The pipeline's `status` (see the module docstring).
 
@@ -142,7 +142,7 @@ def build_status(
         return _status(fields, problems, conditions, generation, now, previous_conditions)
     pipeline = pipeline_or_error
     by_name = {(sts.get("metadata") or {}).get("name"): sts for sts in observed_statefulsets}
-    units = planner.workloads(pipeline, options)
+    units = model.workloads(pipeline, options)
     states = {unit.name: unit_state(by_name.get(unit.name), unit.replicas) for unit in units}
     home = {role.name: unit.name for unit in units for role in unit.roles}
     roles = [_role_entry(name, home[name], states[home[name]]) for name in pipeline.role_names]

@@ -18,7 +18,7 @@ from typing import Any
 
 from disagg_core.spec import Pipeline
 from disagg_operator import names
-from disagg_operator.plan import planner
+from disagg_operator.plan import model
 from disagg_operator.rollout import steps as rollout
 
 
@@ -45,7 +45,7 @@ def policy_of(pipeline: Pipeline) -> rollout.RolloutPolicy:
 
 def groups_of(pipeline: Pipeline) -> list[list[str]]:
     """Coupled units: ratio-locked roles and rollout groups, by unit."""
-    unit_of = {role.name: unit.unit for unit in planner.workloads(pipeline) for role in unit.roles}
+    unit_of = {role.name: unit.unit for unit in model.workloads(pipeline) for role in unit.roles}
     pairs = [[lock.leader, lock.follower] for lock in pipeline.ratio_locks]
     return [
         sorted({unit_of[r] for r in group if r in unit_of})
@@ -56,7 +56,7 @@ def groups_of(pipeline: Pipeline) -> list[list[str]]:
 def feeds_of(pipeline: Pipeline) -> dict[str, frozenset[str]]:
     """Per unit, the units that send to it where both roles declare a compat token (their
     replicas pair by revision, so senders roll first: rollout.py)."""
-    unit_of = {role.name: unit.unit for unit in planner.workloads(pipeline) for role in unit.roles}
+    unit_of = {role.name: unit.unit for unit in model.workloads(pipeline) for role in unit.roles}
     declared = {role.name for role in pipeline.roles if role.compat is not None}
     links = [(e.source, e.target) for e in pipeline.edges]
     links += [(e.source, ref.to) for e in pipeline.edges for ref in e.tensor_refs]

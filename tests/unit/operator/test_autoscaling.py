@@ -26,7 +26,7 @@ from disagg_operator.app.scaling_loop import ScalingLoop
 from disagg_operator.autoscaling import podmetrics
 from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.k8s import client as kube
-from disagg_operator.plan import planner
+from disagg_operator.plan import model, planner
 from disagg_operator.reconcile import apply, reconcile
 from disagg_runtime.role.health import HealthServer
 from disagg_runtime.role.metrics import RoleMetrics, RoleSample
@@ -562,7 +562,7 @@ def test_hpa_sample(repo: pathlib.Path, load_yaml: Any) -> None:
     hpa = load_yaml(repo / "manifests" / "samples" / "external-scaling" / "hpa-denoiser.yaml")
     kubernetes_validate.validate(hpa, kubernetes_validate.utils.latest_version(), strict=True)
     pipeline = spec.parse_pipeline(load_yaml(repo / "examples" / "text-to-video.yaml"))
-    target = planner.workload_of(pipeline, "denoiser").name
+    target = model.workload_of(pipeline, "denoiser").name
     assert hpa["spec"]["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

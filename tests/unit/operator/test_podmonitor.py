@@ -13,11 +13,12 @@ import yaml
 from disagg_core import spec
 from disagg_core.spec.model import Pipeline
 from disagg_operator import names
+from disagg_operator.plan import model as plan_model
 from disagg_operator.plan import planner, podmonitor, pods
 from tests.support import EXAMPLES
 
 NS = "ml"
-ON = planner.PlanOptions(pod_monitors=True, pod_monitor_default=True)
+ON = plan_model.PlanOptions(pod_monitors=True, pod_monitor_default=True)
 
 
 def fan_out(monitoring: dict[str, Any] | None = None) -> Pipeline:
@@ -28,7 +29,7 @@ def fan_out(monitoring: dict[str, Any] | None = None) -> Pipeline:
     return spec.parse_pipeline(doc)
 
 
-def monitors(pipeline: Pipeline, options: planner.PlanOptions) -> list[dict[str, Any]]:
+def monitors(pipeline: Pipeline, options: plan_model.PlanOptions) -> list[dict[str, Any]]:
     return [
         o
         for o in planner.plan(pipeline, namespace=NS, options=options)
@@ -49,7 +50,7 @@ def monitors(pipeline: Pipeline, options: planner.PlanOptions) -> list[dict[str,
 def test_made_where_served_and_wanted(
     served: bool, default: bool, asked: bool | None, made: bool
 ) -> None:
-    options = planner.PlanOptions(pod_monitors=served, pod_monitor_default=default)
+    options = plan_model.PlanOptions(pod_monitors=served, pod_monitor_default=default)
     monitoring = None if asked is None else {"podMonitor": asked}
     assert len(monitors(fan_out(monitoring), options)) == int(made)
     kinds = planner.child_kinds(options)
@@ -66,7 +67,7 @@ def test_selects_every_role_container_and_the_gateway() -> None:
     }
     endpoints = monitor["spec"]["podMetricsEndpoints"]
     # the colocation group's pod has two containers: every metrics port name they carry
-    group = max(len(u.roles) for u in planner.workloads(fan_out()))
+    group = max(len(u.roles) for u in plan_model.workloads(fan_out()))
     role_ports = {pods.runtime_port_name("metrics", k) for k in range(group)}
     assert [e["port"] for e in endpoints] == [*sorted(role_ports), "http"]
     assert all(e["path"] == "/metrics" and e["honorLabels"] for e in endpoints)

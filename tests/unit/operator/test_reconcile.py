@@ -16,14 +16,14 @@ from disagg_operator import names
 from disagg_operator.app import handlers, main
 from disagg_operator.k8s import client as kube
 from disagg_operator.k8s import times
-from disagg_operator.plan import planner
+from disagg_operator.plan import model
 from disagg_operator.reconcile import apply, reconcile, status
 from disagg_operator.reconcile import events as reconcile_events
 from disagg_operator.reconcile.metrics import Metrics
 from disagg_runtime import cli
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
-OWNER = planner.Owner(name="p", uid="uid-1")
+OWNER = model.Owner(name="p", uid="uid-1")
 REF = kube.ObjectRef("v1", "Service", "ns", "p-a")
 
 
@@ -158,7 +158,7 @@ def test_ownership_rules() -> None:
 
 
 def test_only_our_labelled_children_are_prunable() -> None:
-    labels = planner.child_selector("p")
+    labels = model.child_selector("p")
     assert apply.prunable(child("uid-1", labels), OWNER)
     assert not apply.prunable(child("uid-2", labels), OWNER)
     assert not apply.prunable(child("uid-1", {names.LABEL_PIPELINE: "p"}), OWNER)
@@ -301,7 +301,7 @@ def test_operator_command_line_options() -> None:
     arguments = config.kopf_arguments()
     assert arguments["peering_name"] == "disagg" and arguments["priority"] == 10
     assert arguments["liveness_endpoint"] is None
-    assert config.options == planner.PlanOptions(cluster_domain="example.org", gpu_mode="none")
+    assert config.options == model.PlanOptions(cluster_domain="example.org", gpu_mode="none")
     beta = main.config_from_args(parse("--dra-api-version=resource.k8s.io/v1beta2"))
     assert beta.options.dra_api_version == "resource.k8s.io/v1beta2"
     assert config.progress_deadline == 30

@@ -10,7 +10,7 @@ import pytest
 from disagg_core import spec
 from disagg_operator import names
 from disagg_operator.k8s import times
-from disagg_operator.plan import planner
+from disagg_operator.plan import model
 from disagg_operator.reconcile import status
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -263,7 +263,7 @@ def test_many_problems_are_capped() -> None:
 
 
 def test_replica_overrides_and_unrelated_statefulsets() -> None:
-    options = planner.PlanOptions(replicas={"bc": 3})
+    options = model.PlanOptions(replicas={"bc": 3})
     observed = [*settled(), sts("other", 5, ready=0)]
     result = status.build_status(PIPELINE, observed, generation=1, now=T0, options=options)
     assert result["phase"] == names.PHASE_READY  # desired comes from the StatefulSet itself
