@@ -11,11 +11,16 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   welcome {pool, pool_device, pool_size,
                                                   max_allocation, lease_s,
                                                   lane_id[, lane_port | lane_path],
-                                                  [inline_wire, commit_wire,] load, [compat,]
-                                                  [role,] mac}
-    inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
+                                                  [inline_wire, commit_wire,] inline_ack,
+                                                  load, [compat,] [role,] mac}
+    inline {rid, manifest[, xid]} + slot bytes -->  small payloads: the slot travels in the
+                                         message; with an `xid` (over ZMQ, where
+                                         `inline_ack` is offered) it is answered:
+                                   <--   ack {xid} | overloaded {rid[, xid], reason} | nack
+                                         (without one only a refusal is: `overloaded`)
     reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
-                                   <--   grant {xid, offset, lease_s} | deny {xid, reason}
+                                   <--   grant {xid, offset, lease_s} | deny {xid, reason[,
+                                         timeout][, overloaded]}
     (shm: sender writes the slot in the shared pool)
     commit {rid, xid, offset, manifest[, chunk][, next]} [+ chunk frames for tcp]  -->
                                    <--   ack {xid[, spare]} | nack {xid, reason}
@@ -54,6 +59,12 @@ receiver is going (its DNS view lagging) would send into a socket about to close
 `compat` ({token, accepts}) is the receiving replica's compat token (disagg_core.compat):
 senders route a request only to replicas whose token pairs with their own. Absent (a
 client's or gateway's reply ingress): it pairs with anything.
+
+`overloaded` is the answer of an ingress that has no room to queue something now: an
+inline payload over ZMQ that finds the inline budget full (on a lane, the sender stalls
+instead), or a reservation beyond what may wait in all (relay/ledger.py PendingBounds:
+a `deny` with `overloaded`). Nothing of it is kept; the sender may retry, elsewhere or
+later (relay/sender.py reserves a refused inline payload: the pool's flow control).
 
 `xid` numbers each operation of a sender so that a late grant for an operation that timed
 out is never mistaken for the current one (completions are per operation).
@@ -96,8 +107,20 @@ MAX_INLINE_MESSAGE_BYTES = 16 << 20  # the most slot bytes an inline message may
 MAX_FRAME_BYTES = MAX_INLINE_MESSAGE_BYTES  # no ZMQ frame may be longer (tcp chunks included)
 OPS_TO_INGRESS = frozenset({"hello", "auth", "inline", "reserve", "commit", "cancel", "abort"})
 OPS_TO_SENDER = frozenset(
-    {"challenge", "welcome", "refused", "grant", "deny", "ack", "nack", "load", "goodbye"}
+    {
+        "challenge",
+        "welcome",
+        "refused",
+        "grant",
+        "deny",
+        "ack",
+        "nack",
+        "load",
+        "goodbye",
+        "overloaded",
+    }
 )
+INLINE_ACK_VERSION = 1  # the welcome's `inline_ack`: inline payloads with an xid are answered
 HANDSHAKE_OPS = frozenset({"hello", "auth"})  # all an unauthenticated peer may send
 MAX_HANDSHAKE_BYTES = 4096  # and no longer than this
 LOAD_EVERY_S = 0.1  # how often an ingress tells its active senders its load, when it changed

@@ -120,6 +120,10 @@ class Lanes(IngressParts):
         self._dirty = True
         if conn.ident is not None and self._by_sender.get(conn.ident) is conn:
             del self._by_sender[conn.ident]
+            # its sender's waiting reservations go with it: one whose replies came here
+            # cannot read a grant now, and a sender that left closed its lane first
+            for denial in self._ledger.drop_pending(conn.ident, "the sender's lane closed"):
+                self._deny(denial)
         self._ledger.give_inline(conn.reader.abandon())  # a frame cut short holds no budget
         conn.reader.close()
 

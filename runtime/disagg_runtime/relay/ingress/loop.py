@@ -21,9 +21,12 @@ freed; `abort(rid)` frees everything a request holds (pending, granted, delivere
 Nothing is given before identity (relay/auth.py): a connection that has not proven the
 peer key gets a challenge, a refusal, or nothing; its frames are read only up to a small
 handshake size and dropped. Authenticated peers are bounded too: pending reservations
-per peer, inline bytes held at once (`inline_budget`: a lane whose next frame would
-overflow it is not read until messages are released, so its sender stalls, as on a full
-pool), and lanes that stay silent before their hello or stall mid-frame are closed.
+(per peer and in all, relay/ledger.py PendingBounds; each waits at most a lease, and a
+peer that left takes its own with it: session.py), inline bytes held at once
+(`inline_budget`: a lane whose next frame would overflow it is not read until messages
+are released, so its sender stalls, as on a full pool; over ZMQ such a payload is
+answered `overloaded` at once), and lanes that stay silent before their hello or stall
+mid-frame are closed.
 
 Closing without losing what is on its way: `goodbye()` tells every peer to send nothing
 more here (protocol.py), while the ingress goes on serving; its owner closes it once
@@ -60,7 +63,7 @@ from disagg_runtime.relay.ingress.lanes import LANE_CHECK_S, LaneConn, Lanes
 from disagg_runtime.relay.ingress.ops import _SCRATCH, Operations
 from disagg_runtime.relay.ingress.session import Sessions
 from disagg_runtime.relay.landing import Chunked, Landing
-from disagg_runtime.relay.ledger import Message, SlotLedger
+from disagg_runtime.relay.ledger import Message, PendingBounds, SlotLedger
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.load import Load
 
@@ -80,6 +83,7 @@ class IngressStats:
     pending_reservations: int
     delivered: int
     rejected: int
+    overloaded: int = 0  # inline payloads and reservations answered `overloaded`
     lanes: int = 0  # senders connected through an inline lane
     refused: int = 0  # connections and messages refused for want of authentication
     inline_used: int = 0  # bytes of inline payloads held (received, not yet released)
@@ -126,6 +130,9 @@ class Ingress(Lanes, Sessions, Operations):
         self._sock.setsockopt(zmq.IPV6, 1)  # dual-stack: IPv6-only clusters too
         self._sock.setsockopt(zmq.RCVHWM, HWM)  # bounds chunks buffered ahead of recv_into
         self._sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)  # anyone's frames
+        # a reply to a sender whose connection went fails (EHOSTUNREACH) instead of being
+        # dropped: how a ROUTER learns that a peer left (`_reply`)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         try:
@@ -160,6 +167,7 @@ class Ingress(Lanes, Sessions, Operations):
             lease_s=lease_s,
             inline_budget=budget,
             where=f"the receive pool at {self.endpoint}",
+            bounds=PendingBounds.for_pool(pool.allocator.capacity),
         )
         self.inline_budget = budget
         self._chunked: dict[bytes, Chunked] = {}  # tcp transfers landing, by sender
@@ -167,6 +175,7 @@ class Ingress(Lanes, Sessions, Operations):
         self._kinds: dict[bytes, str] = {}  # each peer's relay kind, from its hello
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._rejected = 0
+        self._overloaded = 0
         self._freed = False  # a release on the I/O thread: room for paused lanes, grants
         self._paused: dict[int, LaneConn] = {}  # lanes not polled for want of inline budget, by fd
         # housekeeping (_housekeep: expiry, grants, lane checks, loads) runs after any step
@@ -214,6 +223,7 @@ class Ingress(Lanes, Sessions, Operations):
             pending_reservations=self._ledger.pending_count,
             delivered=self._ledger.delivered,
             rejected=self._rejected,
+            overloaded=self._overloaded,
             lanes=len(self._by_sender),
             refused=self.refusals.count,
             inline_used=self._ledger.inline_used,
@@ -396,16 +406,30 @@ class Ingress(Lanes, Sessions, Operations):
         while self._sock.getsockopt(zmq.RCVMORE):
             self._sock.recv_into(_SCRATCH)
 
-    def _reply(self, ident: bytes, op: str, **fields: Any) -> None:
+    def _reply(self, ident: bytes, op: str, **fields: Any) -> bool:
+        """Whether the reply went out. Over ZMQ it fails when the sender's connection is
+        gone (then the sender is: `_forget`), or its queue is full (dropped, as a ROUTER
+        without ROUTER_MANDATORY would)."""
         conn = self._by_sender.get(ident)
         if conn is None or not conn.control:
-            self._sock.send_multipart([ident, proto.pack(op, **fields)])
-            return
+            return self._send_zmq(ident, proto.pack(op, **fields))
         try:  # a few hundred bytes into the buffer of a sender that reads its replies
             lane.send_frame(conn.reader.sock, proto.pack(op, **fields), b"")
         except OSError as exc:  # gone, or not reading: it times out on its side
             log.warning("ingress %s: lane reply failed: %s", self.endpoint, exc)
             self._close_lane(conn)
+            return False
+        return True
+
+    def _send_zmq(self, ident: bytes, header: bytes) -> bool:
+        try:
+            self._sock.send_multipart([ident, header], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH and ident in self._peers:
+                log.info("ingress %s: a sender's connection went; forgotten", self.endpoint)
+                self._forget(ident)  # its waiting reservations go with it
+            return False
+        return True
 
     def _expire(self, now: float) -> None:
         for landing in self._landings.values():

@@ -49,14 +49,24 @@ class Operations(IngressParts):
         OPS[msg["op"]](self, ident, msg)
 
     def _on_inline(self, ident: bytes, msg: dict[str, Any]) -> None:
+        """An inline payload over ZMQ. There is no stalling its sender here: one that does
+        not fit the inline budget is answered `overloaded` at once (its data unread), and
+        one with an `xid` gets its verdict either way (`ack`), so its sender knows to
+        reserve it instead (relay/sender.py)."""
         manifest = Manifest.from_json(msg.get("manifest"), slot_size=proto.MAX_INLINE_MESSAGE_BYTES)
+        rid = proto.field(msg, "rid", str)
+        xid = {"xid": proto.nonneg_int(msg, "xid")} if "xid" in msg else {}
         if not self._sock.getsockopt(zmq.RCVMORE):
             raise proto.ProtocolError("inline message has no data frame")
-        if not self._ledger.take_inline(manifest.nbytes):  # over ZMQ there is no stalling it
-            raise proto.ProtocolError(
-                f"inline payload of {manifest.nbytes} B dropped: {self._ledger.inline_used} B "
-                f"of the inline budget ({self.inline_budget} B) are held"
+        if not self._ledger.take_inline(manifest.nbytes):
+            self._overloaded += 1
+            reason = (
+                f"overloaded: {self._ledger.inline_used} B of the inline budget "
+                f"({self.inline_budget} B) are held; the payload of {manifest.nbytes} B was "
+                "not taken"
             )
+            self._reply(ident, "overloaded", rid=rid, reason=reason, **xid)
+            return
         try:
             data = bytearray(manifest.nbytes)  # bounded above; a longer frame is cut short
             got = self._sock.recv_into(data) if data else len(self._sock.recv())
@@ -66,6 +76,8 @@ class Operations(IngressParts):
             self._ledger.give_inline(manifest.nbytes)
             raise
         self._inline(msg, manifest, memoryview(data), got, manifest.nbytes)
+        if xid:
+            self._reply(ident, "ack", **xid)
 
     def _inline(
         self, msg: dict[str, Any], manifest: Manifest, data: memoryview, got: int, charge: int
@@ -108,8 +120,11 @@ class Operations(IngressParts):
 
     def _deny(self, denial: Denial) -> None:
         self._rejected += denial.counted
-        timeout = {"timeout": True} if denial.timeout else {}
-        self._reply(denial.ident, "deny", xid=denial.xid, reason=denial.reason, **timeout)
+        self._overloaded += denial.overloaded
+        flags = {"timeout": True} if denial.timeout else {}
+        if denial.overloaded:
+            flags["overloaded"] = True
+        self._reply(denial.ident, "deny", xid=denial.xid, reason=denial.reason, **flags)
 
     def _grant_pending(self) -> None:
         def ready(head: Any) -> bool:  # inline frames sent before it are all here: keep order
@@ -117,14 +132,15 @@ class Operations(IngressParts):
             return conn is None or conn.taken >= head.lane_sent
 
         for grant in self._ledger.grant_pending(time.monotonic(), ready):
-            self._reply(
+            if not self._reply(
                 grant.ident,
                 "grant",
                 xid=grant.xid,
                 offset=grant.offset,
                 lease_s=self.lease_s,
                 **self._load_field(),
-            )
+            ):  # its sender never heard of the slot (gone, or not reading): free at once
+                self._ledger.cancel(grant.ident, grant.xid)
 
     def _on_cancel(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._ledger.cancel(ident, proto.nonneg_int(msg, "xid"))
@@ -304,7 +320,7 @@ class Operations(IngressParts):
     def _nack_commit(self, ident: bytes, msg: dict[str, Any], exc: Exception) -> None:
         """A rejected commit is answered, so its sender fails now rather than at its timeout."""
         xid = msg.get("xid")
-        if msg.get("op") == "commit" and isinstance(xid, int):
+        if msg.get("op") in ("commit", "inline") and isinstance(xid, int):
             self._reply(ident, "nack", xid=xid, reason=str(exc))
 
 

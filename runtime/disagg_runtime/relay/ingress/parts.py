@@ -23,7 +23,7 @@ from disagg_runtime.memory.intake import Memory
 from disagg_runtime.memory.pool import Pool
 from disagg_runtime.relay import auth
 from disagg_runtime.relay.landing import Chunked, Landing
-from disagg_runtime.relay.ledger import Message, Reservation, SlotLedger
+from disagg_runtime.relay.ledger import Denial, Message, Reservation, SlotLedger
 from disagg_runtime.wire.load import Load
 
 if TYPE_CHECKING:  # types only: lanes.py defines the connection
@@ -76,6 +76,7 @@ class IngressParts:
     # operations (ops.py)
     _chunked: dict[bytes, Chunked]  # tcp transfers landing, by sender
     _rejected: int
+    _overloaded: int
     _spares_used: int
     # the loop's bookkeeping (loop.py)
     _freed: bool
@@ -91,7 +92,13 @@ class IngressParts:
         return self._ledger
 
     # ---- calls across parts: each defined in the part named ----------------------------
-    def _reply(self, ident: bytes, op: str, **fields: Any) -> None:  # loop
+    def _reply(self, ident: bytes, op: str, **fields: Any) -> bool:  # loop
+        raise NotImplementedError
+
+    def _send_zmq(self, ident: bytes, header: bytes) -> bool:  # loop
+        raise NotImplementedError
+
+    def _deny(self, denial: Denial) -> None:  # ops
         raise NotImplementedError
 
     def _drain(self) -> None:  # loop
