@@ -26,7 +26,7 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   ack {xid[, spare]} | nack {xid, reason}
     (tcp: a chunk frame of the wrong size fails the transfer; the ingress reads the
     rest of its chunks, frees the slot and nacks. A sender cuts a transfer it cannot
-    finish so: its remaining chunks go empty, relay/backends/tcp.py `ChunkStream.cut`)
+    finish so: its remaining chunks go empty, relay/backends/tcp/send.py `ChunkStream.cut`)
     cancel {xid}                   -->   sender gave up waiting: drop the reservation/grant
     abort {rid}                    -->   free every slot the request holds
                                    <--   refused {reason[, xid]}: the sender is not (or no
@@ -81,7 +81,8 @@ manifest's layout cached per lane by its bytes. Senders use it only where offere
 its fields (rid, xid, offset, manifest, meta, next) in a binary header of the same form.
 
 `pool_device` (shm, cpu, cpu-pinned, cuda) says where the ingress lands staged payloads; a
-sender picks its inline limit by it (relay/backends/tcp.py: medium payloads inline to host pools).
+sender picks its inline limit by it (relay/backends/tcp/send.py: medium payloads inline
+to host pools).
 
 `role` names the role an ingress serves, under the welcome's mac: a sender that dialled
 a role's address checks it, so an address another role's pod has taken over (before the
@@ -185,6 +186,14 @@ def role(msg: dict[str, Any]) -> str | None:
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
         raise ProtocolError(f"relay {msg.get('op')}: field 'role' is not a role name")
     return name
+
+
+def meta(msg: dict[str, Any]) -> dict[str, Any] | None:
+    """A message's `meta` (the sender's routing metadata, unread by relays), if any."""
+    value = msg.get("meta")
+    if value is not None and not isinstance(value, dict):
+        raise ProtocolError("relay message: 'meta' must be an object")
+    return value
 
 
 def nonneg_int(msg: dict[str, Any], name: str) -> int:

@@ -60,9 +60,9 @@ from disagg_runtime.relay import auth, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.ingress.lanes import LANE_CHECK_S, LaneConn, Lanes
-from disagg_runtime.relay.ingress.ops import _SCRATCH, Operations
+from disagg_runtime.relay.ingress.ops import Operations
 from disagg_runtime.relay.ingress.session import Sessions
-from disagg_runtime.relay.landing import Chunked, Landing
+from disagg_runtime.relay.landing import Landing
 from disagg_runtime.relay.ledger import Message, PendingBounds, SlotLedger
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.load import Load
@@ -70,6 +70,7 @@ from disagg_runtime.wire.load import Load
 log = logging.getLogger(__name__)
 HWM = 16
 IDLE_S = 1.0  # the longest the I/O thread sleeps, and goes without looking at deadlines
+_SCRATCH = bytearray(1 << 20)  # where frames nobody takes are read and dropped
 _EVENTS = int(zmq.EVENTS)  # plain ints: enum flag arithmetic costs a few Python calls
 _POLLIN = int(zmq.POLLIN)
 
@@ -170,7 +171,7 @@ class Ingress(Lanes, Sessions, Operations):
             bounds=PendingBounds.for_pool(pool.allocator.capacity),
         )
         self.inline_budget = budget
-        self._chunked: dict[bytes, Chunked] = {}  # tcp transfers landing, by sender
+        self._taking: dict[bytes, Landing] = {}  # senders whose next messages a landing takes
         self._landings: dict[str, Landing] = {}  # by relay kind, made at its first hello
         self._kinds: dict[bytes, str] = {}  # each peer's relay kind, from its hello
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -362,8 +363,10 @@ class Ingress(Lanes, Sessions, Operations):
         if any(landing.busy() for landing in self._landings.values()):
             return now
         due = now + IDLE_S
-        for chunked in self._chunked.values():
-            due = min(due, chunked.deadline)
+        for landing in self._landings.values():
+            landing_due = landing.due()
+            if landing_due is not None:
+                due = min(due, landing_due)
         ledger = self._ledger.next_deadline()
         if ledger is not None:
             due = min(due, ledger)
@@ -383,10 +386,9 @@ class Ingress(Lanes, Sessions, Operations):
             self._peers.move_to_end(ident)  # recently active: forgotten last
             self.last_message_at = time.monotonic()
             self._active_at[ident] = time.monotonic()
-            chunked = self._chunked.get(ident)
-            if chunked is not None:
-                msg = {"op": "commit", "xid": chunked.xid}
-                self._on_chunk(ident, chunked)
+            taking = self._taking.get(ident)
+            if taking is not None:  # e.g. the next chunk of a tcp transfer
+                taking.take(ident)
                 return
             msg = proto.unpack(self._sock.recv(), proto.OPS_TO_INGRESS)
             if msg["op"] in proto.HANDSHAKE_OPS:  # a new handshake on this connection
@@ -397,14 +399,27 @@ class Ingress(Lanes, Sessions, Operations):
         except (proto.ProtocolError, codec.CodecError) as exc:
             self._rejected += 1
             log.warning("ingress %s rejected a message: %s", self.endpoint, exc)
-            if ident not in self._chunked:
-                self._nack_commit(ident, msg, exc)
+            self._nack_commit(ident, msg, exc)
         finally:
             self._drain()
 
     def _drain(self) -> None:
         while self._sock.getsockopt(zmq.RCVMORE):
             self._sock.recv_into(_SCRATCH)
+
+    # ---- Host (relay/landing.py): reading the message a landing was handed -------------
+    def expect_frames(self, ident: bytes, landing: Landing | None) -> None:
+        if landing is None:
+            self._taking.pop(ident, None)
+        else:
+            self._taking[ident] = landing
+
+    def read_into(self, buffer: Any) -> int:
+        got: int = self._sock.recv_into(buffer)
+        return got
+
+    def more_frames(self) -> bool:
+        return bool(self._sock.getsockopt(zmq.RCVMORE))
 
     def _reply(self, ident: bytes, op: str, **fields: Any) -> bool:
         """Whether the reply went out. Over ZMQ it fails when the sender's connection is
@@ -434,15 +449,6 @@ class Ingress(Lanes, Sessions, Operations):
     def _expire(self, now: float) -> None:
         for landing in self._landings.values():
             landing.expire(now)
-        for ident, chunked in list(self._chunked.items()):
-            if chunked.deadline <= now:  # sender vanished mid-transfer
-                del self._chunked[ident]
-                if chunked.grant.offset is not None:
-                    self._ledger.free(chunked.grant.offset)
-                self._rejected += 1
-                reason = f"transfer for request {chunked.grant.rid} stalled; slot freed"
-                log.warning("%s", reason)
-                self._reply(ident, "nack", xid=chunked.xid, reason=reason)
         expired = self._ledger.expire(now)
         for grant in expired.lapsed:
             if grant.spare:  # its sender had nothing more to send in time

@@ -2,14 +2,15 @@
 
     inline   a payload with its slot's bytes: delivered (no slot; it holds inline budget)
     reserve  a slot for `nbytes`: granted from the pool in arrival order, or denied
-    commit   the slot is written (shm) or its chunks follow (tcp): delivered, then acked;
-             a relay kind's `Landing` may take it over (cuda-ipc: its copy still runs)
+    commit   the slot is written: delivered, then acked; a relay kind's `Landing` may
+             take it over (cuda-ipc: its copy still runs; tcp: its chunks follow)
     cancel   a grant given back unused
     abort    everything a request holds here is freed, now and for its late arrivals
 
 Over ZMQ the loop (loop.py) reads the op and calls `OPS[op]`; on a lane, inline frames
 and binary commits take their own fast paths (lanes.py) and other ops come here the same
-way. The `Host` calls of relay/landing.py (`commit`, `reject`) are here too.
+way. The `Host` calls of relay/landing.py (`commit`, `claim`, `finish`, `reject`) are
+here too; the loop (loop.py) has those that read a message (`read_into`, `more_frames`).
 """
 
 from __future__ import annotations
@@ -22,23 +23,13 @@ from typing import Any
 import zmq
 
 from disagg_runtime.memory.layout import buffer_tensors, read_payload
-from disagg_runtime.memory.pool import PoolError
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ingress.parts import IngressParts
-from disagg_runtime.relay.landing import Chunked, chunk_count, chunk_targets
 from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, Reservation
 from disagg_runtime.wire.codec import unflatten
 from disagg_runtime.wire.manifest import Manifest
 
 log = logging.getLogger(__name__)
-_SCRATCH = bytearray(1 << 20)
-
-
-def _meta(msg: dict[str, Any]) -> dict[str, Any] | None:
-    meta = msg.get("meta")
-    if meta is not None and not isinstance(meta, dict):
-        raise proto.ProtocolError("relay message: 'meta' must be an object")
-    return meta
 
 
 class Operations(IngressParts):
@@ -94,7 +85,7 @@ class Operations(IngressParts):
         except BaseException:
             self._ledger.give_inline(charge)
             raise
-        message = Message(rid, payload, manifest.nbytes, None, time.monotonic(), _meta(msg))
+        message = Message(rid, payload, manifest.nbytes, None, time.monotonic(), proto.meta(msg))
         message.charge = charge
         self._deliver(message)
 
@@ -162,33 +153,39 @@ class Operations(IngressParts):
         self.commit(ident, msg)
 
     def commit(self, ident: bytes, msg: dict[str, Any]) -> None:
-        """The plain commit: the payload is in its slot (shm), or its chunks follow (tcp)."""
+        """The plain commit: the payload is in its slot (shm). Bytes that follow the commit
+        are a landing's to take (tcp: relay/backends/tcp/land.py); here they are refused."""
         xid = proto.nonneg_int(msg, "xid")
-        grant, slot = self._claim(ident, xid, msg)
+        grant, slot = self.claim(ident, xid, msg)
         try:
             size = self.pool.allocator.size_of(slot)
             manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
-            meta = _meta(msg)
+            meta = proto.meta(msg)
             if self._sock.getsockopt(zmq.RCVMORE):
                 raise proto.ProtocolError("commit carries unexpected frames")
-            if msg.get("chunk") is not None:  # tcp: the data follows, one message per chunk
-                chunk = proto.nonneg_int(msg, "chunk")
-                count = chunk_count(manifest, chunk)
-                if count:
-                    try:
-                        self.memory.prepare_chunks(chunk)
-                    except PoolError as exc:
-                        raise proto.ProtocolError(str(exc)) from None
-                    targets = chunk_targets(slot, manifest, chunk)
-                    deadline = time.monotonic() + self.lease_s
-                    self._chunked[ident] = Chunked(
-                        grant, xid, manifest, meta, targets, count, deadline
-                    )
-                    return
+            if msg.get("chunk") is not None:
+                kind = self._kinds.get(ident, "this")
+                raise proto.ProtocolError(f"a {kind} sender's commit cannot carry chunks")
         except BaseException:
             self._ledger.free(slot)
             raise
         self._finish(ident, xid, grant.rid, slot, manifest, meta, msg.get("next"))
+
+    def finish(
+        self,
+        ident: bytes,
+        xid: int,
+        rid: str,
+        slot: int,
+        manifest: Manifest,
+        meta: dict[str, Any] | None,
+    ) -> None:
+        """Host (relay/landing.py): a landing's payload is in `slot`: deliver and ack it."""
+        self._finish(ident, xid, rid, slot, manifest, meta)
+
+    def claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
+        """Host (relay/landing.py): see `_claim`."""
+        return self._claim(ident, xid, msg)
 
     def _claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
         """A commit takes its grant (`rid`, `offset` from `msg`; a spare's request id is the
@@ -213,33 +210,6 @@ class Operations(IngressParts):
         self._rejected += 1
         log.warning("ingress %s rejected a commit: %s", self.endpoint, reason)
         self._reply(ident, "nack", xid=xid, reason=reason)
-
-    def _on_chunk(self, ident: bytes, chunked: Chunked) -> None:
-        """Land the next chunk of `ident`'s transfer straight into its slot."""
-        offset, length = next(chunked.targets)
-        chunked.done += 1
-        if chunked.error is None:
-            got = self._sock.recv_into(self.memory.chunk_buffer(offset, length))
-            if got == 0 < length:  # relay/backends/tcp.py ChunkStream.cut: its source went away
-                chunked.error = f"the sender cut the transfer at chunk {chunked.done - 1}"
-            elif got != length:
-                chunked.error = f"chunk {chunked.done - 1}: {got} B, expected {length} B"
-            elif self._sock.getsockopt(zmq.RCVMORE):
-                chunked.error = f"chunk {chunked.done - 1}: unexpected extra frames"
-            else:
-                chunked.error = self.memory.chunk_landed(offset, length)
-        else:
-            self._sock.recv_into(_SCRATCH)
-        self._drain()
-        if chunked.done < chunked.remaining:
-            return
-        del self._chunked[ident]
-        slot = chunked.grant.offset
-        assert slot is not None  # transfers are made from live grants
-        if chunked.error is not None:
-            self._ledger.free(slot)
-            raise proto.ProtocolError(chunked.error)  # counted and nacked by _handle_one
-        self._finish(ident, chunked.xid, chunked.grant.rid, slot, chunked.manifest, chunked.meta)
 
     def _finish(
         self,

@@ -3,7 +3,7 @@
 `Ingress` (loop.py) is one object built from four parts, each a module of one idea: the
 loop (thread, poll, the ZMQ ROUTER, replies), the lanes (lanes.py), the per-sender
 session (session.py: handshake, welcome, load reports) and the operations (ops.py:
-reserve, commit, inline, cancel, abort, tcp chunks). They share one I/O thread and its
+reserve, commit, inline, cancel, abort). They share one I/O thread and its
 state, declared here once, so each part is checked (mypy) against the same names; the
 methods a part calls on another are declared here too and defined where they belong.
 """
@@ -22,9 +22,10 @@ from disagg_core.compat import Compat
 from disagg_runtime.memory.intake import Memory
 from disagg_runtime.memory.pool import Pool
 from disagg_runtime.relay import auth
-from disagg_runtime.relay.landing import Chunked, Landing
+from disagg_runtime.relay.landing import Landing
 from disagg_runtime.relay.ledger import Denial, Message, Reservation, SlotLedger
 from disagg_runtime.wire.load import Load
+from disagg_runtime.wire.manifest import Manifest
 
 if TYPE_CHECKING:  # types only: lanes.py defines the connection
     import socket
@@ -74,7 +75,7 @@ class IngressParts:
     _landings: dict[str, Landing]  # by relay kind, made at its first hello
     _closing: str | None  # the goodbye's reason, once said
     # operations (ops.py)
-    _chunked: dict[bytes, Chunked]  # tcp transfers landing, by sender
+    _taking: dict[bytes, Landing]  # senders whose next messages a landing takes (loop.py)
     _rejected: int
     _overloaded: int
     _spares_used: int
@@ -158,15 +159,35 @@ class IngressParts:
     ) -> None:  # ops
         raise NotImplementedError
 
-    def _on_chunk(self, ident: bytes, chunked: Chunked) -> None:  # ops
-        raise NotImplementedError
-
     def _on_cancel(self, ident: bytes, msg: dict[str, Any]) -> None:  # ops
         raise NotImplementedError
 
-    # ---- Host (relay/landing.py): what landings use, in ops.py --------------------------
-    def commit(self, ident: bytes, msg: dict[str, Any]) -> None:
+    # ---- Host (relay/landing.py): what landings use, in ops.py and loop.py -------------
+    def commit(self, ident: bytes, msg: dict[str, Any]) -> None:  # ops
         raise NotImplementedError
 
-    def reject(self, ident: bytes, xid: int, reason: str) -> None:
+    def claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
+        raise NotImplementedError  # ops
+
+    def finish(
+        self,
+        ident: bytes,
+        xid: int,
+        rid: str,
+        slot: int,
+        manifest: Manifest,
+        meta: dict[str, Any] | None,
+    ) -> None:  # ops
+        raise NotImplementedError
+
+    def reject(self, ident: bytes, xid: int, reason: str) -> None:  # ops
+        raise NotImplementedError
+
+    def expect_frames(self, ident: bytes, landing: Landing | None) -> None:  # loop
+        raise NotImplementedError
+
+    def read_into(self, buffer: Any) -> int:  # loop
+        raise NotImplementedError
+
+    def more_frames(self) -> bool:  # loop
         raise NotImplementedError

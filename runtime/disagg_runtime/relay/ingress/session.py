@@ -97,9 +97,7 @@ class Sessions(IngressParts):
         self._peers.pop(ident, None)
         self._active_at.pop(ident, None)
         self._ledger.forget(ident)
-        chunked = self._chunked.pop(ident, None)
-        if chunked is not None and chunked.grant.offset is not None:
-            self._ledger.free(chunked.grant.offset)
+        self._taking.pop(ident, None)
         kind = self._kinds.pop(ident, None)
         landing = self._landings.get(kind) if kind is not None else None
         if landing is not None:
