@@ -17,17 +17,17 @@ everything else is an object with exactly one tag key::
     {"b": "<base64>"}  small bytes (<= MAX_BYTES_VALUE)
     {"f": "nan" | "inf" | "-inf"}  non-finite float
 
-Why this shape: tensor bytes never pass through a serializer. ``encode`` hands out
-memoryviews of the tensors' own memory and ``decode`` builds tensors that view the
-received frames, so a transport can move them without copies. The header is data,
+Why this shape: tensor bytes never pass through a serializer. ``tensor_bytes`` hands out
+memoryviews of the tensors' own memory and ``tensor_from_buffer`` builds tensors that view
+the received frames, so a transport can move them without copies. The header is data,
 never code -- no pickle, no ``torch.load``, no ``eval`` -- dtypes come from a fixed
 allow-list, and every frame count, size, shape and tensor index is checked against the
 header before any tensor is built. Every failure is a :class:`CodecError`.
 
-Relays do not send this format: they write tensors into pool slots and send a manifest
-(manifest.py) in their control header. ``encode``/``decode`` is the message format of the
-benchmarks' naive baselines and of callers who want a self-contained message; ``flatten``
-and ``unflatten`` (the tree part) are what relays share with it.
+Relays do not send this whole format: they write tensors into pool slots and send a
+manifest (manifest.py) in their control header, with the tree of ``flatten``; the header
+frame, dtypes and tree rules here are what they share. ``encode``/``decode`` of whole
+messages are the benchmarks' naive baselines' (bench/frames.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ MAX_BYTES_VALUE: int = 64 * 1024
 
 _MAX_TENSOR_BYTES = 1 << 48
 _MAX_BYTES_VALUE_B64 = 4 * ((MAX_BYTES_VALUE + 2) // 3)
-_HEADER_KEYS = frozenset({"v", "tree", "tensors"})
 _META_KEYS = frozenset({"dtype", "shape"})
 _SPECIAL_FLOATS: Mapping[str, float] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -132,7 +131,7 @@ def _check_shape(dtype: torch.dtype, shape: Sequence[object], where: str) -> Non
             )
 
 
-def _check_keys(
+def check_keys(
     obj: Mapping[str, Any], required: frozenset[str], allowed: frozenset[str], where: str
 ) -> None:
     missing = required - obj.keys()
@@ -184,7 +183,7 @@ class TensorMeta:
                 f"{where}: expected an object with 'dtype' and 'shape', got {type(obj).__name__}"
             )
         if obj.keys() != keys:
-            _check_keys(obj, _META_KEYS, keys, where)
+            check_keys(obj, _META_KEYS, keys, where)
         try:
             dtype = dtype_from_name(obj["dtype"])
         except CodecError as exc:
@@ -417,6 +416,11 @@ def _rebuild(tree: Any, count: int, leaf: Callable[[int], Any], max_depth: int) 
     return result
 
 
+def check_tree(tree: Any, count: int, *, max_depth: int = MAX_DEPTH) -> None:
+    """Validate a tree for `count` tensors (as `unflatten` does) before any tensor exists."""
+    _rebuild(tree, count, lambda i: None, max_depth)
+
+
 def unflatten(tree: Any, tensors: Sequence[torch.Tensor], *, max_depth: int = MAX_DEPTH) -> Any:
     """Inverse of :func:`flatten`; validates the whole tree (tags, types, indices, depth).
 
@@ -463,7 +467,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
-def _byte_view(buf: Any, where: str) -> memoryview:
+def byte_view(buf: Any, where: str) -> memoryview:
     """A flat ``'B'`` memoryview of a buffer-protocol object or a ``zmq.Frame``."""
     if not isinstance(buf, (bytes, bytearray, memoryview)) and hasattr(buf, "buffer"):
         buf = buf.buffer  # zmq.Frame
@@ -490,7 +494,7 @@ def tensor_from_buffer(buf: Any, meta: TensorMeta, *, copy: bool = False) -> tor
     The buffer must hold exactly ``meta.nbytes`` bytes. A tensor viewing a read-only
     buffer must not be written to.
     """
-    view = _byte_view(buf, "buffer")
+    view = byte_view(buf, "buffer")
     if view.nbytes != meta.nbytes:
         raise CodecError(
             f"buffer holds {view.nbytes} bytes, but {dtype_name(meta.dtype)} "
@@ -610,7 +614,7 @@ def payload_nbytes(value: Any) -> int:
 
 def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
     """Parse a header frame: size limit checked first, then UTF-8, JSON object, version."""
-    view = _byte_view(frame, "header frame")
+    view = byte_view(frame, "header frame")
     if view.nbytes > max_bytes:
         raise CodecError(f"header frame is {view.nbytes} bytes, over the limit of {max_bytes}")
     obj = decode_json(view, "header frame")
@@ -624,66 +628,3 @@ def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str,
             f"unsupported format version {_short(version)}; this codec reads {FORMAT_VERSION}"
         )
     return obj
-
-
-def payload_header(tree: Any, metas: Sequence[TensorMeta]) -> bytes:
-    """Frame 0 of a flattened payload; CodecError when it is over MAX_HEADER_BYTES (the
-    sender fails rather than the receiver)."""
-    header = encode_header(
-        {"v": FORMAT_VERSION, "tree": tree, "tensors": [meta.to_json() for meta in metas]}
-    )
-    if len(header) > MAX_HEADER_BYTES:
-        raise CodecError(
-            f"header would be {len(header)} bytes, over the limit of {MAX_HEADER_BYTES}; "
-            "move large values into tensors"
-        )
-    return header
-
-
-def encode(payload: Any) -> list[memoryview | bytes]:
-    """``[header, *tensor buffers]``; the buffers view the tensors' memory (no copies)."""
-    tree, tensors = flatten(payload)
-    header = payload_header(tree, [TensorMeta.of(t) for t in tensors])
-    frames: list[memoryview | bytes] = [header]
-    frames.extend(tensor_bytes(t) for t in tensors)
-    return frames
-
-
-def decode(
-    frames: Sequence[Any],
-    *,
-    copy: bool = False,
-    max_header_bytes: int = MAX_HEADER_BYTES,
-    max_depth: int = MAX_DEPTH,
-) -> Any:
-    """Inverse of :func:`encode` for bytes / memoryview / ``zmq.Frame`` frames.
-
-    Frame count, every tensor meta, every frame size and the whole tree are checked
-    before any tensor is built. Tensors view the frames unless ``copy`` is true.
-    """
-    if len(frames) == 0:
-        raise CodecError("message has no frames; expected at least a header frame")
-    header = decode_header(frames[0], max_bytes=max_header_bytes)
-    _check_keys(header, _HEADER_KEYS, _HEADER_KEYS, "header")
-    specs = header["tensors"]
-    if type(specs) is not list:
-        raise CodecError(f"header 'tensors' must be a list, got {type(specs).__name__}")
-    if len(frames) != 1 + len(specs):
-        raise CodecError(
-            f"header describes {len(specs)} tensor(s), so the message needs "
-            f"{1 + len(specs)} frames; got {len(frames)}"
-        )
-    metas = [TensorMeta.from_json(spec, where=f"tensors[{i}]") for i, spec in enumerate(specs)]
-    views: list[memoryview] = []
-    for i, meta in enumerate(metas):
-        view = _byte_view(frames[i + 1], f"frame {i + 1}")
-        if view.nbytes != meta.nbytes:
-            raise CodecError(
-                f"frame {i + 1} holds {view.nbytes} bytes, but tensors[{i}] "
-                f"({dtype_name(meta.dtype)} {list(meta.shape)}) needs {meta.nbytes}"
-            )
-        views.append(view)
-    tree = header["tree"]
-    _rebuild(tree, len(metas), lambda i: None, max_depth)  # validate before building
-    tensors = [tensor_from_buffer(v, m, copy=copy) for v, m in zip(views, metas, strict=True)]
-    return _rebuild(tree, len(tensors), tensors.__getitem__, max_depth)

@@ -19,6 +19,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from disagg_runtime.bench.frames import decode, encode
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.codec import (
     DTYPES,
@@ -29,11 +30,9 @@ from disagg_runtime.wire.codec import (
     MAX_NDIM,
     CodecError,
     TensorMeta,
-    decode,
     decode_header,
     dtype_from_name,
     dtype_name,
-    encode,
     encode_header,
     flatten,
     tensor_bytes,
