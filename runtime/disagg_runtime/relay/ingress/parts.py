@@ -6,6 +6,15 @@ session (session.py: handshake, welcome, load reports) and the operations (ops.p
 reserve, commit, inline, cancel, abort). They share one I/O thread and its
 state, declared here once, so each part is checked (mypy) against the same names; the
 methods a part calls on another are declared here too and defined where they belong.
+
+Why parts of one object, not objects holding each other: the four call each other both
+ways (a lane frame runs an op; an op replies over the sender's lane; forgetting a peer
+closes its lane and drops its reservations), on one thread, over one state (socket,
+ledger, lanes, peers). As objects each would hold the others (a cycle of references) or a
+shared context that is this class again, and the inline hot path (a few microseconds a
+message) would pay an attribute hop per call. Where independence does matter, between
+the ingress and each relay kind, the seam is an object with a protocol: a backend's
+`Landing` and the ingress as its `Host` (relay/landing.py).
 """
 
 from __future__ import annotations
