@@ -20,6 +20,8 @@ import pytest
 import torch
 import zmq
 
+from disagg_core.contract import Peer
+from disagg_runtime.client import Client, RequestOverloaded
 from disagg_runtime.memory.pool import MiB
 from disagg_runtime.relay import Message, NotAPeer, Overloaded, auth, connect, lane
 from disagg_runtime.relay import protocol as proto
@@ -83,6 +85,29 @@ def test_what_waits_is_bounded_in_all_and_the_rest_is_told_overloaded(rig: Rig) 
     sender.send(filled(nbytes, 3), request_id="room")  # served again
     with ingress.recv(timeout=WAIT) as msg:
         assert msg.request_id == "room"
+
+
+def test_a_client_told_overloaded_raises_request_overloaded_at_once(rig: Rig) -> None:
+    """Through the client, the entry role's `overloaded` is RequestOverloaded (a gateway's
+    429 with Retry-After), not a 503 after the request's whole timeout."""
+    ingress, hold = hold_pool(rig)
+    capacity = ingress.pool.allocator.capacity
+    for _ in range(PENDING_POOLS // PENDING_POOLS_PER_PEER):
+        sock = rig.raw(ingress)
+        for xid in range(PENDING_POOLS_PER_PEER):
+            sock.send(proto.pack("reserve", rid="wait", xid=xid, nbytes=capacity, wait_s=60))
+    wait_until(lambda: ingress.stats().pending_reservations == PENDING_POOLS)
+    port = ingress.endpoint.rsplit(":", 1)[1]
+    client = Client([Peer("r", (f"127.0.0.1:{port}",))], ["r"], key=KEY, timeout=WAIT)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RequestOverloaded) as caught:
+            client.submit(filled(2 * MiB))  # reserved: over the tcp inline limit
+        assert caught.value.error["reason"] == "overloaded"
+        assert time.monotonic() - started < WAIT / 2
+    finally:
+        client.close()
+    ingress.pool.free(hold)
 
 
 def test_a_sender_that_leaves_takes_its_waiting_reservations_with_it(rig: Rig) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from disagg_runtime.relay.errors import NeverFits
+from disagg_runtime.relay.errors import NeverFits, Overloaded
 
 TOO_LARGE = "too_large"  # RequestFailed.error["reason"] of a payload no pool can hold
 
@@ -14,13 +14,6 @@ class RequestFailed(RuntimeError):
         super().__init__(message)
         self.role = role
         self.error = error or {}
-
-
-def failed(what: str, exc: BaseException) -> RequestFailed:
-    """A request that a relay could not submit; one that can never fit says so (reason
-    `too_large`: a gateway answers 413, not a retryable 503)."""
-    error = {"reason": TOO_LARGE} if isinstance(exc, NeverFits) else None
-    return RequestFailed(f"{what}: {exc}", error=error)
 
 
 class RequestTimeout(RequestFailed, TimeoutError):
@@ -36,6 +29,16 @@ class UploadExpired(RequestFailed):
     """An upload's bytes were not all in, or its request not started, by its deadline: it
     was cut and its slot freed. The source was too slow (a gateway answers 408), whichever
     side noticed first: the caller's deadline for the bytes, or the upload thread's own."""
+
+
+def failed(what: str, exc: BaseException) -> RequestFailed:
+    """A request that a relay could not submit; one that can never fit says so (reason
+    `too_large`: a gateway answers 413, not a retryable 503), and one the entry role's
+    ingress had no room to queue is RequestOverloaded (reason `overloaded`: 429)."""
+    if isinstance(exc, Overloaded):
+        return RequestOverloaded(f"{what}: {exc}", error={"reason": "overloaded"})
+    error = {"reason": TOO_LARGE} if isinstance(exc, NeverFits) else None
+    return RequestFailed(f"{what}: {exc}", error=error)
 
 
 FAILURES = {"timeout": RequestTimeout, "overloaded": RequestOverloaded}  # by error reason
