@@ -1,7 +1,7 @@
 """Whole payloads as self-contained ZMQ messages, ``[header, *tensor buffers]``: the message
 format of the benchmarks' naive baselines (bench/transport.py, bench/peer.py), built from
-the wire codec's parts (wire/codec.py: header frame, dtypes, trees). Relays never send it:
-they write tensors into pool slots and send a manifest.
+the wire's parts (wire/codec.py: header frame, dtypes; wire/tree.py: trees). Relays never
+send it: they write tensors into pool slots and send a manifest.
 
     frame 0       {"v": 1, "tree": <the payload, tensor i as {"t": i}>,
                    "tensors": [{"dtype": "bfloat16", "shape": [2, 3]}, ...]}
@@ -25,15 +25,13 @@ from disagg_runtime.wire.codec import (
     TensorMeta,
     byte_view,
     check_keys,
-    check_tree,
     decode_header,
     dtype_name,
     encode_header,
-    flatten,
     tensor_bytes,
     tensor_from_buffer,
-    unflatten,
 )
+from disagg_runtime.wire.tree import check_tree, flatten, unflatten
 
 _HEADER_KEYS = frozenset({"v", "tree", "tensors"})
 

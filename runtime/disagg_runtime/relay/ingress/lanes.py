@@ -24,8 +24,8 @@ from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ingress.parts import IngressParts
 from disagg_runtime.relay.ledger import Message
 from disagg_runtime.wire import codec
-from disagg_runtime.wire.codec import unflatten
 from disagg_runtime.wire.manifest import Manifest
+from disagg_runtime.wire.tree import unflatten
 
 log = logging.getLogger(__name__)
 LANE_HELLO = frozenset({"lane"})

@@ -26,8 +26,8 @@ from disagg_runtime.memory.layout import buffer_tensors, read_payload
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ingress.parts import IngressParts
 from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, Reservation
-from disagg_runtime.wire.codec import unflatten
 from disagg_runtime.wire.manifest import Manifest
+from disagg_runtime.wire.tree import unflatten
 
 log = logging.getLogger(__name__)
 
