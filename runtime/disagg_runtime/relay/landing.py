@@ -73,9 +73,11 @@ class Host(Protocol):
 
 
 class Landing:
-    """One relay kind's receiving side; the defaults are what shm and tcp need."""
+    """One relay kind's receiving side; the defaults change nothing (as for shm, which has
+    no landing)."""
 
     kind: str = ""
+    binary_commits: bool = False  # its commits may be binary: they carry no field of its own
 
     def welcome(self, ident: bytes, hello: dict[str, Any]) -> dict[str, Any]:
         """Extra welcome fields for a sender of this kind."""

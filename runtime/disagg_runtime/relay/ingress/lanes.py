@@ -222,7 +222,8 @@ class Lanes(IngressParts):
                 raise proto.ProtocolError("a commit on a lane that carries inline messages only")
             commit = inline_wire.unpack_commit(header)
             kind = self._kinds.get(ident)
-            if kind is not None and self._landings.get(kind) is not None:
+            landing = self._landings.get(kind) if kind is not None else None
+            if landing is not None and not landing.binary_commits:
                 raise proto.ProtocolError(f"a {kind} commit cannot be binary")
             head = commit.head
             grant, slot = self._claim(ident, commit.xid, {"rid": head.rid, "offset": commit.offset})

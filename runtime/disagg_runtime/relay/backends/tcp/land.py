@@ -70,6 +70,7 @@ class TcpLanding(Landing):
     """Chunked commits of tcp senders (see the module docstring)."""
 
     kind = "tcp"
+    binary_commits = True  # a commit without `chunk` is the plain one
 
     def __init__(self, host: Host) -> None:
         self.host = host
