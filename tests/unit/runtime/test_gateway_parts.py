@@ -108,7 +108,7 @@ def test_tcp_chunks_come_from_where_each_tensor_is_in_the_body(
     from safetensors.torch import save
 
     from disagg_runtime.client import chunk_sources
-    from disagg_runtime.wire.codec import flatten
+    from disagg_runtime.wire.tree import flatten
 
     dtypes = {"z": torch.uint8, "a.b": torch.bfloat16, "a.c": torch.int64, "m.x": torch.float32}
     tensors = {

@@ -1,6 +1,5 @@
-"""The `tcp` relay: across nodes; after the grant the sender streams the slot's bytes as
-chunk messages that the receiver `recv_into`s at their place in the slot (relay/landing.py
-`Chunked`, through the pool's `Memory`).
+"""The `tcp` relay's sending side: after the grant the sender streams the slot's bytes as
+chunk messages that the receiver `recv_into`s at their place in the slot (land.py).
 
 Payloads up to TCP_INLINE_MAX (1 MiB) go inline, as one lane frame, to a receiver whose
 pool is plain host memory (the welcome's `pool_device`: shm or cpu): measured on one
@@ -36,7 +35,6 @@ from disagg_runtime.memory.layout import slot_views
 from disagg_runtime.memory.pool import Backing, PoolError, pinned_staging
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
-from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import (
     CHUNK_BYTES,
     ZERO_COPY_MIN,
@@ -60,7 +58,7 @@ def inline_limit(pool_device: Any) -> int:
 
 def chunk_plan(manifest: Manifest, chunk: int) -> list[tuple[int, int, int]]:
     """(tensor index, start in the tensor, length) of every chunk message of a payload, in
-    the order they are sent and landed (relay/landing.py `chunk_targets`)."""
+    the order they are sent and landed (land.py `chunk_targets`)."""
     return [
         (i, start, min(chunk, meta.nbytes - start))
         for i, meta in enumerate(manifest.tensors)
@@ -240,6 +238,3 @@ class ChunkStream:
                     self.cut()
         finally:
             self._sender._lock.release()
-
-
-BACKEND = Backend("tcp", sender=TcpSender)
