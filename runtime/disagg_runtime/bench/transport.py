@@ -5,23 +5,15 @@ spawned receiver process and waits for a tiny reply. `p50_us`/`p99_us` are the o
 delay from before `send` to the receiver holding the payload, both read from
 CLOCK_MONOTONIC, which all processes on a machine share; `gbps = size / p50` (the hand-off
 rate); `median_s` is the median round trip (the reply included). All processes use one
-torch thread, so it is like for like. The limits, measured in the same run:
+torch thread, so it is like for like.
 
-- `memcpy`: one single-threaded torch `copy_` into a pre-faulted tensor, the same
-  buffers every time (below the last-level cache size, they stay in it);
-- `memcpy_large`: the same copy, walking through buffers several times larger than the
-  last-level cache, so every copy reads and writes memory (the limit for medium sizes:
-  a payload handed to another process is rarely in the cache);
-- `raw_unix`: the message as bytes over one AF_UNIX stream socket to a receiver blocked
-  in `recv_into` (no framing, no flow control): the floor for a wake-up between processes;
-- `py_unix`: the least Python that hands a tensor to another process: `raw_unix` with a
-  16-byte header (stamp, size), the tensor's bytes copied into the message by torch, and
-  the receiver making a tensor of what it read (`torch.frombuffer`) in a dict. No
-  authentication, flow control, ordering or release: the floor for any Python API that
-  delivers tensors, against which the relays' per-message cost can be read.
-
-Every row carries its ratio to each limit (`x memcpy`, `x large`: rate over rate;
-`x raw`, `x py`: p50 over raw_unix's and py_unix's p50).
+The limits (bench/limits.py, bench/raw_tcp.py) and the peers (bench/bare_nixl.py,
+bench/peer.py) are measured in the same run; bench/ratios.py says which is the limit at
+each size (`memcpy`: the fastest of torch `copy_`, glibc `memmove` and numpy `copyto`;
+`tcp_limit`: the faster of one raw loopback TCP stream and N) and gives every relay row
+its rate over each limit's and peer's, printed as a second table (`peers` in the JSON).
+Every row carries its ratio to the copy limits (`x memcpy`, `x large`: rate over rate)
+and to the wake-up floors (`x raw`, `x py`: p50 over raw_unix's and py_unix's p50).
 
 `--device cuda`: the payload lives on the GPU and every receiver ends with it on the GPU.
 `d2d` (a device-to-device `copy_`, synchronized) is the limit; `cuda_ipc` copies into the
@@ -29,7 +21,7 @@ receiver's CUDA pool; `shm` stages through the receiver's pinned shared pool (th
 copies to the GPU); `tcp` stages through a pinned buffer and lands through the receiver's
 bounce buffer into its CUDA pool.
 
-`nixl` (`--methods nixl`, with the nixl extra installed) writes one-sided into the
+`nixl` (in every run where the nixl extra works, beside bare NIXL) writes one-sided into the
 receiver's registered pool through NIXL's UCX backend. Between two processes of one machine
 UCX moves the bytes with a single cross-memory-attach copy (process_vm_writev); across nodes
 it would use RDMA (InfiniBand/RoCE verbs) where the NICs have it: the NIC writes the slot
@@ -52,12 +44,11 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime.bench import bare_nixl, limits, peer, ratios, raw_tcp
+from disagg_runtime.bench import bare_nixl, frames, limits, peer, ratios, raw_tcp
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.bench.sizes import format_size, parse_size
 from disagg_runtime.memory.pool import cuda_unavailable_reason
 from disagg_runtime.relay import Relay, auth, connect, registry
-from disagg_runtime.wire import codec
 
 METHODS = (
     *ratios.COPIES,
@@ -200,7 +191,7 @@ def _baseline_send(method: str, sock: zmq.Socket[Any]) -> Any:
         elif method == "fresh_shm":
             sock.send(peer.fresh_segment(payload))
         else:
-            sock.send_multipart(codec.encode(payload), copy=True)
+            sock.send_multipart(frames.encode(payload), copy=True)
 
     return send
 
