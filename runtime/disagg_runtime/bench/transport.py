@@ -247,17 +247,15 @@ def run(
                     **rss,  # type: ignore[arg-type]
                     device=device,
                 )
-            _relate(result, rows, LIMIT[device])
             rows[method] = result
             results.append(result)
-        rates = {m: r.gbps for m, r in rows.items()}
-        for result in rows.values():  # every peer of the size is in now, run before or after
-            result.peers = ratios.ratios(result.method, result.gbps, rates)
+        for result in rows.values():  # every limit and peer of the size is in now
+            _relate(result, rows, LIMIT[device])
     return results
 
 
 def _relate(result: Result, rows: dict[str, Result], limit: str) -> None:
-    """Fill `result`'s ratios to the rows measured before it at its size."""
+    """Fill `result`'s ratios to the limits and peers measured at its size."""
     p50 = result.p50_us or 0.0
     if limit in rows:
         result.ratio_to_memcpy = result.gbps / rows[limit].gbps
@@ -267,6 +265,7 @@ def _relate(result: Result, rows: dict[str, Result], limit: str) -> None:
         result.p50_over_raw = p50 / (rows["raw_unix"].p50_us or 1.0)
     if "py_unix" in rows and rows["py_unix"].p50_us:
         result.p50_over_py = p50 / (rows["py_unix"].p50_us or 1.0)
+    result.peers = ratios.ratios(result.method, result.gbps, {m: r.gbps for m, r in rows.items()})
 
 
 def _cell(value: float | None, fmt: str) -> str:
