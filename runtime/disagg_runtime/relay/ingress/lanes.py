@@ -226,7 +226,7 @@ class Lanes(IngressParts):
             if landing is not None and not landing.binary_commits:
                 raise proto.ProtocolError(f"a {kind} commit cannot be binary")
             head = commit.head
-            grant, slot = self._claim(ident, commit.xid, {"rid": head.rid, "offset": commit.offset})
+            grant, slot = self.claim(ident, commit.xid, {"rid": head.rid, "offset": commit.offset})
             try:
                 if conn.commits is None:
                     conn.commits = inline_wire.LayoutCache(self.pool.allocator.capacity)

@@ -169,28 +169,12 @@ class Operations(IngressParts):
         except BaseException:
             self._ledger.free(slot)
             raise
-        self._finish(ident, xid, grant.rid, slot, manifest, meta, msg.get("next"))
-
-    def finish(
-        self,
-        ident: bytes,
-        xid: int,
-        rid: str,
-        slot: int,
-        manifest: Manifest,
-        meta: dict[str, Any] | None,
-    ) -> None:
-        """Host (relay/landing.py): a landing's payload is in `slot`: deliver and ack it."""
-        self._finish(ident, xid, rid, slot, manifest, meta)
+        self.finish(ident, xid, grant.rid, slot, manifest, meta, msg.get("next"))
 
     def claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
-        """Host (relay/landing.py): see `_claim`."""
-        return self._claim(ident, xid, msg)
-
-    def _claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
         """A commit takes its grant (`rid`, `offset` from `msg`; a spare's request id is the
         commit's): the grant and its slot, now the caller's to deliver or free. ProtocolError
-        (the slot freed) when it cannot."""
+        (the slot freed) when it cannot. A Host call too (relay/landing.py)."""
         grant = self._ledger.take_grant(ident, xid)
         if grant is None or grant.offset is None:
             raise proto.ProtocolError(f"commit for xid {xid} without a live grant (lease expired?)")
@@ -211,7 +195,7 @@ class Operations(IngressParts):
         log.warning("ingress %s rejected a commit: %s", self.endpoint, reason)
         self._reply(ident, "nack", xid=xid, reason=reason)
 
-    def _finish(
+    def finish(
         self,
         ident: bytes,
         xid: int,
@@ -221,6 +205,8 @@ class Operations(IngressParts):
         meta: dict[str, Any] | None,
         ask: Any = None,
     ) -> None:
+        """The payload is in `slot`: deliver it and ack its commit (a Host call too); `ask`,
+        the commit's request for a spare."""
         try:
             payload = read_payload(self.pool.backing, slot, manifest)
         except BaseException:

@@ -144,9 +144,6 @@ class IngressParts:
     def _nack_commit(self, ident: bytes, msg: dict[str, Any], exc: Exception) -> None:  # ops
         raise NotImplementedError
 
-    def _claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
-        raise NotImplementedError  # ops
-
     def _land(
         self,
         ident: bytes,
@@ -186,6 +183,7 @@ class IngressParts:
         slot: int,
         manifest: Manifest,
         meta: dict[str, Any] | None,
+        ask: Any = None,
     ) -> None:  # ops
         raise NotImplementedError
 
