@@ -127,9 +127,11 @@ def _build_parser() -> argparse.ArgumentParser:
     transport.add_argument(
         "--methods",
         default=None,
-        help="comma list of methods to run (default: all of the device's: "
-        "memcpy,memcpy_large,raw_unix,py_unix,shm,tcp,pickle_zmq,copy_clone_zmq; "
-        "with --device cuda: d2d,cuda_ipc,shm,tcp; nixl on request, with the nixl extra)",
+        help="comma list of methods to run (default: all of the device's: the copies "
+        "(copy_torch,copy_memmove,copy_numpy; memcpy is the fastest), memcpy_large, raw_unix, "
+        "py_unix, raw_tcp,raw_tcp_n (tcp_limit is the faster), the relays shm,tcp, the styles "
+        "pickle_zmq,copy_clone_zmq,fresh_shm, and where the nixl extra works the nixl relay "
+        "and bare NIXL nixl_cma,nixl_tcp; with --device cuda: d2d,cuda_ipc,shm,tcp)",
     )
     transport.add_argument(
         "--device",

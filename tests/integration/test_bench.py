@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-from disagg_runtime.bench.transport import METHODS, format_size, parse_size
+from disagg_runtime.bench import ratios
+from disagg_runtime.bench.sizes import format_size, parse_size
+from disagg_runtime.bench.transport import METHODS, NIXL_METHODS
+from disagg_runtime.relay import registry
 
 DISAGG = [sys.executable, "-m", "disagg_runtime.cli"]
 
@@ -24,10 +27,24 @@ def test_transport_json_has_every_method_and_size():
     proc = run("bench", "transport", "--sizes", "4KiB,2MiB", "--repeats", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
+    nixl = registry.backend("nixl").unavailable() is None  # its rows where it works
+    methods = [*METHODS, *(NIXL_METHODS if nixl else ())]
     assert {(r["method"], r["size_bytes"]) for r in rows} == {
-        (m, s) for m in METHODS for s in (4096, 2 << 20)
+        (m, s) for m in methods for s in (4096, 2 << 20)
     }
+    by = {(r["method"], r["size_bytes"]): r for r in rows}
     for row in rows:
+        size = row["size_bytes"]
+        if row["method"] in ratios.DERIVED:  # the limit is its fastest part, at each size
+            parts = [by[(m, size)] for m in ratios.DERIVED[row["method"]]]
+            assert row["gbps"] == max(p["gbps"] for p in parts)
+            assert by[(row["best_of"], size)]["gbps"] == row["gbps"]
+        if row["method"] in ratios.RELAYS:  # disagg over every limit and peer of the run
+            assert set(row["peers"]) == {r for r in ratios.REFERENCES if (r, size) in by}
+            for ref, ratio in row["peers"].items():
+                assert ratio == pytest.approx(row["gbps"] / by[(ref, size)]["gbps"])
+        else:
+            assert row["peers"] == {}
         assert row["gbps"] > 0
         assert row["ratio_to_memcpy"] > 0
         if row["method"] == "memcpy":
@@ -35,14 +52,11 @@ def test_transport_json_has_every_method_and_size():
         # every row has its one-way percentiles and its ratios to each limit of the run
         assert 0 < row["p50_us"] <= row["p99_us"]
         assert row["gbps"] == pytest.approx(row["size_bytes"] / row["p50_us"] / 1e3, rel=1e-6)
-        if row["method"] not in ("memcpy",):
-            assert row["ratio_to_large"] > 0
-        if row["method"] not in ("memcpy", "memcpy_large"):
-            assert row["p50_over_raw"] > 0
+        assert row["ratio_to_large"] > 0
+        assert row["p50_over_raw"] > 0
         if row["method"] == "raw_unix":
             assert row["p50_over_raw"] == pytest.approx(1.0)
-        if row["method"] not in ("memcpy", "memcpy_large", "raw_unix"):
-            assert row["p50_over_py"] > 0  # the Python floor is measured before the relays
+        assert row["p50_over_py"] > 0
         if row["method"] == "py_unix":
             assert row["p50_over_py"] == pytest.approx(1.0)
         if row["method"] in ("shm", "tcp"):

@@ -42,7 +42,8 @@ from safetensors.torch import save as st_save
 
 from disagg_core.contract import GatewayConfig, Peer, render_gateway_env
 from disagg_core.spec import Pipeline, parse_pipeline
-from disagg_runtime.bench.transport import format_size, measure_memcpy, parse_size
+from disagg_runtime.bench.limits import measure_best_copy
+from disagg_runtime.bench.sizes import format_size, parse_size
 from disagg_runtime.client import Client
 from disagg_runtime.gateway import native
 from disagg_runtime.local.supervisor import HOST, LocalPipeline, free_ports
@@ -232,7 +233,7 @@ def tcp_client(local: LocalPipeline) -> Client:
 
 def run(size: int, repeats: int, *, unix: bool = True) -> dict[str, Any]:
     torch.set_num_threads(1)
-    memcpy = statistics.median(measure_memcpy(size, max(3, repeats)))
+    memcpy = statistics.median(measure_best_copy(size, max(3, repeats)))
     raw_tcp = statistics.median(raw_tcp_seconds(size, max(3, repeats)))
     folder = tempfile.mkdtemp(prefix="disagg-bench-")
     raw_unix = 0.0

@@ -39,7 +39,8 @@ import torch
 import zmq
 
 from disagg_core.spec import parse_pipeline
-from disagg_runtime.bench.transport import format_size, parse_size, pool_size_for
+from disagg_runtime.bench.sizes import format_size, parse_size
+from disagg_runtime.bench.transport import pool_size_for
 from disagg_runtime.local.supervisor import LocalPipeline
 from disagg_runtime.memory.pool import Pool, shm_name
 from disagg_runtime.relay import Ingress, Message, auth, connect

@@ -5,15 +5,19 @@ saw (the payload carries the sender's perf_counter stamp), so the parent times r
 trips (payload there, tiny reply back) and one-way latency. The naive baselines are written the
 way people hand-wire them: `pickle_zmq` is pyzmq's `send_pyobj`/`recv_pyobj` (pickle; a
 baseline only, between this benchmark's own two processes), `copy_clone_zmq` copies on
-send and clones every tensor on receive.
+send and clones every tensor on receive (SGLang's style), `fresh_shm` puts each payload in
+a shared-memory segment of its own, sends its name and the receiver maps it and unlinks
+it once used (sglang-omni's style: every message pays fresh pages).
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import time
 from collections.abc import Callable
+from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -155,6 +159,9 @@ def _baseline_loop(
             continue
         if method == "pickle_zmq":
             payload = sock.recv_pyobj()
+        elif method == "fresh_shm":
+            reply.send(_one_way(_map_segment(sock.recv())))
+            continue
         else:
             decoded = frames.decode(sock.recv_multipart(copy=True))
             payload = {
@@ -162,3 +169,27 @@ def _baseline_loop(
             }
         reply.send(_one_way(payload))
         del payload
+
+
+def fresh_segment(payload: dict[str, Any]) -> bytes:
+    """`fresh_shm`'s sending half: the tensor copied into a new segment; its name, size
+    and the stamp as the message (the receiver unlinks the segment)."""
+    x = payload["x"]
+    seg = shared_memory.SharedMemory(create=True, size=max(x.numel(), 1))
+    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    torch.frombuffer(seg.buf, dtype=torch.uint8, count=x.numel()).copy_(x)
+    name = seg.name
+    seg.close()
+    return json.dumps({"name": name, "size": x.numel(), "sent": payload["sent"]}).encode()
+
+
+def _map_segment(message: bytes) -> dict[str, Any]:
+    """`fresh_shm`'s receiving half: the named segment as a tensor, then unlinked."""
+    head = json.loads(message)
+    seg = shared_memory.SharedMemory(name=head["name"])
+    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+    x = torch.frombuffer(seg.buf, dtype=torch.uint8, count=head["size"])
+    payload = {"x": x, "sent": head["sent"]}
+    del x
+    seg.unlink()
+    return payload

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from disagg_core.spec import Pipeline, parse_pipeline
-from disagg_runtime.bench.transport import format_size, measure_remote, parse_size
+from disagg_runtime.bench.sizes import format_size, parse_size
+from disagg_runtime.bench.transport import measure_remote
 from disagg_runtime.local.supervisor import LocalPipeline
 
 

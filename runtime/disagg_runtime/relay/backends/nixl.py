@@ -49,6 +49,7 @@ import torch
 
 from disagg_runtime.memory.layout import host_tensor
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.backends import nixl_libs
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.landing import Host, Landing
 from disagg_runtime.relay.registry import Backend
@@ -97,6 +98,7 @@ class Agent:
     """A NIXL agent with the UCX backend, shared by this process's threads (strict sync)."""
 
     def __init__(self, name: str) -> None:
+        nixl_libs.isolate_system_libnl()  # before NIXL loads UCX's RDMA transports
         try:
             api = importlib.import_module("nixl._api")
         except ImportError as exc:
