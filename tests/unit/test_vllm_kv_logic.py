@@ -12,6 +12,7 @@ from disagg_runtime.engines.vllm.layout import (
     LayoutError,
     blocks_for,
     mismatch,
+    pair_runs,
     runs,
 )
 from disagg_runtime.engines.vllm.scheduling import SchedulerSide
@@ -134,3 +135,13 @@ def test_decode_refuses_a_transfer_for_another_prompt_length() -> None:
         0,
         False,
     )
+
+
+def test_pair_runs_fills_destination_runs_from_sent_runs_past_the_skip() -> None:
+    # sent as runs of 2 and 3 blocks; the first block is cached at the destination
+    plan = pair_runs([2, 3], 1, [(10, 3), (20, 1)])
+    assert plan == [(0, 1, 10, 1), (1, 0, 11, 2), (1, 2, 20, 1)]
+    assert pair_runs([4], 0, [(0, 4)]) == [(0, 0, 0, 4)]
+    assert pair_runs([1, 1], 2, []) == []
+    with pytest.raises(LayoutError, match="fewer blocks"):
+        pair_runs([2], 0, [(0, 3)])

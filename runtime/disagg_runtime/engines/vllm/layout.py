@@ -119,3 +119,29 @@ def runs(ids: Sequence[int]) -> list[tuple[int, int]]:
         else:
             out.append((i, 1))
     return out
+
+
+def pair_runs(
+    sent: Sequence[int], skip: int, dst: Sequence[tuple[int, int]]
+) -> list[tuple[int, int, int, int]]:
+    """How sent block runs fill destination runs, without joining them first.
+
+    `sent` is the length of each received run (in order), the first `skip` blocks of them
+    are not wanted (cached at the destination already), `dst` the (first, count) runs to
+    fill. Returns (sent run, offset in it, destination block, count) copies, in order.
+    """
+    out: list[tuple[int, int, int, int]] = []
+    part, at = 0, skip
+    while part < len(sent) and at >= sent[part]:
+        at -= sent[part]
+        part += 1
+    for start, count in dst:
+        while count:
+            if part >= len(sent):
+                raise LayoutError("fewer blocks arrived than the request needs")
+            n = min(count, sent[part] - at)
+            out.append((part, at, start, n))
+            start, count, at = start + n, count - n, at + n
+            if at == sent[part]:
+                part, at = part + 1, 0
+    return out

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from disagg_runtime.engines.vllm.layout import KvLayout, LayoutError, mismatch, runs
+from disagg_runtime.engines.vllm.layout import KvLayout, LayoutError, mismatch, pair_runs, runs
 from disagg_runtime.engines.vllm.params import LoadFrom
 from disagg_runtime.memory.pool import Pool, shm_name
 from disagg_runtime.relay import Ingress, Message
@@ -134,14 +134,12 @@ class Loads:
             log.error("KV transfer %s refused: %s", load.order.transfer, exc)
             self._errors.update(load.block_ids)
             return
-        dst = runs(load.block_ids)
+        plan = pair_runs(
+            [int(t.shape[0]) for t in msg.payload["kv"][0]], load.skip, runs(load.block_ids)
+        )
         for cache, parts in zip(self._caches, msg.payload["kv"], strict=True):
-            src = torch.cat(parts) if len(parts) > 1 else parts[0]
-            src = src[load.skip : load.skip + len(load.block_ids)]
-            at = 0
-            for start, count in dst:
-                cache[start : start + count].copy_(src[at : at + count])
-                at += count
+            for part, at, start, count in plan:
+                cache[start : start + count].copy_(parts[part][at : at + count])
         self.stats.loaded += 1
         self.stats.blocks += blocks
         self.stats.bytes += msg.nbytes
