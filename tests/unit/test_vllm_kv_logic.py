@@ -114,6 +114,13 @@ def test_prefill_frees_at_once_when_aborted_or_not_a_pd_request() -> None:
     assert side.take().sends == [] and not side.pending_push
 
 
+def test_prefill_sends_only_to_the_decode_engines_it_was_given() -> None:
+    side = SchedulerSide("eng-p", 32, frozenset({DECODE}))
+    params = {"do_remote_decode": True, "transfer": "t-1", "decode": "tcp://10.0.0.9:7600"}
+    assert side.finished("r1", params, 70, [1, 2, 3], aborted=False) == (False, None)
+    assert side.finished("r2", params | {"decode": DECODE}, 70, [1, 2, 3], False)[0] is True
+
+
 def test_decode_loads_the_prompt_past_its_cached_prefix() -> None:
     side = SchedulerSide("eng-d", 32)
     params = {"do_remote_prefill": True, "transfer": "t-1", "tokens": 70, "engine": "eng-p"}

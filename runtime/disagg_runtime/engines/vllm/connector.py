@@ -12,6 +12,8 @@ vLLM loads it in the scheduler and in every worker from
             "listen": "tcp://0.0.0.0:PORT",  # decode: where prefill engines send blocks
             "pool_bytes": 67108864,    # decode: the receive pool (shm)
             "lease_s": 30,             # how long blocks wait for the other side
+            "decodes": [ENDPOINT, ...],  # prefill: the only ingresses it sends to (else any
+                                         # that proves the peer key)
             "pipeline": NAME, "role": NAME,  # names the shm pool (/dev/shm/disagg-...)
             "log_level": "INFO",       # disagg_runtime's log records, to stderr beside vLLM's
         },
@@ -92,7 +94,9 @@ class DisaggConnector(KVConnectorBase_V1):
         self._sends: Sends | None = None
         self._loads: Loads | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(str(transfer.engine_id), self._block_size)
+            allowed = self._extra.get("decodes")
+            decodes = frozenset(map(str, allowed)) if isinstance(allowed, list) else None
+            self._scheduler = SchedulerSide(str(transfer.engine_id), self._block_size, decodes)
 
     # -- scheduler side -------------------------------------------------------------------
 

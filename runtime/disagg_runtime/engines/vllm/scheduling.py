@@ -42,9 +42,12 @@ class StepOrders:
 class SchedulerSide:
     """The state between a request's arrival, allocation, step and finish."""
 
-    def __init__(self, engine_id: str, block_size: int) -> None:
+    def __init__(
+        self, engine_id: str, block_size: int, decodes: frozenset[str] | None = None
+    ) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
+        self.decodes = decodes  # the decode ingresses a prefill may send to (None: any peer)
         self._orders = StepOrders()
         self._local: dict[str, int] = {}  # decode: locally cached tokens, by request
         self._sending: set[str] = set()  # prefill: sends not yet reported done
@@ -103,6 +106,14 @@ class SchedulerSide:
         self._local.pop(req_id, None)
         order = _parsed(kvp.send_to, params, req_id)
         if order is None or aborted:
+            return False, None
+        if self.decodes is not None and order.decode not in self.decodes:
+            log.error(
+                "request %s: kv_transfer_params.decode %s is not one of this pipeline's decode "
+                "engines: not sent",
+                req_id,
+                order.decode,
+            )
             return False, None
         ids = tuple(block_ids[: blocks_for(prompt, self.block_size)])
         if len(ids) < blocks_for(prompt, self.block_size):

@@ -138,6 +138,14 @@ class Sends:
                 s.seconds += elapsed
                 s.last = {"transfer": send.order.transfer, "bytes": nbytes, "seconds": elapsed}
                 self._done.add(send.req_id)
+            log.debug(
+                "KV transfer %s: %d blocks, %d B in %.2f ms over %s",
+                send.order.transfer,
+                len(send.block_ids),
+                nbytes,
+                elapsed * 1e3,
+                send.order.relay,
+            )
 
     def _drop(self, order: SendTo) -> None:
         """Forget a relay that failed (the next send reconnects)."""
