@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import pytest
@@ -152,3 +153,15 @@ def test_pair_runs_fills_destination_runs_from_sent_runs_past_the_skip() -> None
     assert pair_runs([1, 1], 2, []) == []
     with pytest.raises(LayoutError, match="fewer blocks"):
         pair_runs([2], 0, [(0, 3)])
+
+
+def test_the_tiny_vllm_model_has_head_dim_64(tmp_path: pathlib.Path) -> None:
+    """vLLM's CPU attention kernels refuse the tiny llm's head_dim 16."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+
+    from disagg_runtime.models import tiny
+
+    config = AutoConfig.from_pretrained(tiny.vllm_llm(tmp_path / "m"))
+    assert config.hidden_size // config.num_attention_heads == 64
+    assert (config.num_hidden_layers, config.num_key_value_heads) == (2, 2)
