@@ -27,6 +27,7 @@ from disagg_runtime.engines.vllm.layout import KvLayout, runs
 from disagg_runtime.engines.vllm.params import SendTo
 
 log = logging.getLogger(__name__)
+HANDSHAKE_S = 2.0  # one handshake's wait before it is tried again
 
 
 @dataclass(frozen=True)
@@ -94,12 +95,28 @@ class Sends:
         spans = runs(block_ids)
         return {"kv": [[c[s : s + n] for s, n in spans] for c in self._caches]}
 
-    def _relay(self, order: SendTo) -> relays.Relay:
+    def _relay(self, order: SendTo, deadline: float) -> relays.Relay:
+        """The relay to `order.decode`, connected on first use. A handshake is retried with
+        short timeouts until `deadline`: a first hello to an engine's ingress was seen
+        unanswered now and then (cause not found), and a retry is answered."""
         key = (order.relay, order.decode)
         with self._lock:
             found = self._relays.get(key)
-        if found is None:
-            found = relays.connect(order.relay, order.decode, key=self._key, timeout=self.lease_s)
+        while found is None:
+            left = deadline - time.monotonic()
+            try:
+                found = relays.connect(
+                    order.relay,
+                    order.decode,
+                    key=self._key,
+                    timeout=self.lease_s,
+                    handshake_timeout=min(HANDSHAKE_S, max(0.1, left)),
+                )
+            except relays.RelayTimeout:
+                if left <= HANDSHAKE_S:
+                    raise
+                log.info("handshake with %s unanswered: retrying", order.decode)
+                continue
             with self._lock:
                 self._relays[key] = found
         return found
@@ -115,10 +132,11 @@ class Sends:
                 "blocks": len(send.block_ids),
                 "layout": self.layout.to_json(),
             }
-            nbytes = self._relay(send.order).send(
+            deadline = time.monotonic() + self.lease_s
+            nbytes = self._relay(send.order, deadline).send(
                 self.payload(send.block_ids),
                 request_id=send.order.transfer,
-                timeout=self.lease_s,
+                timeout=max(0.1, deadline - time.monotonic()),
                 meta=meta,
             )
             ok = True
