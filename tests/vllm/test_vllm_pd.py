@@ -135,7 +135,9 @@ def test_corrupted_blocks_change_the_answers(
     rig: Rig, reference: dict[str, tuple[str, int]]
 ) -> None:
     """The negative control: the same hand-off into a decode engine that adds noise to every
-    block it lands gives different answers (so the equality above came from moved KV)."""
+    block it lands gives different answers (so the equality above came from moved KV). It
+    listens where the first decode engine did: the prefill engine's relay to it reports the
+    peer lost, and the send reconnects."""
     rig.decode.stop()
     rig.decode = rig.start_decode(
         "decode-corrupting", module="tests.vllm.corrupting", connector="CorruptingConnector"

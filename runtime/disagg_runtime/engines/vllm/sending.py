@@ -133,12 +133,19 @@ class Sends:
                 "layout": self.layout.to_json(),
             }
             deadline = time.monotonic() + self.lease_s
-            nbytes = self._relay(send.order, deadline).send(
-                self.payload(send.block_ids),
-                request_id=send.order.transfer,
-                timeout=max(0.1, deadline - time.monotonic()),
-                meta=meta,
-            )
+            for attempt in (1, 2):  # a decode engine restarted since: once more, reconnected
+                try:
+                    nbytes = self._relay(send.order, deadline).send(
+                        self.payload(send.block_ids),
+                        request_id=send.order.transfer,
+                        timeout=max(0.1, deadline - time.monotonic()),
+                        meta=meta,
+                    )
+                    break
+                except relays.PeerLost:
+                    self._drop(send.order)
+                    if attempt == 2:
+                        raise
             ok = True
         except Exception as exc:  # the decode side times out and recomputes; we free
             log.warning(
