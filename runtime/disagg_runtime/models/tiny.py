@@ -5,6 +5,8 @@ the weights are random (seeded, so two builds are equal), and everything is writ
 `save_pretrained`, so the standard `from_pretrained(DIR)` loads it as it would real weights.
 
     llm  DIR/            a LlamaForCausalLM (hidden 64, 2 layers, 4 heads, 2 KV heads) + tokenizer
+    vllm DIR/            the same at hidden 256 (head_dim 64: vLLM's CPU attention kernels
+                         take head_dim 32, 64, 80, ..., not llm's 16), fp32
     t2v  DIR/            a WanPipeline layout: tokenizer/ text_encoder/ (UMT5, d_model 32)
                          transformer/ (WanTransformer3DModel, 2 x 8 heads) vae/ (AutoencoderKLWan,
                          base_dim 8, z_dim 16) scheduler/ (FlowMatchEulerDiscrete) model_index.json
@@ -81,6 +83,11 @@ def llm(
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def vllm_llm(out: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+    """A random Llama vLLM's CPU engine loads (head_dim 64) and its tokenizer in `out`."""
+    return llm(out, hidden=256, layers=2, heads=4, kv_heads=2, seed=seed)
 
 
 def t2v(out: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
