@@ -355,6 +355,24 @@ def role_schema() -> Schema:
                 maximum=m.MAX_REPLICAS,
                 format="int32",
             ),
+            "ranks": _integer(
+                "Processes per pod of a replica, one torch.distributed rank each (tensor or "
+                "sequence parallel; one GPU each where the role asks for GPUs, which are per "
+                "rank). Rank 0 owns the transport and hands every request to the others "
+                "(docs/handlers.md).",
+                minimum=1,
+                maximum=limits.MAX_RANKS,
+                format="int32",
+                default=m.DEFAULT_RANKS,
+            ),
+            "nodes": _integer(
+                "Pods per replica: a group of a leader and nodes-1 workers, started, counted "
+                "and restarted as one unit, each running `ranks` ranks.",
+                minimum=1,
+                maximum=limits.MAX_NODES,
+                format="int32",
+                default=m.DEFAULT_NODES,
+            ),
             "handler": _string(
                 "What each request is handed to: 'package.module:function', or "
                 "'package.module:Class' with setup(ctx), __call__ or batch(payloads), close() "
