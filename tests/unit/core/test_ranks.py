@@ -106,7 +106,7 @@ def test_each_rank_gets_the_torch_distributed_variables() -> None:
     assert not any(r.leader for r in ranks)  # node 1: rank 0 is on the leader pod
     assert contract.rank_of(config, {}) == ranks[0]
     assert contract.rank_of(config, ranks[1].env()) == ranks[1]
-    with pytest.raises(ContractError, match="LOCAL_RANK=2 is not in 0..1"):
+    with pytest.raises(ContractError, match=r"LOCAL_RANK=2 is not in 0\.\.1"):
         contract.rank_of(config, {"LOCAL_RANK": "2"})
     with pytest.raises(ContractError, match="RANK='0', but"):
         contract.rank_of(config, {**ranks[1].env(), "RANK": "0"})
@@ -116,12 +116,14 @@ def test_each_rank_gets_the_torch_distributed_variables() -> None:
     ("override", "message"),
     [
         ({"DISAGG_RANKS": "0"}, "DISAGG_RANKS=0 must be at least 1"),
-        ({"DISAGG_NODE_RANK": "2"}, "DISAGG_NODE_RANK=2 is not in 0..1"),
+        ({"DISAGG_NODE_RANK": "2"}, r"DISAGG_NODE_RANK=2 is not in 0\.\.1"),
         ({"DISAGG_RANK_PORT": "70000"}, "DISAGG_RANK_PORT=70000 is not a port"),
         ({"DISAGG_NODES": "x"}, "DISAGG_NODES='x' is not an integer"),
     ],
 )
-def test_bad_rank_variables_are_named(tmp_path: Any, override: dict[str, str], message: str) -> None:
+def test_bad_rank_variables_are_named(
+    tmp_path: Any, override: dict[str, str], message: str
+) -> None:
     config = _config(ranks=2, nodes=2)
     path = tmp_path / "topology.json"
     contract.write_topology(config.topology, str(path))
