@@ -20,7 +20,8 @@ DISAGG_POOL_SIZE sizes its reply pool), parsed by `parse_gateway_env` into a
 
 Modules: role (ENV, RoleConfig), ranks (RANK_ENV: what each rank process of a replica of
 several ranks is told, torch.distributed's names), topology, gateway (GATEWAY_ENV,
-GatewayConfig), env (the value kinds and the table machinery both tables use). This package only re-exports.
+GatewayConfig), env (the value kinds and the table machinery both tables use). This
+package only re-exports.
 """
 
 from __future__ import annotations
