@@ -1,0 +1,70 @@
+"""A replica of several ranks (issue 33): real `disagg role` processes under LocalPipeline,
+rank 0 feeding every request to rank 1 (gloo), a rank killed mid-request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagg_runtime.client import RequestFailed
+from disagg_runtime.role import ranks
+from tests.integration.test_up import local_pipeline, process_of, segments
+from tests.support import wait_for
+
+
+def child_ranks(parent: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == parent:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("mib", [0, 16])
+def test_every_rank_gets_the_inputs_and_takes_part(monkeypatch: pytest.MonkeyPatch, mib: int):
+    with local_pipeline("ranks.yaml", monkeypatch) as (local, client):
+        n = max(1, mib * 2**20 // 8)
+        x = torch.arange(n, dtype=torch.float64)
+        for _ in range(3):
+            out = client.submit({"x": x})
+            assert (out["world"], out["rank"]) == (2, 0)
+            assert torch.equal(out["x"], x * 3)  # rank 0's x*1 + rank 1's x*2
+        chunks = list(client.stream({"x": x[:4], "steps": 3}))
+        assert [c["total"] for c in chunks[:3]] == [1.0, 3.0, 5.0]  # step + rank, summed
+        [pid] = child_ranks(process_of(local, "tp").proc.pid)
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        env = dict(item.decode().partition("=")[::2] for item in raw if item)
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("1", "1", "2")
+
+
+def test_a_killed_rank_fails_in_flight_requests_and_the_replica_restarts(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    with local_pipeline("ranks.yaml", monkeypatch) as (local, client):
+        leader = process_of(local, "tp")
+        [child] = child_ranks(leader.proc.pid)
+        x = torch.ones(1024, dtype=torch.float64)
+        assert torch.equal(client.submit({"x": x})["x"], x * 3)
+        pending = client.submit_async({"x": x, "sleep": 1.0})
+        time.sleep(0.3)  # both ranks are in the handler now
+        os.kill(child, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RequestFailed) as failed:
+            pending.result(timeout=20)
+        assert time.monotonic() - started < 15  # the pipeline's request timeout
+        assert "rank 1" in str(failed.value) and "restarts" in str(failed.value)
+        code = wait_for(lambda: leader.proc.poll(), 20, message="rank 0 to exit")
+        assert code == ranks.RANK_LOST_EXIT
+        assert not segments(f"{local.pipeline.name}-tp-"), "the replica left its pool behind"
+        local.scale("tp", 1, ready_timeout=60)  # what the supervisor or the kubelet does
+        assert torch.equal(client.submit({"x": x})["x"], x * 3)
