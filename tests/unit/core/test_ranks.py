@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_core import contract, placement, spec
+from disagg_core import contract, placement, quantity, spec
 from disagg_core.contract import ContractError
 from disagg_core.spec import limits
 from disagg_operator import crd
@@ -130,3 +130,19 @@ def test_bad_rank_variables_are_named(
     env = {**contract.render_env(config), "DISAGG_TOPOLOGY_FILE": str(path), **override}
     with pytest.raises(ContractError, match=message):
         contract.parse_env(copy.deepcopy(env))
+
+
+@pytest.mark.parametrize(
+    ("value", "factor", "scaled"),
+    [
+        ("1", 4, "4"),
+        ("500m", 2, "1000m"),
+        ("1.5Gi", 2, "3Gi"),
+        ("0.25", 3, "0.75"),
+        ("1e3", 2, "2e3"),
+        ("16Gi", 1, "16Gi"),
+    ],
+)
+def test_per_rank_quantities_scale_in_their_own_unit(value: str, factor: int, scaled: str) -> None:
+    assert quantity.scale_quantity(value, factor) == scaled
+    assert quantity.parse_quantity(scaled) == quantity.parse_quantity(value) * factor
