@@ -4,7 +4,7 @@ transformers shards the model itself: `from_pretrained(distributed_config=
 DistributedConfig(tp_plan="auto"))` applies the model's own `base_model_tp_plan` (attention
 projections column/row-wise, one all-reduce after each block) over the world the role's
 ranks form (role/ranks.py: gloo on CPU, NCCL on GPU). Its CPU path works with gloo: the
-same greedy tokens as one process (tests/integration/test_hf_tp.py).
+same greedy tokens as one process (tests/integration/test_ranked_models.py).
 
 What crosses roles stays whole: a rank holds `kv_heads / world` of each layer's key/value
 heads, contiguous and in rank order (a column-wise shard), so prefill all-gathers them into
