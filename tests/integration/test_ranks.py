@@ -30,9 +30,14 @@ def child_ranks(parent: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("mib", [0, 16])
-def test_every_rank_gets_the_inputs_and_takes_part(monkeypatch: pytest.MonkeyPatch, mib: int):
-    with local_pipeline("ranks.yaml", monkeypatch) as (local, client):
+@pytest.mark.parametrize(
+    ("file", "mib"), [("ranks.yaml", 0), ("ranks.yaml", 16), ("ranks-nodes.yaml", 16)]
+)
+def test_every_rank_gets_the_inputs_and_takes_part(
+    monkeypatch: pytest.MonkeyPatch, file: str, mib: int
+):
+    """ranks: 2 in one pod (16 MiB through the shared pool), and nodes: 2 (broadcast)."""
+    with local_pipeline(file, monkeypatch) as (local, client):
         n = max(1, mib * 2**20 // 8)
         x = torch.arange(n, dtype=torch.float64)
         for _ in range(3):
@@ -44,7 +49,10 @@ def test_every_rank_gets_the_inputs_and_takes_part(monkeypatch: pytest.MonkeyPat
         [pid] = child_ranks(process_of(local, "tp").proc.pid)
         raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         env = dict(item.decode().partition("=")[::2] for item in raw if item)
-        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("1", "1", "2")
+        if file == "ranks.yaml":
+            assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("1", "1", "2")
+        else:  # the second rank set's first process: rank 1 of 2, local rank 0 of its "pod"
+            assert env["DISAGG_NODE_RANK"] == "1" and "RANK" not in env
 
 
 def test_a_killed_rank_fails_in_flight_requests_and_the_replica_restarts(

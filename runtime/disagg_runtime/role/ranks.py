@@ -16,6 +16,10 @@ collectives meet; rank 0's output is the one sent on. Calls are serialised acros
 replica (one collective sequence); a streaming output advances one step at a time, so
 several streams interleave.
 
+Locally (`disagg up`, node-local) a group of `nodes` pods is simulated: the leader also starts
+the first process of each other rank set, which starts its own ranks; the feed broadcasts
+then, as between pods.
+
 Failure: a replica is whole or gone. Every collective has the group's timeout; rank 0
 sends a keep-alive when idle so that the others' waits can time out too. A local rank that
 exits is seen by its pod's first process within WATCH_S; a rank elsewhere makes the next
@@ -94,17 +98,24 @@ class World:
         self.feed_group: Any = None
 
     def spawn(self) -> None:
-        """Start the pod's other ranks (local rank 0 only): the same environment plus theirs."""
-        from disagg_core.contract import pod_ranks
+        """Start the pod's other ranks (local rank 0 only): the same environment plus theirs.
+        Under `disagg up` (node-local) the leader also starts the group's other "pods", each
+        the first process of its rank set (NODE_RANK k), which starts its own ranks."""
+        from disagg_core.contract import PREFIX, pod_ranks
 
         for other in pod_ranks(self.config)[1:]:
-            env = {**os.environ, **other.env()}
-            self.children[other.rank] = subprocess.Popen(
-                [sys.executable, "-m", "disagg_runtime.role.ranks"],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-            )
+            self._start(other.rank, other.env())
+        if self.rank.node_rank == 0 and self.config.node_local:
+            for node in range(1, self.config.nodes):
+                self._start(node * self.config.ranks, {PREFIX + "NODE_RANK": str(node)})
+
+    def _start(self, rank: int, env: dict[str, str]) -> None:
+        self.children[rank] = subprocess.Popen(
+            [sys.executable, "-m", "disagg_runtime.role.ranks"],
+            env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+        )
 
     def join(self) -> None:
         """Join the world (blocks until every rank has, or the timeout)."""
