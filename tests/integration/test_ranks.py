@@ -7,11 +7,12 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from disagg_runtime.client import RequestFailed
+from disagg_runtime.client import Client, RequestFailed, RequestTimeout
 from disagg_runtime.role import ranks
 from tests.integration.test_up import local_pipeline, process_of, segments
 from tests.support import wait_for
@@ -74,5 +75,14 @@ def test_a_killed_rank_fails_in_flight_requests_and_the_replica_restarts(
         code = wait_for(lambda: leader.proc.poll(), 20, message="rank 0 to exit")
         assert code == ranks.RANK_LOST_EXIT
         assert not segments(f"{local.pipeline.name}-tp-"), "the replica left its pool behind"
+        wait_for(lambda: local.deaths, 5, message="the launcher to see the death")
         local.scale("tp", 1, ready_timeout=60)  # what the supervisor or the kubelet does
-        assert torch.equal(client.submit({"x": x})["x"], x * 3)
+        assert torch.equal(wait_for(lambda: answer(client, x), 40, message="an answer")["x"], x * 3)
+
+
+def answer(client: Client, x: torch.Tensor) -> Any:
+    """The reply, or None while the client still learns the new replica's address."""
+    try:
+        return client.submit({"x": x}, timeout=5)
+    except (RequestFailed, RequestTimeout):
+        return None
