@@ -86,3 +86,14 @@ def answer(client: Client, x: torch.Tensor) -> Any:
         return client.submit({"x": x}, timeout=5)
     except (RequestFailed, RequestTimeout):
         return None
+
+
+def test_the_rank_feed_bench_measures_every_mode() -> None:
+    from disagg_runtime.bench import ranks as bench
+
+    rows = bench.measure_feed([4096, 2**20], repeats=3)
+    assert sorted((r.size, r.mode) for r in rows) == sorted(
+        (size, mode) for size in (4096, 2**20) for mode in bench.FEED_MODES
+    )
+    assert all(0 < r.median_us <= r.p90_us for r in rows)
+    assert not segments("bench-ranks"), "the bench left its pool behind"
