@@ -366,8 +366,9 @@ def role_schema() -> Schema:
                 default=m.DEFAULT_RANKS,
             ),
             "nodes": _integer(
-                "Pods per replica: a group of a leader and nodes-1 workers, started, counted "
-                "and restarted as one unit, each running `ranks` ranks.",
+                "Pods per replica: a group of a leader and nodes-1 workers, each running "
+                "`ranks` ranks of one world. `disagg up` runs such groups (as rank sets on one "
+                "machine); this operator version refuses nodes above 1.",
                 minimum=1,
                 maximum=limits.MAX_NODES,
                 format="int32",

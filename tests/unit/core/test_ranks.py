@@ -16,7 +16,7 @@ from tests.support import EXAMPLES
 
 
 def _doc(**role: Any) -> dict[str, Any]:
-    doc = yaml.safe_load((EXAMPLES / "hf-llm.yaml").read_text())
+    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / "hf-llm.yaml").read_text())
     doc["spec"]["roles"][1].update(role)
     return doc
 
