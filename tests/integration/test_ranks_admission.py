@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from disagg_core import spec
-from disagg_operator import planner, render
+from disagg_operator.plan import planner, render
 from tests.integration.test_k8s_admission import pipeline, with_crd
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.server import EmulatorThread

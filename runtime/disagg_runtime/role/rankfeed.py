@@ -7,8 +7,8 @@ the same inputs, so that the handler's collectives (tensor-parallel all-reduces,
 all-gather) meet. Every message starts with a fixed notice:
 
     notice   int64[4]: kind, header bytes, request sequence number, flags
-    header   uint8[header bytes]: codec.payload_header of the inputs (tree + tensor metas)
-             plus "where": per tensor, its byte offset in rank 0's shared pool, or -1
+    header   uint8[header bytes]: JSON {"tree": the inputs' tree (wire/tree.py), "tensors":
+             their metas, "where": per tensor its byte offset in rank 0's shared pool, or -1}
     tensors  one broadcast per tensor whose "where" is -1, in order
 
 Kinds: CALL (one payload), BATCH (a list of payloads), NEXT / END (advance or close the
@@ -30,7 +30,6 @@ the others' next collective fail (or time out) instead of hanging.
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
 import warnings
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, Pool
 from disagg_runtime.wire import codec
+from disagg_runtime.wire import tree as wire_tree
 
 CALL: Final = 1
 BATCH: Final = 2
@@ -51,7 +51,7 @@ KEEPALIVE: Final = 5
 STOP: Final = 6
 HELLO: Final = 7
 KINDS: Final = frozenset({CALL, BATCH, NEXT, END, KEEPALIVE, STOP, HELLO})
-MAX_NOTICE_HEADER: Final = codec.MAX_HEADER_BYTES + 64 * 1024  # the codec's, plus "where"
+MAX_NOTICE_HEADER: Final = codec.MAX_HEADER_BYTES + 64 * 1024  # the wire's, plus "where"
 Mode = Literal["broadcast", "shm"]
 MODES: Final[tuple[Mode, ...]] = ("broadcast", "shm")
 
@@ -101,11 +101,15 @@ class Feed:
         self._send(kind, payload)
 
     def _send(self, kind: int, payload: Any) -> None:
-        tree, tensors = codec.flatten(payload)
-        header = json.loads(codec.payload_header(tree, [codec.TensorMeta.of(t) for t in tensors]))
+        tree, tensors = wire_tree.flatten(payload)
         where = [self._offset(t) for t in tensors]
-        header["where"] = where
-        raw = json.dumps(header, separators=(",", ":")).encode()
+        metas = [codec.TensorMeta.of(t).to_json() for t in tensors]
+        raw = codec.encode_header({"tree": tree, "tensors": metas, "where": where})
+        if len(raw) > MAX_NOTICE_HEADER:
+            raise codec.CodecError(
+                f"rank feed: a header of {len(raw)} bytes, over {MAX_NOTICE_HEADER}; "
+                "move large values into tensors"
+            )
         notice = torch.tensor([kind, len(raw), self.seq, 0], dtype=torch.int64)
         dist.broadcast(notice, 0, group=self.group)
         dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, group=self.group)
@@ -139,7 +143,7 @@ class Feed:
         if not isinstance(where, list) or len(where) != len(metas):
             raise FeedError("rank feed: a notice without one place per tensor")
         tensors = [self._tensor(meta, offset) for meta, offset in zip(metas, where, strict=True)]
-        payload = codec.unflatten(header["tree"], tensors)
+        payload = wire_tree.unflatten(header.get("tree"), tensors)
         if kind == HELLO:
             self._attach(payload)
         self.seq = seq

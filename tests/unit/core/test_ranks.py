@@ -11,7 +11,7 @@ import yaml
 from disagg_core import contract, placement, quantity, spec
 from disagg_core.contract import ContractError
 from disagg_core.spec import limits
-from disagg_operator import crd
+from disagg_operator.gen import crd_roles
 from tests.support import EXAMPLES
 
 
@@ -58,7 +58,7 @@ def test_a_colocated_role_cannot_have_ranks_or_nodes(key: str) -> None:
 
 
 def test_the_crd_carries_the_bounds_and_defaults() -> None:
-    role = crd.role_schema()["properties"]
+    role = crd_roles.role_schema()["properties"]
     for key, most in (("ranks", limits.MAX_RANKS), ("nodes", limits.MAX_NODES)):
         assert role[key]["minimum"] == 1 and role[key]["maximum"] == most
         assert role[key]["default"] == 1 and role[key]["type"] == "integer"
