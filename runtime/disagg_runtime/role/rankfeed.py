@@ -104,7 +104,9 @@ class Feed:
         tree, tensors = wire_tree.flatten(payload)
         where = [self._offset(t) for t in tensors]
         metas = [codec.TensorMeta.of(t).to_json() for t in tensors]
-        raw = codec.encode_header({"tree": tree, "tensors": metas, "where": where})
+        raw = codec.encode_header(
+            {"v": codec.FORMAT_VERSION, "tree": tree, "tensors": metas, "where": where}
+        )
         if len(raw) > MAX_NOTICE_HEADER:
             raise codec.CodecError(
                 f"rank feed: a header of {len(raw)} bytes, over {MAX_NOTICE_HEADER}; "
@@ -127,6 +129,13 @@ class Feed:
 
     # ---- ranks > 0 -----------------------------------------------------------------------
     def receive(self) -> Notice:
+        """The next notice; FeedError when it does not parse (the group is broken then)."""
+        try:
+            return self._receive()
+        except codec.CodecError as exc:
+            raise FeedError(f"rank feed: {exc}") from None
+
+    def _receive(self) -> Notice:
         notice = torch.empty(4, dtype=torch.int64)
         dist.broadcast(notice, 0, group=self.group)
         kind, length, seq, _ = (int(v) for v in notice)
