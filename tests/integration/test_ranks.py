@@ -97,3 +97,33 @@ def test_the_rank_feed_bench_measures_every_mode() -> None:
     )
     assert all(0 < r.median_us <= r.p90_us for r in rows)
     assert not segments("bench-ranks"), "the bench left its pool behind"
+
+
+def test_the_feed_carries_trees_through_the_pool_and_refuses_foreign_notices() -> None:
+    """Rank 0 -> rank 1 in two real processes: a tensor in rank 0's shared pool travels as an
+    offset (read through rank 1's read-only mapping), one elsewhere as bytes, scalars in the
+    tree; a notice of an unknown kind is a FeedError, not garbage."""
+    import multiprocessing
+
+    from disagg_runtime.local.supervisor import free_ports
+    from disagg_runtime.memory.pool import shm_name
+    from tests.integration import rank_handlers
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port, name = next(free_ports()), shm_name("itest-feed", "r")
+    procs = [
+        ctx.Process(target=rank_handlers.feed_peer, args=(rank, port, name, out)) for rank in (0, 1)
+    ]
+    for proc in procs:
+        proc.start()
+    got = {item[0]: item[1:] for item in (out.get(timeout=60) for _ in range(5))}
+    for proc in procs:
+        proc.join(30)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert got["mode"] == ("shm", "shm")
+    assert got["a"][0] == [float(i) for i in range(16)]
+    assert got["b"] == (True, [[1.0, 1.0]] * 3, [7, "s"])
+    assert got["c"] == (None, True)
+    assert "notice kind 99" in got["bad"][0]
+    assert not segments("itest-feed")
