@@ -24,7 +24,9 @@ from disagg_core import compat
 from disagg_core.contract import (
     DEFAULT_INGRESS_PORT,
     DEFAULT_LANE_PORT,
+    DEFAULT_LEADER,
     DEFAULT_METRICS_PORT,
+    DEFAULT_RANK_PORT,
     DEFAULT_TOPOLOGY_FILE,
     Peer,
     RoleConfig,
@@ -50,6 +52,9 @@ class Placement:
     topology_file: str = DEFAULT_TOPOLOGY_FILE
     peers_file: str = ""
     peer_key_file: str = ""  # the pipeline's peer key ("" : none given)
+    node_rank: int = 0  # the pod's place in its replica's group (roles[].nodes)
+    leader: str = DEFAULT_LEADER  # the group's rank 0 host (in one pod: loopback)
+    rank_port: int = DEFAULT_RANK_PORT
 
 
 def targets(pipeline: Pipeline, role: str) -> tuple[str, ...]:
@@ -109,4 +114,9 @@ def role_config(pipeline: Pipeline, role: str, placement: Placement) -> RoleConf
         max_batch_wait_ms=me.batching.max_wait_milliseconds if me.batching else 0.0,
         compat=me.compat or compat.default_token(me.handler, pipeline.image_for(role)),
         compatible_with=frozenset(me.compatible_with),
+        ranks=me.ranks,
+        nodes=me.nodes,
+        node_rank=placement.node_rank,
+        leader=placement.leader,
+        rank_port=placement.rank_port,
     )

@@ -137,3 +137,16 @@ def format_bytes(size: int) -> str:
         if size % factor == 0:
             return f"{size // factor}{suffix}"
     return str(size)
+
+
+def scale_quantity(value: str, factor: int) -> str:
+    """`value` times a whole `factor`, in `value`'s own unit: ("500m", 2) -> "1000m",
+    ("1.5Gi", 2) -> "3Gi", ("1", 4) -> "4" (a pod of `factor` ranks asks for each one's)."""
+    match = _QUANTITY.fullmatch(value)
+    if match is None:
+        raise QuantityError(f"{_HINT}, got {value!r}")
+    number = format(Decimal(match["number"]) * factor, "f")
+    if "." in number:
+        number = number.rstrip("0").rstrip(".")
+    unit = match["exponent"] or match["suffix"] or ""
+    return f"{match['sign']}{number}{unit}"

@@ -169,6 +169,11 @@ def _build_parser() -> argparse.ArgumentParser:
     llm.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     llm.add_argument("--skip-batching", action="store_true", help="only the hand-off part")
     llm.add_argument("--json", action="store_true", help="print JSON")
+    ranks = bench_sub.add_parser("ranks", help="per-request cost of ranks > 1: the rank feed")
+    ranks.add_argument("--sizes", default="4KiB,16MiB,64MiB", help="input sizes")
+    ranks.add_argument("--repeats", type=int, default=20, help="requests per size (default 20)")
+    ranks.add_argument("--skip-role", action="store_true", help="only the feed, no role processes")
+    ranks.add_argument("--json", action="store_true", help="print JSON")
     bench_operator = bench_sub.add_parser(
         "operator", help="operator latency, throughput and memory against an API server"
     )
@@ -234,6 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime.bench import llm
 
         return llm.run_cli(args)
+    if args.command == "bench" and args.bench_command == "ranks":
+        from disagg_runtime.bench import ranks as ranks_bench
+
+        return ranks_bench.run_cli(args)
     if args.command == "bench" and args.bench_command == "operator":
         from disagg_operator.bench import run as operator_bench
 

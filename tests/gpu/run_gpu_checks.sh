@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue 7): the GPU tests, then `disagg bench transport --device cuda`.
+# One prepared GPU check (issue 7): the GPU tests (with issue 33's two ranks over NCCL,
+# test_gpu_ranks.py, skipped with one GPU), then `disagg bench transport --device cuda`.
 # Budget: under 5 minutes on one H200 (tests ~2 min, bench ~1 min, set-up seconds).
 #
 #   bash tests/gpu/run_gpu_checks.sh            # from the repository root

@@ -82,6 +82,36 @@ def _llm_doc(name: str, model: pathlib.Path, relay: str, batch: int) -> dict[str
     }
 
 
+def _wan_doc(name: str, model: str) -> dict[str, Any]:
+    """The three Wan roles (text encoder -> denoiser -> VAE decoder) of `model`."""
+    roles = [
+        ("text-encoder", "TextEncoder"),
+        ("denoiser", "Denoiser"),
+        ("vae-decoder", "VaeDecoder"),
+    ]
+    return {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedPipeline",
+        "metadata": {"name": name},
+        "spec": {
+            "image": "local",
+            "transport": {"poolSize": "32Mi", "minBlock": "64Ki", "requestTimeoutSeconds": 120},
+            "roles": [
+                {
+                    "name": role,
+                    "handler": f"disagg_runtime.models.diffusers_t2v:{cls}",
+                    "handlerArgs": {"model": model},
+                }
+                for role, cls in roles
+            ],
+            "edges": [
+                {"from": "text-encoder", "to": "denoiser", "relay": "shm"},
+                {"from": "denoiser", "to": "vae-decoder", "relay": "tcp"},
+            ],
+        },
+    }
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
     root = tmp_path_factory.mktemp("models")
@@ -172,32 +202,7 @@ def test_wan_three_roles_equal_the_one_process_pipeline(
     models: dict[str, pathlib.Path],
 ) -> None:
     model = str(models["t2v"])
-    roles = [
-        ("text-encoder", "TextEncoder"),
-        ("denoiser", "Denoiser"),
-        ("vae-decoder", "VaeDecoder"),
-    ]
-    doc = {
-        "apiVersion": "disagg.dev/v1alpha1",
-        "kind": "DisaggregatedPipeline",
-        "metadata": {"name": "itest-wan"},
-        "spec": {
-            "image": "local",
-            "transport": {"poolSize": "32Mi", "minBlock": "64Ki", "requestTimeoutSeconds": 120},
-            "roles": [
-                {
-                    "name": name,
-                    "handler": f"disagg_runtime.models.diffusers_t2v:{cls}",
-                    "handlerArgs": {"model": model},
-                }
-                for name, cls in roles
-            ],
-            "edges": [
-                {"from": "text-encoder", "to": "denoiser", "relay": "shm"},
-                {"from": "denoiser", "to": "vae-decoder", "relay": "tcp"},
-            ],
-        },
-    }
+    doc = _wan_doc("itest-wan", model)
     requests = [
         {"prompt": "a fox jumps over a dog", "seed": 3, "num_frames": 5},
         {"prompt": "tensors", "seed": 4, "num_frames": 9, "guidance_scale": 1.0, "steps": 3},

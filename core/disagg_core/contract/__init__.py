@@ -18,8 +18,10 @@ names the entry roles, DISAGG_INGRESS_PORT is where exit roles send replies,
 DISAGG_POOL_SIZE sizes its reply pool), parsed by `parse_gateway_env` into a
 `GatewayConfig`.
 
-Modules: role (ENV, RoleConfig), topology, gateway (GATEWAY_ENV, GatewayConfig), env (the
-value kinds and the table machinery both tables use). This package only re-exports.
+Modules: role (ENV, RoleConfig), ranks (RANK_ENV: what each rank process of a replica of
+several ranks is told, torch.distributed's names), topology, gateway (GATEWAY_ENV,
+GatewayConfig), env (the value kinds and the table machinery both tables use). This
+package only re-exports.
 """
 
 from __future__ import annotations
@@ -46,11 +48,14 @@ from disagg_core.contract.gateway import (
     parse_gateway_env,
     render_gateway_env,
 )
+from disagg_core.contract.ranks import RANK_ENV, Rank, pod_ranks, rank_of
 from disagg_core.contract.role import (
     DEFAULT_INGRESS_PORT,
     DEFAULT_LANE_PORT,
+    DEFAULT_LEADER,
     DEFAULT_METRICS_PORT,
     DEFAULT_PEER_KEY_FILE,
+    DEFAULT_RANK_PORT,
     ENV,
     RoleConfig,
     from_environ,
@@ -75,20 +80,24 @@ __all__ = [
     "DEFAULT_GATEWAY_PORT",
     "DEFAULT_INGRESS_PORT",
     "DEFAULT_LANE_PORT",
+    "DEFAULT_LEADER",
     "DEFAULT_METRICS_PORT",
     "DEFAULT_PEER_KEY_FILE",
+    "DEFAULT_RANK_PORT",
     "DEFAULT_TOPOLOGY_FILE",
     "DISPATCH_MODES",
     "ENV",
     "GATEWAY_APIS",
     "GATEWAY_ENV",
     "PREFIX",
+    "RANK_ENV",
     "TOPOLOGY_VERSION",
     "ContractError",
     "EnvVar",
     "GatewayConfig",
     "Kind",
     "Peer",
+    "Rank",
     "RefSpec",
     "RoleConfig",
     "RoleTopology",
@@ -98,6 +107,8 @@ __all__ = [
     "parse_downstream",
     "parse_env",
     "parse_gateway_env",
+    "pod_ranks",
+    "rank_of",
     "read_topology",
     "render_env",
     "render_gateway_env",

@@ -55,6 +55,8 @@ DEFAULT_INGRESS_PORT = 7400
 DEFAULT_LANE_PORT = 7500
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_PEER_KEY_FILE = "/etc/disagg-peer-key/key"
+DEFAULT_RANK_PORT = 29500  # torch.distributed's usual MASTER_PORT
+DEFAULT_LEADER = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,15 @@ class RoleConfig:
     dispatch: str = "load"
     compat: str = ""  # the role's compat token (disagg_core.compat; "": auto from the handler)
     compatible_with: frozenset[str] = frozenset()
+    ranks: int = 1  # rank processes this container starts (roles[].ranks)
+    nodes: int = 1  # pods of this replica's group (roles[].nodes)
+    node_rank: int = 0  # this pod's place in its group: 0 is the leader
+    leader: str = DEFAULT_LEADER  # where global rank 0 listens for the others (MASTER_ADDR)
+    rank_port: int = DEFAULT_RANK_PORT  # MASTER_PORT
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks * self.nodes
 
     @property
     def me(self) -> RoleTopology:
@@ -268,6 +279,48 @@ ENV: Final[tuple[EnvVar, ...]] = (
         optional=True,
     ),
     EnvVar(
+        "RANKS",
+        "ranks",
+        INT,
+        "rank processes the role starts in this container (roles[].ranks): local rank 0 is "
+        "this process, the others its children; each gets the torch.distributed variables "
+        "below",
+        default="1",
+        optional=True,
+    ),
+    EnvVar(
+        "NODES",
+        "nodes",
+        INT,
+        "pods of this replica's group (roles[].nodes); world size = DISAGG_RANKS x DISAGG_NODES",
+        default="1",
+        optional=True,
+    ),
+    EnvVar(
+        "NODE_RANK",
+        "node_rank",
+        INT,
+        "this pod's index in its replica's group (0: the leader, which owns the transport)",
+        default="0",
+        optional=True,
+    ),
+    EnvVar(
+        "LEADER",
+        "leader",
+        TEXT,
+        "host of the group's rank 0 (MASTER_ADDR of every rank)",
+        default=DEFAULT_LEADER,
+        optional=True,
+    ),
+    EnvVar(
+        "RANK_PORT",
+        "rank_port",
+        INT,
+        "port of the group's rank 0 for torch.distributed's rendezvous (MASTER_PORT)",
+        default=str(DEFAULT_RANK_PORT),
+        optional=True,
+    ),
+    EnvVar(
         "PEER_KEY_FILE",
         "peer_key_file",
         TEXT,
@@ -279,9 +332,18 @@ ENV: Final[tuple[EnvVar, ...]] = (
 )
 
 
+# rendered only for a replica of more than one rank: a lone process's environment is as it was
+RANK_KEYS: Final = frozenset(
+    PREFIX + key for key in ("RANKS", "NODES", "NODE_RANK", "LEADER", "RANK_PORT")
+)
+
+
 def render_env(config: RoleConfig) -> dict[str, str]:
     """The environment a container gets for `config` (the operator and `disagg up` use it)."""
-    return render(ENV, config)
+    env = render(ENV, config)
+    if config.world_size == 1:
+        env = {name: value for name, value in env.items() if name not in RANK_KEYS}
+    return env
 
 
 def _replica(replica: int | None, pod_name: str) -> int:
@@ -310,7 +372,21 @@ def parse_env(env: Mapping[str, str], topology: Topology | None = None) -> RoleC
         device=values.pop("pool.device"),
     )
     values["replica"] = _replica(values["replica"], values["pod_name"])
+    _check_ranks(values)
     return RoleConfig(**values, pool=pool, topology=topology, downstream=downstream)
+
+
+def _check_ranks(values: Mapping[str, Any]) -> None:
+    for key, field_name in (("RANKS", "ranks"), ("NODES", "nodes")):
+        if values[field_name] < 1:
+            raise ContractError(f"{PREFIX}{key}={values[field_name]} must be at least 1")
+    if not 0 <= values["node_rank"] < values["nodes"]:
+        raise ContractError(
+            f"{PREFIX}NODE_RANK={values['node_rank']} is not in 0..{values['nodes'] - 1} "
+            f"({PREFIX}NODES={values['nodes']})"
+        )
+    if not 0 < values["rank_port"] < 65536:
+        raise ContractError(f"{PREFIX}RANK_PORT={values['rank_port']} is not a port")
 
 
 def from_environ() -> RoleConfig:

@@ -400,6 +400,7 @@ def _check_groups_share_pods(pipeline: m.Pipeline, roles: dict[str, int], out: C
     for g, group in enumerate(pipeline.colocation):
         known = list(dict.fromkeys(name for name in group.roles if name in roles))
         members = [pipeline.roles[roles[name]] for name in known]
+        _check_group_ranks(members, roles, out)
         if len(members) < 2:
             continue
         if len({role.replicas for role in members}) > 1:
@@ -414,6 +415,19 @@ def _check_groups_share_pods(pipeline: m.Pipeline, roles: dict[str, int], out: C
                 "roles in a group share pods, so autoscaling must match",
             )
         _check_shared_ports(members, roles, group.name, out)
+
+
+def _check_group_ranks(members: Iterable[m.Role], roles: dict[str, int], out: Collector) -> None:
+    """A colocation group is one pod sharing one GPU: its roles cannot be rank sets (one GPU
+    per rank) nor multi-pod groups."""
+    for role in members:
+        for key, value in (("ranks", role.ranks), ("nodes", role.nodes)):
+            if value > 1:
+                out.add(
+                    f"spec.roles[{roles[role.name]}].{key}",
+                    f"{value}, but role {role.name!r} is in a colocation group (one pod, one "
+                    "GPU shared); ranks and nodes above 1 need a role of its own",
+                )
 
 
 def _check_shared_ports(

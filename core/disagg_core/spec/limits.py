@@ -31,6 +31,12 @@ MAX_HANDLER_LENGTH: Final = 512
 MAX_PATH_LENGTH: Final = 256
 MAX_ENV_NAME_LENGTH: Final = 256
 MAX_NETWORK_PEERS: Final = 32
+# A replica of a role is a group of `nodes` pods of `ranks` processes each (issue 33): one
+# rank per GPU, so 64 per pod is past any node; LeaderWorkerSet caps a group at a few
+# hundred pods, and a world of 64 x 64 = 4096 ranks is past every tensor/sequence-parallel
+# deployment. The CRD's `maximum`s and the spec's readers both read these.
+MAX_RANKS: Final = 64
+MAX_NODES: Final = 64
 # A free-form mapping (podTemplate, handlerArgs) nests at most this deep (the API server
 # stores at most 100 levels of JSON; a deeper one would only crash the renderers).
 MAX_FREE_DEPTH: Final = 64

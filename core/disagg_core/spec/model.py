@@ -49,6 +49,8 @@ DEFAULT_MIN_BLOCK = 2**20
 DEFAULT_POOL_DEVICE: PoolDevice = "cpu"
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 30.0
 DEFAULT_REPLICAS = 1
+DEFAULT_RANKS = 1  # processes per pod of a replica (tensor/sequence parallel)
+DEFAULT_NODES = 1  # pods per replica (a multi-node group)
 DEFAULT_CONCURRENCY = 4
 DEFAULT_TARGET_POOL_OCCUPANCY = 0.7
 DEFAULT_SCALE_UP_STABILIZATION_SECONDS = 0  # the HorizontalPodAutoscaler defaults
@@ -199,7 +201,9 @@ class Batching:
 @dataclass(frozen=True, kw_only=True)
 class Role:
     """One stage: `replicas` processes running `handler` (`module.path:function` or a class
-    with setup/batch/close), `handler_args` (free-form JSON) handed to its `setup`."""
+    with setup/batch/close), `handler_args` (free-form JSON) handed to its `setup`. A replica
+    is `nodes` pods (a group: leader and workers) of `ranks` processes each, one
+    torch.distributed world of `world_size` ranks; rank 0 owns the transport."""
 
     name: str
     handler: str
@@ -219,6 +223,13 @@ class Role:
     startup_seconds: int = DEFAULT_STARTUP_SECONDS
     compat: str | None = None  # payload-contract token (disagg_core.compat); None: auto
     compatible_with: tuple[str, ...] = ()  # further tokens this revision interoperates with
+    ranks: int = DEFAULT_RANKS
+    nodes: int = DEFAULT_NODES
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: `ranks` per pod times `nodes` pods."""
+        return self.ranks * self.nodes
 
     @property
     def handler_module(self) -> str:

@@ -49,7 +49,7 @@ POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
 ROLE_KEYS = (
     "name", "replicas", "handler", "image", "command", "args", "env", "resources", "ports",
     "transport", "concurrency", "autoscaling", "podTemplate", "handlerArgs", "batching",
-    "startupSeconds", "compat", "compatibleWith",
+    "startupSeconds", "compat", "compatibleWith", "ranks", "nodes",
 )  # fmt: skip
 BATCHING_KEYS = ("maxBatchSize", "maxWaitMilliseconds")
 PORT_KEYS = ("name", "containerPort", "protocol")
@@ -295,6 +295,12 @@ def _role(out: Collector, raw: object, path: str) -> m.Role:
         ),
         compat=_compat_token(out, r["compat"], child(path, "compat")) if "compat" in r else None,
         compatible_with=_compatible_with(out, r, path),
+        ranks=_or(
+            f.integer(out, r, "ranks", path, minimum=1, maximum=limits.MAX_RANKS), m.DEFAULT_RANKS
+        ),
+        nodes=_or(
+            f.integer(out, r, "nodes", path, minimum=1, maximum=limits.MAX_NODES), m.DEFAULT_NODES
+        ),
     )
 
 

@@ -242,6 +242,25 @@ def role_schema() -> crd_kit.Schema:
                 maximum=m.MAX_REPLICAS,
                 format="int32",
             ),
+            "ranks": crd_kit.integer(
+                "Processes per pod of a replica, one torch.distributed rank each (tensor or "
+                "sequence parallel; one GPU each where the role asks for GPUs: resources are "
+                "one rank's). Rank 0 owns the transport and hands every request to the others "
+                "(docs/handlers.md).",
+                minimum=1,
+                maximum=limits.MAX_RANKS,
+                format="int32",
+                default=m.DEFAULT_RANKS,
+            ),
+            "nodes": crd_kit.integer(
+                "Pods per replica: a group of a leader and nodes-1 workers, each running "
+                "`ranks` ranks of one world. `disagg up` runs such groups (as rank sets on one "
+                "machine); this operator version refuses nodes above 1.",
+                minimum=1,
+                maximum=limits.MAX_NODES,
+                format="int32",
+                default=m.DEFAULT_NODES,
+            ),
             "handler": crd_kit.string(
                 "What each request is handed to: 'package.module:function', or "
                 "'package.module:Class' with setup(ctx), __call__ or batch(payloads), close() "

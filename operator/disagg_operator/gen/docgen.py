@@ -305,6 +305,18 @@ def contract(example: pathlib.Path, *, shown_as: str) -> str:
             for name, default, meaning in runtime_contract.env_table()
         ),
         "",
+        "## Rank processes",
+        "",
+        "A role with `ranks` or `nodes` above 1 is told the `DISAGG_RANKS` ... `DISAGG_RANK_PORT` "
+        "rows above (they are absent otherwise); its process is local rank 0 of the pod and "
+        "starts the other ranks, each with these torch.distributed variables "
+        "(`RANK_ENV` of `core/disagg_core/contract/ranks.py`; docs/handlers.md says what each "
+        "rank does):",
+        "",
+        "| variable | meaning |",
+        "|---|---|",
+        *(f"| `{var.name}` | {var.doc} |" for var in runtime_contract.RANK_ENV),
+        "",
         "## The topology file and the rest of the contract",
         "",
         "The docstring of `core/disagg_core/contract/__init__.py`, verbatim:",

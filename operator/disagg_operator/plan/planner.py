@@ -59,6 +59,12 @@ target T of R (edge targets, then tensor-reference targets):
     relay:          the edge's relay (else spec.transport.relay); `auto` for a target that
                     R reaches only through tensor references
 
+A role of `ranks: N` > 1 (role/ranks.py in the runtime) is still one container per pod: its
+process is rank 0 and starts the other N - 1, so the container is told DISAGG_RANKS=N,
+DISAGG_LEADER=127.0.0.1 and DISAGG_RANK_PORT=29500 (torch.distributed's rendezvous, inside
+the pod), and its `resources` are one rank's: every request and limit is N times the
+role's (`nvidia.com/gpu: 1` per rank asks for N GPUs, one per local rank). `nodes` > 1 (a
+group of pods per replica) is refused by `check` in this version.
 DISAGG_SAME_GPU_PEERS lists the other roles of R's group. The topology file is the ConfigMap,
 mounted read-only at /etc/disagg. DISAGG_PEER_KEY_FILE = /etc/disagg-peer-key/key: the
 Secret P-peer-key (its `key` only, mode 0440, group 65532 through the pod's fsGroup),
@@ -192,6 +198,14 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                     )
                 seen.setdefault(port.name, member)
     for i, role in enumerate(pipeline.roles):
+        if role.nodes > 1:
+            problems.append(
+                Problem(
+                    f"spec.roles[{i}].nodes",
+                    f"{role.nodes}: groups of several pods per replica are not rendered by this "
+                    "operator version; ranks within one pod are (roles[].ranks)",
+                )
+            )
         for k, port in enumerate(role.ports):
             if _RESERVED_PORT_NAME.fullmatch(port.name):
                 problems.append(

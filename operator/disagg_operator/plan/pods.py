@@ -136,9 +136,9 @@ def _container(
     ]
     resources: dict[str, Any] = {}
     if role.resources.requests:
-        resources["requests"] = dict(role.resources.requests)
+        resources["requests"] = _per_rank(role.resources.requests, role.ranks)
     if role.resources.limits:
-        resources["limits"] = dict(role.resources.limits)
+        resources["limits"] = _per_rank(role.resources.limits, role.ranks)
     if claim:
         resources["claims"] = [{"name": GPU_CLAIM}]
     if resources:
@@ -152,6 +152,14 @@ def _container(
         {"name": PEER_KEY_VOLUME, "mountPath": PEER_KEY_DIR, "readOnly": True},
     ]
     return container
+
+
+def _per_rank(quantities: Mapping[str, str], ranks: int) -> dict[str, str]:
+    """A role's resources are one rank's: a pod of `ranks` ranks asks for that many times
+    each (GPUs included: one per rank)."""
+    if ranks == 1:
+        return dict(quantities)
+    return {name: quantity.scale_quantity(value, ranks) for name, value in quantities.items()}
 
 
 def _user_env(var: EnvSetting) -> dict[str, Any]:

@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from disagg_core import placement
-from disagg_core.contract import ENV, Peer, RoleConfig, render_env, write_topology
+from disagg_core.contract import (
+    DEFAULT_RANK_PORT,
+    ENV,
+    Peer,
+    RoleConfig,
+    render_env,
+    write_topology,
+)
 from disagg_core.spec import Pipeline
 from disagg_runtime.client import Client
 from disagg_runtime.local.rundir import RunDir, open_run
@@ -107,6 +114,7 @@ def plan_local(
                 node_local=True,
                 topology_file=topology_file,
                 peers_file=peers_file,
+                rank_port=next(ports) if role.world_size > 1 else DEFAULT_RANK_PORT,
             ),
         )
         for role in pipeline.roles
@@ -209,6 +217,7 @@ class LocalPipeline:
                         replica=i,
                         ingress_port=next(self._ports),
                         metrics_port=next(self._ports),
+                        rank_port=next(self._ports),
                     )
                     added.append(self._spawn(config, ready=False))
                 self.processes.extend(added)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from disagg_runtime.models import cfg_split
 from disagg_runtime.role.handler import SetupContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,11 +145,18 @@ class Denoiser:
         vae = AutoencoderKLWan.load_config(_part(ctx, "vae")[0])
         self.pipe.vae_scale_factor_temporal = vae.get("scale_factor_temporal", 4)
         self.pipe.vae_scale_factor_spatial = vae.get("scale_factor_spatial", 8)
+        self.split: cfg_split.CfgSplit | None = None
+        if ctx.world_size > 1:  # a replica of 2 ranks: cond on rank 0, uncond on rank 1
+            self.split = cfg_split.CfgSplit(self.pipe.transformer, ctx)
+            ctx.log.info("guidance split over 2 ranks: this is rank %d", ctx.rank)
 
     def __call__(self, payload: Any) -> dict[str, Any]:
         params = payload["params"]
         negative = payload.get("negative_prompt_embeds")
         with self.lock:
+            if self.split is not None:
+                guided = negative is not None and params["guidance_scale"] > 1.0
+                self.split.negative = negative if guided else None
             latents = self._denoise(payload["prompt_embeds"], negative, params)
         return {"latents": latents.cpu(), "params": params}
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from disagg_runtime.models import hf_tp
 from disagg_runtime.role.handler import SetupContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -204,6 +205,7 @@ class _Model:
         self.dtype = torch.float32
         self.kv_dtype = torch.float32
         self.max_prompt = 4096
+        self.ctx: SetupContext | None = None  # a replica of several ranks: tensor parallel
 
     def setup(self, ctx: SetupContext) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -218,8 +220,13 @@ class _Model:
             torch.set_num_threads(int(ctx.args["threads"]))
         self.device = torch.device(ctx.device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
-        self.model = model.to(self.device).eval()
+        if hf_tp.parallel(ctx):
+            self.ctx = ctx
+            self.model = hf_tp.load(path, self.dtype, ctx).eval()
+            ctx.log.info("tensor parallel over %d ranks (rank %d)", ctx.world_size, ctx.rank)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+            self.model = model.to(self.device).eval()
         ctx.state["model"] = self.model
         ctx.log.info("loaded %s (%s) on %s", path, self.dtype, self.device)
 
@@ -285,6 +292,9 @@ class Prefill(_Model):
             generator = new_generator(params)
             first = sample(out.logits[row : row + 1, -1, :].cpu(), params, generator)
             result = flatten_cache(cache, row, width - len(ids), self.kv_dtype)
+            if self.ctx is not None:  # this rank's heads -> every head
+                result["keys"] = hf_tp.gather_heads(result["keys"], self.ctx)
+                result["values"] = hf_tp.gather_heads(result["values"], self.ctx)
             result["keys"] = [k.cpu() for k in result["keys"]]
             result["values"] = [v.cpu() for v in result["values"]]
             result["input_ids"] = torch.tensor(ids, dtype=torch.int64)
@@ -305,6 +315,8 @@ class Decode(_Model):
         params = parse_params(payload.get("params") or {})
         keys = [k.to(self.device) for k in payload["keys"]]
         values = [v.to(self.device) for v in payload["values"]]
+        if self.ctx is not None:  # every head -> this rank's
+            keys, values = hf_tp.local_heads(keys, self.ctx), hf_tp.local_heads(values, self.ctx)
         cache = rebuild_cache(self.model.config, keys, values, self.dtype)
         generator = None
         if not params.greedy:

@@ -47,6 +47,12 @@ class SetupContext:
     args: Mapping[str, Any]
     log: logging.Logger
     state: dict[str, Any] = field(default_factory=dict)  # big state (models) owned by the role
+    # a replica of several ranks (roles[].ranks/nodes, role/ranks.py): this process's rank,
+    # the world's size and its torch.distributed process group (gloo on CPU, NCCL on GPU);
+    # every rank's setup and calls see the same inputs, rank 0's output is what is sent on
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
 
 
 class Handler:

@@ -736,6 +736,10 @@ def main() -> int:
     raise_open_files_limit()
     try:
         config = from_environ()
+        if config.world_size > 1:  # several ranks per replica: rank 0 runs the role (ranks.py)
+            from disagg_runtime.role import ranks
+
+            return ranks.main(config)
         role = RoleRuntime(config)
         role.run()
     except (ContractError, HandlerError, PoolError, PeerKeyError) as exc:

@@ -55,6 +55,7 @@ def _where_it_runs_removed(config: RoleConfig) -> RoleConfig:
         ingress_port=0,
         lane_port=0,
         metrics_port=0,
+        rank_port=0,  # 29500 inside a pod, a free port per replica locally
         topology_file="",
         peers_file="",
         peer_key_file="",  # a mounted Secret in pods, a per-run file locally

@@ -278,7 +278,11 @@ def test_role_overrides_image_command_args_env(full_doc: Obj) -> None:
     assert all(n.startswith("DISAGG_") for n in names_in_order[:-2])
     token = encoder["env"][-1]
     assert token == {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "full-s", "key": "k"}}}
-    assert encoder["resources"]["limits"] == {"memory": "2Gi", "nvidia.com/gpu": "1"}
+    # ranks: 2, and resources are one rank's: the pod asks for twice each
+    assert encoder["resources"]["limits"] == {"memory": "4Gi", "nvidia.com/gpu": "2"}
+    assert encoder["resources"]["requests"] == {"cpu": "1000m", "memory": "2Gi"}
+    env = {e["name"]: e.get("value") for e in encoder["env"]}
+    assert (env["DISAGG_RANKS"], env["DISAGG_RANK_PORT"]) == ("2", "29500")
     assert [p["containerPort"] for p in encoder["ports"]] == [7401, 7500, 9400, 7400, 5678]
 
 

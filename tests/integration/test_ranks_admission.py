@@ -1,0 +1,73 @@
+"""`roles[].ranks` / `nodes` through a real API server's admission (the emulator held to
+it, tests/k8s) and the real kubectl: the CRD takes them with their defaults and bounds, and
+the operator's objects for a role of two ranks are admitted without warnings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from disagg_core import spec
+from disagg_operator.plan import planner, render
+from tests.integration.test_k8s_admission import pipeline, with_crd
+from tests.k8s.fixtures import Kubectl
+from tests.k8s.server import EmulatorThread
+
+__all__ = ["with_crd"]
+
+
+def test_ranks_and_nodes_default_to_one_and_are_bounded(
+    with_crd: Kubectl, k8s: EmulatorThread
+) -> None:
+    doc = pipeline()
+    doc["spec"]["roles"][1]["ranks"] = 4
+    with_crd("apply", "--server-side", "-f", "-", input=yaml.safe_dump(doc))
+    stored = k8s.get("disaggregatedpipelines", "x", "default")
+    assert stored is not None
+    first, second = stored["spec"]["roles"]
+    assert (first["ranks"], first["nodes"], second["ranks"], second["nodes"]) == (1, 1, 4, 1)
+    for key, value, refusal in (
+        ("ranks", 0, "should be greater than or equal to 1"),
+        ("nodes", 65, "should be less than or equal to 64"),
+    ):
+        bad = pipeline("bad")
+        bad["spec"]["roles"][0][key] = value
+        result = with_crd("create", "-f", "-", input=yaml.safe_dump(bad), check=False)
+        assert result.returncode != 0
+        assert f"spec.roles[0].{key}" in result.stderr and refusal in result.stderr, result.stderr
+
+
+def test_a_role_of_two_ranks_renders_admitted_objects(
+    kubectl: Kubectl, k8s: EmulatorThread
+) -> None:
+    doc: dict[str, Any] = pipeline("tp")
+    doc["spec"]["roles"][1].update(
+        ranks=2, resources={"requests": {"cpu": "500m"}, "limits": {"nvidia.com/gpu": 1}}
+    )
+    objects = planner.plan(spec.parse_pipeline(doc), namespace="default")
+    [sts] = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "tp-b"]
+    [container] = sts["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert {k: v for k, v in env.items() if "RANK" in k or k == "DISAGG_LEADER"} == {
+        "DISAGG_RANKS": "2",
+        "DISAGG_NODE_RANK": "0",
+        "DISAGG_LEADER": "127.0.0.1",
+        "DISAGG_RANK_PORT": "29500",
+    }
+    assert container["resources"] == {
+        "requests": {"cpu": "1000m"},
+        "limits": {"nvidia.com/gpu": "2"},  # one GPU per rank
+    }
+    result = kubectl("apply", "--server-side", "-f", "-", input=render.dump_all(objects))
+    assert "Warning" not in result.stderr, result.stderr
+    assert k8s.call(lambda: list(k8s.emulator.warnings)) == []
+
+
+@pytest.mark.parametrize("nodes", [2])
+def test_groups_of_pods_are_refused_by_this_operator(nodes: int) -> None:
+    doc = pipeline()
+    doc["spec"]["roles"][1]["nodes"] = nodes
+    [problem] = planner.check(spec.parse_pipeline(doc))
+    assert problem.path == "spec.roles[1].nodes" and "not rendered" in problem.reason
