@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from disagg_runtime.bench.transport import format_size, measure_memcpy_large, parse_size
+from disagg_runtime.bench.limits import measure_memcpy_large
+from disagg_runtime.bench.sizes import format_size, parse_size
 
 FEED_MODES = ("notice", "shm", "broadcast")
 DEFAULT_SIZES = "4KiB,16MiB,64MiB"
