@@ -12,7 +12,7 @@ A caller that makes a payload's bytes itself can write them straight into the en
 role's pool (shm entry relay, one entry role): `reserve(manifest)` holds a slot there,
 the caller fills `Reserved.slot`, and `Reserved.start` submits it (`release` gives an
 unused slot back). Over tcp it can stream them there as they come instead: `upload`
-reserves a slot on a connection of the upload's own (peers.py `Dedicated`) and sends each
+reserves a slot on a connection of the upload's own (routing/relays.py `Dedicated`) and sends each
 chunk once the caller says its bytes are in (`Upload.advance`); `Upload.start` submits
 the request, `release` cuts the transfer, which frees the slot at once.
 
@@ -41,24 +41,17 @@ from disagg_runtime.memory.pool import Pool, shm_name, shm_namespace
 from disagg_runtime.relay import (
     Ingress,
     Message,
-    PeerLost,
     RelayError,
     ShmSender,
     TcpSender,
-    Unanswered,
 )
 from disagg_runtime.relay.auth import check_key, key_from_env
 from disagg_runtime.relay.backends.tcp import chunk_plan
 from disagg_runtime.relay.errors import NeverFits
 from disagg_runtime.relay.sender import Grant
-from disagg_runtime.routing.peers import (
-    Dedicated,
-    PeerSet,
-    PeersFile,
-    RelayCache,
-    Resolver,
-    resolve_dns,
-)
+from disagg_runtime.routing import failover
+from disagg_runtime.routing.peers import PeerSet, PeersFile, Resolver, resolve_dns
+from disagg_runtime.routing.relays import Dedicated, RelayCache
 from disagg_runtime.wire import envelope
 from disagg_runtime.wire.envelope import Meta, Reply
 from disagg_runtime.wire.manifest import Manifest
@@ -301,35 +294,22 @@ class Upload:
                 self._cond.wait(remaining)
 
     def _reserve(self) -> tuple[TcpSender, Grant]:
-        """A slot on a dedicated connection, reconnecting once (elsewhere) on PeerLost, as
-        RelayCache.on_relay does (a replica that did not answer is skipped for a while)."""
-        peers, dedicated = self._peers, self._client.uploads
-        endpoint = peers.endpoint_for(self.rid, self._client.relays.viewer(peers.kind))
-        for attempt in (1, 2):
-            remaining = max(0.05, self._reserve_by - time.monotonic())
-            try:
-                relay = dedicated.take(
-                    endpoint, timeout=remaining, role=peers.peer.role, bounded=attempt == 1
-                )
-            except PeerLost as exc:  # WrongRole, Unanswered: nothing of it was opened
-                if attempt == 2:
-                    raise
-                if isinstance(exc, Unanswered):
-                    peers.lost(endpoint)
-                endpoint = peers.reroute(self.rid, self._client.relays.viewer(peers.kind))
-                continue
-            try:
-                remaining = max(0.05, self._reserve_by - time.monotonic())
-                return relay, relay.reserve(self.rid, self.manifest, timeout=remaining)
-            except PeerLost:
-                relay.close()
-                if attempt == 2:
-                    raise
-                endpoint = peers.reroute(self.rid, self._client.relays.viewer(peers.kind))
-            except BaseException:
-                dedicated.give(relay)
-                raise
-        raise AssertionError("unreachable")
+        """A slot on a dedicated connection, with failover (failover.DedicatedTcp: once more,
+        elsewhere, on PeerLost; a replica that did not answer is skipped for a while)."""
+        peers, viewer = self._peers, self._client.relays.viewer(self._peers.kind)
+        route = failover.DedicatedTcp(
+            self._client.uploads,
+            lambda first: (
+                peers.endpoint_for(self.rid, viewer) if first else peers.reroute(self.rid, viewer)
+            ),
+            role=peers.peer.role,
+            unanswered=peers.lost,
+        )
+        return failover.with_failover(
+            route,
+            lambda relay, seconds: relay.reserve(self.rid, self.manifest, timeout=seconds),
+            timeout=max(0.05, self._reserve_by - time.monotonic()),
+        )
 
     def _run(self) -> None:
         relay: TcpSender | None = None
@@ -477,7 +457,8 @@ class Client:
 
         try:
             endpoint = peers.endpoint_for(rid, self.relays.viewer(peers.kind))
-            relay, grant = self.relays.on_relay(
+            relay, grant = failover.on_relay(
+                self.relays,
                 peers.kind,
                 endpoint,
                 reserve,
@@ -587,7 +568,8 @@ class Client:
     def _send(self, peers: PeerSet, meta: Meta, payload: Any) -> None:
         new = meta.kind != "abort"  # an abort follows its request; it never chooses
         endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
-        self.relays.send(
+        failover.send(
+            self.relays,
             peers.kind,
             endpoint,
             payload,

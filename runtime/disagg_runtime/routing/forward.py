@@ -1,15 +1,14 @@
-"""Sending a role's messages on: to the replica of a downstream role a request goes to, or
-to its reply endpoint, with the failover both need written once.
-
-`Forwarder.send_to` picks the replica (peers.PeerSet: pinned per request, chosen by load
-or by hash, among those that pair with this role's revision), opens or reuses its relay
-(peers.RelayCache), and sends; a replica that lost its session (PeerLost: it restarted,
-or its pod went away, and nothing of the payload was delivered) is dropped and the send
-made once more, to a replica chosen afresh. While choosing, a replica that serves another
-role now (WrongRole) or does not answer (Unanswered) is skipped; while none pairs (a
-rollout's partner not ready yet) it waits, until shortly before the request's deadline,
-or until the role has drained (`leaving`). `send_reply` goes to the request's reply
-endpoint through the same cache (`RelayCache.send`: one reconnect on PeerLost).
+"""Sending a role's messages on: to the replica of a downstream role a request goes to, or to
+its reply endpoint, with the failover both need written once. `Forwarder.send_to` picks the
+replica (peers.PeerSet: pinned per request, chosen by load or by hash, among those that pair
+with this role's revision), opens or reuses its relay (relays.RelayCache), and sends with
+failover.with_failover: a replica that lost its session (PeerLost: it restarted, or its pod
+went away, and nothing of the payload was delivered) is dropped and the send made once more,
+to a replica chosen afresh. While choosing, a replica that serves another role now
+(WrongRole) or does not answer (Unanswered) is skipped; while none pairs (a rollout's
+partner not ready yet) it waits, until shortly before the request's deadline, or until the
+role has drained (`leaving`). `send_reply` goes to the request's reply endpoint through the
+same cache and failover (`failover.send`: one reconnect on PeerLost).
 """
 
 from __future__ import annotations
@@ -21,7 +20,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from disagg_runtime.relay import PeerLost, Relay, RelayError, Unanswered, WrongRole
-from disagg_runtime.routing.peers import NoCompatibleReplica, PeerSet, RelayCache
+from disagg_runtime.routing import failover
+from disagg_runtime.routing.peers import NoCompatibleReplica, PeerSet
+from disagg_runtime.routing.relays import RelayCache
 from disagg_runtime.wire.envelope import Meta
 
 log = logging.getLogger(__name__)
@@ -62,24 +63,20 @@ class Forwarder:
         peers = self.peers[target]
         new = meta.kind not in ("end", "abort")  # those follow the request, never choose
         started = time.monotonic()
-        relay, endpoint = self._paired(peers, meta, new)
+        route = Paired(self, peers, meta, new)
         try:
-            try:
-                nbytes = relay.send(
-                    payload, request_id=meta.rid, timeout=remaining(meta), meta=meta.to_json()
-                )
-            except PeerLost:  # it restarted, or its pod went away: once more, chosen afresh
-                self.relays.drop(peers.kind, endpoint, relay)
-                peers.unpin(meta.rid)
-                peers.endpoints(refresh=True)
-                relay, endpoint = self._paired(peers, meta, new)
-                nbytes = relay.send(
-                    payload, request_id=meta.rid, timeout=remaining(meta), meta=meta.to_json()
-                )
+            relay, nbytes = failover.with_failover(
+                route,
+                lambda relay, seconds: relay.send(
+                    payload, request_id=meta.rid, timeout=seconds, meta=meta.to_json()
+                ),
+                timeout=remaining(meta),
+            )
         except RelayError as exc:
-            self.relays.drop(peers.kind, endpoint, relay)
+            if not route.opened:  # choosing failed: its error names the replica already
+                raise
             # the same type (a timeout stays a timeout), naming whom it could not reach
-            raise type(exc)(f"{target} at {endpoint}: {exc}") from exc
+            raise type(exc)(f"{target} at {route.endpoint}: {exc}") from exc
         elapsed = time.monotonic() - started
         if not new:  # the request's last message to it
             peers.unpin(meta.rid)
@@ -137,7 +134,8 @@ class Forwarder:
         longer than the request has left."""
         kind, endpoint = meta.reply.relay, meta.reply.endpoint
         try:
-            self.relays.send(
+            failover.send(
+                self.relays,
                 kind,
                 endpoint,
                 payload,
@@ -149,3 +147,33 @@ class Forwarder:
             self.relays.failed()
             raise ReplyFailed(f"reply to {endpoint}: {exc}") from exc
         self.relays.succeeded()
+
+
+class Paired:
+    """failover.Route to the replica of a downstream role a request goes to (its pin, or
+    the one chosen for it; see Forwarder._paired); after a loss, chosen afresh."""
+
+    def __init__(self, forwarder: Forwarder, peers: PeerSet, meta: Meta, new: bool) -> None:
+        self._forwarder = forwarder
+        self._peers = peers
+        self._meta = meta
+        self._new = new
+        self.endpoint = ""
+        self.opened = False  # whether the last open succeeded
+
+    def open(self, *, first: bool, seconds: float) -> Relay:
+        self.opened = False
+        relay, self.endpoint = self._forwarder._paired(self._peers, self._meta, self._new)
+        self.opened = True
+        return relay
+
+    def discard(self, relay: Relay) -> None:
+        self._forwarder.relays.drop(self._peers.kind, self.endpoint, relay)
+
+    def keep(self, relay: Relay) -> None:
+        pass  # shared: it stays in the cache
+
+    def lost(self, exc: PeerLost) -> None:
+        """It restarted, or its pod went away: the pin goes, the replicas are looked up."""
+        self._peers.unpin(self._meta.rid)
+        self._peers.endpoints(refresh=True)
