@@ -49,7 +49,9 @@ from disagg_runtime.relay.auth import check_key, key_from_env
 from disagg_runtime.relay.backends.tcp import chunk_plan
 from disagg_runtime.relay.errors import NeverFits
 from disagg_runtime.relay.sender import Grant
-from disagg_runtime.routing import failover
+from disagg_runtime.routing import failover, migration
+from disagg_runtime.routing.inflight import InFlight, Sent
+from disagg_runtime.routing.migration import LOST
 from disagg_runtime.routing.peers import PeerSet, PeersFile, Resolver, resolve_dns
 from disagg_runtime.routing.relays import Dedicated, RelayCache
 from disagg_runtime.wire import envelope
@@ -130,6 +132,14 @@ class _Pending:
     next_seq: dict[str, int] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)
     on_chunk: Callable[[Any], None] | None = None
+    payload: Any = None  # kept while in flight, to be resent if the request moves
+    kept: bool = False  # (a payload written in place is not: it cannot move)
+    first: str = ""  # the request id the caller knows (moving gives it a new one)
+    moved: int = 0
+
+    def seen(self) -> migration.Seen:
+        sent = {source for source, seq in self.next_seq.items() if seq}
+        return migration.Seen(frozenset(sent | set(self.results)), frozenset(self.ended))
 
 
 class Reserved:
@@ -369,10 +379,13 @@ class Client:
         key: bytes | None = None,
         dispatch: str = "load",
         hashed_roles: Collection[str] = (),
+        migrate: migration.Policy | None = None,
     ) -> None:
         """`dispatch` "load" sends each request to the entry replica whose advertised load
         is lowest of two (routing/dispatch.py), "hash" by its id; entry roles in `hashed_roles`
-        (those that join inputs) are always chosen by hash."""
+        (those that join inputs) are always chosen by hash. `migrate`: how requests that a
+        role reports lost move to a live replica (routing/migration.py; the default policy
+        when None, `Policy(max_attempts=0)` never)."""
         key = check_key(key) if key is not None else key_from_env()
         self.key = key  # the pipeline's peer key (the gateway's readiness probe proves it)
         self.exits = frozenset(exits)
@@ -386,6 +399,11 @@ class Client:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._aborts: queue.Queue[str] = queue.Queue(ABORT_BACKLOG)
+        self.migration = migrate or migration.Policy()
+        self.migrations = 0  # requests moved to a live replica
+        self._moves: queue.Queue[tuple[str, dict[str, str]]] = queue.Queue(ABORT_BACKLOG)
+        self._aliases: dict[str, str] = {}  # the id a caller knows -> the moved request's
+        self.inflight = InFlight()  # which entry replica each request went to
         try:  # results are handled on its I/O thread: one wake-up per message, not two
             self.ingress = Ingress(
                 f"tcp://{bind_host}:{bind_port}",
@@ -514,7 +532,9 @@ class Client:
                 yield item
 
     def cancel(self, rid: str, reason: str = "cancelled by the client") -> None:
-        self._finish(rid, exc=RequestFailed(f"request {rid} {reason}"))
+        with self._lock:
+            current = self._aliases.get(rid, rid)
+        self._finish(current, exc=RequestFailed(f"request {rid} {reason}"))
 
     def fail_all(self, message: str, *, role: str = "") -> int:
         """Fail every request in flight (e.g. a role process died)."""
@@ -551,7 +571,14 @@ class Client:
             raise RequestFailed("client is closed")
         seconds = self.timeout if timeout is None else timeout
         rid = uuid.uuid4().hex
-        pending = _Pending(self.exits, time.monotonic() + seconds, on_chunk=on_chunk)
+        pending = _Pending(
+            self.exits,
+            time.monotonic() + seconds,
+            on_chunk=on_chunk,
+            payload=payload,
+            kept=self.migration.max_attempts > 0,
+            first=rid,
+        )
         with self._lock:
             self._pending[rid] = pending
         meta = Meta(rid, "data", "client", time.time() + seconds, self.reply)
@@ -568,7 +595,7 @@ class Client:
     def _send(self, peers: PeerSet, meta: Meta, payload: Any) -> None:
         new = meta.kind != "abort"  # an abort follows its request; it never chooses
         endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
-        failover.send(
+        relay, _ = failover.send(
             self.relays,
             peers.kind,
             endpoint,
@@ -579,7 +606,80 @@ class Client:
             repick=lambda: peers.reroute(meta.rid, self.relays.viewer(peers.kind), new=new),
             role=peers.peer.role,
             lost=peers.lost,
+            gone=self._entry_gone,
         )
+        if new:
+            self.inflight.add(Sent(meta, peers.peer.role, peers.kind, relay.endpoint))
+
+    # ---- migration (routing/migration.py) ------------------------------------------------------
+    def _entry_gone(self, kind: str, endpoint: str) -> None:
+        """An entry replica was lost (its relay found gone): what went there moves."""
+        for sent in self.inflight.lost(kind, endpoint):
+            why = f"entry replica {endpoint} of role {sent.target} was lost"
+            self._later_move(sent.meta.rid, {"role": sent.target, "reason": LOST, "message": why})
+
+    def _sweep(self) -> None:
+        """Look at the relays to entry replicas that requests are in flight at (nothing
+        sent): one whose receiver went away or restarted is dropped, its requests moved."""
+        for kind, endpoint in self.inflight.replicas():
+            relay = self.relays.peek(kind, endpoint)
+            if relay is not None and relay.gone():
+                self.relays.drop(kind, endpoint, relay)
+                self._entry_gone(kind, endpoint)
+
+    def _later_move(self, rid: str, error: dict[str, str]) -> None:
+        try:
+            self._moves.put_nowait((rid, error))
+        except queue.Full:
+            log.warning("client: move backlog full; request %s is not moved", rid)
+
+    def _move(self, rid: str, error: dict[str, str]) -> None:
+        """Resend a request reported lost to a live replica, or fail it (migration.decide)."""
+        with self._lock:
+            pending = self._pending.get(rid)
+        if pending is None:
+            return  # finished already
+        role = error.get("role", "")
+        verdict, why = migration.decide(
+            self.migration,
+            reason=error.get("reason", ""),
+            role=role,
+            exits=self.exits,
+            seen=pending.seen(),
+            moved=pending.moved,
+            remaining_s=pending.deadline - time.monotonic(),
+            kept=pending.kept,
+        )
+        log.info("client: request %s: %s (%s)", pending.first, why, error.get("message", ""))
+        if verdict == "ignore":
+            return
+        if verdict == "fail":
+            message = f"request {pending.first} failed: {why}: {error.get('message', '')}"
+            self._finish(rid, exc=RequestFailed(message, role=role, error=error))
+            return
+        new = uuid.uuid4().hex
+        with self._lock:
+            if self._pending.get(rid) is not pending:
+                return
+            del self._pending[rid]
+            self._pending[new] = pending
+            self._aliases[pending.first] = new
+            pending.moved += 1
+            self.migrations += 1
+        for peers in self.entries:
+            peers.unpin(rid)
+            sent = self.inflight.forget(rid, peers.peer.role)
+            if sent is not None and role == peers.peer.role:  # that replica: not again soon
+                peers.lost(sent.endpoint)
+        self._abort(rid)  # whatever a role still holds of the old attempt lets go
+        remaining = max(0.0, pending.deadline - time.monotonic())
+        meta = Meta(new, "data", "client", time.time() + remaining, self.reply)
+        try:
+            for peers in self.entries:
+                self._send(peers, meta, pending.payload)
+        except (RelayError, OSError) as exc:
+            what = f"request {pending.first} could not be moved ({why}: {error.get('message')})"
+            self._finish(new, exc=_failed(what, exc))
 
     def _later_abort(self, rid: str) -> None:
         """Leave the abort (network sends) to the control thread: `_finish` runs on the
@@ -603,6 +703,8 @@ class Client:
     def _finish(self, rid: str, *, result: Any = None, exc: BaseException | None = None) -> None:
         with self._lock:
             pending = self._pending.pop(rid, None)
+            if pending is not None:
+                self._aliases.pop(pending.first, None)
         if pending is None:
             return
         if exc is not None:
@@ -612,6 +714,8 @@ class Client:
             pending.future.set_result(result)
         for peers in self.entries:
             peers.unpin(rid)
+            self.inflight.forget(rid, peers.peer.role)
+        pending.payload = None
         pending.chunks.put(_END)
 
     def _control(self) -> None:
@@ -621,6 +725,9 @@ class Client:
             try:
                 if not self._closed.is_set():
                     self._expire()
+                    self._sweep()
+                    while not self._moves.empty():
+                        self._move(*self._moves.get_nowait())
                 rid = self._aborts.get(timeout=EXPIRE_EVERY_S)
             except queue.Empty:
                 continue
@@ -653,7 +760,9 @@ class Client:
             pending = self._pending.get(meta.rid)
         if pending is None:
             return  # finished already (timed out, failed, cancelled)
-        if meta.kind == "error":
+        if meta.kind == "error" and meta.error.get("reason") in migration.MIGRATE_REASONS:
+            self._later_move(meta.rid, dict(meta.error))  # (resending: not on this thread)
+        elif meta.kind == "error":
             error = dict(meta.error)
             where = f"role {error.get('role', meta.source)} (replica {error.get('replica', '?')})"
             message = f"request {meta.rid} failed at {where}: {error.get('message', '')}"

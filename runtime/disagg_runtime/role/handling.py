@@ -27,7 +27,7 @@ from disagg_runtime.role.batching import BatchCancelled, BatchTimeout
 from disagg_runtime.role.handler import Runner
 from disagg_runtime.role.metrics import RoleMetrics
 from disagg_runtime.role.requests import Join, Requests
-from disagg_runtime.routing import forward
+from disagg_runtime.routing import forward, migration
 from disagg_runtime.routing.forward import ReplyFailed
 from disagg_runtime.wire import envelope
 from disagg_runtime.wire.envelope import Meta
@@ -173,8 +173,31 @@ class Handling:
 
     # ---- failure -----------------------------------------------------------------------------
     def _fail_send(self, meta: Meta, exc: RelayError) -> None:
+        if isinstance(exc, forward.HandedBack):  # draining without a partner: elsewhere
+            self.hand_on(meta, migration.HANDED_BACK, str(exc))
+            self.abort(meta.with_(kind="abort", source=self.name))
+            return
         message = f"role {self.name} could not send on: {exc}"
         self.fail(meta, "transport", message, reply_failed=isinstance(exc, ReplyFailed))
+
+    def hand_on(self, meta: Meta, reason: str, message: str, *, role: str = "") -> None:
+        """Give the request back to its first sender (the client or gateway), which moves
+        it to a live replica unless output of it has reached it already (client.py):
+        `reason` is migration.HANDED_BACK (this role is going) or LOST (`role`'s replica it
+        went to is gone). Counted, and not a failure here."""
+        log.info("role %s: request %s handed on (%s): %s", self.name, meta.rid, reason, message)
+        self.metrics.handed_on(reason)
+        error = {
+            "role": role or self.name,
+            "replica": str(self.config.replica) if not role else "",
+            "reason": reason,
+            "type": "",
+            "message": message,
+        }
+        try:
+            self.forward.send_reply(meta.with_(kind="error", source=self.name, error=error), None)
+        except Exception as exc:  # the client may be gone
+            log.warning("role %s: could not hand %s back: %s", self.name, meta.rid, exc)
 
     def fail(
         self,

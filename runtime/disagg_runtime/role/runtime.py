@@ -64,7 +64,7 @@ from disagg_runtime.role.handling import Handling
 from disagg_runtime.role.health import HealthServer
 from disagg_runtime.role.metrics import RoleMetrics, RoleSample
 from disagg_runtime.role.requests import Requests
-from disagg_runtime.routing import dispatch, forward
+from disagg_runtime.routing import dispatch, forward, inflight, migration
 from disagg_runtime.routing.peers import RESOLVE_EVERY, PeerSet, PeersFile, Resolver, resolve_dns
 from disagg_runtime.routing.relays import RelayCache
 from disagg_runtime.wire import envelope
@@ -79,6 +79,7 @@ PROBE_S = 1.0  # how long asking one may take
 CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
 LINGER_QUIET_S = 0.3  # after its goodbye a role serves until nothing came for this long
 LINGER_MAX_S = 3.0  # ... or at most this long
+SWEEP_S = 0.25  # how often relays to replicas holding requests are looked at (forward.sweep)
 
 
 class RoleRuntime:
@@ -132,7 +133,7 @@ class RoleRuntime:
         self._leaving = threading.Event()  # drained: requests waiting for a partner give up
         self._threads: list[threading.Thread] = []
         # aborts to pass on, requests to refuse as overloaded: network sends, off the I/O thread
-        self._control: queue.Queue[tuple[str, Meta]] = queue.Queue(CONTROL_BACKLOG)
+        self._control: queue.Queue[tuple[str, Meta, str]] = queue.Queue(CONTROL_BACKLOG)
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
@@ -180,6 +181,8 @@ class RoleRuntime:
             self.relays,
             leaving=self._leaving,
             edge_sent=self.metrics.edge_sent,
+            draining=self._draining,
+            on_lost=self._lost,
         )
         self.handling = Handling(
             config, self.requests, self.runner, self.metrics, self.forward, stopping=self._stopping
@@ -242,6 +245,13 @@ class RoleRuntime:
                 break
             time.sleep(0.05)
         self._leaving.set()  # what still waits for a partner fails now, telling its client
+        for meta in self.requests.hand_back():  # what nothing started goes to another replica
+            self.handling.hand_on(
+                meta,
+                migration.HANDED_BACK,
+                f"role {self.name} replica {self.config.replica} drained before it could "
+                "start this request",
+            )
         if self._started and (grace_s is None or grace_s > 0):
             self._goodbye(deadline)
         self._stopping.set()
@@ -382,11 +392,17 @@ class RoleRuntime:
             msg.release()
 
     def _control_loop(self) -> None:
-        """Expire joins that waited too long; pass aborts downstream (network sends)."""
+        """Expire joins that waited too long, look for downstream replicas lost with requests
+        in flight there (forward.sweep); pass aborts downstream, refuse, report lost
+        requests to their clients (network sends)."""
+        swept = 0.0
         while not self._stopping.is_set():
             try:
                 self.handling.expire_joins()
-                action, meta = self._control.get(timeout=0.1)
+                if time.monotonic() - swept >= SWEEP_S:
+                    swept = time.monotonic()
+                    self.forward.sweep()
+                action, meta, why = self._control.get(timeout=0.1)
             except queue.Empty:
                 continue
             except Exception:  # the loop must outlive any one request's failure
@@ -395,6 +411,8 @@ class RoleRuntime:
             try:
                 if action == "abort":
                     self.handling.pass_abort(meta)
+                elif action == "lost":
+                    self.handling.hand_on(meta, migration.LOST, why, role=meta.source)
                 else:
                     self.handling.fail(
                         meta,
@@ -405,13 +423,23 @@ class RoleRuntime:
             except Exception:
                 log.exception("role %s: error on %s of %s", self.name, action, meta.rid)
 
-    def _later(self, action: str, meta: Meta) -> None:
+    def _later(self, action: str, meta: Meta, why: str = "") -> None:
         """Leave a network send to the control thread; dropped when its backlog is full
         (an abort is then not passed on: the request's deadline frees its slots)."""
         try:
-            self._control.put_nowait((action, meta))
+            self._control.put_nowait((action, meta, why))
         except queue.Full:
             log.warning("role %s: backlog full; %s of %s dropped", self.name, action, meta.rid)
+
+    def _lost(self, sent: list[inflight.Sent]) -> None:
+        """Requests passed on to a downstream replica that is now lost: their clients are
+        told (by the control thread), to move them to a live replica."""
+        for s in sent:
+            why = (
+                f"replica {s.endpoint} of role {s.target} was lost (killed or restarted) "
+                f"while request {s.meta.rid} may have been there"
+            )
+            self._later("lost", s.meta.with_(source=s.target), why)
 
     def _accept(self, msg: Message) -> None:
         payload = msg.payload

@@ -106,6 +106,7 @@ class Cached:
         repick: Callable[[], str] | None = None,
         role: str | None = None,
         unanswered: Callable[[str], None] | None = None,
+        gone: Callable[[str, str], None] | None = None,
     ) -> None:
         self.relays = relays
         self.kind = kind
@@ -113,6 +114,7 @@ class Cached:
         self._repick = repick
         self._role = role
         self._unanswered = unanswered
+        self._gone = gone  # told (kind, endpoint) of a receiver that went away or restarted
 
     def open(self, *, first: bool, seconds: float) -> Relay:
         return self.relays.get(
@@ -120,7 +122,10 @@ class Cached:
         )
 
     def discard(self, relay: Relay) -> None:
+        gone = relay.gone()
         self.relays.drop(self.kind, self.endpoint, relay)
+        if gone and self._gone is not None:
+            self._gone(self.kind, self.endpoint)
 
     def keep(self, relay: Relay) -> None:
         pass  # shared: it stays in the cache
@@ -181,10 +186,11 @@ def send(
     repick: Callable[[], str] | None = None,
     role: str | None = None,
     lost: Callable[[str], None] | None = None,
+    gone: Callable[[str, str], None] | None = None,
 ) -> tuple[Relay, int]:
     """Send `payload` on the shared relay to `endpoint` with failover (`Cached`); the relay
     it went on and the bytes moved."""
-    route = Cached(relays, kind, endpoint, repick=repick, role=role, unanswered=lost)
+    route = Cached(relays, kind, endpoint, repick=repick, role=role, unanswered=lost, gone=gone)
     return with_failover(
         route,
         lambda relay, remaining: relay.send(

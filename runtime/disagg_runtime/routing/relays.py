@@ -200,6 +200,12 @@ class RelayCache:
             return f"the last {self.FAILURES} sends failed and none succeeded since"
         return None
 
+    def peek(self, kind: str, endpoint: str) -> Relay | None:
+        """The open relay to `endpoint`, if there is one (opens nothing, uses nothing)."""
+        with self._lock:
+            entry = self._relays.get((kind, endpoint))
+        return entry[0] if entry is not None else None
+
     def view(self, kind: str, endpoint: str) -> dispatch.View | None:
         """What the open relay to `endpoint` knows of its load (None: no relay, no report);
         opens nothing."""
