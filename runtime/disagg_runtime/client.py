@@ -613,7 +613,11 @@ class Client:
 
     # ---- migration (routing/migration.py) ------------------------------------------------------
     def _entry_gone(self, kind: str, endpoint: str) -> None:
-        """An entry replica was lost (its relay found gone): what went there moves."""
+        """An entry replica was lost (its relay found gone): it is skipped a while, what
+        went there moves."""
+        for peers in self.entries:
+            if endpoint in peers.endpoints():
+                peers.lost(endpoint)
         for sent in self.inflight.lost(kind, endpoint):
             why = f"entry replica {endpoint} of role {sent.target} was lost"
             self._later_move(sent.meta.rid, {"role": sent.target, "reason": LOST, "message": why})

@@ -115,6 +115,7 @@ class Cached:
         self._role = role
         self._unanswered = unanswered
         self._gone = gone  # told (kind, endpoint) of a receiver that went away or restarted
+        self._was_gone = False
 
     def open(self, *, first: bool, seconds: float) -> Relay:
         return self.relays.get(
@@ -122,16 +123,19 @@ class Cached:
         )
 
     def discard(self, relay: Relay) -> None:
-        gone = relay.gone()
+        self._was_gone = relay.gone()
         self.relays.drop(self.kind, self.endpoint, relay)
-        if gone and self._gone is not None:
+        if self._was_gone and self._gone is not None:
             self._gone(self.kind, self.endpoint)
 
     def keep(self, relay: Relay) -> None:
         pass  # shared: it stays in the cache
 
     def lost(self, exc: PeerLost) -> None:
-        if isinstance(exc, Unanswered) and self._unanswered is not None:
+        """A replica that did not answer, or whose receiver went away, is skipped a while
+        (`unanswered`), then another one is picked."""
+        gone = isinstance(exc, Unanswered) or self._was_gone
+        if gone and self._unanswered is not None:
             self._unanswered(self.endpoint)
         if self._repick is not None:
             self.endpoint = self._repick()

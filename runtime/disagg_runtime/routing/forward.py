@@ -166,7 +166,10 @@ class Forwarder:
             relay = self.relays.peek(kind, endpoint)
             if relay is not None and relay.gone():
                 self.relays.drop(kind, endpoint, relay)
-                self.lost(self.inflight.lost(kind, endpoint))
+                sent = self.inflight.lost(kind, endpoint)
+                for target in {s.target for s in sent}:
+                    self.peers[target].lost(endpoint)
+                self.lost(sent)
 
     def send_reply(self, meta: Meta, payload: Any) -> None:
         """To the request's reply endpoint, which must prove the peer key (so it is one of
@@ -221,6 +224,7 @@ class Paired:
         meta, kind = self._meta, self._peers.kind
         midway = meta.kind == "end" or (meta.kind == "chunk" and meta.seq > 0)
         if self._gone:
+            self._peers.lost(self.endpoint)  # dead or restarted: others first, a while
             self._forwarder.lost(self._forwarder.inflight.lost(kind, self.endpoint, but=meta.rid))
         if midway:
             raise StreamBroken(
