@@ -39,6 +39,7 @@ from disagg_runtime.local.rundir import RunDir, open_run
 from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
 from disagg_runtime.role.health import fetch, scrape
+from disagg_runtime.routing import migration
 from disagg_runtime.routing.peers import FILE_RESOLVE_EVERY, write_peers_file
 
 HOST = "127.0.0.1"
@@ -313,6 +314,7 @@ class LocalPipeline:
             key=self.key,
             dispatch=self.dispatch,
             hashed_roles=[r for r in topology.entry_roles if topology.roles[r].joins],
+            migrate=migration.Policy(max_attempts=topology.migration_attempts),
         )
 
     def metrics(self) -> dict[str, dict[str, float]]:
