@@ -80,6 +80,16 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--serve", action="store_true", help="serve HTTP (the gateway) until Ctrl-C instead"
     )
+    up.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="--serve: stop when a role process dies (default: restart it with back-off)",
+    )
+    up.add_argument(
+        "--restart",
+        action="store_true",
+        help="without --serve: restart a role process that dies instead of stopping the run",
+    )
     up.add_argument("--port", type=int, default=8080, help="--serve: HTTP port (default 8080)")
     up.add_argument("--host", default="127.0.0.1", help="--serve: bind address (127.0.0.1)")
     up.add_argument("--token", default=None, help="--serve: require this bearer token")
