@@ -23,16 +23,16 @@ misses a pool that fills with a few huge payloads.
                = max(raws in the last down window)  when raw < current
     desired    = clamp(stabilized, minReplicas, maxReplicas)
 
-So a spike scales up within one decision (up window 0 by default), scale-down waits for
-its whole window of lower recommendations, and load that oscillates inside the window
-does not flap. A window counts in scrape results, not wall time alone: a move (past a
-window above 0) needs the recommendation to have held in every result since one at or
-before the window's start, at least `MIN_RESULTS` of them inside the window and no gap
-between two longer than the window. A decision without a fresh sample of any replica (the
-scrapes timed out: a machine starved of CPU) is no signal: it is not recorded and moves
-nothing. A fresh autoscaler (a new pipeline, changed policies, a restarted operator)
-has seen no window yet: it holds scale-downs until one full down window has passed since
-its first decision for the role, as if the window had been full of the current count.
+So a spike scales up within one decision (up window 0 by default), scale-down waits for its
+whole window of lower recommendations, and load that oscillates inside the window does not
+flap. A window counts in scrape results, not wall time alone: a move (past a window above 0)
+needs the recommendation to hold in every result inside the window, at least `MIN_RESULTS`
+of them, the first within half a window of its start (`held`). A decision without a fresh
+sample of any replica (the scrapes timed out: a machine starved of CPU) is no signal: it
+moves nothing, and a window holding it is no window. A fresh autoscaler (a new pipeline,
+changed policies, a restarted operator) has seen no window yet: it holds scale-downs until
+one full down window has passed since its first decision for the role, as if the window had
+been full of the current count.
 Ratio locks then hold declared proportions between roles (e.g.
 denoiser:decoder = 4:1): when the leader's desired count moves, followers outside the
 lock's tolerance are set to the proportional count (clamped to their own bounds).
@@ -40,6 +40,7 @@ lock's tolerance are set to the proportional count (clamped to their own bounds)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -130,7 +131,7 @@ class Decision:
 
 @dataclass
 class _History:
-    raws: deque[tuple[float, int]] = field(default_factory=deque)
+    raws: deque[tuple[float, int | None]] = field(default_factory=deque)  # None: no signal
 
 
 class Autoscaler:
@@ -166,16 +167,17 @@ class Autoscaler:
     ) -> Decision:
         raw, reason, signal = recommend(policy, current, samples, now, self.stale_after_s)
         first_seen = self._first_seen.setdefault(role, now)
-        if not fresh(samples, now, self.stale_after_s):  # no signal: nothing recorded
-            return Decision(role, current, current, reason, now, signal)
         history = self._history[role].raws
+        if not fresh(samples, now, self.stale_after_s):  # no signal: it breaks any run
+            history.append((now, None))
+            return Decision(role, current, current, reason, now, signal)
         history.append((now, raw))
         longest = max(policy.scale_up_window_s, policy.scale_down_window_s)
-        while len(history) > 1 and history[1][0] <= now - longest:
-            history.popleft()  # (one result at or before the window's start is kept)
+        while history and history[0][0] < now - longest:
+            history.popleft()
         if raw > current:
             up = policy.scale_up_window_s
-            window = [r for t, r in history if t >= now - up]
+            window = [r for t, r in history if t >= now - up and r is not None]
             stabilized = max(current, min(window))
             if up > 0 and not held(history, now, up, lambda r: r > current):
                 stabilized = current
@@ -183,7 +185,7 @@ class Autoscaler:
                 reason += f"; held to {stabilized} by the {up:g}s up window"
         elif raw < current:
             down = policy.scale_down_window_s
-            window = [r for t, r in history if t >= now - down]
+            window = [r for t, r in history if t >= now - down and r is not None]
             stabilized = min(current, max(window))
             if now - first_seen < down:
                 stabilized = current  # no full window observed yet
@@ -234,19 +236,22 @@ def fresh(samples: Sequence[Sample], now: float, stale_after_s: float) -> list[S
 
 
 def held(
-    history: Sequence[tuple[float, int]], now: float, window_s: float, holds: Callable[[int], bool]
+    history: Sequence[tuple[float, int | None]],
+    now: float,
+    window_s: float,
+    holds: Callable[[int], bool],
 ) -> bool:
-    """Whether the recommendations satisfied `holds` in every result back to one at or
-    before `now - window_s`, with at least MIN_RESULTS results counting that one and no gap between
-    two results longer than the window (results, not wall time, must cover it)."""
-    later = now
-    for inside, (at, raw) in enumerate(reversed(history)):
-        if not holds(raw) or later - at > window_s:
-            return False
-        if at <= now - window_s:  # the window's start: with those after it, enough?
-            return inside + 1 >= MIN_RESULTS
-        later = at
-    return False
+    """Whether the results inside the window (`now - window_s` .. `now`) show the
+    recommendation holding: every one satisfies `holds` (a decision without a signal, None,
+    breaks it), at least MIN_RESULTS of them, the first within half a window of its start
+    and none more than a window after the one before (results cover it, not wall time)."""
+    start = now - window_s
+    inside = [(at, raw) for at, raw in history if at >= start]
+    if len(inside) < MIN_RESULTS or inside[0][0] - start > window_s / 2:
+        return False
+    if any(raw is None or not holds(raw) for _, raw in inside):
+        return False
+    return all(b[0] - a[0] <= window_s for a, b in itertools.pairwise(inside))
 
 
 def recommend(
