@@ -173,6 +173,15 @@ def _build_parser() -> argparse.ArgumentParser:
     llm.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     llm.add_argument("--skip-batching", action="store_true", help="only the hand-off part")
     llm.add_argument("--json", action="store_true", help="print JSON")
+    faults = bench_sub.add_parser(
+        "faults", help="requests lost per 1,000 across a kill, a scale-down and a rollout"
+    )
+    faults.add_argument("--phase-seconds", type=float, default=3.0, help="steady load per phase")
+    faults.add_argument("--concurrency", type=int, default=8, help="requests in flight (8)")
+    faults.add_argument(
+        "--without-migration", action="store_true", help="the baseline: migrationAttempts 0"
+    )
+    faults.add_argument("--json", action="store_true", help="print JSON")
     bench_operator = bench_sub.add_parser(
         "operator", help="operator latency, throughput and memory against an API server"
     )
@@ -233,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(tiny.llm(args.out) if args.kind == "llm" else tiny.t2v(args.out))
         return 0
+    if args.command == "bench" and args.bench_command == "faults":
+        from disagg_runtime.bench import faults
+
+        return faults.run_cli(args)
     if args.command == "bench" and args.bench_command == "llm":
         from disagg_runtime.bench import llm
 

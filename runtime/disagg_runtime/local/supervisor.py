@@ -224,12 +224,21 @@ class LocalPipeline:
                     rp.ready = True
                 self._publish()
             elif replicas < len(current):
-                leaving = sorted(current, key=lambda rp: rp.config.replica)[replicas:]
-                for rp in leaving:
-                    rp.stopping = True
-                self._publish()
-                time.sleep(4 * FILE_RESOLVE_EVERY)  # senders re-read the file before we go
-                self._terminate(leaving)
+                self._retire(sorted(current, key=lambda rp: rp.config.replica)[replicas:])
+
+    def retire(self, leaving: list[RoleProcess]) -> None:
+        """Stop these replicas while requests flow (a rollout replaces them one by one)."""
+        with self._scale_lock:
+            self._retire(leaving)
+
+    def _retire(self, leaving: list[RoleProcess]) -> None:
+        """Out of the peers file first (no new work), then drained by SIGTERM: what they
+        cannot finish they hand back (routing/migration.py)."""
+        for rp in leaving:
+            rp.stopping = True
+        self._publish()
+        time.sleep(4 * FILE_RESOLVE_EVERY)  # senders re-read the file before we go
+        self._terminate(leaving)
 
     def _template(self, role: str) -> RoleConfig:
         for rp in self.processes:
