@@ -266,7 +266,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return 1
     stop = threading.Event()
     serving = getattr(args, "serve", False)
-    restart = not args.fail_fast if serving else args.restart
+    restart = not getattr(args, "fail_fast", False) if serving else getattr(args, "restart", False)
     local = LocalPipeline(pipeline, grace_s=args.grace, dispatch=args.dispatch, restart=restart)
     client: Client | None = None
     summary: dict[str, Any] | None = None
