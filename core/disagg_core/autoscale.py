@@ -23,11 +23,16 @@ misses a pool that fills with a few huge payloads.
                = max(raws in the last down window)  when raw < current
     desired    = clamp(stabilized, minReplicas, maxReplicas)
 
-So a spike scales up within one decision (up window 0 by default), scale-down waits for
-its whole window of lower recommendations, and load that oscillates inside the window
-does not flap. A fresh autoscaler (a new pipeline, changed policies, a restarted operator)
-has seen no window yet: it holds scale-downs until one full down window has passed since
-its first decision for the role, as if the window had been full of the current count.
+So a spike scales up within one decision (up window 0 by default), scale-down waits for its
+whole window of lower recommendations, and load that oscillates inside the window does not
+flap. A window counts in scrape results, not wall time alone: a move (past a window above 0)
+needs the recommendation to hold in every result inside the window, at least `MIN_RESULTS`
+of them, the first within half a window of its start (`held`). A decision without a fresh
+sample of any replica (the scrapes timed out: a machine starved of CPU) is no signal: it
+moves nothing, and a window holding it is no window. A fresh autoscaler (a new pipeline,
+changed policies, a restarted operator) has seen no window yet: it holds scale-downs until
+one full down window has passed since its first decision for the role, as if the window had
+been full of the current count.
 Ratio locks then hold declared proportions between roles (e.g.
 denoiser:decoder = 4:1): when the leader's desired count moves, followers outside the
 lock's tolerance are set to the proportional count (clamped to their own bounds).
@@ -35,14 +40,16 @@ lock's tolerance are set to the proportional count (clamped to their own bounds)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from disagg_core.spec import Autoscaling
 
 STALE_AFTER_S = 30.0
+MIN_RESULTS = 2  # signal results a window of more than 0 s must hold before a move
 # The role metrics the algorithm reads (runtime/disagg_runtime/role/metrics.py exports them):
 OCCUPANCY_METRIC = "disagg_pool_occupancy"
 QUEUE_DEPTH_METRIC = "disagg_queue_depth"
@@ -124,7 +131,7 @@ class Decision:
 
 @dataclass
 class _History:
-    raws: deque[tuple[float, int]] = field(default_factory=deque)
+    raws: deque[tuple[float, int | None]] = field(default_factory=deque)  # None: no signal
 
 
 class Autoscaler:
@@ -161,22 +168,31 @@ class Autoscaler:
         raw, reason, signal = recommend(policy, current, samples, now, self.stale_after_s)
         first_seen = self._first_seen.setdefault(role, now)
         history = self._history[role].raws
+        if not fresh(samples, now, self.stale_after_s):  # no signal: it breaks any run
+            history.append((now, None))
+            return Decision(role, current, current, reason, now, signal)
         history.append((now, raw))
-        horizon = now - max(policy.scale_up_window_s, policy.scale_down_window_s)
-        while history and history[0][0] < horizon:
+        longest = max(policy.scale_up_window_s, policy.scale_down_window_s)
+        while history and history[0][0] < now - longest:
             history.popleft()
         if raw > current:
-            window = [r for t, r in history if t >= now - policy.scale_up_window_s]
+            up = policy.scale_up_window_s
+            window = [r for t, r in history if t >= now - up and r is not None]
             stabilized = max(current, min(window))
+            if up > 0 and not held(history, now, up, lambda r: r > current):
+                stabilized = current
             if stabilized < raw:
-                reason += f"; held to {stabilized} by the {policy.scale_up_window_s:g}s up window"
+                reason += f"; held to {stabilized} by the {up:g}s up window"
         elif raw < current:
-            window = [r for t, r in history if t >= now - policy.scale_down_window_s]
+            down = policy.scale_down_window_s
+            window = [r for t, r in history if t >= now - down and r is not None]
             stabilized = min(current, max(window))
-            if now - first_seen < policy.scale_down_window_s:
+            if now - first_seen < down:
                 stabilized = current  # no full window observed yet
+            if down > 0 and not held(history, now, down, lambda r: r < current):
+                stabilized = current  # not seen to hold in enough scrape results
             if stabilized > raw:
-                reason += f"; waiting for the {policy.scale_down_window_s:g}s scale-down window"
+                reason += f"; waiting for the {down:g}s scale-down window"
         else:
             stabilized = current
         desired = min(policy.max_replicas, max(policy.min_replicas, stabilized))
@@ -212,25 +228,49 @@ class Autoscaler:
         )
 
 
+def fresh(samples: Sequence[Sample], now: float, stale_after_s: float) -> list[Sample]:
+    """The samples that are a signal: of a ready replica, with occupancy, not stale."""
+    return [
+        s for s in samples if s.ready and s.occupancy is not None and now - s.at <= stale_after_s
+    ]
+
+
+def held(
+    history: Sequence[tuple[float, int | None]],
+    now: float,
+    window_s: float,
+    holds: Callable[[int], bool],
+) -> bool:
+    """Whether the results inside the window (`now - window_s` .. `now`) show the
+    recommendation holding: every one satisfies `holds` (a decision without a signal, None,
+    breaks it), at least MIN_RESULTS of them, the first within half a window of its start
+    and none more than a window after the one before (results cover it, not wall time)."""
+    start = now - window_s
+    inside = [(at, raw) for at, raw in history if at >= start]
+    if len(inside) < MIN_RESULTS or inside[0][0] - start > window_s / 2:
+        return False
+    if any(raw is None or not holds(raw) for _, raw in inside):
+        return False
+    return all(b[0] - a[0] <= window_s for a, b in itertools.pairwise(inside))
+
+
 def recommend(
     policy: Policy, current: int, samples: Sequence[Sample], now: float, stale_after_s: float
 ) -> tuple[int, str, str]:
     """The unstabilized recommendation for one role, the reason in words, and the signal
     that drove it."""
-    fresh = [
-        s for s in samples if s.ready and s.occupancy is not None and now - s.at <= stale_after_s
-    ]
-    if not fresh:
+    live = fresh(samples, now, stale_after_s)
+    if not live:
         return current, "no fresh pool samples: keeping the replica count", "occupancy"
-    occupancy = sum(s.occupancy or 0.0 for s in fresh)
-    queued = sum(s.queue_depth for s in fresh)
-    ratios = {"occupancy": occupancy / len(fresh) / policy.target_occupancy}
+    occupancy = sum(s.occupancy or 0.0 for s in live)
+    queued = sum(s.queue_depth for s in live)
+    ratios = {"occupancy": occupancy / len(live) / policy.target_occupancy}
     described = (
-        f"pool occupancy {occupancy / len(fresh):.2f} vs target {policy.target_occupancy:.2f}"
+        f"pool occupancy {occupancy / len(live):.2f} vs target {policy.target_occupancy:.2f}"
     )
     if policy.target_queue is not None:
-        ratios["queue"] = queued / len(fresh) / policy.target_queue
-        described += f", queue {queued / len(fresh):.1f}/replica vs target {policy.target_queue:g}"
+        ratios["queue"] = queued / len(live) / policy.target_queue
+        described += f", queue {queued / len(live):.1f}/replica vs target {policy.target_queue:g}"
     signal = max(ratios, key=lambda name: ratios[name])
     ratio = ratios[signal]
     if abs(ratio - 1) <= policy.tolerance:
@@ -245,7 +285,7 @@ def recommend(
         if raw <= current:
             return current, f"{described}: replicas not yet ready absorb the load", signal
         return raw, f"{described}: scale up on {signal}", signal
-    missing = current - len(fresh)
+    missing = current - len(live)
     if missing > 0:
         reason = f"{described}: {missing} replica(s) without fresh samples block scale-down"
         return current, reason, signal

@@ -80,6 +80,16 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--serve", action="store_true", help="serve HTTP (the gateway) until Ctrl-C instead"
     )
+    up.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="--serve: stop when a role process dies (default: restart it with back-off)",
+    )
+    up.add_argument(
+        "--restart",
+        action="store_true",
+        help="without --serve: restart a role process that dies instead of stopping the run",
+    )
     up.add_argument("--port", type=int, default=8080, help="--serve: HTTP port (default 8080)")
     up.add_argument("--host", default="127.0.0.1", help="--serve: bind address (127.0.0.1)")
     up.add_argument("--token", default=None, help="--serve: require this bearer token")
@@ -174,6 +184,15 @@ def _build_parser() -> argparse.ArgumentParser:
     ranks.add_argument("--repeats", type=int, default=20, help="requests per size (default 20)")
     ranks.add_argument("--skip-role", action="store_true", help="only the feed, no role processes")
     ranks.add_argument("--json", action="store_true", help="print JSON")
+    faults = bench_sub.add_parser(
+        "faults", help="requests lost per 1,000 across a kill, a scale-down and a rollout"
+    )
+    faults.add_argument("--phase-seconds", type=float, default=3.0, help="steady load per phase")
+    faults.add_argument("--concurrency", type=int, default=8, help="requests in flight (8)")
+    faults.add_argument(
+        "--without-migration", action="store_true", help="the baseline: migrationAttempts 0"
+    )
+    faults.add_argument("--json", action="store_true", help="print JSON")
     bench_operator = bench_sub.add_parser(
         "operator", help="operator latency, throughput and memory against an API server"
     )
@@ -235,6 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         makers = {"llm": tiny.llm, "vllm": tiny.vllm_llm, "t2v": tiny.t2v}
         print(makers[args.kind](args.out))
         return 0
+    if args.command == "bench" and args.bench_command == "faults":
+        from disagg_runtime.bench import faults
+
+        return faults.run_cli(args)
     if args.command == "bench" and args.bench_command == "llm":
         from disagg_runtime.bench import llm
 

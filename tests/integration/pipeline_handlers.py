@@ -35,7 +35,9 @@ def identity(payload: Payload) -> Payload:
 
 
 def scale(payload: Payload) -> Payload:
-    """`x` times `factor` (default 2); everything else passes through untouched."""
+    """`x` times `factor` (default 2), after `sleep` seconds if given; everything else
+    passes through untouched."""
+    time.sleep(float(payload.get("sleep", 0.0)))
     return {**payload, "x": payload["x"] * float(payload.get("factor", 2.0))}
 
 

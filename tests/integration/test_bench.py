@@ -85,6 +85,20 @@ def test_pipeline_bench_reports_per_hop_overhead():
     )
 
 
+def test_faults_bench_loses_no_request_across_a_kill_a_scale_down_and_a_rollout():
+    """The issue's figure: requests lost per 1,000 in each phase, 0 with migration (every
+    request here streams nothing, so each one a dying, draining or leaving replica held
+    must have moved to a live one)."""
+    proc = run("bench", "faults", "--phase-seconds", "2", "--json", timeout=300)
+    result = json.loads(proc.stdout)
+    phases = {p["phase"]: p for p in result["phases"]}
+    assert list(phases) == ["steady", "kill", "scale-down", "rollout"]
+    assert all(p["requests"] > 20 for p in phases.values()), phases
+    assert [p["lost_per_1000"] for p in phases.values()] == [0.0] * 4, (phases, proc.stderr)
+    assert result["restarts"] == {"middle/1": 1}
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_gateway_bench_puts_the_gateway_beside_the_client():
     """One run: 4 KiB round trips both ways, a safetensors upload against memcpy and raw TCP
     (through real `disagg gateway` processes configured by their environment: one on the

@@ -13,12 +13,14 @@ still served."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +32,8 @@ from disagg_core.contract import Peer, RoleConfig, render_env, write_topology
 from disagg_core.spec import load_pipeline_file
 from disagg_runtime.client import Client, RequestFailed
 from disagg_runtime.local.supervisor import free_ports, plan_local
+from disagg_runtime.memory.pool import reclaim_stale, shm_prefix
+from disagg_runtime.routing import dispatch
 from tests.relay_rig import KEY, write_key
 from tests.support import wait_for
 
@@ -141,3 +145,128 @@ def _serves(client: Client) -> bool:
     except RequestFailed:
         return False
     return bool(torch.equal(out["x"], torch.full((4,), 3.0)))
+
+
+def test_replica_killed_under_a_stream_of_requests_loses_none(
+    replicas: list[tuple[RoleConfig, subprocess.Popen[bytes]]],
+) -> None:
+    """kill -9 of one of two replicas while requests stream at both: the requests it held,
+    and the small (inline, receipt-less) ones sent into its connection before the client
+    saw that connection die, are moved to the other replica (request migration), not
+    lost until their deadline. The client's view still lists the dead replica for a
+    second, as DNS does after a pod dies."""
+    endpoints = [f"tcp://127.0.0.1:{config.ingress_port}" for config, _ in replicas]
+    listed = list(endpoints)
+
+    def resolver(host: str, port: int) -> list[str]:
+        return list(listed)
+
+    client = Client(
+        [Peer("solo", ("solo.test:7000",))],
+        ["solo"],
+        pipeline=PIPELINE.name,
+        pool_size=8 << 20,
+        timeout=TIMEOUT_S,
+        key=KEY,
+        resolver=resolver,
+    )
+    for endpoint in endpoints:  # both serve first (each answers a request sent to it)
+        listed[:] = [endpoint]
+        client.entries[0].endpoints(refresh=True)
+        wait_for(lambda: _serves(client), 60, interval=0.2, message=f"{endpoint} serving")
+    listed[:] = list(endpoints)
+    client.entries[0].endpoints(refresh=True)
+
+    stop = threading.Event()
+    outcomes: list[tuple[str, float]] = []  # ("ok" or the error, seconds it took)
+
+    def send(seed: int) -> None:
+        i = 0
+        while not stop.is_set():
+            x = torch.full((256,), float(seed * 100_000 + i))
+            began = time.monotonic()
+            try:
+                out = client.submit({"x": x, "factor": 2.0, "sleep": 0.02})
+                ok = "ok" if torch.equal(out["x"], x * 2) else "wrong result"
+            except RequestFailed as exc:
+                ok = f"{type(exc).__name__}: {exc}"
+            outcomes.append((ok, time.monotonic() - began))
+            i += 1
+
+    senders = [threading.Thread(target=send, args=(s,), daemon=True) for s in range(SENDERS)]
+    killed = replicas[0][1]
+    try:
+        for thread in senders:
+            thread.start()
+        time.sleep(0.5)
+        before = len(outcomes)
+        killed.kill()
+        killed.wait(timeout=30)
+        time.sleep(1.0)
+        listed[:] = [endpoints[1]]  # the dead replica leaves the lookup
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for thread in senders:
+            thread.join(timeout=TIMEOUT_S + 10)
+        with contextlib.suppress(Exception):
+            client.close()
+        # a SIGKILLed role cannot free its pool: what its next incarnation would reclaim
+        reclaim_stale(shm_prefix(PIPELINE.name, "solo-0"), why="the killed replica's")
+    failed = [o for o, _ in outcomes if o != "ok"]
+    assert before > 0 and len(outcomes) > before + 50, (before, len(outcomes))
+    assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:3]}"
+    assert client.migrations >= 1  # some were at, or on their way to, the killed replica
+    assert max(took for _, took in outcomes) < TIMEOUT_S / 2  # none waited out a deadline
+
+
+def test_the_first_small_message_into_a_connection_that_died_is_resent_or_fails_clearly(
+    replicas: list[tuple[RoleConfig, subprocess.Popen[bytes]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's relay to replica 0 is open and idle when replica 0 is killed; the next
+    small request goes to it at once (its id hashes there), while the lookup still lists
+    it. Whether the client sees the connection drop before sending (PeerLost: sent again,
+    elsewhere) or the socket takes the payload first (an inline payload has no receipt:
+    moved once the dead connection is seen), it is served by replica 1 soon; never lost
+    until its deadline."""
+    endpoints = [f"tcp://127.0.0.1:{config.ingress_port}" for config, _ in replicas]
+    listed = list(endpoints)
+
+    def resolver(host: str, port: int) -> list[str]:
+        return list(listed)
+
+    client = Client(
+        [Peer("solo", ("solo.test:7000",))],
+        ["solo"],
+        pipeline=PIPELINE.name,
+        pool_size=8 << 20,
+        timeout=TIMEOUT_S,
+        key=KEY,
+        resolver=resolver,
+        dispatch="hash",
+    )
+    killed = replicas[0][1]
+    try:
+        for endpoint in endpoints:  # a relay open to each
+            listed[:] = [endpoint]
+            client.entries[0].endpoints(refresh=True)
+            wait_for(lambda: _serves(client), 60, interval=0.2, message=f"{endpoint} serving")
+        listed[:] = list(endpoints)
+        client.entries[0].endpoints(refresh=True)
+        ids = (uuid.UUID(int=n) for n in itertools.count(1))
+        first = next(u for u in ids if dispatch.rendezvous(endpoints, u.hex) == endpoints[0])
+        later = uuid.uuid4
+        monkeypatch.setattr(uuid, "uuid4", lambda: first)  # this request's id hashes to 0
+        killed.kill()
+        killed.wait(timeout=30)
+        began = time.monotonic()
+        x = torch.arange(64, dtype=torch.float32)
+        future = client.submit_async({"x": x, "factor": 2.0})
+        monkeypatch.setattr(uuid, "uuid4", later)
+        out = future.result(timeout=TIMEOUT_S + 5)
+        assert torch.equal(out["x"], x * 2)
+        assert time.monotonic() - began < TIMEOUT_S / 2
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
+        reclaim_stale(shm_prefix(PIPELINE.name, "solo-0"), why="the killed replica's")

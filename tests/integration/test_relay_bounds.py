@@ -27,7 +27,7 @@ from disagg_runtime.relay import Message, NotAPeer, Overloaded, auth, connect, l
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ledger import PENDING_POOLS, PENDING_POOLS_PER_PEER
 from disagg_runtime.relay.sender import Sender
-from disagg_runtime.routing.peers import RelayCache
+from disagg_runtime.routing.relays import RelayCache
 from tests.integration.test_relay_lane import inline_frame, raw_sender
 from tests.relay_rig import KEY, WAIT, KiB, Rig, filled, handshake, recv_reply
 from tests.support import wait_until

@@ -20,8 +20,8 @@ from disagg_runtime.client import Client, UploadExpired, chunk_sources
 from disagg_runtime.gateway import native
 from disagg_runtime.relay import Ingress, RelayError, RelayTimeout, ShmSender, TcpSender
 from disagg_runtime.relay.backends.tcp import chunk_targets
-from disagg_runtime.routing import peers
-from disagg_runtime.routing.peers import Dedicated
+from disagg_runtime.routing import relays
+from disagg_runtime.routing.relays import Dedicated
 from tests.relay_rig import KEY, WAIT, Rig
 
 
@@ -184,7 +184,7 @@ def test_a_cut_stream_frees_its_slot_and_the_connection_goes_on(rig: Rig) -> Non
 
 
 def test_dedicated_connections_are_reused_only_in_good_order(rig: Rig) -> None:
-    """peers.Dedicated: a connection handed back after a transfer that ended in step is
+    """relays.Dedicated: a connection handed back after a transfer that ended in step is
     the next upload's; one whose stream broke off is closed, and a fresh one (with its own
     handshake) takes its place."""
     ingress = rig.ingress("tcp")
@@ -252,7 +252,7 @@ def test_an_upload_goes_elsewhere_when_a_replica_does_not_answer_its_handshake(
     gone while a stale lookup lists it; the kernel's backlog still takes connections).
     An upload that picks it gives up on it after CONNECT_S (Unanswered), skips it from
     then on, and reserves on the replica that answers: every upload arrives whole."""
-    monkeypatch.setattr(peers, "CONNECT_S", 0.5)  # (the client's timeout, WAIT, is longer)
+    monkeypatch.setattr(relays, "CONNECT_S", 0.5)  # (the client's timeout, WAIT, is longer)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)  # never accepted, never answered
@@ -329,7 +329,7 @@ def test_an_upload_cut_by_its_own_deadline_fails_as_expired(rig: Rig, arrived: s
 def test_dedicated_connections_idle_too_long_are_closed_whatever_their_endpoint(
     rig: Rig,
 ) -> None:
-    """peers.Dedicated keeps no connection past `idle_s`, also to an endpoint never asked
+    """relays.Dedicated keeps no connection past `idle_s`, also to an endpoint never asked
     for again (a replica that went away): the next take or give, to any endpoint, closes
     it, and nothing is left kept for that endpoint."""
     one, two = rig.ingress("tcp"), rig.ingress("tcp")

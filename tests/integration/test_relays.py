@@ -33,7 +33,8 @@ from disagg_runtime.relay.backends.tcp import TCP_INLINE_MAX
 from disagg_runtime.relay.backends.tcp import inline_limit as tcp_inline_limit
 from disagg_runtime.relay.sender import Sender, Transfer
 from disagg_runtime.relay.session import INLINE_THRESHOLD
-from disagg_runtime.routing.peers import RelayCache
+from disagg_runtime.routing import failover
+from disagg_runtime.routing.relays import RelayCache
 from disagg_runtime.wire.codec import encode_header
 from tests.payload_checks import assert_bit_exact, tensors_of
 from tests.relay_rig import (
@@ -841,11 +842,13 @@ def test_a_receiver_restarted_in_place_gets_a_new_handshake_not_refused_messages
 ) -> None:
     """A role's container restarted (kill -9): libzmq reconnects by itself to the new process,
     which knows nothing of the old session. The sender says PeerLost (nothing delivered);
-    `RelayCache.send` reconnects with a fresh handshake and the payload arrives."""
+    `failover.send` reconnects with a fresh handshake and the payload arrives."""
     first = rig.ingress(kind)
     relays = RelayCache(timeout=WAIT, key=KEY)
     try:
-        relay, _ = relays.send(kind, first.endpoint, payload(0), request_id="before", timeout=WAIT)
+        relay, _ = failover.send(
+            relays, kind, first.endpoint, payload(0), request_id="before", timeout=WAIT
+        )
         with first.recv(timeout=WAIT) as msg:
             assert msg.request_id == "before"
         first.close()  # the process died: its sockets closed, its sessions forgotten
@@ -854,7 +857,9 @@ def test_a_receiver_restarted_in_place_gets_a_new_handshake_not_refused_messages
         with pytest.raises(PeerLost, match="reconnect"):
             relay.send(payload(1), request_id="stale", timeout=WAIT)
         for i in range(3):
-            relays.send(kind, first.endpoint, payload(i), request_id=f"after-{i}", timeout=WAIT)
+            failover.send(
+                relays, kind, first.endpoint, payload(i), request_id=f"after-{i}", timeout=WAIT
+            )
             with second.recv(timeout=WAIT) as msg:
                 assert msg.request_id == f"after-{i}"
                 assert_bit_exact(msg.payload, payload(i))
@@ -872,12 +877,15 @@ def test_a_receiver_gone_for_good_is_replaced_by_the_replica_picked_afresh(
     gone, other = rig.ingress(kind), rig.ingress(kind)
     relays = RelayCache(timeout=WAIT, key=KEY)
     try:
-        relays.send(kind, gone.endpoint, small_payload(), request_id="before", timeout=WAIT)
+        failover.send(
+            relays, kind, gone.endpoint, small_payload(), request_id="before", timeout=WAIT
+        )
         with gone.recv(timeout=WAIT) as msg:
             assert msg.request_id == "before"
         gone.close()
         time.sleep(0.5)  # libzmq has seen the connection go
-        relay, _ = relays.send(
+        relay, _ = failover.send(
+            relays,
             kind,
             gone.endpoint,
             small_payload(1),
@@ -909,7 +917,8 @@ def test_an_address_another_role_took_over_is_refused_and_the_role_looked_up_aga
         assert len(relays) == 0  # not kept for the next send either
         assert relays.get(kind, right.endpoint, role="vision").peer_role == "vision"
         assert relays.get(kind, anonymous.endpoint, role="vision").peer_role is None
-        relay, _ = relays.send(
+        relay, _ = failover.send(
+            relays,
             kind,
             other_role.endpoint,
             small_payload(1),

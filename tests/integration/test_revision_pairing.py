@@ -54,11 +54,12 @@ def _tagging(replica: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 
 class _Pair:
-    """prefill (1 replica) -> decode (3 replicas), each with the compat it is given."""
+    """prefill (1 replica, or one per token in a list) -> decode (one replica per token),
+    each with the compat it is given."""
 
     def __init__(
         self,
-        prefill: str,
+        prefill: str | list[str],
         decode: list[str],
         *,
         accepts: frozenset[str] = frozenset(),
@@ -66,6 +67,8 @@ class _Pair:
     ) -> None:
         doc = pipeline_doc("it-pairing", [("p", "identity"), ("d", "identity")])
         doc["spec"]["transport"]["requestTimeoutSeconds"] = timeout
+        prefills = [prefill] if isinstance(prefill, str) else prefill
+        doc["spec"]["roles"][0]["replicas"] = len(prefills)
         doc["spec"]["roles"][1]["replicas"] = len(decode)
         pipeline = parse_pipeline(doc)
         self.dir = tempfile.mkdtemp(prefix="disagg-pair-")
@@ -77,7 +80,7 @@ class _Pair:
         self.client: Client | None = None
         try:
             for config in configs:
-                token = prefill if config.role == "p" else decode[config.replica]
+                token = (prefills if config.role == "p" else decode)[config.replica]
                 also = accepts if config.role == "p" else frozenset()
                 config = dataclasses.replace(
                     config, peer_key_file=key_file, compat=token, compatible_with=also
@@ -87,9 +90,11 @@ class _Pair:
             for role in self.roles:
                 role.start()
             self.prefill = self.roles[0]
-            address = f"127.0.0.1:{self.prefill.config.ingress_port}"
+            addresses = tuple(
+                f"127.0.0.1:{r.config.ingress_port}" for r in self.roles if r.name == "p"
+            )
             self.client = Client(
-                [Peer("p", (address,))],
+                [Peer("p", addresses)],
                 ("d",),
                 pipeline="it-pairing",
                 entry_relay="shm",
@@ -140,10 +145,35 @@ def test_a_declared_compatibility_list_lets_both_revisions_serve() -> None:
         pair.close()
 
 
-def test_a_draining_sender_fails_requests_that_wait_for_a_partner_before_it_exits() -> None:
+def test_a_draining_sender_hands_requests_waiting_for_a_partner_on_to_another_replica() -> None:
+    """Requests waiting for a partner at a prefill replica that starts draining are handed
+    back to the client at once (not held to the end of the drain and failed) and moved to
+    the other prefill replica, which has a partner: every one is served."""
+    pair = _Pair(["kv-3", "kv-2"], ["kv-1", "kv-2"], timeout=30.0)
+    try:
+        assert pair.client is not None
+        futures = [pair.client.submit_async({"i": i}) for i in range(16)]
+        wait_for(lambda: not pair.prefill.idle(), 10.0, message="a request waiting at p0")
+        started = time.monotonic()
+        pair.roles.remove(pair.prefill)  # stopped here, not again by close()
+        pair.prefill.stop(grace_s=5.0)
+        served = {int(f.result(timeout=20)["by"].item()) for f in futures}
+        assert served == {1}  # the decode replica that pairs with p1's kv-2
+        assert time.monotonic() - started < 10.0  # not the request's 30 s deadline
+        assert pair.client.migrations >= 1
+        text = pair.prefill.metrics.render().decode()
+        handed = [
+            ln for ln in text.splitlines() if ln.startswith("disagg_requests_handed_on_total")
+        ]
+        assert any('reason="handed_back"' in ln and not ln.endswith(" 0.0") for ln in handed)
+    finally:
+        pair.close()
+
+
+def test_a_draining_sender_with_no_other_replica_fails_requests_naming_why() -> None:
     """A request waiting for a partner at a role that shuts down is not lost with the
-    process (the client would time out after its whole deadline): the role fails it, naming
-    why, before it exits."""
+    process (the client would time out after its whole deadline): handed back, it has no
+    other replica to go to, and fails naming why, before the role exits."""
     pair = _Pair("kv-3", ["kv-1", "kv-2"], timeout=30.0)
     try:
         assert pair.client is not None
@@ -152,7 +182,7 @@ def test_a_draining_sender_fails_requests_that_wait_for_a_partner_before_it_exit
         started = time.monotonic()
         pair.roles.remove(pair.prefill)  # stopped here, not again by close()
         pair.prefill.stop(grace_s=2.0)
-        with pytest.raises(RequestFailed, match="shutting down") as failed:
+        with pytest.raises(RequestFailed, match="draining") as failed:
             future.result(timeout=20)
         assert "pairs with compat token 'kv-3'" in str(failed.value)
         assert time.monotonic() - started < 10.0  # not the request's 30 s deadline

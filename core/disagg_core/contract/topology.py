@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_core.contract.env import ContractError
-from disagg_core.spec import Pipeline
+from disagg_core.spec import DEFAULT_MIGRATION_ATTEMPTS, Pipeline
 
 DEFAULT_TOPOLOGY_FILE = "/etc/disagg/topology.json"
 TOPOLOGY_VERSION = 1
@@ -55,6 +55,7 @@ class Topology:
     pipeline: str
     namespace: str
     roles: Mapping[str, RoleTopology]
+    migration_attempts: int = DEFAULT_MIGRATION_ATTEMPTS  # spec.transport.migrationAttempts
 
     @property
     def entry_roles(self) -> tuple[str, ...]:
@@ -96,7 +97,12 @@ class Topology:
             for name in pipeline.topological_order
         }
         ns = namespace if namespace is not None else (pipeline.namespace or "")
-        return cls(pipeline=pipeline.name, namespace=ns, roles=roles)
+        return cls(
+            pipeline=pipeline.name,
+            namespace=ns,
+            roles=roles,
+            migration_attempts=pipeline.transport.migration_attempts,
+        )
 
     def to_json(self, only: tuple[str, ...] | None = None) -> dict[str, Any]:
         """The topology file's document (with `only`, just those roles' entries)."""
@@ -106,6 +112,7 @@ class Topology:
             "version": TOPOLOGY_VERSION,
             "pipeline": self.pipeline,
             "namespace": self.namespace,
+            "migrationAttempts": self.migration_attempts,
             "roles": [
                 {
                     "name": r.name,
@@ -137,7 +144,15 @@ class Topology:
                         RefSpec(str(x["from"]), str(x["path"]), name) for x in r["refsIn"]
                     ),
                 )
-            return cls(pipeline=str(obj["pipeline"]), namespace=str(obj["namespace"]), roles=roles)
+            attempts = obj.get("migrationAttempts", DEFAULT_MIGRATION_ATTEMPTS)
+            if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0:
+                raise ContractError(f"topology: migrationAttempts {attempts!r} is not a count")
+            return cls(
+                pipeline=str(obj["pipeline"]),
+                namespace=str(obj["namespace"]),
+                roles=roles,
+                migration_attempts=attempts,
+            )
         except (KeyError, TypeError) as exc:
             raise ContractError(f"topology: malformed ({exc!r})") from None
 

@@ -57,6 +57,7 @@ DEFAULT_SCALE_UP_STABILIZATION_SECONDS = 0  # the HorizontalPodAutoscaler defaul
 DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS = 300
 DEFAULT_TOLERANCE = 0.1
 DEFAULT_MAX_BATCH_WAIT_MILLISECONDS = 5.0
+DEFAULT_MIGRATION_ATTEMPTS = 3  # request migration: resends of a request lost with a replica
 DEFAULT_STARTUP_SECONDS = 600  # model loading may be slow; the startup probe allows this long
 
 # Maxima: far above any real pipeline, low enough that a typo (or a hostile spec) cannot ask
@@ -65,6 +66,7 @@ MAX_REPLICAS = 1000
 MAX_CONCURRENCY = 1024
 MAX_POOL_SIZE = 2**40  # 1 TiB per role replica
 MAX_REQUEST_TIMEOUT_SECONDS = 86400.0
+MAX_MIGRATION_ATTEMPTS = 10
 MAX_STABILIZATION_SECONDS = 86400
 MAX_RATIO_SHARE = 1000
 
@@ -133,13 +135,17 @@ class PoolOverride:
 
 @dataclass(frozen=True, kw_only=True)
 class Transport:
-    """`spec.transport`: the default relay per edge, the default pool, the request timeout."""
+    """`spec.transport`: the default relay per edge, the default pool, the request timeout,
+    and how often a request lost with a replica before any output of it came back is
+    resent to a live one (`migration_attempts`; 0: never, for handlers that are not
+    idempotent: every built-in one is)."""
 
     relay: RelayKind = DEFAULT_RELAY
     pool_size: int = DEFAULT_POOL_SIZE
     min_block: int = DEFAULT_MIN_BLOCK
     pool_device: PoolDevice = DEFAULT_POOL_DEVICE
     request_timeout_seconds: float = DEFAULT_REQUEST_TIMEOUT_SECONDS
+    migration_attempts: int = DEFAULT_MIGRATION_ATTEMPTS
 
     @property
     def pool(self) -> PoolSettings:

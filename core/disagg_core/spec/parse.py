@@ -44,7 +44,14 @@ GATEWAY_KEYS = (
     "enabled", "replicas", "port", "api", "model", "auth", "resources", "podTemplate",
 )  # fmt: skip
 RATIO_LOCK_KEYS = ("leader", "follower", "leaderShare", "followerShare", "tolerance")
-TRANSPORT_KEYS = ("relay", "poolSize", "minBlock", "poolDevice", "requestTimeoutSeconds")
+TRANSPORT_KEYS = (
+    "relay",
+    "poolSize",
+    "minBlock",
+    "poolDevice",
+    "requestTimeoutSeconds",
+    "migrationAttempts",
+)
 POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
 ROLE_KEYS = (
     "name", "replicas", "handler", "image", "command", "args", "env", "resources", "ports",
@@ -190,6 +197,12 @@ def _transport(out: Collector, raw: object, path: str) -> m.Transport:
         min_block=_or(_min_block(out, t, path), default.min_block),
         pool_device=f.choice(out, t, "poolDevice", path, m.POOL_DEVICES) or default.pool_device,
         request_timeout_seconds=_or(timeout, default.request_timeout_seconds),
+        migration_attempts=_or(
+            f.integer(
+                out, t, "migrationAttempts", path, minimum=0, maximum=m.MAX_MIGRATION_ATTEMPTS
+            ),
+            default.migration_attempts,
+        ),
     )
 
 

@@ -57,6 +57,14 @@ def transport_schema() -> crd_kit.Schema:
                 maximum=m.MAX_REQUEST_TIMEOUT_SECONDS,
                 default=m.DEFAULT_REQUEST_TIMEOUT_SECONDS,
             ),
+            "migrationAttempts": crd_kit.integer(
+                "How often a request lost with a replica (killed, restarted, drained) before "
+                "any output of it came back is resent to a live replica, within its "
+                "deadline; 0 never resends (handlers that are not idempotent).",
+                minimum=0,
+                maximum=m.MAX_MIGRATION_ATTEMPTS,
+                default=m.DEFAULT_MIGRATION_ATTEMPTS,
+            ),
         },
         default={},
     )

@@ -288,10 +288,7 @@ def gateway_objects(
             namespace,
             entries,
             config_map=topology_config_map_name(pipeline),
-            # the gateway reads the entry and exit roles' slices of the topology
-            spec_hash=model.spec_hash(
-                pipeline, namespace, (*pipeline.entry_roles, *pipeline.exit_roles)
-            ),
+            spec_hash=model.gateway_hash(pipeline, namespace),
             peer_key_secret=peer_key_secret_name(pipeline.name),
         ),
     ]

@@ -195,6 +195,24 @@ def spec_hash(pipeline: Pipeline, namespace: str, roles: tuple[str, ...]) -> str
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def gateway_hash(pipeline: Pipeline, namespace: str) -> str:
+    """The hash of what the gateway reads from the topology file: the pipeline and
+    namespace, its entry roles (and which of them join inputs: those it sends to by hash),
+    its exit roles, and how often it resends a request lost with a replica. A graph edit
+    that changes none of these (a role added in the middle, or after an exit role that
+    stays one) leaves the gateway's pods, and their streams, alone."""
+    topo = topology(pipeline, namespace)
+    mine = {
+        "pipeline": topo.pipeline,
+        "namespace": topo.namespace,
+        "entries": {r: topo.roles[r].joins for r in sorted(topo.entry_roles)},
+        "exits": sorted(topo.exit_roles),
+        "migrationAttempts": topo.migration_attempts,
+    }
+    text = json.dumps(mine, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def gpu_mode(pipeline: Pipeline, options: PlanOptions | None = None) -> GpuMode:
     """The pipeline's GPU mode; call `check` first (an unknown value raises ValueError)."""
     value = pipeline.annotations.get(names.ANNOTATION_GPU_MODE, (options or PlanOptions()).gpu_mode)

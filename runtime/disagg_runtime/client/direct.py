@@ -4,7 +4,7 @@ in between (the gateway reading an HTTP body off its socket):
 - `Reserved` (shm entry relay): a slot held in the entry role's pool; the caller fills
   `slot`, then `start`s the request (or `release`s the slot unused).
 - `Upload` (tcp entry relay): a slot reserved on a connection of the upload's own
-  (routing/peers.py `Dedicated`), each chunk sent once the caller's buffer holds it
+  (routing/relays.py `Dedicated`), each chunk sent once the caller's buffer holds it
   (`advance`); `start` submits the request, `release` cuts the transfer, which frees the
   slot at once.
 
@@ -23,9 +23,10 @@ from typing import Any
 
 from disagg_runtime.client.errors import RequestFailed, UploadExpired, failed
 from disagg_runtime.client.pending import Pending, Requests
-from disagg_runtime.relay import PeerLost, RelayError, ShmSender, TcpSender, Unanswered
+from disagg_runtime.relay import RelayError, ShmSender, TcpSender
 from disagg_runtime.relay.backends.tcp import chunk_plan
 from disagg_runtime.relay.sender import Grant
+from disagg_runtime.routing import failover
 from disagg_runtime.routing.peers import PeerSet
 from disagg_runtime.wire.envelope import Meta
 from disagg_runtime.wire.manifest import Manifest
@@ -191,35 +192,22 @@ class Upload:
                 self._cond.wait(remaining)
 
     def _reserve(self) -> tuple[TcpSender, Grant]:
-        """A slot on a dedicated connection, reconnecting once (elsewhere) on PeerLost, as
-        RelayCache.on_relay does (a replica that did not answer is skipped for a while)."""
-        peers, dedicated = self._peers, self._client.uploads
-        endpoint = peers.endpoint_for(self.rid, self._client.relays.viewer(peers.kind))
-        for attempt in (1, 2):
-            remaining = max(0.05, self._reserve_by - time.monotonic())
-            try:
-                relay = dedicated.take(
-                    endpoint, timeout=remaining, role=peers.peer.role, bounded=attempt == 1
-                )
-            except PeerLost as exc:  # WrongRole, Unanswered: nothing of it was opened
-                if attempt == 2:
-                    raise
-                if isinstance(exc, Unanswered):
-                    peers.lost(endpoint)
-                endpoint = peers.reroute(self.rid, self._client.relays.viewer(peers.kind))
-                continue
-            try:
-                remaining = max(0.05, self._reserve_by - time.monotonic())
-                return relay, relay.reserve(self.rid, self.manifest, timeout=remaining)
-            except PeerLost:
-                relay.close()
-                if attempt == 2:
-                    raise
-                endpoint = peers.reroute(self.rid, self._client.relays.viewer(peers.kind))
-            except BaseException:
-                dedicated.give(relay)
-                raise
-        raise AssertionError("unreachable")
+        """A slot on a dedicated connection, with failover (failover.DedicatedTcp: once more,
+        elsewhere, on PeerLost; a replica that did not answer is skipped for a while)."""
+        peers, viewer = self._peers, self._client.relays.viewer(self._peers.kind)
+        route = failover.DedicatedTcp(
+            self._client.uploads,
+            lambda first: (
+                peers.endpoint_for(self.rid, viewer) if first else peers.reroute(self.rid, viewer)
+            ),
+            role=peers.peer.role,
+            unanswered=peers.lost,
+        )
+        return failover.with_failover(
+            route,
+            lambda relay, seconds: relay.reserve(self.rid, self.manifest, timeout=seconds),
+            timeout=max(0.05, self._reserve_by - time.monotonic()),
+        )
 
     def _run(self) -> None:
         relay: TcpSender | None = None

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import torch
 
 from disagg_runtime.client.errors import FAILURES, RequestFailed
-from disagg_runtime.routing.peers import Dedicated, RelayCache
+from disagg_runtime.routing import migration
+from disagg_runtime.routing.relays import Dedicated, RelayCache
 from disagg_runtime.wire.envelope import Meta, Reply
 
 END = object()  # the last item of a request's `chunks`
@@ -62,6 +63,15 @@ class Pending:
     next_seq: dict[str, int] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)
     on_chunk: Callable[[Any], None] | None = None
+    payload: Any = None  # kept while in flight, to be resent if the request moves
+    kept: bool = False  # (a payload written in place is not: it cannot move)
+    first: str = ""  # the request id the caller knows (moving gives it a new one)
+    moved: int = 0
+
+    def seen(self) -> migration.Seen:
+        """What of the request reached the client (migration.decide reads it)."""
+        sent = {source for source, seq in self.next_seq.items() if seq}
+        return migration.Seen(frozenset(sent | set(self.results)), frozenset(self.ended))
 
     def take(self, meta: Meta, payload: Any) -> Outcome | None:
         """Fold in one message of the request (see the module docstring): its Outcome once

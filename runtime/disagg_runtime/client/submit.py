@@ -26,19 +26,15 @@ from typing import Any
 from disagg_core.contract import Peer
 from disagg_runtime.client.direct import Reserved, Upload
 from disagg_runtime.client.errors import RequestFailed, RequestTimeout, failed
+from disagg_runtime.client.moves import Moves
 from disagg_runtime.client.pending import END, Pending, detach
 from disagg_runtime.memory.pool import Pool, shm_name, shm_namespace
 from disagg_runtime.relay import Ingress, Message, RelayError, ShmSender
 from disagg_runtime.relay.auth import check_key, key_from_env
 from disagg_runtime.relay.sender import Grant
-from disagg_runtime.routing.peers import (
-    Dedicated,
-    PeerSet,
-    PeersFile,
-    RelayCache,
-    Resolver,
-    resolve_dns,
-)
+from disagg_runtime.routing import failover, migration
+from disagg_runtime.routing.peers import PeerSet, PeersFile, Resolver, resolve_dns
+from disagg_runtime.routing.relays import Dedicated, RelayCache
 from disagg_runtime.wire import envelope
 from disagg_runtime.wire.envelope import Meta, Reply
 from disagg_runtime.wire.manifest import Manifest
@@ -69,10 +65,13 @@ class Client:
         key: bytes | None = None,
         dispatch: str = "load",
         hashed_roles: Collection[str] = (),
+        migrate: migration.Policy | None = None,
     ) -> None:
         """`dispatch` "load" sends each request to the entry replica whose advertised load
         is lowest of two (routing/dispatch.py), "hash" by its id; entry roles in `hashed_roles`
-        (those that join inputs) are always chosen by hash."""
+        (those that join inputs) are always chosen by hash. `migrate`: how requests that a
+        role reports lost move to a live replica (client/moves.py; the default policy when
+        None, `Policy(max_attempts=0)` never)."""
         key = check_key(key) if key is not None else key_from_env()
         self.key = key  # the pipeline's peer key (the gateway's readiness probe proves it)
         self.exits = frozenset(exits)
@@ -86,6 +85,7 @@ class Client:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._aborts: queue.Queue[str] = queue.Queue(ABORT_BACKLOG)
+        self.moves = Moves(self, migrate or migration.Policy())
         try:  # results are handled on its I/O thread: one wake-up per message, not two
             self.ingress = Ingress(
                 f"tcp://{bind_host}:{bind_port}",
@@ -157,7 +157,8 @@ class Client:
 
         try:
             endpoint = peers.endpoint_for(rid, self.relays.viewer(peers.kind))
-            relay, grant = self.relays.on_relay(
+            relay, grant = failover.on_relay(
+                self.relays,
                 peers.kind,
                 endpoint,
                 reserve,
@@ -213,7 +214,12 @@ class Client:
                 yield item
 
     def cancel(self, rid: str, reason: str = "cancelled by the client") -> None:
-        self._finish(rid, exc=RequestFailed(f"request {rid} {reason}"))
+        self._finish(self.moves.current(rid), exc=RequestFailed(f"request {rid} {reason}"))
+
+    @property
+    def migrations(self) -> int:
+        """Requests moved to a live replica so far (client/moves.py)."""
+        return self.moves.count
 
     def fail_all(self, message: str, *, role: str = "") -> int:
         """Fail every request in flight (e.g. a role process died)."""
@@ -250,7 +256,14 @@ class Client:
             raise RequestFailed("client is closed")
         seconds = self.timeout if timeout is None else timeout
         rid = uuid.uuid4().hex
-        pending = Pending(self.exits, time.monotonic() + seconds, on_chunk=on_chunk)
+        pending = Pending(
+            self.exits,
+            time.monotonic() + seconds,
+            on_chunk=on_chunk,
+            payload=payload,
+            kept=self.moves.policy.max_attempts > 0,
+            first=rid,
+        )
         self._track(rid, pending)
         meta = Meta(rid, "data", "client", time.time() + seconds, self.reply)
         try:
@@ -266,7 +279,8 @@ class Client:
     def _send(self, peers: PeerSet, meta: Meta, payload: Any) -> None:
         new = meta.kind != "abort"  # an abort follows its request; it never chooses
         endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
-        self.relays.send(
+        relay, _ = failover.send(
+            self.relays,
             peers.kind,
             endpoint,
             payload,
@@ -276,7 +290,10 @@ class Client:
             repick=lambda: peers.reroute(meta.rid, self.relays.viewer(peers.kind), new=new),
             role=peers.peer.role,
             lost=peers.lost,
+            gone=self.moves.entry_gone,
         )
+        if new:
+            self.moves.sent(peers, meta, relay.endpoint)
 
     def _later_abort(self, rid: str) -> None:
         """Leave the abort (network sends) to the control thread: `_finish` runs on the
@@ -305,6 +322,8 @@ class Client:
     def _finish(self, rid: str, *, result: Any = None, exc: BaseException | None = None) -> None:
         with self._lock:
             pending = self._pending.pop(rid, None)
+            if pending is not None:
+                self.moves.finished(rid, pending)
         if pending is None:
             return
         if exc is not None:
@@ -323,6 +342,7 @@ class Client:
             try:
                 if not self._closed.is_set():
                     self._expire()
+                    self.moves.run()
                 rid = self._aborts.get(timeout=EXPIRE_EVERY_S)
             except queue.Empty:
                 continue
@@ -355,6 +375,9 @@ class Client:
             pending = self._pending.get(meta.rid)
         if pending is None:
             return  # finished already (timed out, failed, cancelled)
+        if meta.kind == "error" and meta.error.get("reason") in migration.MIGRATE_REASONS:
+            self.moves.report(meta.rid, dict(meta.error))  # (resending: not on this thread)
+            return
         outcome = pending.take(meta, payload)
         if outcome is not None:
             self._finish(meta.rid, result=outcome.result, exc=outcome.failure)

@@ -28,6 +28,7 @@ from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.memory.pool import PoolError
 from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
 from disagg_runtime.relay.auth import PeerKeyError, read_key
+from disagg_runtime.routing import migration
 from disagg_runtime.routing.peers import PeerSet
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def client_for(config: GatewayConfig) -> Client:
         peers_file=config.peers_file,
         key=read_key(config.peer_key_file),
         hashed_roles=[r for r in config.topology.entry_roles if config.topology.roles[r].joins],
+        migrate=migration.Policy(max_attempts=config.topology.migration_attempts),
     )
 
 

@@ -2,8 +2,11 @@
 
 The gateway runs in this process, on the `Client` that `disagg up` would drive requests
 with, configured from `spec.gateway` (api, model) like the operator's gateway Deployment.
-A role that dies stops the serving (requests in flight fail with the reason), as a dead
-role stops `disagg up`.
+A role process that dies is started again after a back-off (local/restarts.py), as a
+kubelet would: the requests it held move to a live replica (routing/migration.py), the
+gateway stays up, and its /readyz says it is degraded while a role has no live replica.
+With `restart` False (`--fail-fast`) a role that dies stops the serving instead
+(requests in flight fail with the reason), as a dead role stops `disagg up`.
 """
 
 from __future__ import annotations
@@ -38,10 +41,19 @@ def serve(
         max_tokens=pipeline.gateway_max_tokens,
     )
     gateway = gateway_for(client, settings)
+    entries_ready = gateway.ready
+
+    async def ready() -> str:
+        return local.degraded() or await entries_ready()
+
+    gateway.ready = ready
     died: list[str] = []
     stopper = _Stopper()
 
     def on_death(rp: RoleProcess, code: int) -> None:
+        if local.restart:
+            print(f"disagg up: role {rp.label} died (exit code {code}); restarting", flush=True)
+            return
         died.append(f"role {rp.label} died (exit code {code})")
         client.fail_all(died[-1], role=rp.config.role)
         stopper.stop()
@@ -65,6 +77,9 @@ def serve(
         client.close()
     for line in died:
         print(f"disagg up: {line}", file=sys.stderr)
+    for label, count in local.restarts.counts().items():
+        print(f"disagg up: role {label} was restarted {count} time(s)", file=sys.stderr)
+    print(f"disagg up: {client.migrations} request(s) moved to a live replica", file=sys.stderr)
     return 1 if died else 0
 
 

@@ -18,6 +18,7 @@ import ctypes
 import dataclasses
 import functools
 import json
+import logging
 import os
 import random
 import re
@@ -42,12 +43,15 @@ from disagg_core.contract import (
 )
 from disagg_core.spec import Pipeline
 from disagg_runtime.client import Client
+from disagg_runtime.local.restarts import Restarts
 from disagg_runtime.local.rundir import RunDir, open_run
 from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
 from disagg_runtime.role.health import fetch, scrape
+from disagg_runtime.routing import migration
 from disagg_runtime.routing.peers import FILE_RESOLVE_EVERY, write_peers_file
 
+log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
 
@@ -138,6 +142,7 @@ class RoleProcess:
     log_path: str
     ready: bool = True  # listed in the peers file
     stopping: bool = False
+    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def label(self) -> str:
@@ -159,6 +164,8 @@ class LocalPipeline:
     on_death: Callable[[RoleProcess, int], None] | None = None
     processes: list[RoleProcess] = field(default_factory=list)
     deaths: list[str] = field(default_factory=list)
+    restart: bool = False  # start a role process that died again (restarts.py), not fail
+    restarts: Restarts = field(default_factory=Restarts)
 
     def __post_init__(self) -> None:
         self.run: RunDir = open_run(self.pipeline.name)  # every per-run file goes in here
@@ -226,12 +233,21 @@ class LocalPipeline:
                     rp.ready = True
                 self._publish()
             elif replicas < len(current):
-                leaving = sorted(current, key=lambda rp: rp.config.replica)[replicas:]
-                for rp in leaving:
-                    rp.stopping = True
-                self._publish()
-                time.sleep(4 * FILE_RESOLVE_EVERY)  # senders re-read the file before we go
-                self._terminate(leaving)
+                self._retire(sorted(current, key=lambda rp: rp.config.replica)[replicas:])
+
+    def retire(self, leaving: list[RoleProcess]) -> None:
+        """Stop these replicas while requests flow (a rollout replaces them one by one)."""
+        with self._scale_lock:
+            self._retire(leaving)
+
+    def _retire(self, leaving: list[RoleProcess]) -> None:
+        """Out of the peers file first (no new work), then drained by SIGTERM: what they
+        cannot finish they hand back (routing/migration.py)."""
+        for rp in leaving:
+            rp.stopping = True
+        self._publish()
+        time.sleep(4 * FILE_RESOLVE_EVERY)  # senders re-read the file before we go
+        self._terminate(leaving)
 
     def _template(self, role: str) -> RoleConfig:
         for rp in self.processes:
@@ -322,6 +338,7 @@ class LocalPipeline:
             key=self.key,
             dispatch=self.dispatch,
             hashed_roles=[r for r in topology.entry_roles if topology.roles[r].joins],
+            migrate=migration.Policy(max_attempts=topology.migration_attempts),
         )
 
     def metrics(self) -> dict[str, dict[str, float]]:
@@ -341,13 +358,56 @@ class LocalPipeline:
 
     def _watch(self) -> None:
         while not self._stop.wait(0.1):
-            for rp in self.processes:
+            for rp in list(self.processes):
                 code = rp.proc.poll()
                 if code is not None and not rp.stopping:
                     rp.stopping = True  # report once
-                    self.deaths.append(f"{rp.label} (pid {rp.proc.pid}) exited with code {code}")
+                    if self.restart:
+                        self._down(rp, code)
+                    else:
+                        self.deaths.append(
+                            f"{rp.label} (pid {rp.proc.pid}) exited with code {code}"
+                        )
                     if self.on_death is not None:
                         self.on_death(rp, code)
+            if self.restart:
+                self._restart_due()
+
+    # ---- restarts (restarts.py) ----------------------------------------------------------------
+    def _down(self, rp: RoleProcess, code: int) -> None:
+        """A replica died: out of the peers file at once, its pool freed, restart planned."""
+        now = time.monotonic()
+        rp.ready = False
+        self._publish()
+        remove_segments_of(rp.proc.pid)
+        delay = self.restarts.died(rp.label, code, now=now, ran_s=now - rp.started_at)
+        log.warning("role %s exited with code %d; restarting in %.1f s", rp.label, code, delay)
+
+    def _restart_due(self) -> None:
+        """Start the replicas whose back-off is over; list those that answer /readyz."""
+        due = set(self.restarts.due(time.monotonic()))
+        with self._scale_lock:
+            for i, rp in enumerate(self.processes):
+                if rp.label in due and rp.stopping and rp.proc.poll() is not None:
+                    self.processes[i] = self._spawn(rp.config, ready=False)
+            joining = [rp for rp in self.processes if not rp.ready and not rp.stopping]
+            for rp in joining:
+                with contextlib.suppress(OSError):
+                    status, _ = fetch(f"http://{HOST}:{rp.config.metrics_port}/readyz", 0.2)
+                    rp.ready = status == 200
+            if any(rp.ready for rp in joining):
+                self._publish()
+
+    def degraded(self) -> str:
+        """Why the pipeline cannot serve in full now ("" when it can): roles none of whose
+        replicas is up (their restart is pending), else replicas down."""
+        down = self.restarts.down()
+        roles = [
+            r.name for r in self.pipeline.roles if not any(rp.ready for rp in self.live(r.name))
+        ]
+        if roles:
+            return f"no live replica of role {', '.join(roles)} (restarting: {', '.join(down)})"
+        return ""
 
     def stop(self) -> None:
         """SIGTERM every child (they drain), SIGKILL after the grace period, clean /dev/shm.

@@ -220,6 +220,8 @@ def summarize(local: LocalPipeline, tally: Tally, elapsed: float, ready_s: float
         "roles": roles,
         "edges": edges(samples),
         "died": list(local.deaths),
+        "restarts": local.restarts.counts(),
+        "restart_events": list(local.restarts.events),
         "logs": local.workdir if local.deaths else None,
         "errors": list(tally.errors),
     }
@@ -248,6 +250,7 @@ def render(summary: dict[str, Any]) -> str:
         for e in summary.get("scale_events", [])
     ]
     lines += [f"died: {d}" for d in summary["died"]]
+    lines += [f"restarted: {e}" for e in summary.get("restart_events", [])]
     if summary.get("logs"):
         lines.append(f"role logs kept in {summary['logs']}")
     lines += [f"error: {e}" for e in summary["errors"]]
@@ -262,18 +265,22 @@ def run_cli(args: argparse.Namespace) -> int:
             print(f"{args.file}: {p.path or ROOT}: {p.reason}", file=sys.stderr)
         return 1
     stop = threading.Event()
-    local = LocalPipeline(pipeline, grace_s=args.grace, dispatch=args.dispatch)
+    serving = getattr(args, "serve", False)
+    restart = not getattr(args, "fail_fast", False) if serving else getattr(args, "restart", False)
+    local = LocalPipeline(pipeline, grace_s=args.grace, dispatch=args.dispatch, restart=restart)
     client: Client | None = None
     summary: dict[str, Any] | None = None
     interrupted = False
 
     def died(rp: RoleProcess, code: int) -> None:
+        if local.restart:
+            return  # started again (restarts.py); what it held moves (migration.py)
         stop.set()  # submit nothing more; fail what is in flight with the reason
         if client is not None:
             client.fail_all(f"role {rp.label} died (exit code {code})", role=rp.config.role)
 
     local.on_death = died
-    if getattr(args, "serve", False):
+    if serving:
         return _serve(local, args)
     scaler: LocalAutoscaler | None = None
     try:

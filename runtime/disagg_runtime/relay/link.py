@@ -28,6 +28,7 @@ pending reports without waiting, for senders choosing a replica (routing/dispatc
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -109,6 +110,7 @@ class Link:
         self._sent_since = 0  # requests sent after that report
         self._sent_at = float("-inf")
         self._lost: str | None = None  # a refusal read between transfers, a lost connection
+        self._bye = False  # _lost is the receiver's goodbye (it serves what it has)
         self.overloaded = 0  # payloads the receiver answered `overloaded` (sender.py)
         self._planner = Planner()  # payloads shaped like recent ones are not laid out again
         try:
@@ -248,7 +250,7 @@ class Link:
             if msg["op"] == "refused":
                 self._lost = str(msg.get("reason"))
             elif msg["op"] == "goodbye":
-                self._lost = _goodbye(msg)
+                self._lost, self._bye = _goodbye(msg), True
             elif msg["op"] == "grant" and isinstance(msg.get("xid"), int):
                 self._control(proto.pack("cancel", xid=msg["xid"]))
             elif isinstance(spare, dict) and isinstance(spare.get("xid"), int):
@@ -405,6 +407,23 @@ class Link:
     def _on_close(self) -> None:
         """Backend hook: release attached memory."""
 
+    def gone(self) -> bool:
+        """Whether the receiver went away or restarted (the connection was lost, or it
+        refused this sender): what it held of this sender's requests is lost with it. Not
+        after a goodbye (that receiver hands on what it cannot finish). Reads what is
+        waiting, never blocks: False while a transfer holds the relay (it will find out)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.closed:
+                return False
+            if self._lost is None:
+                with contextlib.suppress(PeerLost):
+                    self._check_session()
+            return self._lost is not None and not self._bye
+        finally:
+            self._lock.release()
+
     @property
     def usable(self) -> bool:
         """Open, and its session not known to be lost (a later send may still find it is)."""
@@ -437,7 +456,7 @@ class Link:
                 self._lost = str(msg.get("reason"))
                 raise PeerLost(f"{self.endpoint} refused this sender: {self._lost}")
             if msg["op"] == "goodbye":  # it still serves what it has; nothing new goes there
-                self._lost = _goodbye(msg)
+                self._lost, self._bye = _goodbye(msg), True
                 if what == "reservation":  # nothing of the payload sent yet: elsewhere
                     self._control(proto.pack("cancel", xid=xid))
                     raise PeerLost(f"{self.endpoint}: {self._lost}; reconnect")

@@ -51,6 +51,8 @@ class Relay(Protocol):
 
     def view(self) -> View | None: ...
 
+    def gone(self) -> bool: ...  # the receiver went away or restarted (not a goodbye)
+
     def close(self) -> None: ...
 
 

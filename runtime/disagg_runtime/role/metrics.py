@@ -43,6 +43,12 @@ name                                type       extra labels           meaning
 ``disagg_request_failures_total``   counter    ``reason``             failed requests by reason:
                                                                       handler|timeout|aborted|
                                                                       transport|overloaded|other
+``disagg_requests_handed_on_total`` counter    ``reason``             requests given back to their
+                                                                      first sender, to be moved to
+                                                                      a live replica: handed_back
+                                                                      (this role drained) | lost
+                                                                      (a replica it sent them to
+                                                                      died, maybe holding them)
 ``disagg_request_seconds``          histogram  -                      receive-to-done latency of
                                                                       requests that completed
 ``disagg_handler_seconds``          histogram  -                      time inside the user handler
@@ -89,12 +95,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 
 from disagg_core.autoscale import OCCUPANCY_METRIC, QUEUE_DEPTH_METRIC
+from disagg_runtime.routing.migration import MIGRATE_REASONS
 
 logger = logging.getLogger(__name__)
 
 CONST_LABELS: Final = ("pipeline", "role", "replica")
 OUTCOMES: Final = ("done", "failed")
 FAILURE_REASONS: Final = ("handler", "timeout", "aborted", "transport", "overloaded", "other")
+HANDED_ON_REASONS: Final = MIGRATE_REASONS  # the error reasons a client moves a request on
 
 # 100 us .. 10 s, roughly 1-2.5-5 per decade: a 64 MiB hop over shm is a few ms, over tcp tens.
 EDGE_BUCKETS: Final = (
@@ -267,6 +275,12 @@ class RoleMetrics:
             [*CONST_LABELS, "reason"],
             registry=reg,
         )
+        self._handed_on = Counter(
+            "disagg_requests_handed_on",
+            "Requests given back to their first sender, to be moved to a live replica.",
+            [*CONST_LABELS, "reason"],
+            registry=reg,
+        )
         self._request_seconds = Histogram(
             "disagg_request_seconds",
             "Latency of completed requests in this role, seconds.",
@@ -329,6 +343,8 @@ class RoleMetrics:
             self._requests.labels(*self._const, outcome)
         for reason in FAILURE_REASONS:
             self._failures.labels(*self._const, reason)
+        for reason in HANDED_ON_REASONS:
+            self._handed_on.labels(*self._const, reason)
         self._setup_seconds.labels(*self._const)
         # the series every request touches, resolved once (see `_Children`)
         self._done = self._requests.labels(*self._const, "done")
@@ -346,6 +362,10 @@ class RoleMetrics:
         self._requests.labels(*self._const, "failed").inc()
         label = reason if reason in FAILURE_REASONS else "other"
         self._failures.labels(*self._const, label).inc()
+
+    def handed_on(self, reason: str) -> None:
+        """Count a request given back to its first sender (one of HANDED_ON_REASONS)."""
+        self._handed_on.labels(*self._const, reason).inc()
 
     def edge_sent(self, edge: str, relay: str, nbytes: int, seconds: float) -> None:
         """Count one message of ``nbytes`` sent on ``edge`` by ``relay``; negative sizes raise

@@ -4,13 +4,9 @@
                                                                          │  N workers
     client reply <── exit role output ──  handler(payload) ──> downstream roles / ref targets
 
-- Messages of one request are handled one at a time, in arrival order (stream chunks stay
-  ordered); different requests run concurrently on `concurrency` workers. What waits for a
-  worker keeps its pool slot: that is the occupancy the autoscaler reads.
-- Fan-in roles and consumers of tensor references join a request's inputs first; a join
-  that is not complete by the request's deadline fails the request and frees its slots.
-- A handler that raises fails only its request: the client gets the role, replica and
-  exception, and downstream roles get an `abort` so their joins let go at once.
+- The request table (requests.py: work queues, joins, aborts) holds what arrived; the
+  workers' side (handling.py: handler, emit, fail) runs it on `concurrency` workers.
+  What waits for a worker keeps its pool slot: that is the occupancy the autoscaler reads.
 - The handler (handler.py: a function, or a class with setup/batch/close) is set up in
   `start()` before the role reports live or ready; `roles[].batching` sends requests through
   a `Batcher` whose timeouts and aborts still apply to each request alone.
@@ -36,8 +32,6 @@
 
 from __future__ import annotations
 
-import collections
-import inspect
 import logging
 import queue
 import resource
@@ -45,7 +39,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_core.compat import Compat, default_token
@@ -65,21 +58,15 @@ from disagg_runtime.relay import (
 )
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
-from disagg_runtime.role.batching import BatchCancelled, BatchTimeout
 from disagg_runtime.role.handler import Handler as LoadedHandler
 from disagg_runtime.role.handler import HandlerError, Runner, SetupContext, default_device, load
+from disagg_runtime.role.handling import Handling
 from disagg_runtime.role.health import HealthServer
 from disagg_runtime.role.metrics import RoleMetrics, RoleSample
-from disagg_runtime.routing import dispatch, forward
-from disagg_runtime.routing.forward import ReplyFailed
-from disagg_runtime.routing.peers import (
-    RESOLVE_EVERY,
-    PeerSet,
-    PeersFile,
-    RelayCache,
-    Resolver,
-    resolve_dns,
-)
+from disagg_runtime.role.requests import Requests
+from disagg_runtime.routing import dispatch, forward, inflight, migration
+from disagg_runtime.routing.peers import RESOLVE_EVERY, PeerSet, PeersFile, Resolver, resolve_dns
+from disagg_runtime.routing.relays import RelayCache
 from disagg_runtime.wire import envelope
 from disagg_runtime.wire.envelope import Meta
 
@@ -92,16 +79,7 @@ PROBE_S = 1.0  # how long asking one may take
 CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
 LINGER_QUIET_S = 0.3  # after its goodbye a role serves until nothing came for this long
 LINGER_MAX_S = 3.0  # ... or at most this long
-
-
-@dataclass
-class _Join:
-    """Inputs of one request gathered before the handler runs (fan-in, tensor refs)."""
-
-    meta: Meta
-    inputs: dict[str, Any] = field(default_factory=dict)
-    refs: dict[str, Any] = field(default_factory=dict)
-    messages: list[Message] = field(default_factory=list)
+SWEEP_S = 0.25  # how often relays to replicas holding requests are looked at (forward.sweep)
 
 
 class RoleRuntime:
@@ -147,23 +125,15 @@ class RoleRuntime:
             for p in config.downstream
         }
         # the ingress hands messages to _on_message from its first one: state comes first
-        self._cond = threading.Condition()
-        self._work: dict[str, collections.deque[tuple[Meta, Any, Message]]] = {}
-        self._runnable: collections.deque[str] = collections.deque()
-        self._active: set[str] = set()
-        self._joins: dict[str, _Join] = {}
-        self._seq: dict[str, int] = collections.defaultdict(int)
-        self._stream_started: dict[str, float] = {}
-        self._aborted: dict[str, float] = {}
+        self.requests = Requests(self.max_queue)
         self._typical = config.pool.min_block
-        self._service_s = 0.0  # moving average of handler seconds (dispatch.Load.service_s)
         self._started = False
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._leaving = threading.Event()  # drained: requests waiting for a partner give up
         self._threads: list[threading.Thread] = []
         # aborts to pass on, requests to refuse as overloaded: network sends, off the I/O thread
-        self._control: queue.Queue[tuple[str, Meta]] = queue.Queue(CONTROL_BACKLOG)
+        self._control: queue.Queue[tuple[str, Meta, str]] = queue.Queue(CONTROL_BACKLOG)
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
@@ -211,6 +181,11 @@ class RoleRuntime:
             self.relays,
             leaving=self._leaving,
             edge_sent=self.metrics.edge_sent,
+            draining=self._draining,
+            on_lost=self._lost,
+        )
+        self.handling = Handling(
+            config, self.requests, self.runner, self.metrics, self.forward, stopping=self._stopping
         )
         self.health = HealthServer(
             self.metrics,
@@ -246,9 +221,7 @@ class RoleRuntime:
 
     def idle(self) -> bool:
         """Nothing held: no work, no joins, nothing queued or reserved at the ingress."""
-        with self._cond:
-            busy = bool(self._work or self._active or self._joins)
-        busy = busy or not self._control.empty()
+        busy = self.requests.busy() or not self._control.empty()
         stats = self.ingress.stats()
         return not busy and stats.queued == 0 and stats.pending_reservations == 0
 
@@ -272,11 +245,17 @@ class RoleRuntime:
                 break
             time.sleep(0.05)
         self._leaving.set()  # what still waits for a partner fails now, telling its client
+        for meta in self.requests.hand_back():  # what nothing started goes to another replica
+            self.handling.hand_on(
+                meta,
+                migration.HANDED_BACK,
+                f"role {self.name} replica {self.config.replica} drained before it could "
+                "start this request",
+            )
         if self._started and (grace_s is None or grace_s > 0):
             self._goodbye(deadline)
         self._stopping.set()
-        with self._cond:
-            self._cond.notify_all()
+        self.requests.wake_all()
         self.runner.stop_batching()  # workers waiting for a batch let go
         for thread in self._threads:
             thread.join(timeout=5)
@@ -286,12 +265,7 @@ class RoleRuntime:
             except Exception:
                 log.exception("role %s: handler close() failed", self.name)
         self.ingress.close()  # no more deliveries: what is queued now is all there is
-        with self._cond:
-            leftovers = [m for q in self._work.values() for _, _, m in q]
-            leftovers += [m for j in self._joins.values() for m in j.messages]
-            self._work.clear()
-            self._joins.clear()
-        for msg in leftovers:
+        for msg in self.requests.clear():
             msg.release()
         self.relays.close()
         self.health.close()
@@ -324,10 +298,7 @@ class RoleRuntime:
             crossed,
         )
         finish_by = max(deadline, time.monotonic() + LINGER_QUIET_S)
-        while time.monotonic() < finish_by:
-            with self._cond:
-                if not (self._work or self._active or self._joins):
-                    break
+        while time.monotonic() < finish_by and self.requests.busy():
             time.sleep(0.05)
 
     def run(self) -> None:
@@ -382,9 +353,7 @@ class RoleRuntime:
     def _sample(self) -> RoleSample:
         stats = self.pool.stats()
         ingress = self.ingress.stats()
-        with self._cond:
-            queued = sum(len(q) for q in self._work.values())
-            inflight = len(self._active)
+        _, queued, inflight = self.requests.counts()
         return RoleSample(
             pool_used_bytes=stats.requested,  # payload bytes: the scaling signal
             pool_total_bytes=stats.total,
@@ -401,9 +370,7 @@ class RoleRuntime:
 
     def _load(self) -> dispatch.Load:
         """What the ingress advertises (on its I/O thread, per grant and ack: cheap reads)."""
-        with self._cond:
-            queued = len(self._runnable)
-            active = len(self._active)
+        queued, _, active = self.requests.counts()
         capacity = self.pool.allocator.capacity
         return dispatch.Load(
             queued=queued,
@@ -411,7 +378,7 @@ class RoleRuntime:
             workers=self.config.concurrency,
             free_bytes=max(0, capacity - self.pool.allocator.stats().used),
             pool_bytes=capacity,
-            service_s=self._service_s,
+            service_s=self.handling.service_s,
             draining=self._draining.is_set(),
         )
 
@@ -426,11 +393,17 @@ class RoleRuntime:
             msg.release()
 
     def _control_loop(self) -> None:
-        """Expire joins that waited too long; pass aborts downstream (network sends)."""
+        """Expire joins that waited too long, look for downstream replicas lost with requests
+        in flight there (forward.sweep); pass aborts downstream, refuse, report lost
+        requests to their clients (network sends)."""
+        swept = 0.0
         while not self._stopping.is_set():
             try:
-                self._expire_joins()
-                action, meta = self._control.get(timeout=0.1)
+                self.handling.expire_joins()
+                if time.monotonic() - swept >= SWEEP_S:
+                    swept = time.monotonic()
+                    self.forward.sweep()
+                action, meta, why = self._control.get(timeout=0.1)
             except queue.Empty:
                 continue
             except Exception:  # the loop must outlive any one request's failure
@@ -438,9 +411,11 @@ class RoleRuntime:
                 continue
             try:
                 if action == "abort":
-                    self._pass_abort(meta)
+                    self.handling.pass_abort(meta)
+                elif action == "lost":
+                    self.handling.hand_on(meta, migration.LOST, why, role=meta.source)
                 else:
-                    self._fail(
+                    self.handling.fail(
                         meta,
                         "overloaded",
                         f"role {self.name} is overloaded: {self.max_queue} requests are "
@@ -449,13 +424,23 @@ class RoleRuntime:
             except Exception:
                 log.exception("role %s: error on %s of %s", self.name, action, meta.rid)
 
-    def _later(self, action: str, meta: Meta) -> None:
+    def _later(self, action: str, meta: Meta, why: str = "") -> None:
         """Leave a network send to the control thread; dropped when its backlog is full
         (an abort is then not passed on: the request's deadline frees its slots)."""
         try:
-            self._control.put_nowait((action, meta))
+            self._control.put_nowait((action, meta, why))
         except queue.Full:
             log.warning("role %s: backlog full; %s of %s dropped", self.name, action, meta.rid)
+
+    def _lost(self, sent: list[inflight.Sent]) -> None:
+        """Requests passed on to a downstream replica that is now lost: their clients are
+        told (by the control thread), to move them to a live replica."""
+        for s in sent:
+            why = (
+                f"replica {s.endpoint} of role {s.target} was lost (killed or restarted) "
+                f"while request {s.meta.rid} may have been there"
+            )
+            self._later("lost", s.meta.with_(source=s.target), why)
 
     def _accept(self, msg: Message) -> None:
         payload = msg.payload
@@ -470,251 +455,26 @@ class RoleRuntime:
         self.metrics.edge_received(f"{meta.source}->{self.name}", msg.nbytes)
         if meta.kind == "abort":
             msg.release()
-            if self._drop(meta):  # at once; telling downstream roles is a network send
+            if self.requests.drop(meta.rid):  # at once; telling downstream is a network send
                 self._later("abort", meta)
             return
-        if meta.rid in self._aborted:
+        if self.requests.aborted(meta.rid):
             msg.release()
             return
-        with self._cond:
-            new = meta.rid not in self._work and meta.rid not in self._joins
-            refuse = new and len(self._runnable) + len(self._joins) >= self.max_queue
-            if not refuse:
-                queue = self._work.setdefault(meta.rid, collections.deque())
-                queue.append((meta, payload, msg))
-                if meta.rid not in self._active and meta.rid not in self._runnable:
-                    self._runnable.append(meta.rid)
-                    self._cond.notify()
-        if refuse:  # told at once (by the control thread), so the client can back off
-            msg.release()
+        if not self.requests.offer(meta, payload, msg):
+            msg.release()  # told at once (by the control thread), so the client can back off
             self._later("overloaded", meta)
 
     def _worker(self) -> None:
-        while True:
-            with self._cond:
-                while not self._runnable and not self._stopping.is_set():
-                    self._cond.wait(0.5)
-                if self._stopping.is_set():
-                    return
-                rid = self._runnable.popleft()
-                self._active.add(rid)
-                meta, payload, msg = self._work[rid].popleft()
+        while (taken := self.requests.take(self._stopping)) is not None:
+            rid, (meta, payload, msg) = taken
             try:
-                self._handle(meta, payload, msg)
+                self.handling.handle(meta, payload, msg)
             except Exception:  # a bug here must not kill the worker
                 log.exception("role %s: unexpected error on request %s", self.name, rid)
                 msg.release()
             finally:
-                with self._cond:
-                    self._active.discard(rid)
-                    if self._work.get(rid):
-                        self._runnable.append(rid)
-                        self._cond.notify()
-                    else:
-                        self._work.pop(rid, None)
-
-    # ---- handling ----------------------------------------------------------------------------
-    def _handle(self, meta: Meta, payload: Any, msg: Message) -> None:
-        if meta.rid in self._aborted:
-            msg.release()
-            return
-        if meta.expired:
-            msg.release()
-            self._fail(meta, "timeout", f"request timed out before role {self.name} handled it")
-            return
-        if meta.kind == "end":  # the upstream stream is complete, and so is ours
-            msg.release()
-            try:
-                self._emit(meta, "end", None)
-            except RelayError as exc:
-                message = f"role {self.name} could not send on: {exc}"
-                self._fail(meta, "transport", message, reply_failed=isinstance(exc, ReplyFailed))
-                return
-            self.metrics.request_done(
-                max(0.0, time.time() - (meta.deadline - self.config.request_timeout))
-            )
-            return
-        joins = self.me.joins
-        if meta.kind == "chunk":
-            if joins:
-                msg.release()
-                self._fail(meta, "other", f"role {self.name} joins inputs and cannot take a stream")
-                return
-            self._run(meta, payload, [msg], streaming_input=True)
-            return
-        if meta.kind in ("data", "ref") and joins:
-            self._join(meta, payload, msg)
-            return
-        if meta.kind == "data":
-            self._run(meta, payload, [msg])
-            return
-        msg.release()
-        log.warning("role %s: unexpected %s message for %s", self.name, meta.kind, meta.rid)
-
-    def _join(self, meta: Meta, payload: Any, msg: Message) -> None:
-        with self._cond:
-            join = self._joins.setdefault(meta.rid, _Join(meta=meta))
-            join.messages.append(msg)
-            if meta.kind == "ref":
-                join.refs[meta.path] = payload
-            else:
-                join.inputs[meta.source] = payload
-                join.meta = meta
-            complete = set(join.inputs) >= set(self.me.upstream) and set(join.refs) >= {
-                r.path for r in self.me.refs_in
-            }
-            if complete:
-                del self._joins[meta.rid]
-        if not complete:
-            return
-        data: Any = join.inputs if len(self.me.upstream) > 1 else join.inputs[self.me.upstream[0]]
-        for path, value in join.refs.items():
-            data = envelope.insert(data, path, value)
-        self._run(join.meta.with_(kind="data"), data, join.messages)
-
-    def _run(
-        self, meta: Meta, data: Any, messages: list[Message], *, streaming_input: bool = False
-    ) -> None:
-        """Call the handler and send its output on. A generator streams: each item is a
-        chunk, then `end` — unless the input is itself a chunk of a stream, whose own `end`
-        closes ours. A request counts as done here when its last output has left."""
-        started = time.monotonic()
-        if streaming_input:
-            self._stream_started.setdefault(meta.rid, started)
-        try:
-            result = self.runner.invoke(
-                data,
-                timeout=forward.remaining(meta),
-                cancelled=lambda: meta.rid in self._aborted or self._stopping.is_set(),
-            )
-            if inspect.isgenerator(result):
-                for chunk in result:
-                    if meta.rid in self._aborted:  # the client left: stop generating
-                        result.close()
-                        break
-                    self._emit(meta, "chunk", chunk)
-                if not streaming_input:
-                    self._emit(meta, "end", None)
-            else:
-                self._emit(meta, "chunk" if streaming_input else "data", result)
-        except RelayError as exc:
-            message = f"role {self.name} could not send on: {exc}"
-            self._fail(meta, "transport", message, reply_failed=isinstance(exc, ReplyFailed))
-        except BatchTimeout as exc:
-            self._fail(meta, "timeout", f"request timed out at role {self.name}: {exc}")
-        except BatchCancelled as exc:
-            if meta.rid not in self._aborted:
-                self._fail(meta, "other", f"role {self.name}: {exc}")
-        except Exception as exc:
-            self._fail(meta, "handler", f"{type(exc).__name__}: {exc}", exc_type=type(exc).__name__)
-        else:
-            took = time.monotonic() - started
-            self.metrics.handler_seconds(took)
-            # recent seconds per call, advertised in the load (a plain float store)
-            self._service_s = took if not self._service_s else 0.8 * self._service_s + 0.2 * took
-            if not streaming_input:
-                self.metrics.request_done(time.monotonic() - started)
-        finally:
-            for msg in messages:
-                msg.release()
-
-    def _emit(self, meta: Meta, kind: str, payload: Any) -> None:
-        """Send an output on: to the client from an exit role, else to every downstream role
-        (tensor references split off first and sent straight to their consumer)."""
-        if meta.rid in self._aborted:
-            return
-        if meta.expired:
-            raise RelayError(f"request deadline passed at role {self.name}")
-        if kind == "chunk":
-            out = meta.with_(kind="chunk", source=self.name, seq=self._seq[meta.rid])
-            self._seq[meta.rid] += 1
-        elif kind == "end":
-            out = meta.with_(kind="end", source=self.name, count=self._seq.pop(meta.rid, 0))
-        else:
-            out = meta.with_(kind="data", source=self.name)
-        if self.me.exit:
-            self.forward.send_reply(out, payload)
-            return
-        if kind == "data":
-            for ref in self.me.refs_out:
-                payload, value = envelope.extract(payload, ref.path)
-                self.forward.send_to(ref.target, out.with_(kind="ref", path=ref.path), value)
-        for target in self.me.downstream:
-            self.forward.send_to(target, out, payload)
-
-    # ---- failure -----------------------------------------------------------------------------
-    def _fail(
-        self,
-        meta: Meta,
-        reason: str,
-        message: str,
-        *,
-        exc_type: str = "",
-        reply_failed: bool = False,
-    ) -> None:
-        """Tell the client, tell downstream roles to let go, count it."""
-        log.warning("role %s: request %s failed: %s", self.name, meta.rid, message)
-        self.metrics.request_failed(reason)
-        error = {
-            "role": self.name,
-            "replica": str(self.config.replica),
-            "reason": reason,
-            "type": exc_type,
-            "message": message,
-        }
-        if not reply_failed:  # else its reply endpoint just failed: do not wait on it twice
-            try:
-                self.forward.send_reply(
-                    meta.with_(kind="error", source=self.name, error=error), None
-                )
-            except Exception as exc:  # the client may be gone; the abort must still happen
-                log.warning("role %s: could not report failure of %s: %s", self.name, meta.rid, exc)
-        self._abort(meta.with_(kind="abort", source=self.name))
-
-    def _abort(self, meta: Meta) -> None:
-        """Drop everything of the request here and pass the abort on (once per request)."""
-        if self._drop(meta):
-            self._pass_abort(meta)
-
-    def _drop(self, meta: Meta) -> bool:
-        """Free what the request holds here; False when it was aborted already."""
-        with self._cond:
-            if meta.rid in self._aborted:
-                return False
-            self._aborted[meta.rid] = time.monotonic() + ABORT_MEMORY_S
-            queued = [m for _, _, m in self._work.pop(meta.rid, ())]
-            join = self._joins.pop(meta.rid, None)
-            if meta.rid in self._runnable:
-                self._runnable.remove(meta.rid)
-            self._seq.pop(meta.rid, None)
-            self._stream_started.pop(meta.rid, None)
-        for msg in queued + (join.messages if join else []):
-            msg.release()
-        return True
-
-    def _pass_abort(self, meta: Meta) -> None:
-        targets = set(self.me.downstream) | {r.target for r in self.me.refs_out}
-        for target in sorted(targets):
-            try:
-                self.forward.send_to(target, meta.with_(kind="abort", source=self.name), None)
-            except (RelayError, OSError) as exc:
-                log.debug("abort of %s not passed to %s: %s", meta.rid, target, exc)
-
-    def _expire_joins(self) -> None:
-        now = time.monotonic()
-        with self._cond:
-            expired = [j for j in self._joins.values() if j.meta.expired]
-            for rid, until in list(self._aborted.items()):
-                if until < now:
-                    del self._aborted[rid]
-        for join in expired:
-            missing = sorted(set(self.me.upstream) - set(join.inputs))
-            missing += [f"ref {r.path}" for r in self.me.refs_in if r.path not in join.refs]
-            self._fail(
-                join.meta,
-                "timeout",
-                f"request timed out at role {self.name} waiting for {', '.join(missing)}",
-            )
+                self.requests.done(rid)
 
 
 def raise_open_files_limit() -> None:

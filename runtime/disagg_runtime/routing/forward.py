@@ -1,15 +1,14 @@
-"""Sending a role's messages on: to the replica of a downstream role a request goes to, or
-to its reply endpoint, with the failover both need written once.
-
-`Forwarder.send_to` picks the replica (peers.PeerSet: pinned per request, chosen by load
-or by hash, among those that pair with this role's revision), opens or reuses its relay
-(peers.RelayCache), and sends; a replica that lost its session (PeerLost: it restarted,
-or its pod went away, and nothing of the payload was delivered) is dropped and the send
-made once more, to a replica chosen afresh. While choosing, a replica that serves another
-role now (WrongRole) or does not answer (Unanswered) is skipped; while none pairs (a
-rollout's partner not ready yet) it waits, until shortly before the request's deadline,
-or until the role has drained (`leaving`). `send_reply` goes to the request's reply
-endpoint through the same cache (`RelayCache.send`: one reconnect on PeerLost).
+"""Sending a role's messages on: to the replica of a downstream role a request goes to, or to
+its reply endpoint, with the failover both need written once. `Forwarder.send_to` picks the
+replica (peers.PeerSet: pinned per request, chosen by load or by hash, among those that pair
+with this role's revision), opens or reuses its relay (relays.RelayCache), and sends with
+failover.with_failover: a replica that lost its session (PeerLost: it restarted, or its pod
+went away, and nothing of the payload was delivered) is dropped and the send made once more,
+to a replica chosen afresh. While choosing, a replica that serves another role now
+(WrongRole) or does not answer (Unanswered) is skipped; while none pairs (a rollout's
+partner not ready yet) it waits, until shortly before the request's deadline, or until the
+role has drained (`leaving`). `send_reply` goes to the request's reply endpoint through the
+same cache and failover (`failover.send`: one reconnect on PeerLost).
 """
 
 from __future__ import annotations
@@ -21,7 +20,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from disagg_runtime.relay import PeerLost, Relay, RelayError, Unanswered, WrongRole
-from disagg_runtime.routing.peers import NoCompatibleReplica, PeerSet, RelayCache
+from disagg_runtime.routing import failover
+from disagg_runtime.routing.inflight import InFlight, Sent
+from disagg_runtime.routing.peers import NoCompatibleReplica, PeerSet
+from disagg_runtime.routing.relays import RelayCache
 from disagg_runtime.wire.envelope import Meta
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,16 @@ PAIR_MARGIN_S = 1.0  # give up this long before the deadline, so the reason reac
 
 class ReplyFailed(RelayError):
     """The reply endpoint of a request could not be reached (so no error report can be)."""
+
+
+class HandedBack(NoCompatibleReplica):
+    """This role is draining and no downstream replica pairs with it: the request goes back
+    to its first sender, to be moved to a live replica (not failed)."""
+
+
+class StreamBroken(PeerLost):
+    """The replica a request's stream was going to was lost midway: a stream is not moved
+    (its start is gone with that replica), the request fails naming the role."""
 
 
 def remaining(meta: Meta) -> float:
@@ -50,6 +62,8 @@ class Forwarder:
         *,
         leaving: threading.Event,
         edge_sent: Callable[[str, str, int, float], None],
+        draining: threading.Event | None = None,
+        on_lost: Callable[[list[Sent]], None] | None = None,
     ) -> None:
         self.name = name
         self.replica = replica
@@ -57,32 +71,34 @@ class Forwarder:
         self.relays = relays
         self._leaving = leaving  # set once the role drained: waiting for a partner gives up
         self._edge_sent = edge_sent  # (edge, relay kind, bytes, seconds): the role's metrics
+        self._draining = draining or threading.Event()  # a partner not found: handed back
+        self._on_lost = on_lost  # requests that went to a replica now lost (inflight.py)
+        self.inflight = InFlight()
 
     def send_to(self, target: str, meta: Meta, payload: Any) -> None:
         peers = self.peers[target]
         new = meta.kind not in ("end", "abort")  # those follow the request, never choose
         started = time.monotonic()
-        relay, endpoint = self._paired(peers, meta, new)
+        route = Paired(self, peers, meta, new)
         try:
-            try:
-                nbytes = relay.send(
-                    payload, request_id=meta.rid, timeout=remaining(meta), meta=meta.to_json()
-                )
-            except PeerLost:  # it restarted, or its pod went away: once more, chosen afresh
-                self.relays.drop(peers.kind, endpoint, relay)
-                peers.unpin(meta.rid)
-                peers.endpoints(refresh=True)
-                relay, endpoint = self._paired(peers, meta, new)
-                nbytes = relay.send(
-                    payload, request_id=meta.rid, timeout=remaining(meta), meta=meta.to_json()
-                )
+            relay, nbytes = failover.with_failover(
+                route,
+                lambda relay, seconds: relay.send(
+                    payload, request_id=meta.rid, timeout=seconds, meta=meta.to_json()
+                ),
+                timeout=remaining(meta),
+            )
         except RelayError as exc:
-            self.relays.drop(peers.kind, endpoint, relay)
+            if not route.opened:  # choosing failed: its error names the replica already
+                raise
             # the same type (a timeout stays a timeout), naming whom it could not reach
-            raise type(exc)(f"{target} at {endpoint}: {exc}") from exc
+            raise type(exc)(f"{target} at {route.endpoint}: {exc}") from exc
         elapsed = time.monotonic() - started
         if not new:  # the request's last message to it
             peers.unpin(meta.rid)
+            self.inflight.forget(meta.rid, target)
+        elif meta.kind in ("data", "ref") or (meta.kind == "chunk" and meta.seq == 0):
+            self.inflight.add(Sent(meta, target, relay.kind, route.endpoint))
         self._edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
 
     def _paired(self, peers: PeerSet, meta: Meta, new: bool) -> tuple[Relay, str]:
@@ -96,6 +112,11 @@ class Forwarder:
             try:
                 endpoint = peers.endpoint_for(meta.rid, self.relays.viewer(peers.kind), new=new)
             except NoCompatibleReplica as exc:
+                if self._draining.is_set():
+                    raise HandedBack(
+                        f"role {self.name} replica {self.replica} is draining and found no "
+                        f"partner: {exc}"
+                    ) from exc
                 if self._leaving.is_set():
                     raise NoCompatibleReplica(
                         f"role {self.name} replica {self.replica} is shutting down and "
@@ -131,13 +152,33 @@ class Forwarder:
                 return relay, endpoint
             self.relays.drop(peers.kind, endpoint)  # asked afresh once its verdict expires
 
+    def lost(self, sent: list[Sent]) -> None:
+        """Report requests that went to a replica now lost (to `on_lost`)."""
+        if sent and self._on_lost is not None:
+            self._on_lost(sent)
+
+    def sweep(self) -> None:
+        """Look at the relays of replicas something is in flight at, without sending: one
+        whose receiver went away or restarted (relay `gone`) is dropped and what went to it
+        reported lost. So a request is moved even when nothing else is sent there (the
+        last message into a connection that just died had no receipt)."""
+        for kind, endpoint in self.inflight.replicas():
+            relay = self.relays.peek(kind, endpoint)
+            if relay is not None and relay.gone():
+                self.relays.drop(kind, endpoint, relay)
+                sent = self.inflight.lost(kind, endpoint)
+                for target in {s.target for s in sent}:
+                    self.peers[target].lost(endpoint)
+                self.lost(sent)
+
     def send_reply(self, meta: Meta, payload: Any) -> None:
         """To the request's reply endpoint, which must prove the peer key (so it is one of
         the pipeline's clients or gateways); connecting and sending together take no
         longer than the request has left."""
         kind, endpoint = meta.reply.relay, meta.reply.endpoint
         try:
-            self.relays.send(
+            failover.send(
+                self.relays,
                 kind,
                 endpoint,
                 payload,
@@ -149,3 +190,46 @@ class Forwarder:
             self.relays.failed()
             raise ReplyFailed(f"reply to {endpoint}: {exc}") from exc
         self.relays.succeeded()
+
+
+class Paired:
+    """failover.Route to the replica of a downstream role a request goes to (its pin, or
+    the one chosen for it; see Forwarder._paired); after a loss, chosen afresh."""
+
+    def __init__(self, forwarder: Forwarder, peers: PeerSet, meta: Meta, new: bool) -> None:
+        self._forwarder = forwarder
+        self._peers = peers
+        self._meta = meta
+        self._new = new
+        self.endpoint = ""
+        self.opened = False  # whether the last open succeeded
+        self._gone = False
+
+    def open(self, *, first: bool, seconds: float) -> Relay:
+        self.opened = False
+        relay, self.endpoint = self._forwarder._paired(self._peers, self._meta, self._new)
+        self.opened = True
+        return relay
+
+    def discard(self, relay: Relay) -> None:
+        self._gone = relay.gone()  # lost with what it held (not a goodbye: that one hands on)
+        self._forwarder.relays.drop(self._peers.kind, self.endpoint, relay)
+
+    def keep(self, relay: Relay) -> None:
+        pass  # shared: it stays in the cache
+
+    def lost(self, exc: PeerLost) -> None:
+        """It restarted, or its pod went away: what else went there is reported lost, the
+        pin goes, the replicas are looked up; a stream half sent there is not moved."""
+        meta, kind = self._meta, self._peers.kind
+        midway = meta.kind == "end" or (meta.kind == "chunk" and meta.seq > 0)
+        if self._gone:
+            self._peers.lost(self.endpoint)  # dead or restarted: others first, a while
+            self._forwarder.lost(self._forwarder.inflight.lost(kind, self.endpoint, but=meta.rid))
+        if midway:
+            raise StreamBroken(
+                f"role {self._peers.peer.role} at {self.endpoint} was lost in the middle of "
+                f"request {meta.rid}'s stream from role {self._forwarder.name}: {exc}"
+            ) from exc
+        self._peers.unpin(self._meta.rid)
+        self._peers.endpoints(refresh=True)

@@ -196,3 +196,33 @@ def test_decisions_record_their_signal_and_locks_theirs():
 def test_a_queue_target_must_be_positive():
     with pytest.raises(ValueError, match="targetQueuePerReplica"):
         Policy(1, 2, target_queue=0)
+
+
+def test_a_window_counts_in_scrape_results_and_a_timed_out_scrape_is_no_signal():
+    """CPU starvation: most scrapes time out. A scale-down needs its lower recommendation to
+    hold in results that cover the window, not two results a window apart; decisions with
+    no fresh sample (every scrape timed out) are not a signal either way."""
+    policy = Policy(1, 8, target_occupancy=0.5, scale_down_window_s=60)
+    timed_out = [Sample(f"r{i}", None, ready=True, at=0.0) for i in range(4)]
+    scaler = Autoscaler({"d": policy})
+    assert scaler.decide(0.0, {"d": 4}, {"d": samples(0.0, 4, 0.0)})["d"].desired == 4
+    for t in (20.0, 40.0):  # the scrapes time out: no signal, and the run is broken
+        decision = scaler.decide(t, {"d": 4}, {"d": timed_out})["d"]
+        assert decision.desired == 4 and "no fresh pool samples" in decision.reason
+    # idle results a window apart are not a window held in results
+    assert scaler.decide(45.0, {"d": 4}, {"d": samples(0.0, 4, 45.0)})["d"].desired == 4
+    assert scaler.decide(110.0, {"d": 4}, {"d": samples(0.0, 4, 110.0)})["d"].desired == 4
+    # two results late in a window do not cover it; from 110 on they do: down it goes
+    assert scaler.decide(115.0, {"d": 4}, {"d": samples(0.0, 4, 115.0)})["d"].desired == 4
+    assert scaler.decide(140.0, {"d": 4}, {"d": samples(0.0, 4, 140.0)})["d"].desired == 1
+
+
+def test_an_up_window_needs_its_signal_held_in_results():
+    policy = Policy(1, 8, target_occupancy=0.5, scale_up_window_s=30)
+    scaler = Autoscaler({"d": policy})
+    busy = lambda t: samples(1.0, 2, t)  # noqa: E731
+    assert scaler.decide(0.0, {"d": 2}, {"d": busy(0.0)})["d"].desired == 2  # first result
+    assert scaler.decide(10.0, {"d": 2}, {"d": samples(0.5, 2, 10.0)})["d"].desired == 2
+    assert scaler.decide(31.0, {"d": 2}, {"d": busy(31.0)})["d"].desired == 2  # broken at 10
+    assert scaler.decide(45.0, {"d": 2}, {"d": busy(45.0)})["d"].desired == 2
+    assert scaler.decide(62.0, {"d": 2}, {"d": busy(62.0)})["d"].desired == 4  # held 31..62

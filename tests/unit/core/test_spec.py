@@ -441,6 +441,9 @@ TRANSPORT_RULES: list[tuple[dict[str, object], str, str]] = [
     ({"requestTimeoutSeconds": 0}, "requestTimeoutSeconds", "must be positive"),
     ({"requestTimeoutSeconds": "30s"}, "requestTimeoutSeconds", "expected a number"),
     ({"requestTimeoutSeconds": float("inf")}, "requestTimeoutSeconds", "finite"),
+    ({"migrationAttempts": -1}, "migrationAttempts", "must be at least 0"),
+    ({"migrationAttempts": 11}, "migrationAttempts", "at most 10"),
+    ({"migrationAttempts": True}, "migrationAttempts", "expected an integer"),
     ({"pool": "1Gi"}, "pool", "unknown field (did you mean 'poolSize'?)"),
 ]
 

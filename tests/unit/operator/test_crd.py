@@ -112,6 +112,7 @@ def test_defaults_do_not_change_meaning(
         "minBlock": "1Mi",
         "poolDevice": "cpu",
         "requestTimeoutSeconds": 30.0,
+        "migrationAttempts": 3,
     }
     assert "replicas" not in stored["spec"]["roles"][0]  # it follows autoscaling: no default
 
@@ -187,6 +188,8 @@ BOTH_REJECT: list[tuple[str, Mutation, str]] = [
     ("bad pool device", _set("spec.transport.poolDevice", "tpu"), "spec.transport.poolDevice"),
     ("zero timeout", _set("spec.transport.requestTimeoutSeconds", 0), "requestTimeoutSeconds"),
     ("timeout as text", _set("spec.transport.requestTimeoutSeconds", "5"), "requestTimeout"),
+    ("negative migration", _set("spec.transport.migrationAttempts", -1), "migrationAttempts"),
+    ("migrations past 10", _set("spec.transport.migrationAttempts", 11), "migrationAttempts"),
     ("role without handler", _set(f"{ROLE}.handler", ...), f"{ROLE}.handler"),
     ("handler without function", _set(f"{ROLE}.handler", "pkg.mod"), f"{ROLE}.handler"),
     ("role name uppercase", _set(f"{ROLE}.name", "Encoder"), f"{ROLE}.name"),

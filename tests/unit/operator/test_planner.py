@@ -490,6 +490,36 @@ def test_graph_change_rolls_only_the_roles_it_touches(load_yaml: Any, repo: Any)
     assert len(set(old.values())) == len(old)  # each unit its own hash
 
 
+def _gateway_hash(objects: list[Obj]) -> str:
+    (deployment,) = _by_kind(objects)["Deployment"].values()
+    return str(
+        deployment["spec"]["template"]["metadata"]["annotations"][names.ANNOTATION_SPEC_HASH]
+    )
+
+
+def test_the_gateway_rolls_only_when_what_it_reads_changes(load_yaml: Any, repo: Any) -> None:
+    """A role added in the middle of the graph changes the entry role's slice of the
+    topology (its downstream) but not what the gateway reads (entry and exit roles): the
+    gateway's pods stay, and their streams with them. A new exit role, or another count of
+    resends, rolls it."""
+    doc = load_yaml(repo / "examples" / "text-to-video.yaml")
+    before = _gateway_hash(planner.plan(_pipeline(doc), namespace=NS))
+    middle = copy.deepcopy(doc)
+    middle["spec"]["roles"].append({"name": "upscaler", "handler": "pkg.mod:upscale"})
+    middle["spec"]["edges"] = [
+        e if e["to"] != "decoder" or e["from"] != "denoiser" else {**e, "to": "upscaler"}
+        for e in middle["spec"]["edges"]
+    ] + [{"from": "upscaler", "to": "decoder"}]
+    assert _gateway_hash(planner.plan(_pipeline(middle), namespace=NS)) == before
+    after_exit = copy.deepcopy(doc)
+    after_exit["spec"]["roles"].append({"name": "captioner", "handler": "pkg.mod:caption"})
+    after_exit["spec"]["edges"].append({"from": "decoder", "to": "captioner"})
+    assert _gateway_hash(planner.plan(_pipeline(after_exit), namespace=NS)) != before
+    resends = copy.deepcopy(doc)
+    resends["spec"]["transport"]["migrationAttempts"] = 0
+    assert _gateway_hash(planner.plan(_pipeline(resends), namespace=NS)) != before
+
+
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
 def test_one_role_image_change_renders_only_that_roles_objects(
     load_yaml: Any, repo: Any, example: str

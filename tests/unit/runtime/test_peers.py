@@ -11,7 +11,7 @@ import pytest
 from disagg_core.compat import Compat, default_token
 from disagg_core.contract import Peer
 from disagg_runtime.relay import RelayError, Unanswered
-from disagg_runtime.routing import dispatch, peers
+from disagg_runtime.routing import dispatch, failover, peers, relays
 
 
 def test_ip_literals_need_no_dns():
@@ -247,9 +247,9 @@ def _silent_endpoint() -> tuple[socket.socket, str]:
 
 
 def test_a_handshake_is_given_up_after_connect_s_when_time_is_left(monkeypatch):
-    monkeypatch.setattr(peers, "CONNECT_S", 0.3)
+    monkeypatch.setattr(relays, "CONNECT_S", 0.3)
     server, endpoint = _silent_endpoint()
-    cache = peers.RelayCache(timeout=30.0, key=b"k" * 32)
+    cache = relays.RelayCache(timeout=30.0, key=b"k" * 32)
     try:
         started = time.monotonic()
         with pytest.raises(Unanswered, match=r"did not answer within 0\.3 s"):
@@ -260,7 +260,8 @@ def test_a_handshake_is_given_up_after_connect_s_when_time_is_left(monkeypatch):
         assert not isinstance(unbounded.value, Unanswered)
         lost: list[str] = []
         with pytest.raises(RelayError):  # tried twice: told which one did not answer
-            cache.on_relay(
+            failover.on_relay(
+                cache,
                 "tcp",
                 endpoint,
                 lambda relay, left: None,
