@@ -165,7 +165,9 @@ class Reserved:
             used, self._used = self._used, True
         return not used
 
-    def start(self, *, on_chunk: Callable[[Any], None] | None = None) -> tuple[str, Future[Any]]:
+    def start(
+        self, *, on_chunk: Callable[[Any], None] | None = None, trace: str = ""
+    ) -> tuple[str, Future[Any]]:
         """Commit the filled slot: the request starts, as `Client.start` would start it."""
         client, rid = self._client, self.grant.rid
         if not self._use():
@@ -174,7 +176,7 @@ class Reserved:
         with client._lock:
             client._pending[rid] = pending
         remaining = max(0.0, self.deadline - time.monotonic())
-        meta = Meta(rid, "data", "client", time.time() + remaining, client.reply)
+        meta = Meta(rid, "data", "client", time.time() + remaining, client.reply, trace=trace)
         try:
             self._relay.commit(self.grant, meta=meta.to_json(), timeout=remaining)
         except (RelayError, OSError) as exc:
@@ -217,8 +219,10 @@ class Upload:
         starts: Sequence[int],
         timeout: float,
         on_done: Callable[[], None],
+        trace: str = "",
     ) -> None:
         self._client = client
+        self.trace = trace
         self._peers = peers
         self.manifest = manifest
         self._data = data
@@ -244,9 +248,13 @@ class Upload:
             self._filled = filled
             self._cond.notify()
 
-    def start(self, *, on_chunk: Callable[[Any], None] | None = None) -> tuple[str, Future[Any]]:
+    def start(
+        self, *, on_chunk: Callable[[Any], None] | None = None, trace: str = ""
+    ) -> tuple[str, Future[Any]]:
         """Submit: the request is registered and its last chunk sent; returns once the
-        entry role holds the payload (or failed to take it: the future says so)."""
+        entry role holds the payload (or failed to take it: the future says so). `trace`
+        is unused: the upload's envelope left with its first chunk, under the trace given
+        to `Client.upload`."""
         client, rid = self._client, self.rid
         pending = _Pending(client.exits, self.deadline, on_chunk=on_chunk)
         with self._cond:
@@ -360,7 +368,8 @@ class Upload:
 
     def _send(self, relay: TcpSender, grant: Grant) -> None:
         remaining = max(0.0, self.deadline - time.monotonic())
-        meta = Meta(self.rid, "data", "client", time.time() + remaining, self._client.reply)
+        reply = self._client.reply
+        meta = Meta(self.rid, "data", "client", time.time() + remaining, reply, trace=self.trace)
         sources = chunk_sources(self.manifest, relay.chunk_bytes, self._starts)
         data = self._data
         with relay.stream(grant, meta=meta.to_json(), timeout=remaining) as out:
@@ -437,10 +446,13 @@ class Client:
         self._thread.start()
 
     # ---- API -----------------------------------------------------------------------------------
-    def submit_async(self, payload: Any, *, timeout: float | None = None) -> Future[Any]:
+    def submit_async(
+        self, payload: Any, *, timeout: float | None = None, trace: str = ""
+    ) -> Future[Any]:
         """Start a request; the future holds the exit role's payload (a dict by exit role when
-        there are several; the list of chunks when the pipeline streams)."""
-        return self._start(payload, timeout)[1].future
+        there are several; the list of chunks when the pipeline streams). `trace`: the
+        W3C traceparent of the caller's span, carried to every role."""
+        return self._start(payload, timeout, trace=trace)[1].future
 
     def start(
         self,
@@ -448,12 +460,13 @@ class Client:
         *,
         timeout: float | None = None,
         on_chunk: Callable[[Any], None] | None = None,
+        trace: str = "",
     ) -> tuple[str, Future[Any]]:
         """Start a request; its id (for `cancel`) and its future. With `on_chunk`, each
         chunk of a stream goes to it, in order, on the thread that receives the client's
         messages (it must not block), and the future's result then holds `Streamed(count)`
         instead of the chunks. The future is completed on that thread too."""
-        rid, pending = self._start(payload, timeout, on_chunk)
+        rid, pending = self._start(payload, timeout, on_chunk, trace=trace)
         return rid, pending.future
 
     def reserve(self, manifest: Manifest, *, timeout: float | None = None) -> Reserved | None:
@@ -500,6 +513,7 @@ class Client:
         *,
         timeout: float | None = None,
         on_done: Callable[[], None],
+        trace: str = "",
     ) -> Upload | None:
         """Stream a payload laid out as `manifest` to the entry role over tcp while its
         bytes arrive in `data` (tensor i at `starts[i]`; see `Upload`), reserving its slot
@@ -510,7 +524,7 @@ class Client:
         if self._closed.is_set():
             raise RequestFailed("client is closed")
         seconds = self.timeout if timeout is None else timeout
-        return Upload(self, self.entries[0], manifest, data, starts, seconds, on_done)
+        return Upload(self, self.entries[0], manifest, data, starts, seconds, on_done, trace)
 
     def submit(self, payload: Any, *, timeout: float | None = None) -> Any:
         future = self.submit_async(payload, timeout=timeout)
@@ -565,6 +579,8 @@ class Client:
         payload: Any,
         timeout: float | None,
         on_chunk: Callable[[Any], None] | None = None,
+        *,
+        trace: str = "",
     ) -> tuple[str, _Pending]:
         if self._closed.is_set():
             raise RequestFailed("client is closed")
@@ -573,7 +589,7 @@ class Client:
         pending = _Pending(self.exits, time.monotonic() + seconds, on_chunk=on_chunk)
         with self._lock:
             self._pending[rid] = pending
-        meta = Meta(rid, "data", "client", time.time() + seconds, self.reply)
+        meta = Meta(rid, "data", "client", time.time() + seconds, self.reply, trace=trace)
         try:
             for peers in self.entries:
                 self._send(peers, meta, payload)

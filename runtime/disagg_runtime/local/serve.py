@@ -63,6 +63,7 @@ def serve(
         asyncio.run(main())
     finally:
         client.close()
+        gateway.tracer.shutdown()
     for line in died:
         print(f"disagg up: {line}", file=sys.stderr)
     return 1 if died else 0

@@ -70,6 +70,7 @@ from disagg_runtime.role.handler import Handler as LoadedHandler
 from disagg_runtime.role.handler import HandlerError, Runner, SetupContext, default_device, load
 from disagg_runtime.role.health import HealthServer
 from disagg_runtime.role.metrics import RoleMetrics, RoleSample
+from disagg_runtime.role.spans import RoleSpans
 from disagg_runtime.routing import dispatch, forward
 from disagg_runtime.routing.forward import ReplyFailed
 from disagg_runtime.routing.peers import (
@@ -80,6 +81,7 @@ from disagg_runtime.routing.peers import (
     Resolver,
     resolve_dns,
 )
+from disagg_runtime.tracing import open_tracer
 from disagg_runtime.wire import envelope
 from disagg_runtime.wire.envelope import Meta
 
@@ -167,6 +169,9 @@ class RoleRuntime:
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
+        resource = {"disagg.pipeline": config.pipeline, "disagg.role": config.role}
+        tracer = open_tracer(f"{config.pipeline}/{config.role}", resource=resource)
+        self.spans = RoleSpans(tracer, config.role, config.replica)  # spans.py
         self.runner = Runner(
             handler,
             max_batch_size=config.max_batch_size,
@@ -296,6 +301,7 @@ class RoleRuntime:
         self.relays.close()
         self.health.close()
         self.pool.close()
+        self.spans.tracer.shutdown()
         if self.config.metrics_dump:
             with open(self.config.metrics_dump, "wb") as f:
                 f.write(self.metrics.render())
@@ -498,6 +504,7 @@ class RoleRuntime:
                 rid = self._runnable.popleft()
                 self._active.add(rid)
                 meta, payload, msg = self._work[rid].popleft()
+            self.metrics.queue_wait(time.monotonic() - msg.received_at)
             try:
                 self._handle(meta, payload, msg)
             except Exception:  # a bug here must not kill the worker
@@ -580,12 +587,17 @@ class RoleRuntime:
         started = time.monotonic()
         if streaming_input:
             self._stream_started.setdefault(meta.rid, started)
+        traced = self.spans.begin(meta, messages, started)  # None: not traced
+        if traced is not None:  # what this role sends on hangs under its span
+            meta = meta.with_(trace=traced.span.traceparent)
         try:
             result = self.runner.invoke(
                 data,
                 timeout=forward.remaining(meta),
                 cancelled=lambda: meta.rid in self._aborted or self._stopping.is_set(),
             )
+            if traced is not None and not inspect.isgenerator(result):
+                traced.handled(time.monotonic())  # the sends below are spans of their own
             if inspect.isgenerator(result):
                 for chunk in result:
                     if meta.rid in self._aborted:  # the client left: stop generating
@@ -608,12 +620,16 @@ class RoleRuntime:
             self._fail(meta, "handler", f"{type(exc).__name__}: {exc}", exc_type=type(exc).__name__)
         else:
             took = time.monotonic() - started
+            if traced is not None:
+                traced.handled(started + took)  # a stream: generating and sending
             self.metrics.handler_seconds(took)
             # recent seconds per call, advertised in the load (a plain float store)
             self._service_s = took if not self._service_s else 0.8 * self._service_s + 0.2 * took
             if not streaming_input:
                 self.metrics.request_done(time.monotonic() - started)
         finally:
+            if traced is not None:
+                self.spans.end(traced)
             for msg in messages:
                 msg.release()
 
@@ -632,14 +648,25 @@ class RoleRuntime:
         else:
             out = meta.with_(kind="data", source=self.name)
         if self.me.exit:
-            self.forward.send_reply(out, payload)
+            self._send(None, out, payload)
             return
         if kind == "data":
             for ref in self.me.refs_out:
                 payload, value = envelope.extract(payload, ref.path)
-                self.forward.send_to(ref.target, out.with_(kind="ref", path=ref.path), value)
+                self._send(ref.target, out.with_(kind="ref", path=ref.path), value)
         for target in self.me.downstream:
-            self.forward.send_to(target, out, payload)
+            self._send(target, out, payload)
+
+    def _send(self, target: str | None, meta: Meta, payload: Any) -> None:
+        """One output to `target` (None: the request's reply endpoint); a traced request's
+        hand-off is a span (spans.py)."""
+        started = time.monotonic()
+        if target is None:
+            relay, nbytes = self.forward.send_reply(meta, payload)
+        else:
+            relay, nbytes = self.forward.send_to(target, meta, payload)
+        if meta.trace:
+            self.spans.sent(meta, target or "client", started, relay, nbytes)
 
     # ---- failure -----------------------------------------------------------------------------
     def _fail(
@@ -654,6 +681,8 @@ class RoleRuntime:
         """Tell the client, tell downstream roles to let go, count it."""
         log.warning("role %s: request %s failed: %s", self.name, meta.rid, message)
         self.metrics.request_failed(reason)
+        if meta.trace:
+            self.spans.failed(meta, reason, message)
         error = {
             "role": self.name,
             "replica": str(self.config.replica),

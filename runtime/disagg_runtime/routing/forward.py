@@ -58,7 +58,8 @@ class Forwarder:
         self._leaving = leaving  # set once the role drained: waiting for a partner gives up
         self._edge_sent = edge_sent  # (edge, relay kind, bytes, seconds): the role's metrics
 
-    def send_to(self, target: str, meta: Meta, payload: Any) -> None:
+    def send_to(self, target: str, meta: Meta, payload: Any) -> tuple[str, int]:
+        """Send to a replica of `target`; the relay kind that carried it and the bytes."""
         peers = self.peers[target]
         new = meta.kind not in ("end", "abort")  # those follow the request, never choose
         started = time.monotonic()
@@ -84,6 +85,7 @@ class Forwarder:
         if not new:  # the request's last message to it
             peers.unpin(meta.rid)
         self._edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
+        return relay.kind, nbytes
 
     def _paired(self, peers: PeerSet, meta: Meta, new: bool) -> tuple[Relay, str]:
         """A relay to the replica of `peers` the request goes to, among those that pair
@@ -131,13 +133,13 @@ class Forwarder:
                 return relay, endpoint
             self.relays.drop(peers.kind, endpoint)  # asked afresh once its verdict expires
 
-    def send_reply(self, meta: Meta, payload: Any) -> None:
+    def send_reply(self, meta: Meta, payload: Any) -> tuple[str, int]:
         """To the request's reply endpoint, which must prove the peer key (so it is one of
         the pipeline's clients or gateways); connecting and sending together take no
         longer than the request has left."""
         kind, endpoint = meta.reply.relay, meta.reply.endpoint
         try:
-            self.relays.send(
+            _, nbytes = self.relays.send(
                 kind,
                 endpoint,
                 payload,
@@ -149,3 +151,4 @@ class Forwarder:
             self.relays.failed()
             raise ReplyFailed(f"reply to {endpoint}: {exc}") from exc
         self.relays.succeeded()
+        return kind, nbytes
