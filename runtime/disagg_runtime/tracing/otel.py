@@ -41,13 +41,13 @@ _KINDS: Mapping[str, trace.SpanKind] = {
     "consumer": trace.SpanKind.CONSUMER,
 }
 SHUTDOWN_MS = 5000
+# the wall clock at monotonic 0, taken once: a span's children then sit exactly inside it
+_EPOCH_NS = time.time_ns() - time.monotonic_ns()
 
 
-def _wall_ns(at: float | None) -> int | None:
-    """A monotonic instant as the epoch nanoseconds spans carry."""
-    if at is None:
-        return None
-    return time.time_ns() - time.monotonic_ns() + int(at * 1e9)
+def _wall_ns(at: float | None) -> int:
+    """A monotonic instant (now when None) as the epoch nanoseconds spans carry."""
+    return _EPOCH_NS + (time.monotonic_ns() if at is None else int(at * 1e9))
 
 
 def _exporter(kind: str, config: TraceConfig) -> SpanExporter:
