@@ -45,7 +45,13 @@ from tests.integration.test_gateway import Served
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WINDOW = "15s"
-ALERTS = ("DisaggPoolFull", "DisaggNoReadyReplica", "DisaggPeerRefusalsRising", "DisaggGateway5xx")
+ALERTS = (
+    "DisaggPoolFull",
+    "DisaggNoReadyReplica",
+    "DisaggPeerRefusalsRising",
+    "DisaggGateway5xx",
+    "DisaggRolloutStalled",
+)
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
 
 
@@ -144,6 +150,8 @@ def _operator_metrics() -> tuple[Callable[[], None], Callable[[], None], int]:
         metrics.errors.labels(kind="spec", reason="Conflict").inc()
         metrics.api_request("operator")("patch", "statefulsets", "200")
         metrics.scaled("default", "itest-observe", "back", 1, 2, "occupancy")
+        roles = [{"name": "back", "desired": 2, "ready": 2, "updated": 1}]
+        metrics.observed("default", "itest-observe", roles, "Stalled")  # a held rollout
 
     port = free_port()
     return reconciled, metrics.serve(port, "127.0.0.1"), port
