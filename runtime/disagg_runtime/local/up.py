@@ -8,6 +8,7 @@ requests are in flight. The summary is the same with or without `--json`.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import sys
@@ -18,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg_core import contract
 from disagg_core.spec import ROOT, SpecError, load_pipeline_file
 from disagg_runtime.client import Client
 from disagg_runtime.local.autoscaler import LocalAutoscaler
@@ -289,6 +291,8 @@ def run_cli(args: argparse.Namespace) -> int:
         except (RuntimeError, OSError) as exc:  # TracingUnavailable: what to install
             print(f"disagg up: --trace: {exc}", file=sys.stderr)
             return 2
+    for name, value in contract.tracing_env(pipeline).items():  # spec.monitoring.tracing
+        os.environ.setdefault(name, value)  # the roles inherit it; the shell's own wins
     if getattr(args, "serve", False):
         try:
             return _serve(local, args)
