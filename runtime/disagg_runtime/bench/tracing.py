@@ -2,8 +2,13 @@
 
 One run, one local pipeline (`pipeline.chain`: three `disagg role` processes, each with
 OpenTelemetry's SDK exporting over OTLP/HTTP to an in-process receiver, otlp_sink.py, as
-a collector would take them), one client. Rounds rotate through the modes (off, default,
-all; then default, all, off; ...) so that all see the same machine noise:
+a collector would take them), one client. Each round runs every mode once (`--requests`
+requests each), in an order shuffled per round (seeded), and each mode's rate is taken
+against the same round's `off`: on a shared machine the rate drifts by tens of percent
+within a minute, and a ratio of neighbours cancels the drift that whole-mode medians keep.
+Spans leave every 100 ms (OTEL_BSP_SCHEDULE_DELAY; the SDK's default is 5 s) and a traced
+mode's round ends when the receiver holds all of its spans, so no round pays for the
+export of an earlier one.
 
 - off: requests carry no traceparent. Each role's tracer is configured, so this is the
   cost of an untraced request where tracing is on: one check per message (a role with no
@@ -15,8 +20,8 @@ all; then default, all, off; ...) so that all see the same machine noise:
 - all: every root span sampled (OTEL_TRACES_SAMPLER=always_on at the root), so every role
   records its span and its queue, handler and send children for every request.
 
-Reported: requests/s of each (median over rounds), each one's overhead against off
-(1 - mode/off), and the spans the receiver took (a check that tracing really traced).
+Reported: requests/s of each (median over rounds), each one's overhead as the median over
+rounds of 1 - mode/off, and the spans the receiver took (a check that it really traced).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import sys
 import threading
@@ -44,6 +50,8 @@ from disagg_runtime.tracing import Tracer, TracingUnavailable, open_tracer
 ROLES = 3
 WARMUP = 20
 MODES = ("off", "unsampled", "default", "all")
+SPANS_PER_REQUEST = 1 + ROLES * 4  # the root; each role's span, queue, handler, send
+DRAIN_S = 30.0
 UNSAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"  # a caller's "no"
 
 
@@ -98,13 +106,24 @@ def _round(
     return requests / elapsed
 
 
+def _drained(sink: OtlpSink, spans: int) -> None:
+    """Until the receiver holds `spans` spans (at most DRAIN_S: a lost batch does not hang)."""
+    deadline = time.monotonic() + DRAIN_S
+    while sink.count < spans and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def run(size: int, requests: int, concurrency: int, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     pool = 8 * (1 << max(20, (size + 4096 - 1).bit_length()))
     payload = {"x": torch.ones(size, dtype=torch.uint8)}
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     with OtlpSink(keep=0) as sink:
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_TRACES_EXPORTER": "otlp"}
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
         with _environ(env):
             modes: dict[str, Tracer | str | None] = {"off": None, "unsampled": UNSAMPLED}
             modes["default"] = open_tracer("bench-chain/client", strict=True)
@@ -115,10 +134,16 @@ def run(size: int, requests: int, concurrency: int, rounds: int) -> dict[str, An
                 client = local.client(timeout=60)
                 try:
                     _round(client, payload, WARMUP, concurrency, modes["all"])
-                    for r in range(rounds):
-                        for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
+                    expected = WARMUP * SPANS_PER_REQUEST  # at least (default adds ~1 %)
+                    _drained(sink, expected)
+                    order = random.Random(0)
+                    for _ in range(rounds):
+                        for mode in order.sample(MODES, len(MODES)):
                             rate = _round(client, payload, requests, concurrency, modes[mode])
                             rates[mode].append(rate)
+                            if mode == "all":  # its spans out before the next round
+                                expected += requests * SPANS_PER_REQUEST
+                                _drained(sink, expected)
                 finally:
                     client.close()
             for tracer in modes.values():
@@ -132,7 +157,7 @@ def run(size: int, requests: int, concurrency: int, rounds: int) -> dict[str, An
         )
         for mode in MODES[1:]
     }
-    every = (rounds * requests + WARMUP) * (1 + ROLES * 4)  # root + role, queue, handler, send
+    every = (rounds * requests + WARMUP) * SPANS_PER_REQUEST
     return {
         "size_bytes": size,
         "roles": ROLES,
