@@ -25,15 +25,15 @@ typecheck: venv
 	$(BIN)/mypy
 
 # every generated file (the CRD and its chart copy, manifests/install.yaml, docs/reference.md,
-# docs/contract.md; the list is disagg_operator/generate.py; the Grafana dashboard and the
+# docs/contract.md; the list is disagg_operator/gen/generate.py; the Grafana dashboard and the
 # Prometheus rules from the metric tables: disagg_runtime/observe/generate.py): write them, or
 # fail when one is stale
 generate: venv
-	$(BIN)/python -m disagg_operator.generate
+	$(BIN)/python -m disagg_operator.gen.generate
 	$(BIN)/python -m disagg_runtime.observe.generate
 
 verify: venv
-	$(BIN)/python -m disagg_operator.generate --check
+	$(BIN)/python -m disagg_operator.gen.generate --check
 	$(BIN)/python -m disagg_runtime.observe.generate --check
 
 pytest: venv

@@ -86,16 +86,19 @@ class Rig:
         self.senders.append(sender)
         return sender
 
-    def raw(self, ingress: Ingress, *, authenticate: bool = True) -> zmq.Socket[Any]:
+    def raw(
+        self, ingress: Ingress, *, authenticate: bool = True, relay: str = "raw"
+    ) -> zmq.Socket[Any]:
         """A bare DEALER that speaks whatever the test sends; by default it has made the
-        handshake (with the rig's key) first, as a sender does."""
+        handshake (with the rig's key) first, as a sender does, saying it is of kind
+        `relay` (a "tcp" one may send chunked commits: relay/backends/tcp/land.py)."""
         sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, auth.routing_id())
         sock.connect(ingress.endpoint)
         self.sockets.append(sock)
         if authenticate:
-            handshake(sock)
+            handshake(sock, relay)
         return sock
 
     def close(self) -> None:

@@ -16,9 +16,12 @@ Where this differs from the first plan (issue "The runtime's layers as folders")
 why: `Load`/`View` live in `wire/load.py` (the relay carries and checks them, so they
 cannot be routing's); the sender is cut into `relay/link.py` (the connection) and
 `relay/sender.py` (how payloads go) besides `relay/session.py`, because the connection
-alone was 450 lines; `role/health.py` holds the HTTP side of the metrics; codec's
-`encode`/`decode` stay in `wire/codec.py` (they are the reference full-message checker the
-codec's property tests use, and need its private validators).
+alone was 450 lines; `role/health.py` holds the HTTP side of the metrics; the codec's
+payload trees are `wire/tree.py` (the codec keeps dtypes, metas, buffers and strict JSON),
+and its whole-message `encode`/`decode` are `bench/frames.py`, built from the validators
+the codec now makes public (the property tests import them from there); the tcp chunk
+landing is `relay/backends/tcp/land.py`, behind `Landing.take` (the ingress hands it the
+sender's next messages).
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """`disagg` command line: thin argument parsing over the library; subcommands import lazily
 so that `disagg validate` never loads torch and `disagg operator` never loads the runtime. The
-operator's flags come from the operator package (`disagg_operator.flags`, which loads no kopf).
+operator's flags come from the operator package (`disagg_operator.app.flags`, which loads no kopf).
 Nothing imports this module: it is the root above both halves (checked by `make lint`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from disagg_core.contract import DISPATCH_MODES
-from disagg_operator import flags as operator_flags
+from disagg_operator.app import flags as operator_flags
 
 
 def _version() -> str:
@@ -194,13 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return spec.validate_cli(args.files, out=sys.stdout)
     if args.command == "render":
-        from disagg_operator import render
+        from disagg_operator.plan import render
 
         return render.render_cli(
             args.file, namespace=args.namespace, out=sys.stdout, err=sys.stderr
         )
     if args.command == "operator":
-        from disagg_operator import main as operator_main
+        from disagg_operator.app import main as operator_main
 
         return operator_main.run_cli(args)
     if args.command == "role":

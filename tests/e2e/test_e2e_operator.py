@@ -18,7 +18,9 @@ import yaml
 
 from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
-from disagg_operator import names, planner, reconcile
+from disagg_operator import names
+from disagg_operator.plan import model, planner
+from disagg_operator.reconcile import events as reconcile_events
 from tests.e2e import e2e_support as e
 from tests.integration import test_k8s_admission as admission_cases
 
@@ -78,8 +80,8 @@ def children_if(cluster: e.Cluster, name: str, keys: set[str]) -> dict[str, Any]
     return kids if set(kids) == keys else None
 
 
-def options() -> planner.PlanOptions:
-    return planner.PlanOptions(cluster_domain=e.CLUSTER_DOMAIN)
+def options() -> model.PlanOptions:
+    return model.PlanOptions(cluster_domain=e.CLUSTER_DOMAIN)
 
 
 def test_create_makes_the_children_with_the_contract_and_a_status(
@@ -125,7 +127,7 @@ def test_create_makes_the_children_with_the_contract_and_a_status(
         pod_name = f"{name}-{unit}-0"
         env[contract.PREFIX + "POD_NAME"] = pod_name  # the downward API's part
         parsed = contract.parse_env(env, topology)
-        config = planner.role_config(pipeline, unit, namespace=cluster.namespace, options=options())
+        config = model.role_config(pipeline, unit, namespace=cluster.namespace, options=options())
         assert parsed == dataclasses.replace(config, replica=0, pod_name=pod_name)
     for key in planned:
         if key.startswith("Service/"):
@@ -143,7 +145,7 @@ def test_create_makes_the_children_with_the_contract_and_a_status(
     assert e.condition(status, names.CONDITION_READY)["status"] == "False"
     assert status["readyRoles"].endswith("/3")
     e.wait_for(
-        lambda: ("Normal", reconcile.EVENT_CREATED) in cluster.event_reasons(name),
+        lambda: ("Normal", reconcile_events.EVENT_CREATED) in cluster.event_reasons(name),
         "the Created Event",
     )
     table = cluster.kubectl("get", "dpipe", name).stdout.splitlines()
@@ -175,7 +177,7 @@ def test_editing_one_role_image_changes_only_its_statefulset(
         sts = after[f"StatefulSet/{name}-{unit}"]
         assert sts["spec"]["template"]["spec"]["containers"][0]["image"] != image
     e.wait_for(
-        lambda: ("Normal", reconcile.EVENT_UPDATED) in cluster.event_reasons(name),
+        lambda: ("Normal", reconcile_events.EVENT_UPDATED) in cluster.event_reasons(name),
         "the Updated Event",
     )
 
@@ -212,10 +214,12 @@ def test_an_invalid_pipeline_gets_no_children_and_says_why(
     assert degraded["reason"] == names.REASON_INVALID_SPEC
     assert all(line in degraded["message"] for line in expected)
     e.wait_for(
-        lambda: ("Warning", reconcile.EVENT_INVALID) in cluster.event_reasons(name),
+        lambda: ("Warning", reconcile_events.EVENT_INVALID) in cluster.event_reasons(name),
         "the InvalidSpec Warning Event",
     )
-    (event,) = [x for x in cluster.events(name) if x.get("reason") == reconcile.EVENT_INVALID]
+    (event,) = [
+        x for x in cluster.events(name) if x.get("reason") == reconcile_events.EVENT_INVALID
+    ]
     assert expected[0] in event["message"]
     assert cluster.children(name) == {}
 

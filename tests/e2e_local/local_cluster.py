@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from disagg_operator import autoscaling, generate, install
+from disagg_operator.autoscaling import scaling as autoscaling
+from disagg_operator.gen import generate, install
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.node import Node, apiserver
 from tests.k8s.node.apiserver import InCluster

@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 import yaml
 
 from disagg_core import spec
-from disagg_operator import main, names, planner
-from disagg_operator.metrics import Metrics
+from disagg_operator import names
+from disagg_operator.app import main
+from disagg_operator.plan import planner
+from disagg_operator.reconcile.metrics import Metrics
 from tests.k8s.server import EmulatorThread
 from tests.support import REPO
 

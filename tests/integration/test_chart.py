@@ -30,7 +30,7 @@ import helm_python
 import pytest
 import yaml
 
-from disagg_operator import generate, install
+from disagg_operator.gen import generate, install
 from tests.integration import operator_support as s
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.server import EmulatorThread
@@ -50,7 +50,7 @@ PEERINGS = frozenset({
 ADDITIONS: dict[Rule, str] = {
     ("", "configmaps", "delete"): "pruning a child the plan dropped applies to every kind",
     ("apps", "deployments", "delete"): "pruning the gateway when spec.gateway.enabled is false",
-    # PodMonitors (operator/disagg_operator/podmonitor.py): the emulator serves no
+    # PodMonitors (operator/disagg_operator/plan/podmonitor.py): the emulator serves no
     # monitoring.coreos.com, so the recorded run makes none; a real API server's apply of an
     # absent object needs create besides patch
     **{

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_operator import crd
+from disagg_operator.gen import crd
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.server import EmulatorThread
 
@@ -299,7 +299,7 @@ def test_every_rendered_object_of_the_samples_is_admitted_without_warnings(
     """The operator's objects for each sample (fan-out: a colocation pod of two roles), applied
     server-side as the operator does: accepted, and no warning (unique port names)."""
     from disagg_core import spec
-    from disagg_operator import planner, render
+    from disagg_operator.plan import planner, render
     from tests.support import REPO
 
     pipeline = spec.load_pipeline_file(str(REPO / "manifests" / "samples" / f"{sample}.yaml"))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_operator import generate, install
+from disagg_operator.gen import generate, install
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.rbac import Authenticator
 from tests.k8s.server import EmulatorThread, kubeconfig_for

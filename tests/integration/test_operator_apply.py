@@ -12,7 +12,10 @@ import pytest
 import pytest_asyncio
 
 from disagg_core import spec
-from disagg_operator import apply, names, planner, reconcile
+from disagg_operator import names
+from disagg_operator.k8s import client as kube
+from disagg_operator.plan import manifests, model, planner
+from disagg_operator.reconcile import apply, reconcile
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 
@@ -22,9 +25,9 @@ KINDS = planner.child_kinds()
 
 
 @pytest_asyncio.fixture
-async def api(k8s: EmulatorThread, disagg_crd: Any) -> AsyncIterator[apply.Api]:
+async def api(k8s: EmulatorThread, disagg_crd: Any) -> AsyncIterator[kube.Api]:
     k8s.apply_file(disagg_crd)
-    client = apply.Api(k8s.connection_info())
+    client = kube.Api(k8s.connection_info())
     try:
         yield client
     finally:
@@ -34,10 +37,10 @@ async def api(k8s: EmulatorThread, disagg_crd: Any) -> AsyncIterator[apply.Api]:
 async def make_pipeline(k8s: EmulatorThread, doc: dict[str, Any] | None = None) -> Any:
     stored = await s.call(k8s.create, doc or s.example(), NS)
     pipeline = spec.parse_pipeline(doc or s.example())
-    return stored, pipeline, planner.Owner.of(stored)
+    return stored, pipeline, model.Owner.of(stored)
 
 
-async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: apply.Api):
+async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: kube.Api):
     stored, pipeline, owner = await make_pipeline(k8s)
     plan = planner.plan(pipeline, namespace=NS, owner=owner)
     first = await apply.apply_children(api, plan, owner=owner, namespace=NS, kinds=KINDS)
@@ -60,7 +63,7 @@ async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: apply.Ap
         pipeline,
         namespace=NS,
         owner=owner,
-        options=planner.PlanOptions(replicas={"denoiser": 4}),
+        options=model.PlanOptions(replicas={"denoiser": 4}),
     )
     third = await apply.apply_children(api, other, owner=owner, namespace=NS, kinds=KINDS)
     assert [str(r) for r in third.updated] == ["StatefulSet/text-to-video-denoiser"]
@@ -68,10 +71,10 @@ async def test_applying_twice_changes_nothing(k8s: EmulatorThread, api: apply.Ap
     assert {k for k in before if before[k] != after[k]} == {"StatefulSet/text-to-video-denoiser"}
 
 
-async def test_another_pipelines_object_is_a_conflict(k8s: EmulatorThread, api: apply.Api):
+async def test_another_pipelines_object_is_a_conflict(k8s: EmulatorThread, api: kube.Api):
     _, pipeline, owner = await make_pipeline(k8s)
     plan = planner.plan(pipeline, namespace=NS, owner=owner)
-    stranger = planner.Owner(name="text-to-video", uid="00000000-0000-0000-0000-000000000000")
+    stranger = model.Owner(name="text-to-video", uid="00000000-0000-0000-0000-000000000000")
     theirs = copy.deepcopy(next(o for o in plan if o["kind"] == "StatefulSet"))
     theirs["metadata"]["ownerReferences"] = [stranger.reference()]
     held = await s.call(k8s.create, theirs, NS)
@@ -86,7 +89,7 @@ async def test_another_pipelines_object_is_a_conflict(k8s: EmulatorThread, api: 
     assert not result.pruned, "not ours to prune either"
 
 
-async def test_a_labelled_orphan_is_adopted(k8s: EmulatorThread, api: apply.Api):
+async def test_a_labelled_orphan_is_adopted(k8s: EmulatorThread, api: kube.Api):
     _, pipeline, owner = await make_pipeline(k8s)
     rendered = planner.plan(pipeline, namespace=NS)  # as `disagg render` prints it
     config_map = next(o for o in rendered if o["kind"] == "ConfigMap")
@@ -100,7 +103,7 @@ async def test_a_labelled_orphan_is_adopted(k8s: EmulatorThread, api: apply.Api)
     assert adopted["metadata"]["ownerReferences"] == [owner.reference()]
 
 
-async def test_pruning_takes_only_our_children(k8s: EmulatorThread, api: apply.Api):
+async def test_pruning_takes_only_our_children(k8s: EmulatorThread, api: kube.Api):
     doc = s.pipeline_doc("p", [{"name": "a"}, {"name": "b"}], edges=[{"from": "a", "to": "b"}])
     _, pipeline, owner = await make_pipeline(k8s, doc)
     plan = planner.plan(pipeline, namespace=NS, owner=owner)
@@ -111,7 +114,7 @@ async def test_pruning_takes_only_our_children(k8s: EmulatorThread, api: apply.A
         "metadata": {
             "name": "p-extra",
             "namespace": NS,
-            "labels": planner.child_selector("p"),
+            "labels": model.child_selector("p"),
         },
     }
     await s.call(k8s.create, labelled_not_owned, NS)
@@ -129,7 +132,7 @@ async def test_pruning_takes_only_our_children(k8s: EmulatorThread, api: apply.A
     assert k8s.get("v1/configmaps", "p-extra", NS) is not None
 
 
-async def test_status_is_written_only_when_it_changes(k8s: EmulatorThread, api: apply.Api):
+async def test_status_is_written_only_when_it_changes(k8s: EmulatorThread, api: kube.Api):
     stored, _, _ = await make_pipeline(k8s)
     wanted = {"phase": "Pending", "readyRoles": "0/3"}
     assert await apply.write_status(api, stored, wanted) is True
@@ -146,9 +149,9 @@ async def test_status_is_written_only_when_it_changes(k8s: EmulatorThread, api: 
     assert patch.subresource == "status"
 
 
-async def test_api_errors_carry_the_status(k8s: EmulatorThread, api: apply.Api):
-    ref = apply.ObjectRef("v1", "ConfigMap", NS, "Not_A_Name")
-    with pytest.raises(apply.ApiError) as invalid:
+async def test_api_errors_carry_the_status(k8s: EmulatorThread, api: kube.Api):
+    ref = kube.ObjectRef("v1", "ConfigMap", NS, "Not_A_Name")
+    with pytest.raises(kube.ApiError) as invalid:
         await api.apply(
             {
                 "apiVersion": "v1",
@@ -160,12 +163,12 @@ async def test_api_errors_carry_the_status(k8s: EmulatorThread, api: apply.Api):
     assert await api.get(ref) is None
     assert await api.delete(ref) is False
     k8s.call(lambda: k8s.emulator["get /api/v1/namespaces/default/configmaps"] << 503)
-    with pytest.raises(apply.ApiError) as unavailable:
+    with pytest.raises(kube.ApiError) as unavailable:
         await api.list("v1", "ConfigMap", NS, "a=b")
     assert unavailable.value.status == 503 and unavailable.value.retryable
 
-    unauthenticated = apply.Api()
-    with pytest.raises(apply.ApiError) as missing:
+    unauthenticated = kube.Api()
+    with pytest.raises(kube.ApiError) as missing:
         await unauthenticated.get(ref)
     assert missing.value.reason == "NotLoggedIn"
     unauthenticated.use(k8s.connection_info())
@@ -173,21 +176,19 @@ async def test_api_errors_carry_the_status(k8s: EmulatorThread, api: apply.Api):
     await unauthenticated.close()
 
 
-async def test_a_kind_the_server_does_not_serve_lists_as_empty(k8s: EmulatorThread, api: apply.Api):
+async def test_a_kind_the_server_does_not_serve_lists_as_empty(k8s: EmulatorThread, api: kube.Api):
     path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaimtemplates"
     k8s.call(lambda: k8s.emulator[f"get {path}"] << 404)
     assert await api.list("resource.k8s.io/v1", "ResourceClaimTemplate", NS, "a=b") == []
-    assert apply.PLURALS[names.PIPELINE_KIND] == names.PLURAL
+    assert kube.PLURALS[names.PIPELINE_KIND] == names.PLURAL
 
 
-async def test_ensure_created_creates_once_and_never_overwrites(
-    k8s: EmulatorThread, api: apply.Api
-):
+async def test_ensure_created_creates_once_and_never_overwrites(k8s: EmulatorThread, api: kube.Api):
     _, pipeline, owner = await make_pipeline(k8s)
-    first = planner.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
+    first = manifests.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
     stored, created = await apply.ensure_created(api, first)
     assert created and reconcile.peer_key_text(stored) == "a" * 64
-    second = planner.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
+    second = manifests.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
     k8s.clear_calls()
     again, created = await apply.ensure_created(api, second)
     assert not created and reconcile.peer_key_text(again) == "a" * 64
@@ -196,15 +197,15 @@ async def test_ensure_created_creates_once_and_never_overwrites(
 
 
 async def test_ensure_created_when_likely_absent_creates_first_and_reads_a_taken_name(
-    k8s: EmulatorThread, api: apply.Api
+    k8s: EmulatorThread, api: kube.Api
 ):
     _, pipeline, owner = await make_pipeline(k8s)
-    first = planner.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
+    first = manifests.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
     k8s.clear_calls()
     stored, created = await apply.ensure_created(api, first, likely_absent=True)
     assert created and reconcile.peer_key_text(stored) == "a" * 64
     assert [c.verb for c in k8s.calls if c.resource == "secrets"] == ["create"]  # no GET
-    second = planner.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
+    second = manifests.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
     k8s.clear_calls()
     again, created = await apply.ensure_created(api, second, likely_absent=True)
     assert not created and reconcile.peer_key_text(again) == "a" * 64  # kept, not overwritten

@@ -26,7 +26,9 @@ import pytest
 import torch
 
 from disagg_core import spec
-from disagg_operator import autoscaling, main, names
+from disagg_operator import names
+from disagg_operator.app import main
+from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_runtime.local.supervisor import LocalPipeline
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread

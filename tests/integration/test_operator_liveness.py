@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from disagg_operator import liveness, main
+from disagg_operator.app import liveness, main
 from tests.integration import operator_support as s
 from tests.k8s.faults import Faults
 from tests.k8s.server import EmulatorThread

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from disagg_operator import podmonitor, pods
+from disagg_operator.plan import podmonitor, pods
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 

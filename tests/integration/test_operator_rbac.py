@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_operator import handlers
+from disagg_operator.app import handlers
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 from tests.support import REPO

@@ -15,8 +15,13 @@ import pytest
 
 from disagg_core import contract, spec
 from disagg_core.spec.fields import SpecError
-from disagg_operator import handlers, names, planner, reconcile
-from disagg_operator.metrics import Metrics
+from disagg_operator import names
+from disagg_operator.app import handlers
+from disagg_operator.plan import manifests, model, planner
+from disagg_operator.reconcile import events as reconcile_events
+from disagg_operator.reconcile import reconcile
+from disagg_operator.reconcile.metrics import Metrics
+from disagg_operator.reconcile.status import REASON_CHILD_CONFLICT
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 
@@ -66,9 +71,9 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
         for policy in s.guards(k8s, NAME, "NetworkPolicy"):  # the roles' and the gateway's
             kids[f"NetworkPolicy/{policy['metadata']['name']}"] = policy
         (secret,) = s.guards(k8s, NAME, "Secret")
-        digest = planner.peer_key_digest(reconcile.peer_key_text(secret))
+        digest = manifests.peer_key_digest(reconcile.peer_key_text(secret))
         pipeline = spec.parse_pipeline(s.example())
-        owner = planner.Owner.of(pipeline_obj)
+        owner = model.Owner.of(pipeline_obj)
         for planned in planner.plan(pipeline, namespace=NS, owner=owner, peer_key_hash=digest):
             stored = kids[f"{planned['kind']}/{planned['metadata']['name']}"]
             assert {k: v for k, v in stored.items() if k not in ("metadata", "status")} == {
@@ -130,7 +135,7 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
                 pod_name = f"{sts['metadata']['name']}-{replica}"
                 env[contract.PREFIX + "POD_NAME"] = pod_name  # the downward API's part
                 parsed = contract.parse_env(env, topology)
-                wanted = planner.role_config(pipeline, unit, namespace=NS)
+                wanted = model.role_config(pipeline, unit, namespace=NS)
                 assert parsed == dataclasses.replace(wanted, replica=replica, pod_name=pod_name)
 
         # status: observedGeneration, roles, conditions, phase
@@ -156,7 +161,7 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
         assert [r["ready"] for r in status["roles"]] == [1, 2, 1]
         await s.until(
             k8s,
-            lambda: ("Normal", reconcile.EVENT_READY) in s.event_reasons(k8s, NAME),
+            lambda: ("Normal", reconcile_events.EVENT_READY) in s.event_reasons(k8s, NAME),
             "the PipelineReady Event",
         )
         created_events = [e for e in s.events_of(k8s, NAME) if e["reason"] == "Created"]
@@ -256,7 +261,7 @@ async def test_a_removed_role_is_pruned_and_a_deleted_child_comes_back(k8s_crd: 
         )
         await s.until(
             k8s,
-            lambda: ("Normal", reconcile.EVENT_DELETED) in s.event_reasons(k8s, "two"),
+            lambda: ("Normal", reconcile_events.EVENT_DELETED) in s.event_reasons(k8s, "two"),
             "a Deleted Event",
         )
         await s.until(
@@ -347,10 +352,12 @@ async def test_an_invalid_pipeline_gets_no_children_and_says_why(
         assert s.condition(status, "Ready")["status"] == "False"
         await s.until(
             k8s,
-            lambda: ("Warning", reconcile.EVENT_INVALID) in s.event_reasons(k8s, case),
+            lambda: ("Warning", reconcile_events.EVENT_INVALID) in s.event_reasons(k8s, case),
             "a Warning Event",
         )
-        (event,) = [e for e in s.events_of(k8s, case) if e["reason"] == reconcile.EVENT_INVALID]
+        (event,) = [
+            e for e in s.events_of(k8s, case) if e["reason"] == reconcile_events.EVENT_INVALID
+        ]
         assert expected[0] in event["message"]
         assert s.children(k8s, case) == {}
 
@@ -383,12 +390,12 @@ async def test_a_foreign_object_is_not_adopted(
             "Degraded",
         )
         degraded = s.condition(s.pipeline_status(k8s, NAME), "Degraded")
-        assert degraded["reason"] == reconcile.REASON_CHILD_CONFLICT
+        assert degraded["reason"] == REASON_CHILD_CONFLICT
         assert f"Service/{NAME}-decoder" in degraded["message"]
         assert set(s.children(k8s, NAME)) == ALL_CHILDREN - {f"Service/{NAME}-decoder"}
         await s.until(
             k8s,
-            lambda: ("Warning", reconcile.EVENT_CONFLICT) in s.event_reasons(k8s, NAME),
+            lambda: ("Warning", reconcile_events.EVENT_CONFLICT) in s.event_reasons(k8s, NAME),
             "a ChildConflict Event",
         )
         await asyncio.sleep(1.2)  # a retry or two, which must leave it alone as well
@@ -454,7 +461,7 @@ async def test_the_progress_deadline_degrades_without_any_event(k8s_crd: Emulato
         assert s.pipeline_status(k8s, NAME)["phase"] == names.PHASE_DEGRADED
         await s.until(
             k8s,
-            lambda: ("Warning", reconcile.EVENT_DEGRADED) in s.event_reasons(k8s, NAME),
+            lambda: ("Warning", reconcile_events.EVENT_DEGRADED) in s.event_reasons(k8s, NAME),
             "a PipelineDegraded Event",
         )
         await s.call(s.mark_ready, k8s, NAME)

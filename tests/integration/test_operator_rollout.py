@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from disagg_operator import names
-from disagg_operator.metrics import ROLLOUT_PHASES, Metrics
+from disagg_operator.reconcile.metrics import ROLLOUT_PHASES, Metrics
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 

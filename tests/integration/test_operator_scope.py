@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from disagg_operator.metrics import Metrics
+from disagg_operator.reconcile.metrics import Metrics
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 

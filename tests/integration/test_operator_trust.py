@@ -14,7 +14,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from disagg_operator import names, planner, pods, reconcile
+from disagg_operator import names
+from disagg_operator.plan import manifests, model, pods
+from disagg_operator.reconcile import events as reconcile_events
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 
@@ -67,8 +69,8 @@ async def test_the_peer_key_secret_is_made_once_and_rotated_by_deleting_it(
         assert stored["type"] == "Opaque"
         key = base64.b64decode(stored["data"][pods.PEER_KEY_KEY]).decode()
         assert re.fullmatch("[0-9a-f]{64}", key)  # 32 random bytes, hex
-        assert stored["metadata"]["ownerReferences"] == [planner.Owner.of(pipeline).reference()]
-        assert key_hashes(k8s) == {planner.peer_key_digest(key)}
+        assert stored["metadata"]["ownerReferences"] == [model.Owner.of(pipeline).reference()]
+        assert key_hashes(k8s) == {manifests.peer_key_digest(key)}
         kubernetes_validate.validate(stored, kubernetes_validate.utils.latest_version(), True)
 
         # every role container mounts it read-only, and is told where
@@ -102,7 +104,7 @@ async def test_the_peer_key_secret_is_made_once_and_rotated_by_deleting_it(
             k8s, lambda: s.pipeline_status(k8s, NAME).get("observedGeneration") == 2, "resumed"
         )
         assert secret(k8s)["metadata"]["resourceVersion"] == version
-        assert key_hashes(k8s) == {planner.peer_key_digest(key)}
+        assert key_hashes(k8s) == {manifests.peer_key_digest(key)}
 
         # deleting the Secret rotates the key: a new one, and every role pod rolls onto it
         await s.call(k8s.delete, SECRETS, f"{NAME}-peer-key", NS)
@@ -118,7 +120,7 @@ async def test_the_peer_key_secret_is_made_once_and_rotated_by_deleting_it(
         assert new_key != key and re.fullmatch("[0-9a-f]{64}", new_key)
         await s.until(
             k8s,
-            lambda: key_hashes(k8s) == {planner.peer_key_digest(new_key)},
+            lambda: key_hashes(k8s) == {manifests.peer_key_digest(new_key)},
             "the role pods rolled onto the new key",
         )
 
@@ -130,11 +132,11 @@ async def test_the_network_policy_follows_the_spec(k8s_crd: EmulatorThread):
         policy = await s.until(k8s, lambda: k8s.get(POLICIES, f"{NAME}-network", NS), "policy")
         assert policy is not None
         kubernetes_validate.validate(policy, kubernetes_validate.utils.latest_version(), True)
-        assert policy["spec"]["podSelector"] == planner.role_selector(NAME)
+        assert policy["spec"]["podSelector"] == manifests.role_selector(NAME)
         runtime, metrics = policy["spec"]["ingress"]
         assert {p["port"] for p in runtime["ports"]} == {7400, 7500}
         assert {p["port"] for p in metrics["ports"]} == {9400}
-        gateway = {"podSelector": planner.gateway_selector(NAME)}
+        gateway = {"podSelector": manifests.gateway_selector(NAME)}
         assert gateway in runtime["from"]
 
         # turned off: pruned; on again: back
@@ -189,8 +191,10 @@ async def test_a_privileged_pod_template_needs_the_opt_in(k8s_crd: EmulatorThrea
         assert pod["hostNetwork"] is True
         assert pod["containers"][0]["securityContext"]["privileged"] is True
         await s.until(
-            k8s, lambda: [e for e in events if e[1] == reconcile.EVENT_PRIVILEGED], "a Warning"
+            k8s,
+            lambda: [e for e in events if e[1] == reconcile_events.EVENT_PRIVILEGED],
+            "a Warning",
         )
-        warnings = [e for e in events if e[1] == reconcile.EVENT_PRIVILEGED]
+        warnings = [e for e in events if e[1] == reconcile_events.EVENT_PRIVILEGED]
         assert len(warnings) == 1 and warnings[0][0] == "Warning"
         assert "spec.roles[1].podTemplate.spec.hostNetwork" in warnings[0][2]

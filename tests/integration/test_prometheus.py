@@ -32,7 +32,7 @@ import torch
 import zmq
 
 from disagg_core.spec import load_pipeline_file
-from disagg_operator.metrics import Metrics
+from disagg_operator.reconcile.metrics import Metrics
 from disagg_runtime.gateway.app import Settings
 from disagg_runtime.gateway.server import gateway_for
 from disagg_runtime.local.supervisor import LocalPipeline
@@ -41,6 +41,7 @@ from disagg_runtime.observe.generate import DASHBOARD, RULES
 from disagg_runtime.relay import protocol as proto
 from tests.integration.prometheus_server import PROMTOOL, Prometheus, free_port, missing
 from tests.integration.test_gateway import Served
+from tests.support import wait_until
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -53,14 +54,6 @@ ALERTS = (
     "DisaggRolloutStalled",
 )
 pytestmark = pytest.mark.skipif(missing() is not None, reason=str(missing()))
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.5)
 
 
 def body(i: int, **extra: Any) -> dict[str, Any]:
@@ -165,7 +158,7 @@ def _wait_firing(scenario: Scenario, name: str, timeout: float) -> None:
         return name in scenario.seen
 
     try:
-        wait_until(check, timeout, f"alert {name} firing")
+        wait_until(check, timeout, f"alert {name} firing", interval=0.5)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; {scenario.prometheus.diagnose()}") from None
 
@@ -237,7 +230,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         traffic = Traffic(served.url, reconciled)
         stack.append(traffic.close)
         scenario = Scenario(prom, local, served.url)
-        wait_until(lambda: len(prom.query("up == 1")) == len(roles) + 2, 30, "every target up")
+        wait_until(
+            lambda: len(prom.query("up == 1")) == len(roles) + 2,
+            30,
+            "every target up",
+            interval=0.5,
+        )
         front = next(rp for rp in local.processes if rp.config.role == "front")
         back = next(rp for rp in local.processes if rp.config.role == "back")
         _provoke(scenario, f"tcp://127.0.0.1:{back.config.ingress_port}", 120)
@@ -247,9 +245,14 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         finally:
             os.kill(front.proc.pid, signal.SIGCONT)
         everyone = len(roles) + 2
-        wait_until(lambda: len(prom.query("up == 1")) == everyone, 60, "every target up again")
+        wait_until(
+            lambda: len(prom.query("up == 1")) == everyone,
+            60,
+            "every target up again",
+            interval=0.5,
+        )
         with contextlib.suppress(AssertionError):  # the test names the panels still empty
-            wait_until(lambda: not _empty(prom), 30, "every panel has data")
+            wait_until(lambda: not _empty(prom), 30, "every panel has data", interval=0.5)
         yield scenario
     finally:
         for stop in reversed(stack):

@@ -39,10 +39,13 @@ def open_lane(ingress: Ingress, welcome: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def raw_sender(rig: Rig, ingress: Ingress, *, control: bool = False) -> tuple[Any, socket.socket]:
-    """A bare DEALER plus its lane, introduced the way a Sender does it."""
+def raw_sender(
+    rig: Rig, ingress: Ingress, *, control: bool = False, relay: str | None = None
+) -> tuple[Any, socket.socket]:
+    """A bare DEALER plus its lane, introduced the way a Sender does it (as `relay`; by
+    default shm with a control lane, else tcp)."""
     dealer = rig.raw(ingress, authenticate=False)
-    welcome = handshake(dealer, relay="shm" if control else "tcp")
+    welcome = handshake(dealer, relay=relay or ("shm" if control else "tcp"))
     sock = open_lane(ingress, welcome)
     lane.send_frame(sock, lane_hello(welcome, control=control), b"")
     assert sock.recv(1) == lane.READY
@@ -306,6 +309,23 @@ def test_a_binary_commit_lands_and_a_bad_one_is_nacked_with_its_slot_freed(rig: 
             assert (msg.request_id, msg.meta, msg.payload.tolist()) == ("r", {"m": 1}, [1, 2, 3, 4])
         assert ingress.stats().rejected == 3
         assert ingress.stats().lanes == 1
+    finally:
+        sock.close()
+
+
+def test_a_tcp_senders_binary_commit_is_the_plain_one(rig: Rig) -> None:
+    """The tcp landing takes only chunked commits: a binary commit of a tcp sender (its
+    bytes in the slot already) lands as any plain one."""
+    ingress = rig.ingress("tcp")
+    _, sock = raw_sender(rig, ingress, control=True, relay="tcp")
+    try:
+        lane.send_frame(sock, proto.pack("reserve", rid="r", xid=1, nbytes=MiB), b"")
+        grant = lane_reply(sock)
+        ingress.pool.backing.buffer(grant["offset"], 4)[:] = b"\x01\x02\x03\x04"
+        lane.send_frame(sock, binary_commit("r", 1, grant["offset"]), b"")
+        assert lane_reply(sock)["op"] == "ack"
+        with ingress.recv(timeout=WAIT) as msg:
+            assert msg.payload.tolist() == [1, 2, 3, 4]
     finally:
         sock.close()
 

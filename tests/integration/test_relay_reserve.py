@@ -1,7 +1,7 @@
 """Reserve, fill, commit over the shm relay (relay/backends/shm.py): a caller writes a payload's
 bytes straight into the receiver's pool, as the gateway does with a safetensors body
 (gateway/native.py `slot_layout`), between a real sender and a real ingress. Over tcp
-(relay/backends/tcp.py): reserve, then stream the chunks as the caller has them, or cut the
+(relay/backends/tcp/send.py): reserve, then stream the chunks as the caller has them, or cut the
 stream, which frees the slot at once and leaves the connection usable."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from disagg_core.contract import Peer
 from disagg_runtime.client import Client, UploadExpired, chunk_sources
 from disagg_runtime.gateway import native
 from disagg_runtime.relay import Ingress, RelayError, RelayTimeout, ShmSender, TcpSender
-from disagg_runtime.relay.landing import chunk_targets
+from disagg_runtime.relay.backends.tcp import chunk_targets
 from disagg_runtime.routing import peers
 from disagg_runtime.routing.peers import Dedicated
 from tests.relay_rig import KEY, WAIT, Rig

@@ -589,7 +589,7 @@ def _reserve(raw: zmq.Socket[Any], nbytes: int, xid: int = 1, rid: str = "r") ->
 )
 def test_tcp_commit_with_wrong_chunk_sizes_is_nacked(rig: Rig, sizes: list[int]) -> None:
     ingress = rig.ingress("tcp")
-    raw = rig.raw(ingress)
+    raw = rig.raw(ingress, relay="tcp")
     offset = _reserve(raw, 4 * CHUNK)
     assert ingress.pool.stats().used == MiB
     raw.send(
@@ -610,7 +610,7 @@ def test_tcp_commit_with_wrong_chunk_sizes_is_nacked(rig: Rig, sizes: list[int])
 def test_tcp_commit_by_hand_is_delivered(rig: Rig) -> None:
     """The raw-socket protocol used by the hostile tests is the real one."""
     ingress = rig.ingress("tcp")
-    raw = rig.raw(ingress)
+    raw = rig.raw(ingress, relay="tcp")
     offset = _reserve(raw, 4 * CHUNK)
     raw.send(
         proto.pack(
@@ -629,12 +629,25 @@ def test_tcp_commit_by_hand_is_delivered(rig: Rig) -> None:
 
 def test_tcp_commit_with_tiny_chunks_is_nacked(rig: Rig) -> None:
     ingress = rig.ingress("tcp")
-    raw = rig.raw(ingress)
+    raw = rig.raw(ingress, relay="tcp")
     offset = _reserve(raw, 4096)
     raw.send(proto.pack("commit", rid="r", xid=1, offset=offset, manifest=_MANIFEST, chunk=1))
     reply = recv_reply(raw)
     assert (reply["op"], reply["xid"]) == ("nack", 1)
     assert "below the minimum" in reply["reason"]
+    wait_for(lambda: ingress.pool.stats().used == 0)
+    assert_still_serves(rig, ingress, "tcp")
+
+
+def test_only_a_tcp_sender_may_commit_in_chunks(rig: Rig) -> None:
+    """Chunks land through the tcp backend's landing (relay/backends/tcp/land.py): a
+    sender of another kind that sends them is refused, its slot freed."""
+    ingress = rig.ingress("tcp")
+    raw = rig.raw(ingress, relay="shm")
+    offset = _reserve(raw, 4096)
+    raw.send(proto.pack("commit", rid="r", xid=1, offset=offset, manifest=_MANIFEST, chunk=4096))
+    reply = recv_reply(raw)
+    assert (reply["op"], reply["xid"]) == ("nack", 1) and "cannot carry chunks" in reply["reason"]
     wait_for(lambda: ingress.pool.stats().used == 0)
     assert_still_serves(rig, ingress, "tcp")
 
@@ -649,7 +662,7 @@ def test_tcp_commit_with_tiny_chunks_is_nacked(rig: Rig) -> None:
 )
 def test_tcp_commit_with_bad_payload_is_nacked(rig: Rig, tree: Any, data: bytes) -> None:
     ingress = rig.ingress("tcp")
-    raw = rig.raw(ingress)
+    raw = rig.raw(ingress, relay="tcp")
     offset = _reserve(raw, 4096)
     manifest = {**_MANIFEST, "tree": tree}
     manifest["tensors"] = [{"dtype": "bool", "shape": [4096], "offset": 0}]
@@ -723,7 +736,7 @@ def test_uncommitted_grant_is_freed_after_the_lease(rig: Rig, kind: str) -> None
 
 def test_stalled_tcp_transfer_is_freed_after_the_lease(rig: Rig) -> None:
     ingress = rig.ingress("tcp", lease_s=0.5)
-    raw = rig.raw(ingress)
+    raw = rig.raw(ingress, relay="tcp")
     offset = _reserve(raw, 4 * CHUNK)
     raw.send(
         proto.pack(

@@ -49,6 +49,7 @@ from disagg_runtime.relay import (
 )
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.auth import PeerKeyError
+from disagg_runtime.relay.ledger import PENDING_POOLS
 from disagg_runtime.role.health import fetch, scrape
 from disagg_runtime.role.runtime import RoleRuntime
 from disagg_runtime.wire.envelope import Meta, Reply
@@ -627,11 +628,17 @@ def test_a_flood_of_reservations_is_capped_per_peer_and_stays_cheap(rig: Rig) ->
         raw.send(proto.pack("reserve", rid="flood", xid=xid, nbytes=MiB, wait_s=600))
     wait_until(lambda: ingress.stats().rejected == n - 64)  # denied: 64 wait per sender
     assert ingress.stats().pending_reservations == 64
-    others = [rig.raw(ingress) for _ in range(20)]  # more peers: each gets its own 64
-    for sock in others:
+    others = [rig.raw(ingress) for _ in range(20)]  # more peers: each gets its own 64,
+    for sock in others:  # until all of them together wait for 64 pools' worth (issue 30)
         for xid in range(100):
             sock.send(proto.pack("reserve", rid="more", xid=xid, nbytes=MiB, wait_s=600))
-    wait_until(lambda: ingress.stats().pending_reservations == 21 * 64)
+    in_all = PENDING_POOLS * ingress.pool.allocator.capacity // MiB
+    assert in_all < 21 * 64
+    wait_until(lambda: ingress.stats().pending_reservations == in_all)
+    # the rest refused: past a sender's 64 (rejected), or past them all (told overloaded)
+    refused = 20 * 100 - (in_all - 64)
+    wait_until(lambda: ingress.stats().rejected - (n - 64) + ingress.stats().overloaded == refused)
+    assert ingress.stats().overloaded > 0
     others[0].send(proto.pack("abort", rid="more"))  # one abort frees every sender's
     raw.send(proto.pack("abort", rid="flood"))
     wait_until(lambda: ingress.stats().pending_reservations == 0)

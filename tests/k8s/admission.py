@@ -1,5 +1,5 @@
 """Admission of custom resources against their CRD's schema, as the API server does it
-(k8s.io/apiextensions-apiserver's customResourceStrategy), with ``disagg_operator.crdschema``
+(k8s.io/apiextensions-apiserver's customResourceStrategy), with ``disagg_operator.gen.crdschema``
 (jsonschema and cel-python under the server's wording):
 
 1. unknown fields: ``fieldValidation=Strict`` refuses them (a 400 ``strict decoding error``;
@@ -25,9 +25,9 @@ from typing import Any, Final
 
 import kmock
 
-from disagg_operator.crdschema import cel, values
-from disagg_operator.crdschema import errors as fe
-from disagg_operator.crdschema.errors import FieldError
+from disagg_operator.gen.crdschema import cel, values
+from disagg_operator.gen.crdschema import errors as fe
+from disagg_operator.gen.crdschema.errors import FieldError
 
 from . import fieldsets as fs
 from .errors import api_error

@@ -64,7 +64,7 @@ import kmock
 import yaml
 from kmock._internal import apps, rendering
 
-from disagg_operator.crdschema import structural
+from disagg_operator.gen.crdschema import structural
 
 from . import admission, deletion, openapi, protowire, rbac, ssa
 from . import fieldsets as fs

@@ -1,5 +1,5 @@
 """How many items a list of a pipeline may hold and how long its strings may be: the one
-place for these numbers. The CRD's `maxItems`/`maxLength` (operator/disagg_operator/crd.py)
+place for these numbers. The CRD's `maxItems`/`maxLength` (operator/disagg_operator/gen/crd.py)
 and the spec's field readers (`fields.items`, `fields.text`) both read them, so `disagg
 validate` refuses what the API server would, and `render` never sees more than the CRD
 allows. A unit test walks the CRD for every bound and checks that the spec enforces it.

@@ -145,7 +145,7 @@ class Transport:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EnvVar:
+class EnvSetting:
     """One container environment variable, as in Kubernetes (`value` or `valueFrom`)."""
 
     name: str
@@ -207,7 +207,7 @@ class Role:
     image: str | None = None
     command: tuple[str, ...] | None = None
     args: tuple[str, ...] | None = None
-    env: tuple[EnvVar, ...] = ()
+    env: tuple[EnvSetting, ...] = ()
     resources: Resources = field(default_factory=Resources)
     ports: tuple[Port, ...] = ()
     transport: PoolOverride = field(default_factory=PoolOverride)
@@ -260,7 +260,7 @@ class ColocationGroup:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RatioLock:
+class RatioLockSpec:
     """Hold `follower` replicas at `follower_share / leader_share` of `leader`'s: when the
     leader scales, the follower follows (unless within `tolerance`, relative)."""
 
@@ -306,7 +306,7 @@ ALL_PODS: Final = IntOrPercent(100, percent=True)
 
 @dataclass(frozen=True, kw_only=True)
 class Rollout:
-    """How a template change rolls across roles (operator/disagg_operator/rollout.py): at most
+    """How a template change rolls across roles (operator/disagg_operator/rollout/steps.py): at most
     `max_unavailable` pods of a role per step; roles bound by a ratio lock or listed together
     in `groups` keep their updated fractions within `max_skew` of each other; `partition`
     pods per role stay on the old revision (each an int-or-percent, as in a Deployment: a
@@ -395,7 +395,7 @@ class Pipeline:
     roles: tuple[Role, ...] = ()
     edges: tuple[Edge, ...] = ()
     colocation: tuple[ColocationGroup, ...] = ()
-    ratio_locks: tuple[RatioLock, ...] = ()
+    ratio_locks: tuple[RatioLockSpec, ...] = ()
     network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
     rollout: Rollout = field(default_factory=Rollout)
     gateway: Gateway = field(default_factory=Gateway)

@@ -365,8 +365,8 @@ def _dotted(name: str) -> bool:
     return all(part.isidentifier() and not keyword.iskeyword(part) for part in parts)
 
 
-def _env(out: Collector, r: dict[str, object], path: str) -> tuple[m.EnvVar, ...]:
-    result: list[m.EnvVar] = []
+def _env(out: Collector, r: dict[str, object], path: str) -> tuple[m.EnvSetting, ...]:
+    result: list[m.EnvSetting] = []
     seen: set[str] = set()
     for item_path, raw in f.items(out, r, "env", path):
         e = f.fields(out, raw, item_path, known=("name", "value", "valueFrom"), required=("name",))
@@ -383,7 +383,7 @@ def _env(out: Collector, r: dict[str, object], path: str) -> tuple[m.EnvVar, ...
         value_from = f.free_mapping(out, e, "valueFrom", item_path)
         if "value" in e and value_from is not None:
             out.add(item_path, "set either value or valueFrom, not both")
-        result.append(m.EnvVar(name=name, value=value, value_from=value_from))
+        result.append(m.EnvSetting(name=name, value=value, value_from=value_from))
     return tuple(result)
 
 
@@ -591,7 +591,7 @@ def _group(out: Collector, raw: object, path: str) -> m.ColocationGroup:
     return m.ColocationGroup(name=name or (roles[0] if roles else ""), roles=roles)
 
 
-def _ratio_lock(out: Collector, raw: object, path: str) -> m.RatioLock | None:
+def _ratio_lock(out: Collector, raw: object, path: str) -> m.RatioLockSpec | None:
     r = f.fields(out, raw, path, known=RATIO_LOCK_KEYS, required=("leader", "follower"))
     if r is None:
         return None
@@ -602,7 +602,7 @@ def _ratio_lock(out: Collector, raw: object, path: str) -> m.RatioLock | None:
     tolerance = f.number(out, r, "tolerance", path)
     if tolerance is not None and not 0 <= tolerance < 1:
         out.add(child(path, "tolerance"), f"must be in [0, 1), got {tolerance}")
-    return m.RatioLock(
+    return m.RatioLockSpec(
         leader=leader or "",
         follower=follower or "",
         leader_share=_or(_share(out, r, "leaderShare", path), 1),

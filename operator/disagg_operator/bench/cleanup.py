@@ -12,10 +12,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from disagg_operator import apply, names
+from disagg_operator import names
 from disagg_operator.bench.config import RETRY, BenchError, WaitTimeout
 from disagg_operator.bench.observe import Observer
 from disagg_operator.bench.workload import LABEL_RUN, Json
+from disagg_operator.k8s import client as kube
 
 CRD_PATH: Final = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{names.CRD_NAME}"
 NAMESPACES_PATH: Final = "/api/v1/namespaces"
@@ -28,7 +29,7 @@ def progress(message: str) -> None:
 
 
 async def delete_pipelines(
-    api: apply.Api,
+    api: kube.Api,
     observer: Observer | None,
     *,
     namespace: str,
@@ -42,7 +43,7 @@ async def delete_pipelines(
     if not created:
         report["pipelines_left"] = report["children_left"] = 0
         return
-    path = apply.collection_path(names.PIPELINE_API_VERSION, names.PIPELINE_KIND, namespace)
+    path = kube.collection_path(names.PIPELINE_API_VERSION, names.PIPELINE_KIND, namespace)
     body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
     params = {"labelSelector": f"{LABEL_RUN}={run}"}
     started = time.monotonic()
@@ -67,16 +68,16 @@ async def delete_pipelines(
     report["seconds"] = round(time.monotonic() - started, 3)
 
 
-async def delete_and_wait(api: apply.Api, path: str, timeout: float) -> bool:
+async def delete_and_wait(api: kube.Api, path: str, timeout: float) -> bool:
     """Delete the object at `path`; whether it was gone before the timeout."""
-    with contextlib.suppress(apply.ApiError):
+    with contextlib.suppress(kube.ApiError):
         await api.request("DELETE", path)
     deadline = time.monotonic() + timeout
     next_progress = time.monotonic() + PROGRESS_EVERY
     while True:
         try:
             await api.request("GET", path)
-        except apply.ApiError as error:
+        except kube.ApiError as error:
             if error.status == 404:
                 return True
         now = time.monotonic()
@@ -94,7 +95,7 @@ async def retried(request: Callable[[], Awaitable[Json]], what: str) -> Json:
     for attempt in range(1, DELETE_TRIES + 1):
         try:
             return await request()
-        except apply.ApiError as error:
+        except kube.ApiError as error:
             if not error.transient or attempt == DELETE_TRIES:
                 raise BenchError(f"cannot {what}: {error}") from error
             progress(f"clean-up: {what} failed ({error}); trying again")

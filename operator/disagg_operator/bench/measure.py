@@ -18,8 +18,8 @@ from typing import Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg_operator import apply
 from disagg_operator.bench.workload import Json
+from disagg_operator.k8s import client as kube
 
 API_REQUESTS: Final = "disagg_operator_api_requests"
 SERVER_CPU: Final = ("emulator_cpu_seconds_total", "process_cpu_seconds_total")
@@ -92,11 +92,11 @@ def server_cpu(text: str | None) -> float | None:
     return next((found[name] for name in SERVER_CPU if name in found), None)
 
 
-async def read_server_metrics(api: apply.Api) -> str | None:
+async def read_server_metrics(api: kube.Api) -> str | None:
     """The API server's /metrics text (None: not served or not allowed)."""
     try:
         return await api.text("/metrics")
-    except apply.ApiError:
+    except kube.ApiError:
         return None
 
 

@@ -15,9 +15,10 @@ from typing import Final
 import aiohttp
 import kopf
 
-from disagg_operator import apply, names
+from disagg_operator import names
 from disagg_operator.bench.config import RETRY, BenchError, WaitTimeout
 from disagg_operator.bench.workload import LABEL_RUN, Json, Key
+from disagg_operator.k8s import client as kube
 
 Handler = Callable[[str, Json, float], None]  # (event type, object, when seen)
 WATCH_SECONDS: Final = 300  # the server ends a watch after this; the bench resumes it
@@ -52,14 +53,14 @@ class Observer:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
             read_bufsize=1 << 22,
         )
-        pipelines = apply.collection_path(
+        pipelines = kube.collection_path(
             names.PIPELINE_API_VERSION, names.PIPELINE_KIND, self.namespace
         )
         streams: list[tuple[str, str, Handler]] = [
             (pipelines, f"{LABEL_RUN}={self.run}", self._pipeline_event)
         ]
         for version, kind in kinds:
-            path = apply.collection_path(version, kind, self.namespace)
+            path = kube.collection_path(version, kind, self.namespace)
             streams.append((path, names.LABEL_PIPELINE, self._child_event(kind)))
         listed = [asyncio.Event() for _ in streams]
         for (path, selector, handle), ready in zip(streams, listed, strict=True):

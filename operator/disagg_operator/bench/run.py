@@ -65,7 +65,7 @@ import kopf
 import yaml
 
 from disagg_core.spec import SpecError
-from disagg_operator import apply, crd, names
+from disagg_operator import names
 from disagg_operator.bench import cleanup, kubeconfig
 from disagg_operator.bench import measure as metering
 from disagg_operator.bench.config import RETRY, BenchConfig, BenchError, WaitTimeout
@@ -81,6 +81,8 @@ from disagg_operator.bench.workload import (
     pipeline_doc,
     text_to_video_spec,
 )
+from disagg_operator.gen import crd
+from disagg_operator.k8s import client as kube
 
 __all__ = [
     "LABEL_RUN",
@@ -115,7 +117,7 @@ class Bench:
         self.config = config
         self.run_id = secrets.token_hex(3)
         self.connection = load_connection(config.kubeconfig)
-        self.api = apply.Api(self.connection, user_agent=USER_AGENT)
+        self.api = kube.Api(self.connection, user_agent=USER_AGENT)
         self.namespace = config.namespace or f"disagg-bench-{self.run_id}"
         self.created_namespace = False
         self.created_crd = False
@@ -345,14 +347,12 @@ class Bench:
     async def _create(self, doc: Json) -> None:
         """Create a pipeline; retried while the API server does not serve the CRD yet."""
         name = doc["metadata"]["name"]
-        path = apply.collection_path(
-            names.PIPELINE_API_VERSION, names.PIPELINE_KIND, self.namespace
-        )
+        path = kube.collection_path(names.PIPELINE_API_VERSION, names.PIPELINE_KIND, self.namespace)
         deadline = time.monotonic() + self.config.timeout
         while True:
             try:
                 await self.api.request("POST", path, body=doc)
-            except apply.ApiError as error:
+            except kube.ApiError as error:
                 if error.status == 409 and error.reason == "AlreadyExists":
                     break  # a retried create whose first try went through
                 waiting = error.status in (0, 404, 429) or error.status >= 500
@@ -366,7 +366,7 @@ class Bench:
     async def _get(self, path: str) -> Json | None:
         try:
             return await self.api.request("GET", path)
-        except apply.ApiError as error:
+        except kube.ApiError as error:
             if error.status == 404:
                 return None
             raise BenchError(str(error)) from error
@@ -374,7 +374,7 @@ class Bench:
     async def _api(self, request: Awaitable[Json], what: str) -> Json:
         try:
             return await request
-        except apply.ApiError as error:
+        except kube.ApiError as error:
             raise BenchError(f"cannot {what}: {error}") from error
 
     async def _poll(self, check: Callable[[], Awaitable[bool]], what: str) -> None:

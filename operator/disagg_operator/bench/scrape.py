@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp.web
 
-from disagg_operator import podmetrics
+from disagg_operator.autoscaling import podmetrics
 
 EXPOSITION = (
     "# TYPE disagg_pool_occupancy gauge\ndisagg_pool_occupancy 0.42\n"

@@ -10,7 +10,8 @@ from typing import Any, Final
 import yaml
 
 from disagg_core import spec
-from disagg_operator import names, planner
+from disagg_operator import names
+from disagg_operator.plan import planner
 
 Json = dict[str, Any]
 Key = tuple[str, str]  # (kind, name) of a child

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import zmq
 
+from disagg_runtime.bench import frames
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.memory.copies import to_device
 from disagg_runtime.memory.pool import Device, Pool, shm_name
 from disagg_runtime.relay import Ingress, Message
-from disagg_runtime.wire import codec
 
 # --device cuda: where each relay's receiver lands payloads (all end on the GPU)
 GPU_POOLS: dict[str, Device] = {
@@ -156,7 +156,7 @@ def _baseline_loop(
         if method == "pickle_zmq":
             payload = sock.recv_pyobj()
         else:
-            decoded = codec.decode(sock.recv_multipart(copy=True))
+            decoded = frames.decode(sock.recv_multipart(copy=True))
             payload = {
                 k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in decoded.items()
             }

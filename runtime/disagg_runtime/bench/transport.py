@@ -57,11 +57,10 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime.bench import peer
+from disagg_runtime.bench import frames, peer
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.memory.pool import cuda_unavailable_reason
 from disagg_runtime.relay import Relay, auth, connect, registry
-from disagg_runtime.wire import codec
 
 METHODS = (
     "memcpy",
@@ -355,7 +354,7 @@ def _baseline_send(method: str, sock: zmq.Socket[Any]) -> Any:
         if method == "pickle_zmq":
             sock.send_pyobj(payload)
         else:
-            sock.send_multipart(codec.encode(payload), copy=True)
+            sock.send_multipart(frames.encode(payload), copy=True)
 
     return send
 

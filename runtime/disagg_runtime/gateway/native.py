@@ -36,6 +36,7 @@ from safetensors import serialize
 
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.manifest import Manifest, layout
+from disagg_runtime.wire.tree import flatten
 
 MAX_DEPTH = codec.MAX_DEPTH
 TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
@@ -309,7 +310,7 @@ def _order(metadata: dict[str, str], spans: list[Span]) -> tuple[Any, list[int]]
     # placeholders that say which span they stand for, wherever flattening puts them
     tree = _tree(metadata, [(s.name, torch.tensor([i])) for i, s in enumerate(spans)])
     try:
-        flat, placeholders = codec.flatten(tree)
+        flat, placeholders = flatten(tree)
     except codec.CodecError as exc:
         raise InputError("$", str(exc)) from None
     return flat, [int(t) for t in placeholders]  # manifest position -> span

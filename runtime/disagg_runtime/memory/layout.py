@@ -24,9 +24,9 @@ import torch
 
 from disagg_runtime.memory.copies import Fence, copy_async, to_device
 from disagg_runtime.memory.pool import Backing
-from disagg_runtime.wire import codec
-from disagg_runtime.wire.codec import CodecError, tensor_from_buffer, unflatten
+from disagg_runtime.wire.codec import CodecError, tensor_from_buffer
 from disagg_runtime.wire.manifest import Manifest
+from disagg_runtime.wire.tree import flatten, unflatten
 
 
 def slot_views(backing: Backing, slot: int, manifest: Manifest) -> list[torch.Tensor]:
@@ -164,7 +164,7 @@ def plan(payload: Any) -> tuple[Manifest, list[torch.Tensor]]:
     """Flatten a payload and lay its tensors out. CUDA tensors stay on their GPU (returned
     as they are, possibly strided): `write_tensors` copies them once, straight into the
     slot, instead of through fresh host memory first. CPU tensors come back contiguous."""
-    tree, tensors = codec.flatten(payload, keep_device=True)
+    tree, tensors = flatten(payload, keep_device=True)
     return Manifest.of(tree, tensors), tensors
 
 
@@ -255,7 +255,7 @@ class Planner:
     def plan(self, payload: Any) -> tuple[Any, list[torch.Tensor], SlotPlan]:
         """The payload's tree, its tensors as `plan` gives them, and their placement:
         `plan`'s manifest is `placement.manifest(tree)` (built where it is needed)."""
-        tree, tensors = codec.flatten(payload, keep_device=True)
+        tree, tensors = flatten(payload, keep_device=True)
         signature = tuple(map(_SIGNATURE, tensors))
         placed = self._known.get(signature)
         if placed is None:

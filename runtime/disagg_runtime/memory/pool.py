@@ -46,6 +46,8 @@ from disagg_runtime.memory.allocator import AllocatorError, BuddyAllocator
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "disagg-"
+SHM_NAME_MAX = 255  # NAME_MAX: a longer name is no file in /dev/shm
+_SHM_NAME = re.compile(r"disagg-[A-Za-z0-9_.-]+")  # what shm_name makes (and nothing else)
 MiB = 1 << 20
 # a spec's pool devices, plus `shm`: the shared backing a node-local `cpu` pool gets
 Device = Literal[PoolDevice, "shm"]
@@ -382,10 +384,22 @@ def pinned_staging(size: int) -> Backing:
     return Backing("cpu-pinned", torch.empty(size, dtype=torch.uint8, pin_memory=True))
 
 
+def check_shm_name(name: str) -> str:
+    """`name` if it is one `shm_name` could have made; PoolError naming why not (NUL bytes,
+    slashes, other characters, longer than a file name may be), echoing at most 80 of it."""
+    if len(name) > SHM_NAME_MAX:
+        raise PoolError(
+            f"refusing {name[:80]!r}...: {len(name)} characters, not a disagg shared-memory "
+            f"name (at most {SHM_NAME_MAX})"
+        )
+    if not _SHM_NAME.fullmatch(name):
+        raise PoolError(f"refusing {name[:80]!r}: not a disagg shared-memory name")
+    return name
+
+
 def attach_backing(name: str) -> Backing:
     """Map another process's shared pool by name (not owned: closing does not unlink)."""
-    if not name.startswith(SHM_PREFIX) or "/" in name:
-        raise PoolError(f"refusing to attach {name!r}: not a disagg shared-memory name")
+    check_shm_name(name)
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     except FileNotFoundError:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from disagg_operator import metrics as operator_metrics
+from disagg_operator.reconcile import metrics as operator_metrics
 from disagg_runtime.gateway import metrics as gateway_metrics
 from disagg_runtime.role import metrics as role_metrics
 

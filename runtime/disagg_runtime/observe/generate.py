@@ -1,5 +1,5 @@
 """The observability files generated from the metric catalog: `make generate` writes them,
-`make verify` fails naming each stale one (as `disagg_operator.generate` does for the CRD and
+`make verify` fails naming each stale one (as `disagg_operator.gen.generate` does for the CRD and
 the docs; the operator may not import the runtime, so these have their own entry point).
 
     python -m disagg_runtime.observe.generate [--check] [--root DIR]

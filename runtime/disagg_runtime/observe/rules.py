@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import yaml
 
-from disagg_operator import podmonitor
+from disagg_operator.plan import podmonitor
 from disagg_runtime.observe.catalog import Catalog
 
 GROUP: Final = "disagg"

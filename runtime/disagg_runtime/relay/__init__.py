@@ -19,6 +19,7 @@ from disagg_runtime.relay.backends.shm import ShmSender
 from disagg_runtime.relay.backends.tcp import TcpSender
 from disagg_runtime.relay.errors import (
     NotAPeer,
+    Overloaded,
     PeerLost,
     RelayError,
     RelayTimeout,
@@ -35,6 +36,7 @@ __all__ = [
     "Ingress",
     "Message",
     "NotAPeer",
+    "Overloaded",
     "PeerLost",
     "Relay",
     "RelayError",

@@ -9,6 +9,11 @@ class RelayTimeout(RelayError, TimeoutError):
     """A transfer did not complete in time (typically: the receiver's pool stayed full)."""
 
 
+class Overloaded(RelayTimeout):
+    """The receiver had no room to queue the payload now (too much waits there already)
+    and said so at once: nothing of it was kept; retry later or on another replica."""
+
+
 class NeverFits(RelayError):
     """The payload is larger than the receiver's pool can ever hold (its largest block):
     waiting or retrying cannot help."""

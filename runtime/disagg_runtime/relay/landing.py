@@ -1,27 +1,25 @@
 """How payloads land in the receiver's pool: the parts of the ingress that differ by relay
-kind or by pool memory, apart from its I/O loop (relay/ingress/).
+kind, apart from its I/O loop (relay/ingress/). Protocols only: each relay kind's landing
+is its backend's (relay/backends/), which the ingress never imports.
 
-- A `Landing` is one relay kind's receiving side, made (lazily, see relay/registry.py)
-  the first time a sender of that kind says hello: extra welcome fields, commits it takes
-  over (a cuda-ipc copy still running on the sender's stream), its own timers.
-- `Chunked` follows one tcp transfer: where each of its next chunk messages goes.
+A `Landing` is one relay kind's receiving side, made (lazily, see relay/registry.py) the
+first time a sender of that kind says hello: extra welcome fields, commits it takes over
+(a cuda-ipc copy still running on the sender's stream; a tcp commit whose bytes follow
+as chunk messages, which the ingress then hands it, `take`), its own timers.
 
-A landing talks to the ingress through `Host`, so a landing can finish, nack or free what it
-took over, and never needs the socket.
+A landing talks to the ingress through `Host`, so a landing can claim a grant, read the
+frames of a message it was handed, finish, nack or free what it took over, and never
+needs the socket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from disagg_runtime.memory.intake import Memory
 from disagg_runtime.memory.pool import Pool
-from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ledger import Reservation, SlotLedger
 from disagg_runtime.wire.manifest import Manifest
-
-MIN_CHUNK = 4096  # smaller chunks only cost per-message overhead
 
 
 class Host(Protocol):
@@ -36,17 +34,50 @@ class Host(Protocol):
     @property
     def ledger(self) -> SlotLedger: ...
 
+    @property
+    def memory(self) -> Memory: ...  # how bytes land in the pool (a CUDA pool's: bounced)
+
+    @property
+    def lease_s(self) -> float: ...
+
     def commit(self, ident: bytes, msg: dict[str, Any]) -> None:
-        """The plain commit path: validate, land (tcp chunks) and deliver, or raise."""
+        """The plain commit path (the bytes are in the slot): validate and deliver, or raise."""
+
+    def claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
+        """A commit takes its grant: the grant and its slot, now the landing's to `finish`
+        or free; ProtocolError (the slot freed) when it cannot."""
+
+    def finish(
+        self,
+        ident: bytes,
+        xid: int,
+        rid: str,
+        slot: int,
+        manifest: Manifest,
+        meta: dict[str, Any] | None,
+    ) -> None:
+        """The payload is in `slot`, laid out as `manifest`: deliver it and ack the commit."""
 
     def reject(self, ident: bytes, xid: int, reason: str) -> None:
         """Count and nack a commit the landing gave up on."""
 
+    def expect_frames(self, ident: bytes, landing: Landing | None) -> None:
+        """Hand every next message of `ident` to `landing.take` (None: no longer)."""
+
+    def read_into(self, buffer: Any) -> int:
+        """Receive the next frame of the message being handed over into `buffer`: its
+        length (a longer frame is cut short)."""
+
+    def more_frames(self) -> bool:
+        """Whether the message being handed over has more frames (they are dropped)."""
+
 
 class Landing:
-    """One relay kind's receiving side; the defaults are what shm and tcp need."""
+    """One relay kind's receiving side; the defaults change nothing (as for shm, which has
+    no landing)."""
 
     kind: str = ""
+    binary_commits: bool = False  # its commits may be binary: they carry no field of its own
 
     def welcome(self, ident: bytes, hello: dict[str, Any]) -> dict[str, Any]:
         """Extra welcome fields for a sender of this kind."""
@@ -55,6 +86,15 @@ class Landing:
     def commit(self, ident: bytes, msg: dict[str, Any]) -> bool:
         """Take over a commit (True: it is answered later, or has been); False: plain."""
         return False
+
+    def take(self, ident: bytes) -> None:
+        """The next message of `ident`, which this landing expects (Host `expect_frames`):
+        read its frames through the host."""
+        raise NotImplementedError(f"the {self.kind} landing expects no frames")
+
+    def due(self) -> float | None:
+        """The earliest deadline `expire` acts on, if any."""
+        return None
 
     def busy(self) -> bool:
         """Work in progress the loop must poll for soon (it then wakes every millisecond)."""
@@ -68,34 +108,3 @@ class Landing:
 
     def close(self) -> None:
         """The ingress is closing."""
-
-
-@dataclass
-class Chunked:
-    """A tcp transfer in progress: where each of the sender's next chunk messages goes."""
-
-    grant: Reservation
-    xid: int
-    manifest: Manifest
-    meta: dict[str, Any] | None
-    targets: Iterator[tuple[int, int]]
-    remaining: int
-    deadline: float
-    done: int = 0
-    error: str | None = None
-
-
-def chunk_count(manifest: Manifest, chunk: int) -> int:
-    if chunk < MIN_CHUNK:
-        raise proto.ProtocolError(f"chunk size {chunk} is below the minimum {MIN_CHUNK}")
-    if chunk > proto.MAX_FRAME_BYTES:
-        raise proto.ProtocolError(f"chunk size {chunk} is over {proto.MAX_FRAME_BYTES} B")
-    return sum(-(-meta.nbytes // chunk) for meta in manifest.tensors)
-
-
-def chunk_targets(slot: int, manifest: Manifest, chunk: int) -> Iterator[tuple[int, int]]:
-    """(pool offset, length) of every chunk, in the order the sender sends them (lazily:
-    a large slot in small chunks must not build a huge list on the I/O thread)."""
-    for meta, offset in zip(manifest.tensors, manifest.offsets, strict=True):
-        for start in range(0, meta.nbytes, chunk):
-            yield slot + offset + start, min(chunk, meta.nbytes - start)

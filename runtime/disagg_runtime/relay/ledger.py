@@ -2,7 +2,8 @@
 
 Every slot has an owner and a deadline:
 
-    reserve ──> pending (arrival order; waits at most wait_s for room) ──> granted (a lease)
+    reserve ──> pending (arrival order; waits at most wait_s, clamped to a lease, for
+                room; bounded per sender and in all, by count and bytes) ──> granted (a lease)
     ack of a commit that asks ──> a spare: granted ahead, for the sender's next payload
     granted ──commit──> taken by a landing (the I/O side's; ends in deliver, nack or free)
     delivered ──release()──> free;   abort(rid) frees all a request holds, now and later
@@ -27,6 +28,9 @@ MAX_WAIT_S = 3600.0
 SPARE_MAX = 16 << 20  # the largest slot granted ahead (relay/sender.py, "spare grants")
 SPARE_LEASE_S = 1.0  # a spare nobody committed is freed this soon
 MAX_PENDING_PER_PEER = 64  # a sender has one transfer at a time; leave room for abandoned ones
+MAX_PENDING = 4096  # waiting at one ingress, all senders together (one each for MAX_PEERS)
+PENDING_POOLS_PER_PEER = 4  # a sender's waiting bytes: at most this many pools' worth
+PENDING_POOLS = 64  # everyone's together
 
 Key = tuple[bytes, int]  # (sender identity, its transfer id)
 
@@ -79,6 +83,25 @@ class Reservation:
 
 
 @dataclass(frozen=True)
+class PendingBounds:
+    """How much may wait for room at once, per sender and in all, by count and by bytes
+    (None: not by bytes). Beyond a sender's own bound it is refused as misbehaving; beyond
+    the total, told `overloaded` (no room now: it may retry, or try another replica)."""
+
+    per_peer: int = MAX_PENDING_PER_PEER
+    per_peer_bytes: int | None = None
+    total: int = MAX_PENDING
+    total_bytes: int | None = None
+
+    @classmethod
+    def for_pool(cls, capacity: int) -> PendingBounds:
+        """The bounds of an ingress over a pool of `capacity` bytes."""
+        return cls(
+            per_peer_bytes=PENDING_POOLS_PER_PEER * capacity, total_bytes=PENDING_POOLS * capacity
+        )
+
+
+@dataclass(frozen=True)
 class Denial:
     """A reservation the ledger refuses or gives up on: answer its sender with `deny`."""
 
@@ -87,6 +110,7 @@ class Denial:
     reason: str
     timeout: bool = False  # no room in time (the sender may retry), not a refusal
     counted: bool = False  # a misbehaving sender's request: counts as rejected
+    overloaded: bool = False  # too much waits here already (with `timeout`: retryable)
 
 
 @dataclass(frozen=True)
@@ -101,11 +125,18 @@ class SlotLedger:
     """Reservations, grants and delivered messages over `slots` (see the module doc)."""
 
     def __init__(
-        self, slots: Slots, *, lease_s: float, inline_budget: int, where: str = "the pool"
+        self,
+        slots: Slots,
+        *,
+        lease_s: float,
+        inline_budget: int,
+        where: str = "the pool",
+        bounds: PendingBounds | None = None,
     ) -> None:
         self.slots = slots
         self.where = where  # names the pool in denials
         self.lease_s = lease_s
+        self.bounds = bounds or PendingBounds()
         self.inline_budget = inline_budget
         self.lock = threading.Lock()
         self.inline_used = 0  # under lock: released on the application's threads
@@ -115,6 +146,8 @@ class SlotLedger:
         self._deadlines: list[tuple[float, int, Key]] = []
         self._seq = itertools.count()
         self._pending_of: collections.Counter[bytes] = collections.Counter()
+        self._pending_bytes_of: collections.Counter[bytes] = collections.Counter()
+        self.pending_bytes = 0
         self._pending_rid: dict[str, set[Key]] = {}
         self._granted: dict[Key, Reservation] = {}
         self._spares: dict[bytes, Key] = {}  # the spare each sender was granted last
@@ -139,7 +172,7 @@ class SlotLedger:
         now: float,
         lane_sent: int = 0,
     ) -> Denial | None:
-        """Queue a reservation, or say why not."""
+        """Queue a reservation, waiting at most `wait_s` (clamped to a lease), or say why not."""
         if nbytes > max_allocation:
             reason = (
                 f"payload of {nbytes} B can never fit: largest block of {self.where} is "
@@ -149,19 +182,43 @@ class SlotLedger:
         key = (ident, xid)
         if key in self._granted or key in self._pending:
             return Denial(ident, xid, f"reservation xid {xid} is already in use", counted=True)
-        if self._pending_of[ident] >= MAX_PENDING_PER_PEER:
-            reason = f"more than {MAX_PENDING_PER_PEER} reservations of this sender are waiting"
-            return Denial(ident, xid, reason, counted=True)
+        denial = self._over_bounds(ident, xid, nbytes)
+        if denial is not None:
+            return denial
         if rid in self._aborted:
             return Denial(ident, xid, f"request {rid} was aborted")
-        deadline = now + min(wait_s, MAX_WAIT_S)
+        deadline = now + min(wait_s, self.lease_s, MAX_WAIT_S)
         self._pending[key] = Reservation(ident, xid, rid, nbytes, deadline, lane_sent=lane_sent)
         self._pending_of[ident] += 1
+        self._pending_bytes_of[ident] += nbytes
+        self.pending_bytes += nbytes
         self._pending_rid.setdefault(rid, set()).add(key)
         heapq.heappush(self._deadlines, (deadline, next(self._seq), key))
         if len(self._deadlines) > 2 * len(self._pending) + 64:  # mostly stale: rebuild
             self._deadlines = [(r.deadline, next(self._seq), k) for k, r in self._pending.items()]
             heapq.heapify(self._deadlines)
+        return None
+
+    def _over_bounds(self, ident: bytes, xid: int, nbytes: int) -> Denial | None:
+        """Why one more reservation of `nbytes` from `ident` may not wait (PendingBounds)."""
+        bounds = self.bounds
+        mine, my_bytes = self._pending_of[ident], self._pending_bytes_of[ident]
+        if mine >= bounds.per_peer or (
+            bounds.per_peer_bytes is not None and my_bytes + nbytes > bounds.per_peer_bytes
+        ):
+            reason = (
+                f"this sender has {mine} reservations ({my_bytes} B) waiting already "
+                f"(at most {bounds.per_peer}, {bounds.per_peer_bytes} B)"
+            )
+            return Denial(ident, xid, reason, counted=True)
+        if len(self._pending) >= bounds.total or (
+            bounds.total_bytes is not None and self.pending_bytes + nbytes > bounds.total_bytes
+        ):
+            reason = (
+                f"overloaded: {len(self._pending)} reservations ({self.pending_bytes} B) wait "
+                f"for room in {self.where} already; retry later or elsewhere"
+            )
+            return Denial(ident, xid, reason, timeout=True, overloaded=True)
         return None
 
     def _unpend(self, key: Key) -> Reservation | None:
@@ -170,8 +227,11 @@ class SlotLedger:
         if r is None:
             return None
         self._pending_of[r.ident] -= 1
+        self._pending_bytes_of[r.ident] -= r.nbytes
+        self.pending_bytes -= r.nbytes
         if not self._pending_of[r.ident]:
             del self._pending_of[r.ident]
+            del self._pending_bytes_of[r.ident]
         keys = self._pending_rid.get(r.rid)
         if keys is not None:
             keys.discard(key)
@@ -257,10 +317,20 @@ class SlotLedger:
         return denied
 
     def forget(self, ident: bytes) -> None:
-        """`ident` is gone: its pending reservations go (its grants lapse with their lease)."""
-        for key in [k for k in self._pending if k[0] == ident]:
-            self._unpend(key)
+        """`ident` is gone: its pending reservations go (its grants lapse with their lease:
+        a sender may still be writing one)."""
+        self.drop_pending(ident)
         self._spares.pop(ident, None)
+
+    def drop_pending(self, ident: bytes, reason: str = "") -> list[Denial]:
+        """Take out `ident`'s pending reservations (its connection went): with a `reason`,
+        the denials to send it, in case it is still there to read them."""
+        dropped = [self._unpend(k) for k in [k for k in self._pending if k[0] == ident]]
+        return [Denial(r.ident, r.xid, reason) for r in dropped if r is not None and reason]
+
+    def pending_senders(self) -> set[bytes]:
+        """The senders with reservations waiting (the ingress checks they are still there)."""
+        return set(self._pending_of)
 
     def expire(self, now: float) -> Expired:
         """Free grants past their lease, deny reservations that waited too long, forget

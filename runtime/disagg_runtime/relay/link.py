@@ -109,6 +109,7 @@ class Link:
         self._sent_since = 0  # requests sent after that report
         self._sent_at = float("-inf")
         self._lost: str | None = None  # a refusal read between transfers, a lost connection
+        self.overloaded = 0  # payloads the receiver answered `overloaded` (sender.py)
         self._planner = Planner()  # payloads shaped like recent ones are not laid out again
         try:
             welcome = self._handshake(timeout if handshake_timeout is None else handshake_timeout)

@@ -11,17 +11,22 @@ the sender instead of dropping or over-allocating (DESIGN.md section 7):
                                    <--   welcome {pool, pool_device, pool_size,
                                                   max_allocation, lease_s,
                                                   lane_id[, lane_port | lane_path],
-                                                  [inline_wire, commit_wire,] load, [compat,]
-                                                  [role,] mac}
-    inline {rid, manifest} + slot bytes -->  small payloads: the slot travels in the message
+                                                  [inline_wire, commit_wire,] inline_ack,
+                                                  load, [compat,] [role,] mac}
+    inline {rid, manifest[, xid]} + slot bytes -->  small payloads: the slot travels in the
+                                         message; with an `xid` (over ZMQ, where
+                                         `inline_ack` is offered) it is answered:
+                                   <--   ack {xid} | overloaded {rid[, xid], reason} | nack
+                                         (without one only a refusal is: `overloaded`)
     reserve {rid, xid, nbytes[, lane]} -->   queued until the pool has room
-                                   <--   grant {xid, offset, lease_s} | deny {xid, reason}
+                                   <--   grant {xid, offset, lease_s} | deny {xid, reason[,
+                                         timeout][, overloaded]}
     (shm: sender writes the slot in the shared pool)
     commit {rid, xid, offset, manifest[, chunk][, next]} [+ chunk frames for tcp]  -->
                                    <--   ack {xid[, spare]} | nack {xid, reason}
     (tcp: a chunk frame of the wrong size fails the transfer; the ingress reads the
     rest of its chunks, frees the slot and nacks. A sender cuts a transfer it cannot
-    finish so: its remaining chunks go empty, relay/backends/tcp.py `ChunkStream.cut`)
+    finish so: its remaining chunks go empty, relay/backends/tcp/send.py `ChunkStream.cut`)
     cancel {xid}                   -->   sender gave up waiting: drop the reservation/grant
     abort {rid}                    -->   free every slot the request holds
                                    <--   refused {reason[, xid]}: the sender is not (or no
@@ -55,6 +60,12 @@ receiver is going (its DNS view lagging) would send into a socket about to close
 senders route a request only to replicas whose token pairs with their own. Absent (a
 client's or gateway's reply ingress): it pairs with anything.
 
+`overloaded` is the answer of an ingress that has no room to queue something now: an
+inline payload over ZMQ that finds the inline budget full (on a lane, the sender stalls
+instead), or a reservation beyond what may wait in all (relay/ledger.py PendingBounds:
+a `deny` with `overloaded`). Nothing of it is kept; the sender may retry, elsewhere or
+later (relay/sender.py reserves a refused inline payload: the pool's flow control).
+
 `xid` numbers each operation of a sender so that a late grant for an operation that timed
 out is never mistaken for the current one (completions are per operation).
 
@@ -70,7 +81,8 @@ manifest's layout cached per lane by its bytes. Senders use it only where offere
 its fields (rid, xid, offset, manifest, meta, next) in a binary header of the same form.
 
 `pool_device` (shm, cpu, cpu-pinned, cuda) says where the ingress lands staged payloads; a
-sender picks its inline limit by it (relay/backends/tcp.py: medium payloads inline to host pools).
+sender picks its inline limit by it (relay/backends/tcp/send.py: medium payloads inline
+to host pools).
 
 `role` names the role an ingress serves, under the welcome's mac: a sender that dialled
 a role's address checks it, so an address another role's pod has taken over (before the
@@ -96,8 +108,20 @@ MAX_INLINE_MESSAGE_BYTES = 16 << 20  # the most slot bytes an inline message may
 MAX_FRAME_BYTES = MAX_INLINE_MESSAGE_BYTES  # no ZMQ frame may be longer (tcp chunks included)
 OPS_TO_INGRESS = frozenset({"hello", "auth", "inline", "reserve", "commit", "cancel", "abort"})
 OPS_TO_SENDER = frozenset(
-    {"challenge", "welcome", "refused", "grant", "deny", "ack", "nack", "load", "goodbye"}
+    {
+        "challenge",
+        "welcome",
+        "refused",
+        "grant",
+        "deny",
+        "ack",
+        "nack",
+        "load",
+        "goodbye",
+        "overloaded",
+    }
 )
+INLINE_ACK_VERSION = 1  # the welcome's `inline_ack`: inline payloads with an xid are answered
 HANDSHAKE_OPS = frozenset({"hello", "auth"})  # all an unauthenticated peer may send
 MAX_HANDSHAKE_BYTES = 4096  # and no longer than this
 LOAD_EVERY_S = 0.1  # how often an ingress tells its active senders its load, when it changed
@@ -162,6 +186,14 @@ def role(msg: dict[str, Any]) -> str | None:
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", name):
         raise ProtocolError(f"relay {msg.get('op')}: field 'role' is not a role name")
     return name
+
+
+def meta(msg: dict[str, Any]) -> dict[str, Any] | None:
+    """A message's `meta` (the sender's routing metadata, unread by relays), if any."""
+    value = msg.get("meta")
+    if value is not None and not isinstance(value, dict):
+        raise ProtocolError("relay message: 'meta' must be an object")
+    return value
 
 
 def nonneg_int(msg: dict[str, Any], name: str) -> int:

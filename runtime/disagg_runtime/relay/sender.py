@@ -40,7 +40,7 @@ import zmq
 from disagg_runtime.memory.layout import SlotPlan
 from disagg_runtime.relay import inline_wire, lane
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.errors import NeverFits, RelayError, RelayTimeout
+from disagg_runtime.relay.errors import NeverFits, Overloaded, RelayError, RelayTimeout
 from disagg_runtime.relay.link import Link
 from disagg_runtime.wire.manifest import Manifest
 
@@ -77,20 +77,26 @@ class Transfer:
     commit: bytes
 
 
-def _json_inline(rid: str, manifest: Manifest, meta: Mapping[str, Any] | None) -> bytes:
-    return proto.pack("inline", rid=rid, meta=meta, manifest=manifest.to_json())
+def _json_inline(rid: str, manifest: Manifest, meta: Mapping[str, Any] | None, **xid: int) -> bytes:
+    return proto.pack("inline", rid=rid, meta=meta, manifest=manifest.to_json(), **xid)
 
 
 def _over_zmq(
-    frame: bytearray, at: int, rid: str, manifest: Manifest, meta: Mapping[str, Any] | None
+    frame: bytearray,
+    at: int,
+    rid: str,
+    manifest: Manifest,
+    meta: Mapping[str, Any] | None,
+    xid: int | None,
 ) -> list[memoryview | bytes]:
     """An inline payload's ZMQ message, from the lane frame built for it (`Sender._inline_frame`,
     the slot's bytes from `at` on): the header in JSON, which ZMQ reads only (a binary one
-    was built for the lane, which may have closed since), and the slot's bytes."""
+    was built for the lane, which may have closed since), with the `xid` its verdict is
+    awaited under (None: not awaited), and the slot's bytes."""
     view = memoryview(frame)
-    if frame[lane.PREFIX.size] == ord("{"):
+    if xid is None and frame[lane.PREFIX.size] == ord("{"):
         return [view[lane.PREFIX.size : at], view[at:]]
-    return [_json_inline(rid, manifest, meta), view[at:]]
+    return [_json_inline(rid, manifest, meta, **({} if xid is None else {"xid": xid})), view[at:]]
 
 
 class Sender(Link):
@@ -128,19 +134,46 @@ class Sender(Link):
                     and self._send_lane(request_id, frame)
                 ):
                     return nbytes
+                manifest = placed.manifest(tree)
                 if (
-                    frame is not None and nbytes <= self.session.inline_max
-                ):  # the lane may have gone
-                    manifest = placed.manifest(tree)
-                    self._sock.send_multipart(_over_zmq(frame, at, request_id, manifest, meta))
-                else:
-                    manifest = placed.manifest(tree)
+                    frame is None
+                    or nbytes > self.session.inline_max  # the lane may have gone
+                    or not self._inline_zmq(frame, at, request_id, manifest, meta, deadline)
+                ):  # reserved in the pool, also when the receiver's inline budget was full
                     self._send_staged(request_id, manifest, placed, tensors, deadline, meta)
                 return nbytes
             except zmq.Again:
                 raise RelayTimeout(
                     f"receiver at {self.endpoint} is not draining; request {request_id} not sent"
                 ) from None
+
+    def _inline_zmq(
+        self,
+        frame: bytearray,
+        at: int,
+        rid: str,
+        manifest: Manifest,
+        meta: Mapping[str, Any] | None,
+        deadline: float,
+    ) -> bool:
+        """An inline payload over ZMQ, where nothing stalls this sender when the receiver's
+        inline budget is full: where the welcome offered `inline_ack`, it waits for the
+        verdict, and False says the receiver answered `overloaded` (nothing of it kept;
+        the caller reserves it instead). Unanswered (an older receiver): True once sent."""
+        xid = next(self._xids) if self.session.inline_ack else None
+        self._sock.send_multipart(_over_zmq(frame, at, rid, manifest, meta, xid))
+        if xid is None:
+            return True
+        verdict = self._await(xid, {"ack", "nack", "overloaded"}, deadline, "inline verdict")
+        if verdict["op"] == "nack":
+            raise RelayError(
+                f"receiver at {self.endpoint} rejected request {rid}: {verdict.get('reason')}"
+            )
+        if verdict["op"] == "overloaded":
+            self.overloaded += 1
+            log.debug("%s relay to %s: %s", self.kind, self.endpoint, verdict.get("reason"))
+            return False
+        return True
 
     def reserve(
         self, request_id: str, manifest: Manifest, *, timeout: float | None = None
@@ -302,6 +335,12 @@ class Sender(Link):
             self._control(proto.pack("cancel", xid=xid))
             raise no_room from None
         granted = time.monotonic()
+        if grant["op"] == "deny" and grant.get("overloaded") is True:
+            self.overloaded += 1
+            raise Overloaded(
+                f"receiver at {self.endpoint} is overloaded: {grant.get('reason')}; "
+                f"request {rid} not sent"
+            )
         if grant["op"] == "deny" and grant.get("timeout") is True:
             raise no_room
         if grant["op"] == "deny":

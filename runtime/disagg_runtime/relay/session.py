@@ -11,12 +11,15 @@ comes and goes:
     inline_max    payloads up to this many tensor bytes go inline (no slot)
     inline_wire   inline headers are binary on the lane (relay/inline_wire.py)
     commit_wire   commits are binary on the lane (only where `binary_commit` and `control`)
+    inline_ack    an inline payload over ZMQ waits for the receiver's verdict: `ack`, or
+                  `overloaded` (its inline budget is full: the payload is reserved instead)
     spare         a slot granted ahead with the last ack, while a stream of medium
                   payloads lasts (see "spare grants" below)
 
 Losing the lane drops `control` and a backend's lane-only `inline_max` (back to
 INLINE_THRESHOLD: over ZMQ an inline payload the receiver's budget cannot take is
-dropped, where on the lane it stalls its sender); the encodings stay agreed but are used
+answered `overloaded` and reserved after all, a round trip more; on the lane it stalls
+its sender); the encodings stay agreed but are used
 only on a lane. A sender holds one session for its life: a lost connection is a new
 sender (PeerLost), a lost lane only a smaller session.
 
@@ -58,10 +61,18 @@ class Spare:
 class Session:
     """The terms a sender holds with its receiver (see the module docstring)."""
 
-    def __init__(self, inline_max: int, *, inline_wire: bool = False, commit_wire: bool = False):
+    def __init__(
+        self,
+        inline_max: int,
+        *,
+        inline_wire: bool = False,
+        commit_wire: bool = False,
+        inline_ack: bool = False,
+    ):
         self.inline_max = inline_max
         self.inline_wire = inline_wire
         self.commit_wire = commit_wire
+        self.inline_ack = inline_ack
         self.lane: socket.socket | None = None
         self.control = False
         self.sent = 0  # frames written on the lane (the ingress counts those it took)
@@ -80,6 +91,7 @@ class Session:
             INLINE_THRESHOLD if inline_max is None else inline_max,
             inline_wire=welcome.get("inline_wire") == inline_wire.WIRE_VERSION,
             commit_wire=welcome.get("commit_wire") == inline_wire.WIRE_VERSION,
+            inline_ack=welcome.get("inline_ack") == proto.INLINE_ACK_VERSION,
         )
 
     # ---- the lane -------------------------------------------------------------------------
@@ -117,7 +129,7 @@ class Session:
         self.control = control
         if lane_limit is not None:
             # the backend's limit only on a lane, where a full inline budget stalls this
-            # sender (over ZMQ an inline payload the budget cannot take is dropped)
+            # sender (over ZMQ one the budget cannot take costs a verdict and a reservation)
             self.inline_max = lane_limit
             self._lane_limit = True
 

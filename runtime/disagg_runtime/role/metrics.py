@@ -35,6 +35,9 @@ name                                type       extra labels           meaning
 ``disagg_peer_rejected_total``      counter    -                      connections and messages
                                                                       refused for want of the
                                                                       peer key (relay/auth.py)
+``disagg_ingress_overloaded_total`` counter    -                      payloads and reservations
+                                                                      answered `overloaded` (no
+                                                                      room to queue them now)
 ``disagg_requests_total``           counter    ``outcome``            finished requests;
                                                                       outcome is done|failed
 ``disagg_request_failures_total``   counter    ``reason``             failed requests by reason:
@@ -129,6 +132,7 @@ class RoleSample:
     inline_used_bytes: int = 0  # inline payloads held: they count against their own budget
     inline_budget_bytes: int = 0
     peer_rejected: int = 0  # refused for want of the peer key, since start (a counter)
+    overloaded: int = 0  # answered `overloaded` by the ingress, since start (a counter)
 
 
 def occupancy(used: int, total: int) -> float:
@@ -156,7 +160,16 @@ class _SampleCollector:
         ("disagg_inline_bytes_used", "Inline payload bytes held (received, not released)."),
         ("disagg_inline_bytes_budget", "The most inline payload bytes held at once."),
     )
-    _REJECTED: Final = "disagg_peer_rejected"
+    _COUNTERS: Final = (
+        (
+            "disagg_peer_rejected",
+            "Connections and messages refused for want of the pipeline's peer key.",
+        ),
+        (
+            "disagg_ingress_overloaded",
+            "Payloads and reservations the ingress answered overloaded (no room to queue).",
+        ),
+    )
 
     def __init__(self, label_values: list[str], sample: Callable[[], RoleSample]) -> None:
         self._label_values = label_values
@@ -166,7 +179,8 @@ class _SampleCollector:
     def describe(self) -> Iterable[Metric]:
         # Declares the names (duplicate checks) without calling sample() at registration.
         gauges = [GaugeMetricFamily(name, doc, labels=CONST_LABELS) for name, doc in self._GAUGES]
-        return [*gauges, CounterMetricFamily(self._REJECTED, "", labels=CONST_LABELS)]
+        counters = [CounterMetricFamily(n, "", labels=CONST_LABELS) for n, _ in self._COUNTERS]
+        return [*gauges, *counters]
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -198,13 +212,11 @@ class _SampleCollector:
             family = GaugeMetricFamily(name, doc, labels=CONST_LABELS)
             family.add_metric(self._label_values, value)
             yield family
-        rejected = CounterMetricFamily(
-            self._REJECTED,
-            "Connections and messages refused for want of the pipeline's peer key.",
-            labels=CONST_LABELS,
-        )
-        rejected.add_metric(self._label_values, float(s.peer_rejected))
-        yield rejected
+        counts = (float(s.peer_rejected), float(s.overloaded))
+        for (name, doc), count in zip(self._COUNTERS, counts, strict=True):
+            counter = CounterMetricFamily(name, doc, labels=CONST_LABELS)
+            counter.add_metric(self._label_values, count)
+            yield counter
 
 
 M = TypeVar("M", Counter, Histogram)

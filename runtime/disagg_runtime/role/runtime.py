@@ -402,6 +402,7 @@ class RoleRuntime:
             inline_used_bytes=ingress.inline_used,
             inline_budget_bytes=ingress.inline_budget,
             peer_rejected=ingress.refused + self.relays.refused,
+            overloaded=ingress.overloaded,
         )
 
     def _load(self) -> dispatch.Load:

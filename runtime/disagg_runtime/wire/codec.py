@@ -1,4 +1,4 @@
-"""Payload codec: nested Python values holding tensors <-> ``[header, *buffers]`` frames.
+"""Payload codec: dtypes, tensor metas and buffers, and the strict JSON of headers.
 
 Wire format -- one message is ``1 + N`` frames::
 
@@ -9,30 +9,23 @@ Wire format -- one message is ``1 + N`` frames::
     frame 1..N    raw bytes of tensor i = frame - 1: C-contiguous, native byte order,
                   exactly prod(shape) * itemsize bytes
 
-Tree encoding: JSON null / bool / int / str and finite floats stand for themselves;
-everything else is an object with exactly one tag key::
+The tree (frame 0's "tree") is wire/tree.py's: `flatten` and `unflatten`.
 
-    {"t": i}  tensor i          {"d": {...}}  dict (str keys)
-    {"l": [...]}  list          {"u": [...]}  tuple
-    {"b": "<base64>"}  small bytes (<= MAX_BYTES_VALUE)
-    {"f": "nan" | "inf" | "-inf"}  non-finite float
-
-Why this shape: tensor bytes never pass through a serializer. ``encode`` hands out
-memoryviews of the tensors' own memory and ``decode`` builds tensors that view the
-received frames, so a transport can move them without copies. The header is data,
+Why this shape: tensor bytes never pass through a serializer. ``tensor_bytes`` hands out
+memoryviews of the tensors' own memory and ``tensor_from_buffer`` builds tensors that view
+the received frames, so a transport can move them without copies. The header is data,
 never code -- no pickle, no ``torch.load``, no ``eval`` -- dtypes come from a fixed
 allow-list, and every frame count, size, shape and tensor index is checked against the
 header before any tensor is built. Every failure is a :class:`CodecError`.
 
-Relays do not send this format: they write tensors into pool slots and send a manifest
-(manifest.py) in their control header. ``encode``/``decode`` is the message format of the
-benchmarks' naive baselines and of callers who want a self-contained message; ``flatten``
-and ``unflatten`` (the tree part) are what relays share with it.
+Relays do not send this whole format: they write tensors into pool slots and send a
+manifest (manifest.py) in their control header, with the tree of ``flatten``; the header
+frame, dtypes and tree rules here are what they share. ``encode``/``decode`` of whole
+messages are the benchmarks' naive baselines' (bench/frames.py).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import reprlib
@@ -51,10 +44,7 @@ MAX_NDIM: int = 32
 MAX_BYTES_VALUE: int = 64 * 1024
 
 _MAX_TENSOR_BYTES = 1 << 48
-_MAX_BYTES_VALUE_B64 = 4 * ((MAX_BYTES_VALUE + 2) // 3)
-_HEADER_KEYS = frozenset({"v", "tree", "tensors"})
 _META_KEYS = frozenset({"dtype", "shape"})
-_SPECIAL_FLOATS: Mapping[str, float] = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 class CodecError(ValueError):
@@ -87,7 +77,7 @@ _repr.maxlist = _repr.maxdict = 6
 _repr.maxlevel = 3
 
 
-def _short(value: object) -> str:
+def short(value: object) -> str:
     """A bounded ``repr`` for error messages (attacker-sized values stay short)."""
     try:
         return _repr.repr(value)
@@ -101,7 +91,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         return _NAMES[dtype]
     except (KeyError, TypeError):
         raise CodecError(
-            f"unsupported dtype {_short(dtype)}; allowed: {', '.join(DTYPES)}"
+            f"unsupported dtype {short(dtype)}; allowed: {', '.join(DTYPES)}"
         ) from None
 
 
@@ -111,7 +101,7 @@ def dtype_from_name(name: object) -> torch.dtype:
         dtype = DTYPES.get(name)
         if dtype is not None:
             return dtype
-    raise CodecError(f"unsupported dtype {_short(name)}; allowed: {', '.join(DTYPES)}")
+    raise CodecError(f"unsupported dtype {short(name)}; allowed: {', '.join(DTYPES)}")
 
 
 def _check_shape(dtype: torch.dtype, shape: Sequence[object], where: str) -> None:
@@ -120,19 +110,19 @@ def _check_shape(dtype: torch.dtype, shape: Sequence[object], where: str) -> Non
     span = dtype.itemsize
     for i, dim in enumerate(shape):
         if type(dim) is not int:
-            raise CodecError(f"{where}: shape[{i}] is {_short(dim)}, not an int")
+            raise CodecError(f"{where}: shape[{i}] is {short(dim)}, not an int")
         if dim < 0:
             raise CodecError(f"{where}: shape[{i}] is negative ({dim})")
         # Bounding the product of all non-zero dims also bounds strides and numel.
         span *= max(dim, 1)
         if span > _MAX_TENSOR_BYTES:
             raise CodecError(
-                f"{where}: shape {_short(list(shape))} of {dtype_name(dtype)} "
+                f"{where}: shape {short(list(shape))} of {dtype_name(dtype)} "
                 f"spans more than 2**48 bytes"
             )
 
 
-def _check_keys(
+def check_keys(
     obj: Mapping[str, Any], required: frozenset[str], allowed: frozenset[str], where: str
 ) -> None:
     missing = required - obj.keys()
@@ -140,7 +130,7 @@ def _check_keys(
         raise CodecError(f"{where}: missing key(s) {sorted(missing)}")
     unknown = obj.keys() - allowed
     if unknown:
-        raise CodecError(f"{where}: unknown key(s) {_short(sorted(unknown))}")
+        raise CodecError(f"{where}: unknown key(s) {short(sorted(unknown))}")
 
 
 @dataclass(frozen=True)
@@ -184,7 +174,7 @@ class TensorMeta:
                 f"{where}: expected an object with 'dtype' and 'shape', got {type(obj).__name__}"
             )
         if obj.keys() != keys:
-            _check_keys(obj, _META_KEYS, keys, where)
+            check_keys(obj, _META_KEYS, keys, where)
         try:
             dtype = dtype_from_name(obj["dtype"])
         except CodecError as exc:
@@ -204,250 +194,6 @@ class TensorMeta:
         return cls._checked(t.dtype, shape)
 
 
-class _NodeError(Exception):
-    """Internal: a failure deep in a tree; keys are collected while unwinding (zero-cost path)."""
-
-    def __init__(self, msg: str) -> None:
-        super().__init__(msg)
-        self.msg = msg
-        self.keys: list[object] = []
-
-    def codec_error(self) -> CodecError:
-        path = "payload" + "".join(f"[{_short(k)}]" for k in reversed(self.keys))
-        return CodecError(f"{path}: {self.msg}")
-
-
-def _wire_tensor(t: torch.Tensor, keep_device: bool) -> torch.Tensor:
-    """``t`` as a detached, contiguous CPU tensor, copying only when it must (with
-    ``keep_device``, a GPU tensor is returned detached but otherwise as it is)."""
-    if t.layout != torch.strided:
-        raise _NodeError(f"unsupported tensor layout {t.layout}")
-    if t.dtype not in _NAMES:
-        raise _NodeError(f"unsupported dtype {t.dtype}; allowed: {', '.join(DTYPES)}")
-    if t.requires_grad:
-        t = t.detach()
-    if not t.is_cpu:
-        if t.is_meta:
-            raise _NodeError("a meta tensor has no data to send")
-        if keep_device and t.is_cuda:
-            return t
-        t = t.contiguous().cpu()  # compact on the device, then one device-to-host copy
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t
-
-
-# leaves that stand for themselves in a tree, exactly as `_flatten` returns them (their
-# subclasses, and non-finite floats, take the general path): a container takes these
-# and plain tensors without a call per item, the most of a small payload's flattening
-_PLAIN = frozenset({str, int, bool, type(None)})
-
-
-def _leaf(obj: Any, tensors: list[torch.Tensor], keep_device: bool) -> Any:
-    """The tree node of anything but a container (a dict, list or tuple)."""
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        if math.isfinite(obj):
-            return float(obj)
-        return {"f": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
-    if isinstance(obj, torch.Tensor):
-        tensors.append(_wire_tensor(obj, keep_device))
-        return {"t": len(tensors) - 1}
-    if isinstance(obj, bytes):
-        if len(obj) > MAX_BYTES_VALUE:
-            raise _NodeError(
-                f"bytes value of {len(obj)} bytes is over the limit of "
-                f"{MAX_BYTES_VALUE}; send it as a uint8 tensor"
-            )
-        return {"b": base64.b64encode(obj).decode("ascii")}
-    raise _NodeError(f"unsupported type {type(obj).__name__}")
-
-
-_CONTAINERS = frozenset({dict, list, tuple})
-
-
-def _flatten(
-    obj: Any, depth: int, max_depth: int, tensors: list[torch.Tensor], keep_device: bool
-) -> Any:
-    # a container (a payload is one, most often) skips the leaf checks; no type is both
-    if type(obj) not in _CONTAINERS and not isinstance(obj, (dict, list, tuple)):
-        return _leaf(obj, tensors, keep_device)
-    if depth >= max_depth:
-        raise _NodeError(f"nested deeper than the limit of {max_depth} containers")
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                raise _NodeError(
-                    f"dict key {_short(key)} is {type(key).__name__}; only str keys are allowed"
-                )
-            kind = type(value)
-            if kind in _PLAIN or (kind is float and math.isfinite(value)):
-                out[key] = value
-                continue
-            try:
-                if kind is torch.Tensor:
-                    tensors.append(_wire_tensor(value, keep_device))
-                    out[key] = {"t": len(tensors) - 1}
-                else:
-                    out[key] = _flatten(value, depth + 1, max_depth, tensors, keep_device)
-            except _NodeError as exc:
-                exc.keys.append(key)
-                raise
-        return {"d": out}
-    items: list[Any] = []
-    for i, value in enumerate(obj):
-        kind = type(value)
-        if kind in _PLAIN or (kind is float and math.isfinite(value)):
-            items.append(value)
-            continue
-        try:
-            if kind is torch.Tensor:
-                tensors.append(_wire_tensor(value, keep_device))
-                items.append({"t": len(tensors) - 1})
-            else:
-                items.append(_flatten(value, depth + 1, max_depth, tensors, keep_device))
-        except _NodeError as exc:
-            exc.keys.append(i)
-            raise
-    return {"u" if isinstance(obj, tuple) else "l": items}
-
-
-def flatten(
-    payload: Any, *, max_depth: int = MAX_DEPTH, keep_device: bool = False
-) -> tuple[Any, list[torch.Tensor]]:
-    """Split ``payload`` into a JSON-able tree and the tensors it references, in order.
-
-    Contiguous CPU tensors are returned as is (zero copy); others are made contiguous /
-    moved to the CPU once, except that ``keep_device`` leaves GPU tensors where (and as
-    strided as) they are, for callers that copy them once straight to their destination.
-    ``max_depth`` bounds how many containers may nest.
-    """
-    tensors: list[torch.Tensor] = []
-    try:
-        tree = _flatten(payload, 0, max_depth, tensors, keep_device)
-    except _NodeError as exc:
-        raise exc.codec_error() from None
-    except RecursionError:
-        raise CodecError("payload: nested too deeply for the Python stack") from None
-    return tree, tensors
-
-
-_SCALARS = frozenset({bool, int, float, str})  # tree leaves that stand for themselves
-
-
-def _unflatten(
-    node: Any, depth: int, max_depth: int, used: bytearray, leaf: Callable[[int], Any]
-) -> Any:
-    if node is None or type(node) in _SCALARS:
-        return node
-    if type(node) is not dict or len(node) != 1:
-        raise _NodeError(
-            f"bad tree node {_short(node)}: expected a JSON scalar or an object with one tag"
-        )
-    ((tag, body),) = node.items()
-    if tag == "t":
-        if type(body) is not int:
-            raise _NodeError(f"tensor index {_short(body)} is not an int")
-        if not 0 <= body < len(used):
-            raise _NodeError(f"tensor index {body} out of range (message has {len(used)})")
-        if used[body]:
-            raise _NodeError(f"tensor index {body} used more than once")
-        used[body] = 1
-        return leaf(body)
-    if tag in ("d", "l", "u"):
-        if depth >= max_depth:
-            raise _NodeError(f"nested deeper than the limit of {max_depth} containers")
-        if tag == "d":
-            if type(body) is not dict:
-                raise _NodeError(f"'d' node holds {type(body).__name__}, expected an object")
-            out: dict[str, Any] = {}
-            for key, value in body.items():
-                try:
-                    out[key] = _unflatten(value, depth + 1, max_depth, used, leaf)
-                except _NodeError as exc:
-                    exc.keys.append(key)
-                    raise
-            return out
-        if type(body) is not list:
-            raise _NodeError(f"{tag!r} node holds {type(body).__name__}, expected a list")
-        items: list[Any] = []
-        for i, value in enumerate(body):
-            try:
-                items.append(_unflatten(value, depth + 1, max_depth, used, leaf))
-            except _NodeError as exc:
-                exc.keys.append(i)
-                raise
-        return tuple(items) if tag == "u" else items
-    if tag == "b":
-        if type(body) is not str:
-            raise _NodeError(f"'b' node holds {type(body).__name__}, expected a base64 string")
-        if len(body) > _MAX_BYTES_VALUE_B64:
-            raise _NodeError(f"bytes value is over the limit of {MAX_BYTES_VALUE} bytes")
-        try:
-            return base64.b64decode(body, validate=True)
-        except ValueError:  # binascii.Error, or non-ASCII text
-            raise _NodeError(f"'b' node holds invalid base64 {_short(body)}") from None
-    if tag == "f":
-        value = _SPECIAL_FLOATS.get(body) if type(body) is str else None
-        if value is None:
-            raise _NodeError(f"'f' node holds {_short(body)}, expected 'nan', 'inf' or '-inf'")
-        return value
-    raise _NodeError(f"unknown tree tag {_short(tag)}")
-
-
-def _rebuild(tree: Any, count: int, leaf: Callable[[int], Any], max_depth: int) -> Any:
-    used = bytearray(count)
-    try:
-        result = _unflatten(tree, 0, max_depth, used, leaf)
-    except _NodeError as exc:
-        raise exc.codec_error() from None
-    except RecursionError:
-        raise CodecError("payload: nested too deeply for the Python stack") from None
-    if count and not all(used):
-        unused = [i for i, flag in enumerate(used) if not flag]
-        raise CodecError(f"payload: tree never references tensor(s) {_short(unused)}")
-    return result
-
-
-def unflatten(tree: Any, tensors: Sequence[torch.Tensor], *, max_depth: int = MAX_DEPTH) -> Any:
-    """Inverse of :func:`flatten`; validates the whole tree (tags, types, indices, depth).
-
-    Each tensor must be referenced exactly once. Tuples come back as tuples.
-    """
-    if (
-        max_depth > 0
-        and type(tree) is dict
-        and len(tree) == 1
-        and type(body := tree.get("d")) is dict
-    ):
-        # the common payload, a dict of tensors and JSON scalars, in one loop (no call per
-        # value): what _rebuild returns for it; anything else, or wrong, goes to _rebuild
-        out: dict[str, Any] = {}
-        count = len(tensors)
-        used = 0  # a bit per tensor referenced
-        for key, value in body.items():
-            if value is None or type(value) in _SCALARS:
-                out[key] = value
-                continue
-            index = value.get("t") if type(value) is dict and len(value) == 1 else None
-            if type(index) is not int or not 0 <= index < count or used >> index & 1:
-                break
-            used |= 1 << index
-            out[key] = tensors[index]
-        else:
-            if used == (1 << count) - 1:
-                return out
-    return _rebuild(tree, len(tensors), tensors.__getitem__, max_depth)
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy flat byte view (format ``'B'``) of a contiguous CPU tensor's memory.
 
@@ -463,7 +209,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
-def _byte_view(buf: Any, where: str) -> memoryview:
+def byte_view(buf: Any, where: str) -> memoryview:
     """A flat ``'B'`` memoryview of a buffer-protocol object or a ``zmq.Frame``."""
     if not isinstance(buf, (bytes, bytearray, memoryview)) and hasattr(buf, "buffer"):
         buf = buf.buffer  # zmq.Frame
@@ -490,7 +236,7 @@ def tensor_from_buffer(buf: Any, meta: TensorMeta, *, copy: bool = False) -> tor
     The buffer must hold exactly ``meta.nbytes`` bytes. A tensor viewing a read-only
     buffer must not be written to.
     """
-    view = _byte_view(buf, "buffer")
+    view = byte_view(buf, "buffer")
     if view.nbytes != meta.nbytes:
         raise CodecError(
             f"buffer holds {view.nbytes} bytes, but {dtype_name(meta.dtype)} "
@@ -524,7 +270,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise CodecError(f"header JSON repeats the key {_short(key)}")
+                raise CodecError(f"header JSON repeats the key {short(key)}")
             seen.add(key)
     return out
 
@@ -610,7 +356,7 @@ def payload_nbytes(value: Any) -> int:
 
 def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
     """Parse a header frame: size limit checked first, then UTF-8, JSON object, version."""
-    view = _byte_view(frame, "header frame")
+    view = byte_view(frame, "header frame")
     if view.nbytes > max_bytes:
         raise CodecError(f"header frame is {view.nbytes} bytes, over the limit of {max_bytes}")
     obj = decode_json(view, "header frame")
@@ -621,69 +367,6 @@ def decode_header(frame: Any, *, max_bytes: int = MAX_HEADER_BYTES) -> dict[str,
     version = obj["v"]
     if type(version) is not int or version != FORMAT_VERSION:
         raise CodecError(
-            f"unsupported format version {_short(version)}; this codec reads {FORMAT_VERSION}"
+            f"unsupported format version {short(version)}; this codec reads {FORMAT_VERSION}"
         )
     return obj
-
-
-def payload_header(tree: Any, metas: Sequence[TensorMeta]) -> bytes:
-    """Frame 0 of a flattened payload; CodecError when it is over MAX_HEADER_BYTES (the
-    sender fails rather than the receiver)."""
-    header = encode_header(
-        {"v": FORMAT_VERSION, "tree": tree, "tensors": [meta.to_json() for meta in metas]}
-    )
-    if len(header) > MAX_HEADER_BYTES:
-        raise CodecError(
-            f"header would be {len(header)} bytes, over the limit of {MAX_HEADER_BYTES}; "
-            "move large values into tensors"
-        )
-    return header
-
-
-def encode(payload: Any) -> list[memoryview | bytes]:
-    """``[header, *tensor buffers]``; the buffers view the tensors' memory (no copies)."""
-    tree, tensors = flatten(payload)
-    header = payload_header(tree, [TensorMeta.of(t) for t in tensors])
-    frames: list[memoryview | bytes] = [header]
-    frames.extend(tensor_bytes(t) for t in tensors)
-    return frames
-
-
-def decode(
-    frames: Sequence[Any],
-    *,
-    copy: bool = False,
-    max_header_bytes: int = MAX_HEADER_BYTES,
-    max_depth: int = MAX_DEPTH,
-) -> Any:
-    """Inverse of :func:`encode` for bytes / memoryview / ``zmq.Frame`` frames.
-
-    Frame count, every tensor meta, every frame size and the whole tree are checked
-    before any tensor is built. Tensors view the frames unless ``copy`` is true.
-    """
-    if len(frames) == 0:
-        raise CodecError("message has no frames; expected at least a header frame")
-    header = decode_header(frames[0], max_bytes=max_header_bytes)
-    _check_keys(header, _HEADER_KEYS, _HEADER_KEYS, "header")
-    specs = header["tensors"]
-    if type(specs) is not list:
-        raise CodecError(f"header 'tensors' must be a list, got {type(specs).__name__}")
-    if len(frames) != 1 + len(specs):
-        raise CodecError(
-            f"header describes {len(specs)} tensor(s), so the message needs "
-            f"{1 + len(specs)} frames; got {len(frames)}"
-        )
-    metas = [TensorMeta.from_json(spec, where=f"tensors[{i}]") for i, spec in enumerate(specs)]
-    views: list[memoryview] = []
-    for i, meta in enumerate(metas):
-        view = _byte_view(frames[i + 1], f"frame {i + 1}")
-        if view.nbytes != meta.nbytes:
-            raise CodecError(
-                f"frame {i + 1} holds {view.nbytes} bytes, but tensors[{i}] "
-                f"({dtype_name(meta.dtype)} {list(meta.shape)}) needs {meta.nbytes}"
-            )
-        views.append(view)
-    tree = header["tree"]
-    _rebuild(tree, len(metas), lambda i: None, max_depth)  # validate before building
-    tensors = [tensor_from_buffer(v, m, copy=copy) for v, m in zip(views, metas, strict=True)]
-    return _rebuild(tree, len(tensors), tensors.__getitem__, max_depth)

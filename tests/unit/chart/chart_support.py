@@ -1,5 +1,5 @@
 """Shared by tests/unit/chart: value sets that exercise every template, and small lookups in
-rendered objects. Rendering is Helm's own (`disagg_operator.install.render`)."""
+rendered objects. Rendering is Helm's own (`disagg_operator.gen.install.render`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from disagg_operator import generate, install
+from disagg_operator.gen import generate, install
 from tests.support import REPO
 
 CHART = REPO / generate.CHART

@@ -1,5 +1,5 @@
 """Generated files and documents that describe code: `make generate` writes every generated
-file and `make verify` fails when one is stale (disagg_operator.generate, checked here on a
+file and `make verify` fails when one is stale (disagg_operator.gen.generate, checked here on a
 copy of the repository's inputs); what the generated files hold (install.yaml is the chart
 with its defaults, the docs cover every field and variable); docs/troubleshooting.md covers
 every reason the operator reports, the chart README every value (values.yaml), and the
@@ -20,7 +20,9 @@ import pytest
 import yaml
 
 from disagg_core import contract
-from disagg_operator import docgen, generate, install, names, pods
+from disagg_operator import names
+from disagg_operator.gen import docgen, generate, install
+from disagg_operator.plan import pods
 from disagg_runtime.observe import generate as observe_generate
 from tests.support import REPO
 from tests.unit.chart import chart_support as c
@@ -111,9 +113,9 @@ def test_the_contract_doc_covers_the_contract() -> None:
 
 
 def _constants(prefixes: tuple[str, ...]) -> dict[str, str]:
-    """Module-level string constants named PREFIX... in operator/disagg_operator/*.py."""
+    """Module-level string constants named PREFIX... in operator/disagg_operator/**/*.py."""
     found: dict[str, str] = {}
-    for path in sorted((REPO / "operator" / "disagg_operator").glob("*.py")):
+    for path in sorted((REPO / "operator" / "disagg_operator").rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
             target: ast.expr | None = None
             if isinstance(node, ast.AnnAssign):

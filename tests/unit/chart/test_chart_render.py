@@ -17,7 +17,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from disagg_operator import install, main, pods
+from disagg_operator.app import main
+from disagg_operator.gen import install
+from disagg_operator.plan import pods
 from disagg_runtime import cli
 from tests.support import REPO
 from tests.unit.chart import chart_support as c

@@ -12,7 +12,7 @@ import yaml
 from disagg_core import placement, spec
 from disagg_core.contract import Peer, RoleConfig
 from disagg_core.spec.model import Pipeline
-from disagg_operator import planner
+from disagg_operator.plan import model as plan_model
 from disagg_runtime.local.supervisor import plan_local
 from tests.support import REPO
 
@@ -72,7 +72,7 @@ def test_the_pipelines_of_the_repository_are_found():
 def test_pods_and_local_processes_get_the_same_contract(name, pipeline):
     local = plan_local(pipeline, itertools.count(30000), "/tmp/topology.json")
     for role in pipeline.roles:
-        in_pod = _where_it_runs_removed(planner.role_config(pipeline, role.name, namespace="ns"))
+        in_pod = _where_it_runs_removed(plan_model.role_config(pipeline, role.name, namespace="ns"))
         replicas = [c for c in local if c.role == role.name]
         assert replicas, role.name
         for config in replicas:

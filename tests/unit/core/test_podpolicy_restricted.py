@@ -12,7 +12,7 @@ import pytest
 
 from disagg_core import spec
 from disagg_core.spec import model, podpolicy
-from disagg_operator import crd
+from disagg_operator.gen import crd
 
 OPT_IN = {model.ANNOTATION_ALLOW_PRIVILEGED: "true"}
 

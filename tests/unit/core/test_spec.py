@@ -19,7 +19,7 @@ from disagg_core.spec import (
     Autoscaling,
     ColocationGroup,
     Edge,
-    EnvVar,
+    EnvSetting,
     Pipeline,
     PoolOverride,
     PoolSettings,
@@ -161,8 +161,8 @@ def test_full_document_parses_into_the_model() -> None:
     assert encoder.command == ("python", "-m", "disagg_runtime.cli")
     assert encoder.args == ("role", "--verbose", "")
     assert encoder.env == (
-        EnvVar(name="MODEL", value="t5"),
-        EnvVar(name="TOKEN", value_from={"secretKeyRef": {"name": "t2v-s", "key": "k"}}),
+        EnvSetting(name="MODEL", value="t5"),
+        EnvSetting(name="TOKEN", value_from={"secretKeyRef": {"name": "t2v-s", "key": "k"}}),
     )
     assert encoder.resources == Resources(
         requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "2Gi", "nvidia.com/gpu": "1"}

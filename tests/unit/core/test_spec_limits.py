@@ -13,7 +13,7 @@ import pytest
 
 from disagg_core import spec
 from disagg_core.spec import limits, model
-from disagg_operator import crd
+from disagg_operator.gen import crd
 
 
 def bounds(node: Any, path: str = "spec") -> Iterator[tuple[str, str, int, Any]]:
@@ -159,10 +159,11 @@ def test_a_plan_derives_the_topology_and_units_once(monkeypatch: pytest.MonkeyPa
     """Rendering was cubic in the roles (200 roles 7 s, 400 roles 39 s on main): the
     topology and the units were rebuilt per role. Now once per pipeline."""
     from disagg_core.contract import topology
-    from disagg_operator import planner
+    from disagg_operator.plan import model as plan_model
+    from disagg_operator.plan import planner
 
     built = {"topology": 0, "units": 0}
-    build, units = topology.Topology._build, planner._workloads
+    build, units = topology.Topology._build, plan_model._workloads
 
     def counting_build(pipeline: Any, namespace: Any) -> Any:
         built["topology"] += 1
@@ -173,7 +174,7 @@ def test_a_plan_derives_the_topology_and_units_once(monkeypatch: pytest.MonkeyPa
         return units(pipeline, options)
 
     monkeypatch.setattr(topology.Topology, "_build", staticmethod(counting_build))
-    monkeypatch.setattr(planner, "_workloads", counting_units)
+    monkeypatch.setattr(plan_model, "_workloads", counting_units)
     document = base()
     n = limits.MAX_ROLES
     document["spec"]["roles"] = [{"name": f"r{i}", "handler": "m:f"} for i in range(n)]

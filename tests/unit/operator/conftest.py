@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_operator.crdschema import cel, values
+from disagg_operator.gen.crdschema import cel, values
 from tests.k8s import admission
 from tests.support import REPO
 
@@ -25,7 +25,7 @@ Schema = dict[str, Any]
 
 class CrdChecker:
     """Validates custom resources against one CRD version's openAPIV3Schema, as the API
-    server admits them (the emulator's admission: disagg_operator.crdschema with Strict field
+    server admits them (the emulator's admission: disagg_operator.gen.crdschema with Strict field
     validation, defaults, the OpenAPI schema, list-type uniqueness, the CEL rules)."""
 
     def __init__(self, crd: Schema) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from disagg_operator import apply
-from disagg_operator.apply import ApiError
+from disagg_operator.k8s.client import ApiError
+from disagg_operator.reconcile import apply
 
 PIPELINE = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1"}, "status": {}}
 

@@ -21,8 +21,13 @@ import yaml
 
 from disagg_core import autoscale, spec
 from disagg_core.autoscale import Decision, Policy, RatioLock, Sample
-from disagg_operator import apply, autoscaling, names, planner, podmetrics, reconcile
-from disagg_operator.scaling_loop import ScalingLoop
+from disagg_operator import names
+from disagg_operator.app.scaling_loop import ScalingLoop
+from disagg_operator.autoscaling import podmetrics
+from disagg_operator.autoscaling import scaling as autoscaling
+from disagg_operator.k8s import client as kube
+from disagg_operator.plan import model, planner
+from disagg_operator.reconcile import apply, reconcile
 from disagg_runtime.role.health import HealthServer
 from disagg_runtime.role.metrics import RoleMetrics, RoleSample
 
@@ -379,13 +384,13 @@ async def test_scraper_reads_concurrently_and_fails_soft(silent_port: int) -> No
 
 
 class FakeApi:
-    """What the loop needs of apply.Api: status patches (merged into the pipeline)."""
+    """What the loop needs of kube.Api: status patches (merged into the pipeline)."""
 
     def __init__(self, body: Obj) -> None:
         self.body = body
         self.patches: list[Obj] = []
 
-    async def patch_status(self, ref: apply.ObjectRef, status: Obj, *, uid: str) -> Obj:
+    async def patch_status(self, ref: kube.ObjectRef, status: Obj, *, uid: str) -> Obj:
         assert (ref.name, uid) == (self.body["metadata"]["name"], self.body["metadata"]["uid"])
         self.patches.append(copy.deepcopy(status))
         current = self.body.setdefault("status", {})
@@ -440,7 +445,7 @@ class Harness:
 
         async def fake_reconcile(namespace: str, name: str) -> reconcile.Outcome:
             if self.fail_reconcile:
-                raise apply.ApiError(500, "InternalError", "boom")
+                raise kube.ApiError(500, "InternalError", "boom")
             self.reconciled.append(dict(self.state.replicas))
             return reconcile.Outcome(phase=names.PHASE_READY)
 
@@ -504,7 +509,7 @@ async def test_a_failed_reconcile_leaves_the_count(monkeypatch: pytest.MonkeyPat
     h.ready_pods("a", 2)
     h.scraper.occupancy = 1.0
     h.fail_reconcile = True
-    with pytest.raises(apply.ApiError):
+    with pytest.raises(kube.ApiError):
         await h.step(1000.0)
     assert h.state.replicas == {} and h.events == [] and h.api.patches == []
     assert (await h.loop.tick()) == {("ns", "p"): []}, "a tick logs and goes on"
@@ -557,7 +562,7 @@ def test_hpa_sample(repo: pathlib.Path, load_yaml: Any) -> None:
     hpa = load_yaml(repo / "manifests" / "samples" / "external-scaling" / "hpa-denoiser.yaml")
     kubernetes_validate.validate(hpa, kubernetes_validate.utils.latest_version(), strict=True)
     pipeline = spec.parse_pipeline(load_yaml(repo / "examples" / "text-to-video.yaml"))
-    target = planner.workload_of(pipeline, "denoiser").name
+    target = model.workload_of(pipeline, "denoiser").name
     assert hpa["spec"]["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

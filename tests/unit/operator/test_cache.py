@@ -6,8 +6,10 @@ import asyncio
 import copy
 from typing import Any
 
-from disagg_operator import apply, cache, names
+from disagg_operator import names
 from disagg_operator.bench import measure, scrape
+from disagg_operator.k8s import client as kube
+from disagg_operator.reconcile import apply, cache
 
 
 def statefulset() -> dict[str, Any]:
@@ -65,7 +67,7 @@ def test_the_digest_ignores_status_and_server_kept_fields_but_not_content():
 
 
 def test_request_kinds_are_named_as_rbac_names_them():
-    kind = apply.request_kind
+    kind = kube.request_kind
     assert kind("GET", "/apis/apps/v1/namespaces/ns/statefulsets") == ("list", "statefulsets")
     assert kind("GET", "/apis/apps/v1/namespaces/ns/statefulsets?watch=true") == (
         "watch",

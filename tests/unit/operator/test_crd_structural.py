@@ -1,4 +1,4 @@
-"""The API server's rules for CRD schemas (disagg_operator.crdschema.structural), as `make
+"""The API server's rules for CRD schemas (disagg_operator.gen.crdschema.structural), as `make
 verify` applies them: the generated CRD passes; each rule's violation is refused in the real
 server's words (k8s.io/apiextensions-apiserver), and `generate --check` fails on it."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg_operator import crd, generate
-from disagg_operator.crdschema import structural
+from disagg_operator.gen import crd, generate
+from disagg_operator.gen.crdschema import structural
 
 ROOT = "spec.validation.openAPIV3Schema"
 Obj = dict[str, Any]

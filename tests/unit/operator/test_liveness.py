@@ -6,7 +6,8 @@ import logging
 
 import kopf
 
-from disagg_operator import liveness
+from disagg_operator.app import liveness
+from disagg_operator.reconcile.progress import Progress
 
 WATCHED = ("disaggregatedpipelines", "statefulsets")
 
@@ -47,7 +48,7 @@ def test_work_waiting_too_long_is_stuck():
 
 def test_progress_counts_from_the_last_work_that_ended():
     now = [0.0]
-    progress = liveness.Progress(clock=lambda: now[0])
+    progress = Progress(clock=lambda: now[0])
     assert progress.stalled_for(100.0) == 0.0  # idle
     with progress.working():
         now[0] = 10.0
@@ -60,7 +61,7 @@ def test_progress_counts_from_the_last_work_that_ended():
 
 def test_progress_starts_counting_when_work_arrives():
     now = [0.0]
-    progress = liveness.Progress(clock=lambda: now[0])
+    progress = Progress(clock=lambda: now[0])
     now[0] = 1000.0  # idle until now
     with progress.working():
         assert progress.stalled_for(1010.0) == 10.0

@@ -12,7 +12,9 @@ import pytest
 
 from disagg_core import contract, spec
 from disagg_core.spec.model import Pipeline
-from disagg_operator import merge, names, planner
+from disagg_operator import names
+from disagg_operator.plan import merge, planner
+from disagg_operator.plan import model as plan_model
 from tests.support import EXAMPLES
 
 NS = "ml"
@@ -100,7 +102,7 @@ def test_topology_config_map(examples: dict[str, Pipeline]) -> None:
     assert topology == contract.Topology.from_pipeline(pipeline, namespace=NS)
 
 
-def _configs_from_pods(pipeline: Pipeline, options: planner.PlanOptions | None = None) -> None:
+def _configs_from_pods(pipeline: Pipeline, options: plan_model.PlanOptions | None = None) -> None:
     """Every container's env parses back (contract.parse_env, topology from the ConfigMap)
     into the planner's RoleConfig, with the replica taken from the pod name."""
     found = _by_kind(planner.plan(pipeline, namespace=NS, options=options))
@@ -115,7 +117,7 @@ def _configs_from_pods(pipeline: Pipeline, options: planner.PlanOptions | None =
             assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
             env["DISAGG_POD_NAME"] = f"{sts_name}-3"
             parsed = contract.parse_env(env, topology)
-            expected = planner.role_config(pipeline, name, namespace=NS, options=options)
+            expected = plan_model.role_config(pipeline, name, namespace=NS, options=options)
             assert parsed == _with(expected, replica=3, pod_name=f"{sts_name}-3")
             seen.add(name)
     assert seen == set(pipeline.role_names)
@@ -372,11 +374,11 @@ def test_gpu_device_class_and_default_mode(load_yaml: Any, repo: Any) -> None:
     claim = found["ResourceClaimTemplate"]["fan-out-encoders-gpu"]
     request = claim["spec"]["spec"]["devices"]["requests"][0]
     assert request["exactly"]["deviceClassName"] == "gpu.amd.com"
-    options = planner.PlanOptions(gpu_mode="none")
+    options = plan_model.PlanOptions(gpu_mode="none")
     assert "ResourceClaimTemplate" not in _by_kind(
         planner.plan(pipeline, namespace=NS, options=options)
     )
-    beta = planner.PlanOptions(dra_api_version="resource.k8s.io/v1beta2")
+    beta = plan_model.PlanOptions(dra_api_version="resource.k8s.io/v1beta2")
     found = _by_kind(planner.plan(pipeline, namespace=NS, options=beta))
     assert found["ResourceClaimTemplate"]["fan-out-encoders-gpu"]["apiVersion"] == (
         "resource.k8s.io/v1beta2"
@@ -402,7 +404,7 @@ def test_operator_settings_are_checked(full_doc: Obj) -> None:
 
 
 def test_labels_and_owner_references(full_doc: Obj) -> None:
-    owner = planner.Owner.of(
+    owner = plan_model.Owner.of(
         {
             "apiVersion": "disagg.dev/v1alpha1",
             "kind": "DisaggregatedPipeline",
@@ -416,7 +418,7 @@ def test_labels_and_owner_references(full_doc: Obj) -> None:
         assert labels[names.LABEL_INSTANCE] == "full"
         assert labels[names.LABEL_MANAGED_BY] == "disagg-operator"
         assert labels[names.LABEL_PIPELINE] == "full"
-        assert planner.child_selector("full").items() <= labels.items()
+        assert plan_model.child_selector("full").items() <= labels.items()
         gateway = obj["kind"] == "Deployment" or obj["metadata"]["name"] == "full"
         if obj["kind"] not in ("ConfigMap", "NetworkPolicy") and not gateway:
             assert names.LABEL_ROLE in labels
@@ -508,7 +510,7 @@ def test_one_role_image_change_renders_only_that_roles_objects(
 
 
 def test_replica_overrides_from_the_autoscaler(examples: dict[str, Pipeline]) -> None:
-    options = planner.PlanOptions(replicas={"denoiser": 4, "encoders": 3})
+    options = plan_model.PlanOptions(replicas={"denoiser": 4, "encoders": 3})
     found = _by_kind(planner.plan(examples["text-to-video"], namespace=NS, options=options))
     assert found["StatefulSet"]["text-to-video-denoiser"]["spec"]["replicas"] == 4
     assert found["StatefulSet"]["text-to-video-encoder"]["spec"]["replicas"] == 1
@@ -535,13 +537,13 @@ def test_plan_shares_no_objects(full_doc: Obj) -> None:
 
 
 def test_workloads(examples: dict[str, Pipeline]) -> None:
-    units = planner.workloads(examples["fan-out"])
+    units = plan_model.workloads(examples["fan-out"])
     assert [(u.unit, u.name, [r.name for r in u.roles]) for u in units] == [
         ("ingest", "fan-out-ingest", ["ingest"]),
         ("encoders", "fan-out-encoders", ["vision", "audio"]),
         ("fuse", "fan-out-fuse", ["fuse"]),
     ]
-    assert planner.workload_of(examples["fan-out"], "audio").unit == "encoders"
+    assert plan_model.workload_of(examples["fan-out"], "audio").unit == "encoders"
 
 
 def test_the_lane_port_name_is_reserved_too(full_doc: Obj) -> None:

@@ -14,7 +14,11 @@ import pytest
 from disagg_core import contract, spec
 from disagg_core.spec import podpolicy
 from disagg_core.spec.model import ANNOTATION_ALLOW_PRIVILEGED, Pipeline
-from disagg_operator import names, planner, pods, reconcile
+from disagg_operator import names
+from disagg_operator.plan import manifests, planner, pods
+from disagg_operator.plan import model as plan_model
+from disagg_operator.reconcile import events as reconcile_events
+from disagg_operator.reconcile import reconcile
 
 NS = "ml"
 NEWEST = kubernetes_validate.utils.latest_version()
@@ -26,7 +30,7 @@ def _of_kind(objects: list[Obj], kind: str) -> list[Obj]:
 
 
 def _policy(pipeline: Pipeline, **options: Any) -> Obj:
-    objects = planner.plan(pipeline, namespace=NS, options=planner.PlanOptions(**options))
+    objects = planner.plan(pipeline, namespace=NS, options=plan_model.PlanOptions(**options))
     (policy,) = [
         p for p in _of_kind(objects, "NetworkPolicy") if "gateway" not in p["metadata"]["name"]
     ]
@@ -60,7 +64,7 @@ def test_every_role_container_mounts_the_peer_key(examples: dict[str, Pipeline])
                 assert env["DISAGG_PEER_KEY_FILE"] == contract.DEFAULT_PEER_KEY_FILE
                 parsed = contract.parse_env(
                     {k: v for k, v in env.items() if v is not None},
-                    planner.topology(pipeline, NS),
+                    plan_model.topology(pipeline, NS),
                 )
                 assert parsed.peer_key_file == "/etc/disagg-peer-key/key"
 
@@ -73,8 +77,8 @@ def test_the_key_hash_rolls_the_pods_and_a_pod_template_cannot_change_it(
     }
     pipeline = spec.parse_pipeline(full_doc)
     unkeyed = planner.plan(pipeline, namespace=NS)
-    first = planner.plan(pipeline, namespace=NS, peer_key_hash=planner.peer_key_digest("a" * 64))
-    second = planner.plan(pipeline, namespace=NS, peer_key_hash=planner.peer_key_digest("b" * 64))
+    first = planner.plan(pipeline, namespace=NS, peer_key_hash=manifests.peer_key_digest("a" * 64))
+    second = planner.plan(pipeline, namespace=NS, peer_key_hash=manifests.peer_key_digest("b" * 64))
     for sts in _of_kind(unkeyed, "StatefulSet"):
         annotations = sts["spec"]["template"]["metadata"]["annotations"]
         assert annotations.get(names.ANNOTATION_PEER_KEY_HASH) in (None, "mine")
@@ -94,19 +98,19 @@ def test_the_key_hash_rolls_the_pods_and_a_pod_template_cannot_change_it(
 
 
 def test_the_peer_key_secret() -> None:
-    owner = planner.Owner(name="p", uid="0b1e6f1c-0000-4000-8000-000000000000")
+    owner = plan_model.Owner(name="p", uid="0b1e6f1c-0000-4000-8000-000000000000")
     key = "ab" * 32
-    secret = planner.peer_key_secret("p", namespace=NS, key=key, owner=owner)
+    secret = manifests.peer_key_secret("p", namespace=NS, key=key, owner=owner)
     kubernetes_validate.validate(secret, NEWEST, strict=True)
     assert secret["metadata"]["name"] == "p-peer-key"
     assert secret["type"] == "Opaque"
     assert base64.b64decode(secret["data"]["key"]).decode() == key
     assert secret["metadata"]["ownerReferences"] == [owner.reference()]
-    assert planner.child_selector("p").items() <= secret["metadata"]["labels"].items()
+    assert plan_model.child_selector("p").items() <= secret["metadata"]["labels"].items()
     assert reconcile.peer_key_text(secret) == key
     assert reconcile.peer_key_text({"data": {"key": "not base64!"}}) == ""
     assert reconcile.peer_key_text({}) == ""
-    assert len(planner.peer_key_digest(key)) == 16
+    assert len(manifests.peer_key_digest(key)) == 16
     # the Secret is never planned (so never pruned, never overwritten by an apply)
     kinds = {kind for _, kind in planner.child_kinds()}
     assert "Secret" not in kinds and "NetworkPolicy" in kinds
@@ -141,8 +145,8 @@ def test_the_network_policy_admits_the_pipeline_its_gateway_and_the_namespace(
     ]
     # every container's ingress and lane port (the group's second container: 7401, 7501)
     expected = set()
-    for unit in planner.workloads(examples["fan-out"]):
-        for ports in planner.role_ports(unit).values():
+    for unit in plan_model.workloads(examples["fan-out"]):
+        for ports in plan_model.role_ports(unit).values():
             expected |= {ports.ingress, ports.lane}
     assert {p["port"] for p in runtime["ports"]} == expected == {7400, 7401, 7500, 7501}
     assert metrics == {
@@ -219,11 +223,11 @@ def test_added_containers_get_no_privileges_unless_opted_in(full_doc: Obj) -> No
     proxy = next(c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "proxy")
     assert proxy["securityContext"]["privileged"] is True
     assert proxy["securityContext"]["allowPrivilegeEscalation"] is True
-    (event,) = reconcile.privileged_events(pipeline, ())
-    assert event[:2] == ("Warning", reconcile.EVENT_PRIVILEGED)
+    (event,) = reconcile_events.privileged_events(pipeline, ())
+    assert event[:2] == ("Warning", reconcile_events.EVENT_PRIVILEGED)
     assert "spec.roles[0].podTemplate.spec.containers[0].securityContext.privileged" in event[2]
     warned = [str(p) for p in podpolicy.findings(pipeline)]
-    assert reconcile.privileged_events(pipeline, warned) == []  # once per change
+    assert reconcile_events.privileged_events(pipeline, warned) == []  # once per change
 
 
 def test_an_opted_in_privileged_pod_renders_as_written(full_doc: Obj) -> None:
@@ -282,4 +286,4 @@ def test_the_gateway_has_a_network_policy_of_its_own() -> None:
     assert http["ports"] == [{"protocol": "TCP", "port": 8080}]
     assert http["from"] == [{"podSelector": {}}, *clients]
     assert reply["ports"] == [{"protocol": "TCP", "port": 7400}]
-    assert reply["from"] == [{"podSelector": planner.role_selector("p")}]
+    assert reply["from"] == [{"podSelector": manifests.role_selector("p")}]

@@ -1,5 +1,5 @@
 """The PodMonitor: when the planner makes one, what it selects, and that the discovery check
-reads the API's answer (podmonitor.py, planner.plan, apply.Api.serves)."""
+reads the API's answer (podmonitor.py, planner.plan, kube.Api.serves)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import yaml
 
 from disagg_core import spec
 from disagg_core.spec.model import Pipeline
-from disagg_operator import names, planner, podmonitor, pods
+from disagg_operator import names
+from disagg_operator.plan import model as plan_model
+from disagg_operator.plan import planner, podmonitor, pods
 from tests.support import EXAMPLES
 
 NS = "ml"
-ON = planner.PlanOptions(pod_monitors=True, pod_monitor_default=True)
+ON = plan_model.PlanOptions(pod_monitors=True, pod_monitor_default=True)
 
 
 def fan_out(monitoring: dict[str, Any] | None = None) -> Pipeline:
@@ -27,7 +29,7 @@ def fan_out(monitoring: dict[str, Any] | None = None) -> Pipeline:
     return spec.parse_pipeline(doc)
 
 
-def monitors(pipeline: Pipeline, options: planner.PlanOptions) -> list[dict[str, Any]]:
+def monitors(pipeline: Pipeline, options: plan_model.PlanOptions) -> list[dict[str, Any]]:
     return [
         o
         for o in planner.plan(pipeline, namespace=NS, options=options)
@@ -48,7 +50,7 @@ def monitors(pipeline: Pipeline, options: planner.PlanOptions) -> list[dict[str,
 def test_made_where_served_and_wanted(
     served: bool, default: bool, asked: bool | None, made: bool
 ) -> None:
-    options = planner.PlanOptions(pod_monitors=served, pod_monitor_default=default)
+    options = plan_model.PlanOptions(pod_monitors=served, pod_monitor_default=default)
     monitoring = None if asked is None else {"podMonitor": asked}
     assert len(monitors(fan_out(monitoring), options)) == int(made)
     kinds = planner.child_kinds(options)
@@ -65,7 +67,7 @@ def test_selects_every_role_container_and_the_gateway() -> None:
     }
     endpoints = monitor["spec"]["podMetricsEndpoints"]
     # the colocation group's pod has two containers: every metrics port name they carry
-    group = max(len(u.roles) for u in planner.workloads(fan_out()))
+    group = max(len(u.roles) for u in plan_model.workloads(fan_out()))
     role_ports = {pods.runtime_port_name("metrics", k) for k in range(group)}
     assert [e["port"] for e in endpoints] == [*sorted(role_ports), "http"]
     assert all(e["path"] == "/metrics" and e["honorLabels"] for e in endpoints)
@@ -105,13 +107,11 @@ class _Discovery:
         self.paths: list[str] = []
 
     async def request(self, method: str, path: str, **_: Any) -> Any:
-        from disagg_operator import apply
+        from disagg_operator.k8s import client as kube
 
         self.paths.append(path)
         if self.answer is None:
-            raise apply.ApiError(
-                404, "NotFound", "the server could not find the requested resource"
-            )
+            raise kube.ApiError(404, "NotFound", "the server could not find the requested resource")
         return self.answer
 
 
@@ -125,16 +125,16 @@ class _Discovery:
     ],
 )
 async def test_discovery_says_whether_podmonitors_are_served(answer: Any, served: bool) -> None:
-    from disagg_operator import apply
+    from disagg_operator.k8s import client as kube
 
     fake = _Discovery(answer)
-    found = await apply.Api.serves(fake, podmonitor.API_VERSION, podmonitor.PLURAL)  # type: ignore[arg-type]
+    found = await kube.Api.serves(fake, podmonitor.API_VERSION, podmonitor.PLURAL)  # type: ignore[arg-type]
     assert found is served
     assert fake.paths == ["/apis/monitoring.coreos.com/v1"]
 
 
 def test_scale_decisions_are_counted_by_direction() -> None:
-    from disagg_operator.metrics import Metrics
+    from disagg_operator.reconcile.metrics import Metrics
 
     m = Metrics()
     m.scaled("ml", "p", "decode", 1, 3, "occupancy")

@@ -12,13 +12,19 @@ from typing import Any, cast
 import kopf
 import pytest
 
-from disagg_operator import apply, handlers, main, names, planner, reconcile, status
-from disagg_operator.metrics import Metrics
+from disagg_operator import names
+from disagg_operator.app import handlers, main
+from disagg_operator.k8s import client as kube
+from disagg_operator.k8s import times
+from disagg_operator.plan import model
+from disagg_operator.reconcile import apply, reconcile, status
+from disagg_operator.reconcile import events as reconcile_events
+from disagg_operator.reconcile.metrics import Metrics
 from disagg_runtime import cli
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
-OWNER = planner.Owner(name="p", uid="uid-1")
-REF = apply.ObjectRef("v1", "Service", "ns", "p-a")
+OWNER = model.Owner(name="p", uid="uid-1")
+REF = kube.ObjectRef("v1", "Service", "ns", "p-a")
 
 
 def built(phase: str = names.PHASE_READY, **conditions: tuple[str, str]) -> dict[str, Any]:
@@ -54,20 +60,20 @@ def child(uid: str | None = None, labels: dict[str, str] | None = None) -> dict[
 
 def test_conflicts_degrade_the_status_and_keep_the_transition_time() -> None:
     ok = built(Degraded=("False", names.REASON_ALL_ROLES_READY))
-    assert reconcile.with_conflicts(ok, [], now=NOW, previous={}) == ok
+    assert status.with_conflicts(ok, [], now=NOW, previous={}) == ok
     conflict = apply.Conflict(REF, "controlled by DisaggregatedPipeline/q, uid 2")
-    degraded = reconcile.with_conflicts(ok, [conflict], now=NOW, previous={})
+    degraded = status.with_conflicts(ok, [conflict], now=NOW, previous={})
     assert degraded["phase"] == names.PHASE_DEGRADED
     (condition,) = degraded["conditions"]
     assert condition["status"] == "True"
-    assert condition["reason"] == reconcile.REASON_CHILD_CONFLICT
+    assert condition["reason"] == status.REASON_CHILD_CONFLICT
     assert condition["message"] == str(conflict)
     assert "Service/p-a exists and is not this pipeline's" in condition["message"]
-    assert condition["lastTransitionTime"] == status.format_time(NOW)
-    again = reconcile.with_conflicts(ok, [conflict], now=NOW, previous=degraded)
+    assert condition["lastTransitionTime"] == times.format_time(NOW)
+    again = status.with_conflicts(ok, [conflict], now=NOW, previous=degraded)
     later = NOW + datetime.timedelta(minutes=5)
-    kept = reconcile.with_conflicts(ok, [conflict], now=later, previous=again)
-    assert kept["conditions"][0]["lastTransitionTime"] == status.format_time(NOW)
+    kept = status.with_conflicts(ok, [conflict], now=later, previous=again)
+    assert kept["conditions"][0]["lastTransitionTime"] == times.format_time(NOW)
 
 
 # ---------------------------------------------------------------------------- events
@@ -77,26 +83,26 @@ def test_events_name_what_changed_and_nothing_else() -> None:
     same = built()
     result = apply.ApplyResult(
         created=(REF,),
-        updated=(apply.ObjectRef("apps/v1", "StatefulSet", "ns", "p-b"),),
-        pruned=(apply.ObjectRef("v1", "Service", "ns", "p-c"),),
+        updated=(kube.ObjectRef("apps/v1", "StatefulSet", "ns", "p-b"),),
+        pruned=(kube.ObjectRef("v1", "Service", "ns", "p-c"),),
     )
-    events = reconcile.decision_events(result=result, before=same, after=same)
+    events = reconcile_events.decision_events(result=result, before=same, after=same)
     assert events == [
         ("Normal", "Created", "created Service/p-a"),
         ("Normal", "Updated", "updated StatefulSet/p-b"),
         ("Normal", "Deleted", "deleted (no longer planned) Service/p-c"),
     ]
     quiet = apply.ApplyResult(unchanged=(REF,))
-    assert reconcile.decision_events(result=quiet, before=same, after=same) == []
-    assert reconcile.decision_events(result=None, before=same, after=same) == []
+    assert reconcile_events.decision_events(result=quiet, before=same, after=same) == []
+    assert reconcile_events.decision_events(result=None, before=same, after=same) == []
 
 
 def test_conflict_events_only_when_the_conflicts_change() -> None:
     conflict = apply.Conflict(REF, "someone")
     result = apply.ApplyResult(conflicts=(conflict,))
-    first = reconcile.decision_events(result=result, before={}, after={})
+    first = reconcile_events.decision_events(result=result, before={}, after={})
     assert first == [("Warning", "ChildConflict", str(conflict))]
-    repeat = reconcile.decision_events(
+    repeat = reconcile_events.decision_events(
         result=result, before={}, after={}, known_conflicts=[conflict]
     )
     assert repeat == []
@@ -104,24 +110,24 @@ def test_conflict_events_only_when_the_conflicts_change() -> None:
 
 def test_invalid_spec_events_only_for_new_problems() -> None:
     invalid = {"phase": names.PHASE_INVALID, "problems": ["spec.edges[0].to: unknown role"]}
-    events = reconcile.decision_events(result=None, before={}, after=invalid)
+    events = reconcile_events.decision_events(result=None, before={}, after=invalid)
     assert events == [("Warning", "InvalidSpec", "invalid spec: spec.edges[0].to: unknown role")]
-    assert reconcile.decision_events(result=None, before=invalid, after=invalid) == []
+    assert reconcile_events.decision_events(result=None, before=invalid, after=invalid) == []
     other = {**invalid, "problems": ["spec.roles: a cycle"]}
-    assert len(reconcile.decision_events(result=None, before=invalid, after=other)) == 1
+    assert len(reconcile_events.decision_events(result=None, before=invalid, after=other)) == 1
 
 
 def test_phase_events_on_entering_ready_or_degraded() -> None:
     progressing = {"phase": names.PHASE_PROGRESSING}
     ready = built(names.PHASE_READY)
     degraded = built(names.PHASE_DEGRADED, Degraded=("True", names.REASON_ROLES_NOT_READY))
-    assert reconcile.decision_events(result=None, before=progressing, after=ready) == [
+    assert reconcile_events.decision_events(result=None, before=progressing, after=ready) == [
         ("Normal", "PipelineReady", "all roles ready (2/2)")
     ]
-    assert reconcile.decision_events(result=None, before=ready, after=degraded) == [
+    assert reconcile_events.decision_events(result=None, before=ready, after=degraded) == [
         ("Warning", "PipelineDegraded", "RolesNotReady: ")
     ]
-    assert reconcile.decision_events(result=None, before=ready, after=progressing) == []
+    assert reconcile_events.decision_events(result=None, before=ready, after=progressing) == []
 
 
 # ---------------------------------------------------------------------------- recheck
@@ -129,10 +135,10 @@ def test_phase_events_on_entering_ready_or_degraded() -> None:
 
 def test_a_recheck_is_due_when_the_progress_deadline_passes() -> None:
     ready = built(Progressing=("False", names.REASON_ROLLOUT_COMPLETE))
-    assert reconcile.recheck_delay(ready, now=NOW, deadline=600) is None
+    assert status.recheck_delay(ready, now=NOW, deadline=600) is None
     moving = built(Progressing=("True", names.REASON_ROLLOUT_IN_PROGRESS))  # since 03:00:00
-    assert reconcile.recheck_delay(moving, now=NOW, deadline=600) == pytest.approx(356.0)
-    assert reconcile.recheck_delay(moving, now=NOW, deadline=60) is None  # already past
+    assert status.recheck_delay(moving, now=NOW, deadline=600) == pytest.approx(356.0)
+    assert status.recheck_delay(moving, now=NOW, deadline=60) is None  # already past
 
 
 # ---------------------------------------------------------------------------- ownership
@@ -152,7 +158,7 @@ def test_ownership_rules() -> None:
 
 
 def test_only_our_labelled_children_are_prunable() -> None:
-    labels = planner.child_selector("p")
+    labels = model.child_selector("p")
     assert apply.prunable(child("uid-1", labels), OWNER)
     assert not apply.prunable(child("uid-2", labels), OWNER)
     assert not apply.prunable(child("uid-1", {names.LABEL_PIPELINE: "p"}), OWNER)
@@ -160,8 +166,8 @@ def test_only_our_labelled_children_are_prunable() -> None:
 
 
 def test_paths_and_status_comparison() -> None:
-    assert apply.collection_path("v1", "ConfigMap", "ns") == "/api/v1/namespaces/ns/configmaps"
-    sts = apply.ObjectRef("apps/v1", "StatefulSet", "ns", "p-a")
+    assert kube.collection_path("v1", "ConfigMap", "ns") == "/api/v1/namespaces/ns/configmaps"
+    sts = kube.ObjectRef("apps/v1", "StatefulSet", "ns", "p-a")
     assert sts.path("scale") == "/apis/apps/v1/namespaces/ns/statefulsets/p-a/scale"
     pipeline = apply.pipeline_ref("ns", "p")
     assert pipeline.path("status") == (
@@ -170,8 +176,8 @@ def test_paths_and_status_comparison() -> None:
     assert not apply.status_differs({"phase": "Ready", "scaleDecisions": [1]}, {"phase": "Ready"})
     assert apply.status_differs({"phase": "Ready"}, {"phase": "Degraded"})
     assert apply.status_differs(None, {"phase": "Ready"})
-    assert apply.ApiError(503, "ServiceUnavailable", "x").retryable
-    assert not apply.ApiError(403, "Forbidden", "x").retryable
+    assert kube.ApiError(503, "ServiceUnavailable", "x").retryable
+    assert not kube.ApiError(403, "Forbidden", "x").retryable
 
 
 def test_the_owning_pipeline_of_a_statefulset() -> None:
@@ -295,7 +301,7 @@ def test_operator_command_line_options() -> None:
     arguments = config.kopf_arguments()
     assert arguments["peering_name"] == "disagg" and arguments["priority"] == 10
     assert arguments["liveness_endpoint"] is None
-    assert config.options == planner.PlanOptions(cluster_domain="example.org", gpu_mode="none")
+    assert config.options == model.PlanOptions(cluster_domain="example.org", gpu_mode="none")
     beta = main.config_from_args(parse("--dra-api-version=resource.k8s.io/v1beta2"))
     assert beta.options.dra_api_version == "resource.k8s.io/v1beta2"
     assert config.progress_deadline == 30
@@ -316,8 +322,8 @@ def test_operator_command_line_exclusions(argv: tuple[str, ...]) -> None:
 @pytest.mark.asyncio
 async def test_a_failed_reconcile_is_timed_and_counted() -> None:
     metrics = Metrics()
-    reconciler = reconcile.Reconciler(api=apply.Api(), metrics=metrics)
-    with pytest.raises(apply.ApiError):
+    reconciler = reconcile.Reconciler(api=kube.Api(), metrics=metrics)
+    with pytest.raises(kube.ApiError):
         await reconciler.reconcile("ns", "p")
     errors = {"kind": "spec", "reason": "NotLoggedIn"}
     assert metrics.value("disagg_operator_reconcile_errors_total", errors) == 1

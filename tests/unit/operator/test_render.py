@@ -12,14 +12,14 @@ import pytest
 import yaml
 
 from disagg_core import spec
-from disagg_operator import planner, render
+from disagg_operator.plan import model, planner, render
 from disagg_runtime import cli
 
 NEWEST = kubernetes_validate.utils.latest_version()
 # resource.k8s.io/v1 (DRA GA) arrived in 1.34; 1.33 serves v1beta2 with the same shape.
 VERSIONS = [
-    ("1.33", planner.PlanOptions(dra_api_version="resource.k8s.io/v1beta2")),
-    (NEWEST, planner.PlanOptions()),
+    ("1.33", model.PlanOptions(dra_api_version="resource.k8s.io/v1beta2")),
+    (NEWEST, model.PlanOptions()),
 ]
 
 
@@ -60,13 +60,13 @@ def test_every_object_is_valid_kubernetes(
     example_files: list[pathlib.Path],
     full_doc: dict[str, Any],
     version: str,
-    options: planner.PlanOptions,
+    options: model.PlanOptions,
 ) -> None:
     pipelines = [spec.load_pipeline_file(path) for path in example_files]
     pipelines.append(spec.parse_pipeline(full_doc))
     seen_kinds = set()
     for pipeline in pipelines:
-        owner = planner.Owner(name=pipeline.name, uid="0b1e6f1c-0000-4000-8000-000000000000")
+        owner = model.Owner(name=pipeline.name, uid="0b1e6f1c-0000-4000-8000-000000000000")
         for obj in planner.plan(pipeline, namespace="ml", owner=owner, options=options):
             kubernetes_validate.validate(obj, version, strict=True)
             seen_kinds.add(obj["kind"])

@@ -3,7 +3,7 @@ the status just built says; gone with the pipeline."""
 
 from __future__ import annotations
 
-from disagg_operator.metrics import ROLLOUT_PHASES, Metrics
+from disagg_operator.reconcile.metrics import ROLLOUT_PHASES, Metrics
 
 
 def test_role_replicas_and_one_phase_follow_the_status_and_go_with_the_pipeline() -> None:

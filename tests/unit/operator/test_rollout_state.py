@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg_operator import names, rollout_state
+from disagg_operator import names
+from disagg_operator.rollout import state as rollout_state
 
 
 def sts(replicas: int | None, revision: str, **status: Any) -> dict[str, Any]:

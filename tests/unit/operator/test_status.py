@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 
 from disagg_core import spec
-from disagg_operator import names, planner, status
+from disagg_operator import names
+from disagg_operator.k8s import times
+from disagg_operator.plan import model
+from disagg_operator.reconcile import status
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 Obj = dict[str, Any]
@@ -260,7 +263,7 @@ def test_many_problems_are_capped() -> None:
 
 
 def test_replica_overrides_and_unrelated_statefulsets() -> None:
-    options = planner.PlanOptions(replicas={"bc": 3})
+    options = model.PlanOptions(replicas={"bc": 3})
     observed = [*settled(), sts("other", 5, ready=0)]
     result = status.build_status(PIPELINE, observed, generation=1, now=T0, options=options)
     assert result["phase"] == names.PHASE_READY  # desired comes from the StatefulSet itself
@@ -285,11 +288,11 @@ def test_status_matches_the_crd(crd_checker: Any) -> None:
 
 
 def test_time_helpers() -> None:
-    assert status.format_time(T0) == "2026-01-01T12:00:00Z"
-    assert status.parse_time("2026-01-01T12:00:00Z") == T0
-    assert status.parse_time("garbage") is None
+    assert times.format_time(T0) == "2026-01-01T12:00:00Z"
+    assert times.parse_time("2026-01-01T12:00:00Z") == T0
+    assert times.parse_time("garbage") is None
     with pytest.raises(ValueError, match="timezone"):
-        status.format_time(datetime.datetime(2026, 1, 1))
+        times.format_time(datetime.datetime(2026, 1, 1))
 
 
 def test_gateway_url_and_readiness_apart_from_the_roles() -> None:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from disagg_core import contract, spec
-from disagg_operator import planner
+from disagg_operator.plan import planner
 from tests.support import EXAMPLES
 
 NS = "ml"

@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from disagg_runtime import demo
-from disagg_runtime.wire import codec, envelope
+from disagg_runtime.bench import frames as bench_frames
+from disagg_runtime.wire import envelope
 from tests.support import EXAMPLES
 
 SMALL = "0.05"
@@ -33,9 +34,9 @@ class Pool:
         self.buffers: list[bytearray] = []
 
     def hop(self, payload: Any) -> Any:
-        frames = [bytearray(f) for f in codec.encode(payload)]
+        frames = [bytearray(f) for f in bench_frames.encode(payload)]
         self.buffers += frames[1:]
-        return codec.decode(frames)
+        return bench_frames.decode(frames)
 
     def release(self) -> None:
         for buf in self.buffers:
@@ -231,7 +232,7 @@ def test_sample_input_is_deterministic(handler: str) -> None:
     a, b, other = (demo.sample_input(handler, i) for i in (7, 7, 8))
     assert same(a, b) and not same(a, other)
     assert same(demo.sample_input(f"disagg_runtime.demo:{handler}", 7), a)
-    codec.encode(a)  # a valid payload
+    bench_frames.encode(a)  # a valid payload
 
 
 def test_sample_input_rejects_other_handlers() -> None:
@@ -343,7 +344,7 @@ def test_fail_and_sleep_ms_are_carried() -> None:
     for name, payload in inputs().items():
         for out in call(name, with_keys(name, payload, fail="elsewhere", sleep_ms=0)):
             assert out["fail"] == "elsewhere" and out["sleep_ms"] == 0, name
-            codec.encode(out)  # every output is a valid payload
+            bench_frames.encode(out)  # every output is a valid payload
 
 
 def test_failure_at_a_chosen_stage() -> None:

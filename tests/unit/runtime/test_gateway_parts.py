@@ -108,7 +108,7 @@ def test_tcp_chunks_come_from_where_each_tensor_is_in_the_body(
     from safetensors.torch import save
 
     from disagg_runtime.client import chunk_sources
-    from disagg_runtime.wire.codec import flatten
+    from disagg_runtime.wire.tree import flatten
 
     dtypes = {"z": torch.uint8, "a.b": torch.bfloat16, "a.c": torch.int64, "m.x": torch.float32}
     tensors = {
@@ -411,7 +411,7 @@ def test_spec_gateway_problems(gateway: Any, role: str, path: str) -> None:
 def test_the_models_max_tokens_annotation_reaches_the_gateway_and_is_checked() -> None:
     """disagg.dev/gateway-max-tokens: the gateway's DISAGG_GATEWAY_MAX_TOKENS (rendered by
     the operator), and a max_tokens above it is a 400 naming max_tokens (issue 30, item 17)."""
-    from disagg_operator import gateway as gateway_objects
+    from disagg_operator.plan import gateway as gateway_objects
 
     document = doc({"api": "openai", "model": "m"})
     document["metadata"]["annotations"] = {spec.model.ANNOTATION_GATEWAY_MAX_TOKENS: "64"}

@@ -63,6 +63,7 @@ from disagg_runtime.relay.backends.cuda_ipc.handles import (
 from disagg_runtime.relay.backends.cuda_ipc.send import CudaIpcSender
 from disagg_runtime.relay.select import relay_kind
 from disagg_runtime.wire import codec
+from disagg_runtime.wire.tree import unflatten
 from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import KEY, a_to_b_config, handshake, recv_reply
 
@@ -394,7 +395,7 @@ def test_plan_matches_the_codec_and_the_slot_image_round_trips_on_host_payloads(
     image = slot_image(manifest, tensors)
     assert len(image) == manifest.nbytes
     views = buffer_tensors(memoryview(image), manifest)
-    assert_bit_exact(codec.unflatten(manifest.tree, views), payload)
+    assert_bit_exact(unflatten(manifest.tree, views), payload)
     for view, offset in zip(views, manifest.offsets, strict=True):
         if view.numel():  # each tensor views the image at its manifest offset
             assert view.data_ptr() == torch.frombuffer(image, dtype=torch.uint8).data_ptr() + offset

@@ -9,6 +9,7 @@ from disagg_runtime.relay.ledger import (
     SPARE_MAX,
     Denial,
     Message,
+    PendingBounds,
     SlotLedger,
 )
 
@@ -90,6 +91,55 @@ def test_pending_reservations_per_sender_are_bounded() -> None:
     denial = reserve(book, A, 999, "x", MiB)
     assert denial is not None and denial.counted
     assert reserve(book, B, 0, "y", MiB) is None  # another sender is not held back
+
+
+def test_a_reservations_wait_is_clamped_to_the_lease() -> None:
+    """A sender asking to wait an hour (or a day) waits at most a lease (issue 30 item 9)."""
+    book = ledger(Slots(MiB), lease_s=2.0)
+    book.reserve(A, 1, "big", MiB, max_allocation=MiB, wait_s=1.0, now=0.0)
+    book.grant_pending(0.0, ready)  # the pool is full from here on
+    book.reserve(B, 1, "waits", MiB, max_allocation=MiB, wait_s=86_400.0, now=0.0)
+    assert book.next_deadline() == 2.0
+    (denial,) = book.expire(2.0).denied
+    assert (denial.ident, denial.xid, denial.timeout) == (B, 1, True)
+
+
+def test_pending_reservations_are_bounded_per_sender_and_in_all_by_bytes_and_count() -> None:
+    bounds = PendingBounds(per_peer=8, per_peer_bytes=4 * MiB, total=12, total_bytes=6 * MiB)
+    book = SlotLedger(Slots(MiB), lease_s=10.0, inline_budget=MiB, bounds=bounds)
+    hold = book.slots.allocate(MiB)  # nothing is granted: everything waits
+    assert hold is not None
+    for xid in range(4):
+        assert reserve(book, A, xid, f"a{xid}", MiB) is None
+    mine = reserve(book, A, 9, "a9", 1)  # A's bytes are used up: A misbehaves
+    assert mine is not None and mine.counted and not mine.overloaded and "4194304 B" in mine.reason
+    assert reserve(book, B, 0, "b0", MiB) is None and reserve(book, B, 1, "b1", MiB) is None
+    full = reserve(book, B, 2, "b2", MiB)  # 6 MiB wait in all: anyone is told overloaded
+    assert full is not None and full.overloaded and full.timeout and not full.counted
+    assert "overloaded" in full.reason and book.pending_bytes == 6 * MiB
+    book.cancel(A, 0)  # room again, in bytes
+    assert reserve(book, B, 2, "b2", MiB) is None
+    # in count too: 3 at most in all here, however small
+    book = SlotLedger(Slots(MiB), lease_s=10.0, inline_budget=MiB, bounds=PendingBounds(total=3))
+    book.slots.allocate(MiB)
+    for n, who in enumerate((A, B, b"c" * 16)):
+        assert reserve(book, who, n, "small", 1) is None
+    crowded = reserve(book, b"d" * 16, 0, "d", 1)
+    assert crowded is not None and crowded.overloaded and book.pending_count == 3
+
+
+def test_a_senders_pending_reservations_are_dropped_when_it_leaves() -> None:
+    book = ledger(Slots(MiB))
+    hold = book.slots.allocate(MiB)
+    assert hold is not None
+    for xid in range(3):
+        reserve(book, A, xid, "r", MiB)
+    reserve(book, B, 0, "r", MiB)
+    assert book.pending_senders() == {A, B}
+    denials = book.drop_pending(A, "its lane closed")
+    assert sorted(d.xid for d in denials) == [0, 1, 2] and all(d.ident == A for d in denials)
+    assert book.pending_count == 1 and book.pending_bytes == MiB
+    assert book.drop_pending(B) == [] and book.pending_count == 0 and book.pending_bytes == 0
 
 
 def test_a_lease_not_committed_in_time_frees_the_slot() -> None:

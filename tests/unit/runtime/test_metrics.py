@@ -40,6 +40,8 @@ COUNTERS_AND_HISTOGRAMS = (
     "disagg_edge_messages_total",
     "disagg_edge_seconds_bucket",
     "disagg_edge_seconds_count",
+    "disagg_peer_rejected_total",
+    "disagg_ingress_overloaded_total",
 )
 CONST = ('pipeline="t2v"', 'replica="3"', 'role="denoiser"')
 
@@ -127,6 +129,13 @@ def test_gauges_follow_the_sample_function(server, role):
     assert second["disagg_pool_free_slots"] == 1
     assert second["disagg_inflight_requests"] == 4
     assert second["disagg_queue_depth"] == 0
+
+
+def test_the_ingress_counters_follow_the_sample_function(server, role):
+    role.sample = RoleSample(0, 1, 0, 0, 0, peer_rejected=3, overloaded=5)
+    got = get_metrics(server)
+    assert got["disagg_peer_rejected_total"] == 3
+    assert got["disagg_ingress_overloaded_total"] == 5
 
 
 @pytest.mark.parametrize(

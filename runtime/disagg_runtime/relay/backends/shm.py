@@ -20,8 +20,8 @@ from typing import Any
 import zmq
 
 from disagg_runtime.memory.layout import write_tensors
-from disagg_runtime.memory.pool import Backing, PoolError, attach_backing
-from disagg_runtime.relay.errors import RelayError, RelayTimeout
+from disagg_runtime.memory.pool import Backing, PoolError, attach_backing, check_shm_name
+from disagg_runtime.relay.errors import NotAPeer, RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
 from disagg_runtime.relay.sender import SPARE_MAX, Grant, Sender, Transfer
 
@@ -40,13 +40,20 @@ class ShmSender(Sender):
     _pin_tried = False
 
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
+        """Attach the pool the welcome names. A name no pool of ours can have (NUL bytes,
+        too long, another pipeline's) refuses this receiver as a peer (NotAPeer: counted
+        as a refusal, a transport failure to the caller), before the name is used."""
         name = welcome.get("pool")
         if not isinstance(name, str):
             raise RelayError(
                 f"receiver at {self.endpoint} has no shared-memory pool; use the tcp relay"
             )
+        try:
+            check_shm_name(name)
+        except PoolError as exc:
+            raise NotAPeer(f"receiver at {self.endpoint}: the welcome's 'pool': {exc}") from None
         if self.pools is not None and not name.startswith(self.pools):
-            raise RelayError(
+            raise NotAPeer(
                 f"receiver at {self.endpoint} offers pool {name[:80]!r}, not one of this "
                 f"pipeline's ({self.pools}*)"
             )

@@ -7,7 +7,8 @@
 - `ops`: the op table (reserve, commit, inline, cancel, abort) and landing payloads.
 
 `parts` declares the state they share. Independent of the relay backends (import-linter):
-a relay kind reaches the ingress only through its `Landing` (relay/landing.py).
+a relay kind reaches the ingress only through its `Landing` (relay/landing.py), as the
+tcp chunks do (relay/backends/tcp/land.py: the loop hands it a sender's next messages).
 """
 
 from disagg_runtime.relay.ingress.loop import Ingress, IngressStats

@@ -24,8 +24,8 @@ from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ingress.parts import IngressParts
 from disagg_runtime.relay.ledger import Message
 from disagg_runtime.wire import codec
-from disagg_runtime.wire.codec import unflatten
 from disagg_runtime.wire.manifest import Manifest
+from disagg_runtime.wire.tree import unflatten
 
 log = logging.getLogger(__name__)
 LANE_HELLO = frozenset({"lane"})
@@ -120,6 +120,10 @@ class Lanes(IngressParts):
         self._dirty = True
         if conn.ident is not None and self._by_sender.get(conn.ident) is conn:
             del self._by_sender[conn.ident]
+            # its sender's waiting reservations go with it: one whose replies came here
+            # cannot read a grant now, and a sender that left closed its lane first
+            for denial in self._ledger.drop_pending(conn.ident, "the sender's lane closed"):
+                self._deny(denial)
         self._ledger.give_inline(conn.reader.abandon())  # a frame cut short holds no budget
         conn.reader.close()
 
@@ -218,7 +222,8 @@ class Lanes(IngressParts):
                 raise proto.ProtocolError("a commit on a lane that carries inline messages only")
             commit = inline_wire.unpack_commit(header)
             kind = self._kinds.get(ident)
-            if kind is not None and self._landings.get(kind) is not None:
+            landing = self._landings.get(kind) if kind is not None else None
+            if landing is not None and not landing.binary_commits:
                 raise proto.ProtocolError(f"a {kind} commit cannot be binary")
             head = commit.head
             grant, slot = self._claim(ident, commit.xid, {"rid": head.rid, "offset": commit.offset})

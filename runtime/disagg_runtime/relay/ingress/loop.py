@@ -21,9 +21,12 @@ freed; `abort(rid)` frees everything a request holds (pending, granted, delivere
 Nothing is given before identity (relay/auth.py): a connection that has not proven the
 peer key gets a challenge, a refusal, or nothing; its frames are read only up to a small
 handshake size and dropped. Authenticated peers are bounded too: pending reservations
-per peer, inline bytes held at once (`inline_budget`: a lane whose next frame would
-overflow it is not read until messages are released, so its sender stalls, as on a full
-pool), and lanes that stay silent before their hello or stall mid-frame are closed.
+(per peer and in all, relay/ledger.py PendingBounds; each waits at most a lease, and a
+peer that left takes its own with it: session.py), inline bytes held at once
+(`inline_budget`: a lane whose next frame would overflow it is not read until messages
+are released, so its sender stalls, as on a full pool; over ZMQ such a payload is
+answered `overloaded` at once), and lanes that stay silent before their hello or stall
+mid-frame are closed.
 
 Closing without losing what is on its way: `goodbye()` tells every peer to send nothing
 more here (protocol.py), while the ingress goes on serving; its owner closes it once
@@ -57,16 +60,17 @@ from disagg_runtime.relay import auth, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.ingress.lanes import LANE_CHECK_S, LaneConn, Lanes
-from disagg_runtime.relay.ingress.ops import _SCRATCH, Operations
+from disagg_runtime.relay.ingress.ops import Operations
 from disagg_runtime.relay.ingress.session import Sessions
-from disagg_runtime.relay.landing import Chunked, Landing
-from disagg_runtime.relay.ledger import Message, SlotLedger
+from disagg_runtime.relay.landing import Landing
+from disagg_runtime.relay.ledger import Message, PendingBounds, SlotLedger
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.load import Load
 
 log = logging.getLogger(__name__)
 HWM = 16
 IDLE_S = 1.0  # the longest the I/O thread sleeps, and goes without looking at deadlines
+_SCRATCH = bytearray(1 << 20)  # where frames nobody takes are read and dropped
 _EVENTS = int(zmq.EVENTS)  # plain ints: enum flag arithmetic costs a few Python calls
 _POLLIN = int(zmq.POLLIN)
 
@@ -80,6 +84,7 @@ class IngressStats:
     pending_reservations: int
     delivered: int
     rejected: int
+    overloaded: int = 0  # inline payloads and reservations answered `overloaded`
     lanes: int = 0  # senders connected through an inline lane
     refused: int = 0  # connections and messages refused for want of authentication
     inline_used: int = 0  # bytes of inline payloads held (received, not yet released)
@@ -126,6 +131,9 @@ class Ingress(Lanes, Sessions, Operations):
         self._sock.setsockopt(zmq.IPV6, 1)  # dual-stack: IPv6-only clusters too
         self._sock.setsockopt(zmq.RCVHWM, HWM)  # bounds chunks buffered ahead of recv_into
         self._sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)  # anyone's frames
+        # a reply to a sender whose connection went fails (EHOSTUNREACH) instead of being
+        # dropped: how a ROUTER learns that a peer left (`_reply`)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         try:
@@ -160,13 +168,15 @@ class Ingress(Lanes, Sessions, Operations):
             lease_s=lease_s,
             inline_budget=budget,
             where=f"the receive pool at {self.endpoint}",
+            bounds=PendingBounds.for_pool(pool.allocator.capacity),
         )
         self.inline_budget = budget
-        self._chunked: dict[bytes, Chunked] = {}  # tcp transfers landing, by sender
+        self._taking: dict[bytes, Landing] = {}  # senders whose next messages a landing takes
         self._landings: dict[str, Landing] = {}  # by relay kind, made at its first hello
         self._kinds: dict[bytes, str] = {}  # each peer's relay kind, from its hello
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._rejected = 0
+        self._overloaded = 0
         self._freed = False  # a release on the I/O thread: room for paused lanes, grants
         self._paused: dict[int, LaneConn] = {}  # lanes not polled for want of inline budget, by fd
         # housekeeping (_housekeep: expiry, grants, lane checks, loads) runs after any step
@@ -214,6 +224,7 @@ class Ingress(Lanes, Sessions, Operations):
             pending_reservations=self._ledger.pending_count,
             delivered=self._ledger.delivered,
             rejected=self._rejected,
+            overloaded=self._overloaded,
             lanes=len(self._by_sender),
             refused=self.refusals.count,
             inline_used=self._ledger.inline_used,
@@ -352,8 +363,10 @@ class Ingress(Lanes, Sessions, Operations):
         if any(landing.busy() for landing in self._landings.values()):
             return now
         due = now + IDLE_S
-        for chunked in self._chunked.values():
-            due = min(due, chunked.deadline)
+        for landing in self._landings.values():
+            landing_due = landing.due()
+            if landing_due is not None:
+                due = min(due, landing_due)
         ledger = self._ledger.next_deadline()
         if ledger is not None:
             due = min(due, ledger)
@@ -373,10 +386,9 @@ class Ingress(Lanes, Sessions, Operations):
             self._peers.move_to_end(ident)  # recently active: forgotten last
             self.last_message_at = time.monotonic()
             self._active_at[ident] = time.monotonic()
-            chunked = self._chunked.get(ident)
-            if chunked is not None:
-                msg = {"op": "commit", "xid": chunked.xid}
-                self._on_chunk(ident, chunked)
+            taking = self._taking.get(ident)
+            if taking is not None:  # e.g. the next chunk of a tcp transfer
+                taking.take(ident)
                 return
             msg = proto.unpack(self._sock.recv(), proto.OPS_TO_INGRESS)
             if msg["op"] in proto.HANDSHAKE_OPS:  # a new handshake on this connection
@@ -387,8 +399,7 @@ class Ingress(Lanes, Sessions, Operations):
         except (proto.ProtocolError, codec.CodecError) as exc:
             self._rejected += 1
             log.warning("ingress %s rejected a message: %s", self.endpoint, exc)
-            if ident not in self._chunked:
-                self._nack_commit(ident, msg, exc)
+            self._nack_commit(ident, msg, exc)
         finally:
             self._drain()
 
@@ -396,29 +407,48 @@ class Ingress(Lanes, Sessions, Operations):
         while self._sock.getsockopt(zmq.RCVMORE):
             self._sock.recv_into(_SCRATCH)
 
-    def _reply(self, ident: bytes, op: str, **fields: Any) -> None:
+    # ---- Host (relay/landing.py): reading the message a landing was handed -------------
+    def expect_frames(self, ident: bytes, landing: Landing | None) -> None:
+        if landing is None:
+            self._taking.pop(ident, None)
+        else:
+            self._taking[ident] = landing
+
+    def read_into(self, buffer: Any) -> int:
+        got: int = self._sock.recv_into(buffer)
+        return got
+
+    def more_frames(self) -> bool:
+        return bool(self._sock.getsockopt(zmq.RCVMORE))
+
+    def _reply(self, ident: bytes, op: str, **fields: Any) -> bool:
+        """Whether the reply went out. Over ZMQ it fails when the sender's connection is
+        gone (then the sender is: `_forget`), or its queue is full (dropped, as a ROUTER
+        without ROUTER_MANDATORY would)."""
         conn = self._by_sender.get(ident)
         if conn is None or not conn.control:
-            self._sock.send_multipart([ident, proto.pack(op, **fields)])
-            return
+            return self._send_zmq(ident, proto.pack(op, **fields))
         try:  # a few hundred bytes into the buffer of a sender that reads its replies
             lane.send_frame(conn.reader.sock, proto.pack(op, **fields), b"")
         except OSError as exc:  # gone, or not reading: it times out on its side
             log.warning("ingress %s: lane reply failed: %s", self.endpoint, exc)
             self._close_lane(conn)
+            return False
+        return True
+
+    def _send_zmq(self, ident: bytes, header: bytes) -> bool:
+        try:
+            self._sock.send_multipart([ident, header], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH and ident in self._peers:
+                log.info("ingress %s: a sender's connection went; forgotten", self.endpoint)
+                self._forget(ident)  # its waiting reservations go with it
+            return False
+        return True
 
     def _expire(self, now: float) -> None:
         for landing in self._landings.values():
             landing.expire(now)
-        for ident, chunked in list(self._chunked.items()):
-            if chunked.deadline <= now:  # sender vanished mid-transfer
-                del self._chunked[ident]
-                if chunked.grant.offset is not None:
-                    self._ledger.free(chunked.grant.offset)
-                self._rejected += 1
-                reason = f"transfer for request {chunked.grant.rid} stalled; slot freed"
-                log.warning("%s", reason)
-                self._reply(ident, "nack", xid=chunked.xid, reason=reason)
         expired = self._ledger.expire(now)
         for grant in expired.lapsed:
             if grant.spare:  # its sender had nothing more to send in time

@@ -2,14 +2,15 @@
 
     inline   a payload with its slot's bytes: delivered (no slot; it holds inline budget)
     reserve  a slot for `nbytes`: granted from the pool in arrival order, or denied
-    commit   the slot is written (shm) or its chunks follow (tcp): delivered, then acked;
-             a relay kind's `Landing` may take it over (cuda-ipc: its copy still runs)
+    commit   the slot is written: delivered, then acked; a relay kind's `Landing` may
+             take it over (cuda-ipc: its copy still runs; tcp: its chunks follow)
     cancel   a grant given back unused
     abort    everything a request holds here is freed, now and for its late arrivals
 
 Over ZMQ the loop (loop.py) reads the op and calls `OPS[op]`; on a lane, inline frames
 and binary commits take their own fast paths (lanes.py) and other ops come here the same
-way. The `Host` calls of relay/landing.py (`commit`, `reject`) are here too.
+way. The `Host` calls of relay/landing.py (`commit`, `claim`, `finish`, `reject`) are
+here too; the loop (loop.py) has those that read a message (`read_into`, `more_frames`).
 """
 
 from __future__ import annotations
@@ -22,23 +23,13 @@ from typing import Any
 import zmq
 
 from disagg_runtime.memory.layout import buffer_tensors, read_payload
-from disagg_runtime.memory.pool import PoolError
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ingress.parts import IngressParts
-from disagg_runtime.relay.landing import Chunked, chunk_count, chunk_targets
 from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, Reservation
-from disagg_runtime.wire.codec import unflatten
 from disagg_runtime.wire.manifest import Manifest
+from disagg_runtime.wire.tree import unflatten
 
 log = logging.getLogger(__name__)
-_SCRATCH = bytearray(1 << 20)
-
-
-def _meta(msg: dict[str, Any]) -> dict[str, Any] | None:
-    meta = msg.get("meta")
-    if meta is not None and not isinstance(meta, dict):
-        raise proto.ProtocolError("relay message: 'meta' must be an object")
-    return meta
 
 
 class Operations(IngressParts):
@@ -49,14 +40,24 @@ class Operations(IngressParts):
         OPS[msg["op"]](self, ident, msg)
 
     def _on_inline(self, ident: bytes, msg: dict[str, Any]) -> None:
+        """An inline payload over ZMQ. There is no stalling its sender here: one that does
+        not fit the inline budget is answered `overloaded` at once (its data unread), and
+        one with an `xid` gets its verdict either way (`ack`), so its sender knows to
+        reserve it instead (relay/sender.py)."""
         manifest = Manifest.from_json(msg.get("manifest"), slot_size=proto.MAX_INLINE_MESSAGE_BYTES)
+        rid = proto.field(msg, "rid", str)
+        xid = {"xid": proto.nonneg_int(msg, "xid")} if "xid" in msg else {}
         if not self._sock.getsockopt(zmq.RCVMORE):
             raise proto.ProtocolError("inline message has no data frame")
-        if not self._ledger.take_inline(manifest.nbytes):  # over ZMQ there is no stalling it
-            raise proto.ProtocolError(
-                f"inline payload of {manifest.nbytes} B dropped: {self._ledger.inline_used} B "
-                f"of the inline budget ({self.inline_budget} B) are held"
+        if not self._ledger.take_inline(manifest.nbytes):
+            self._overloaded += 1
+            reason = (
+                f"overloaded: {self._ledger.inline_used} B of the inline budget "
+                f"({self.inline_budget} B) are held; the payload of {manifest.nbytes} B was "
+                "not taken"
             )
+            self._reply(ident, "overloaded", rid=rid, reason=reason, **xid)
+            return
         try:
             data = bytearray(manifest.nbytes)  # bounded above; a longer frame is cut short
             got = self._sock.recv_into(data) if data else len(self._sock.recv())
@@ -66,6 +67,8 @@ class Operations(IngressParts):
             self._ledger.give_inline(manifest.nbytes)
             raise
         self._inline(msg, manifest, memoryview(data), got, manifest.nbytes)
+        if xid:
+            self._reply(ident, "ack", **xid)
 
     def _inline(
         self, msg: dict[str, Any], manifest: Manifest, data: memoryview, got: int, charge: int
@@ -82,7 +85,7 @@ class Operations(IngressParts):
         except BaseException:
             self._ledger.give_inline(charge)
             raise
-        message = Message(rid, payload, manifest.nbytes, None, time.monotonic(), _meta(msg))
+        message = Message(rid, payload, manifest.nbytes, None, time.monotonic(), proto.meta(msg))
         message.charge = charge
         self._deliver(message)
 
@@ -108,8 +111,11 @@ class Operations(IngressParts):
 
     def _deny(self, denial: Denial) -> None:
         self._rejected += denial.counted
-        timeout = {"timeout": True} if denial.timeout else {}
-        self._reply(denial.ident, "deny", xid=denial.xid, reason=denial.reason, **timeout)
+        self._overloaded += denial.overloaded
+        flags = {"timeout": True} if denial.timeout else {}
+        if denial.overloaded:
+            flags["overloaded"] = True
+        self._reply(denial.ident, "deny", xid=denial.xid, reason=denial.reason, **flags)
 
     def _grant_pending(self) -> None:
         def ready(head: Any) -> bool:  # inline frames sent before it are all here: keep order
@@ -117,14 +123,15 @@ class Operations(IngressParts):
             return conn is None or conn.taken >= head.lane_sent
 
         for grant in self._ledger.grant_pending(time.monotonic(), ready):
-            self._reply(
+            if not self._reply(
                 grant.ident,
                 "grant",
                 xid=grant.xid,
                 offset=grant.offset,
                 lease_s=self.lease_s,
                 **self._load_field(),
-            )
+            ):  # its sender never heard of the slot (gone, or not reading): free at once
+                self._ledger.cancel(grant.ident, grant.xid)
 
     def _on_cancel(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._ledger.cancel(ident, proto.nonneg_int(msg, "xid"))
@@ -146,33 +153,39 @@ class Operations(IngressParts):
         self.commit(ident, msg)
 
     def commit(self, ident: bytes, msg: dict[str, Any]) -> None:
-        """The plain commit: the payload is in its slot (shm), or its chunks follow (tcp)."""
+        """The plain commit: the payload is in its slot (shm). Bytes that follow the commit
+        are a landing's to take (tcp: relay/backends/tcp/land.py); here they are refused."""
         xid = proto.nonneg_int(msg, "xid")
-        grant, slot = self._claim(ident, xid, msg)
+        grant, slot = self.claim(ident, xid, msg)
         try:
             size = self.pool.allocator.size_of(slot)
             manifest = Manifest.from_json(msg.get("manifest"), slot_size=size)
-            meta = _meta(msg)
+            meta = proto.meta(msg)
             if self._sock.getsockopt(zmq.RCVMORE):
                 raise proto.ProtocolError("commit carries unexpected frames")
-            if msg.get("chunk") is not None:  # tcp: the data follows, one message per chunk
-                chunk = proto.nonneg_int(msg, "chunk")
-                count = chunk_count(manifest, chunk)
-                if count:
-                    try:
-                        self.memory.prepare_chunks(chunk)
-                    except PoolError as exc:
-                        raise proto.ProtocolError(str(exc)) from None
-                    targets = chunk_targets(slot, manifest, chunk)
-                    deadline = time.monotonic() + self.lease_s
-                    self._chunked[ident] = Chunked(
-                        grant, xid, manifest, meta, targets, count, deadline
-                    )
-                    return
+            if msg.get("chunk") is not None:
+                kind = self._kinds.get(ident, "this")
+                raise proto.ProtocolError(f"a {kind} sender's commit cannot carry chunks")
         except BaseException:
             self._ledger.free(slot)
             raise
         self._finish(ident, xid, grant.rid, slot, manifest, meta, msg.get("next"))
+
+    def finish(
+        self,
+        ident: bytes,
+        xid: int,
+        rid: str,
+        slot: int,
+        manifest: Manifest,
+        meta: dict[str, Any] | None,
+    ) -> None:
+        """Host (relay/landing.py): a landing's payload is in `slot`: deliver and ack it."""
+        self._finish(ident, xid, rid, slot, manifest, meta)
+
+    def claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
+        """Host (relay/landing.py): see `_claim`."""
+        return self._claim(ident, xid, msg)
 
     def _claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
         """A commit takes its grant (`rid`, `offset` from `msg`; a spare's request id is the
@@ -197,33 +210,6 @@ class Operations(IngressParts):
         self._rejected += 1
         log.warning("ingress %s rejected a commit: %s", self.endpoint, reason)
         self._reply(ident, "nack", xid=xid, reason=reason)
-
-    def _on_chunk(self, ident: bytes, chunked: Chunked) -> None:
-        """Land the next chunk of `ident`'s transfer straight into its slot."""
-        offset, length = next(chunked.targets)
-        chunked.done += 1
-        if chunked.error is None:
-            got = self._sock.recv_into(self.memory.chunk_buffer(offset, length))
-            if got == 0 < length:  # relay/backends/tcp.py ChunkStream.cut: its source went away
-                chunked.error = f"the sender cut the transfer at chunk {chunked.done - 1}"
-            elif got != length:
-                chunked.error = f"chunk {chunked.done - 1}: {got} B, expected {length} B"
-            elif self._sock.getsockopt(zmq.RCVMORE):
-                chunked.error = f"chunk {chunked.done - 1}: unexpected extra frames"
-            else:
-                chunked.error = self.memory.chunk_landed(offset, length)
-        else:
-            self._sock.recv_into(_SCRATCH)
-        self._drain()
-        if chunked.done < chunked.remaining:
-            return
-        del self._chunked[ident]
-        slot = chunked.grant.offset
-        assert slot is not None  # transfers are made from live grants
-        if chunked.error is not None:
-            self._ledger.free(slot)
-            raise proto.ProtocolError(chunked.error)  # counted and nacked by _handle_one
-        self._finish(ident, chunked.xid, chunked.grant.rid, slot, chunked.manifest, chunked.meta)
 
     def _finish(
         self,
@@ -304,7 +290,7 @@ class Operations(IngressParts):
     def _nack_commit(self, ident: bytes, msg: dict[str, Any], exc: Exception) -> None:
         """A rejected commit is answered, so its sender fails now rather than at its timeout."""
         xid = msg.get("xid")
-        if msg.get("op") == "commit" and isinstance(xid, int):
+        if msg.get("op") in ("commit", "inline") and isinstance(xid, int):
             self._reply(ident, "nack", xid=xid, reason=str(exc))
 
 

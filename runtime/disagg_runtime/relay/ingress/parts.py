@@ -3,9 +3,18 @@
 `Ingress` (loop.py) is one object built from four parts, each a module of one idea: the
 loop (thread, poll, the ZMQ ROUTER, replies), the lanes (lanes.py), the per-sender
 session (session.py: handshake, welcome, load reports) and the operations (ops.py:
-reserve, commit, inline, cancel, abort, tcp chunks). They share one I/O thread and its
+reserve, commit, inline, cancel, abort). They share one I/O thread and its
 state, declared here once, so each part is checked (mypy) against the same names; the
 methods a part calls on another are declared here too and defined where they belong.
+
+Why parts of one object, not objects holding each other: the four call each other both
+ways (a lane frame runs an op; an op replies over the sender's lane; forgetting a peer
+closes its lane and drops its reservations), on one thread, over one state (socket,
+ledger, lanes, peers). As objects each would hold the others (a cycle of references) or a
+shared context that is this class again, and the inline hot path (a few microseconds a
+message) would pay an attribute hop per call. Where independence does matter, between
+the ingress and each relay kind, the seam is an object with a protocol: a backend's
+`Landing` and the ingress as its `Host` (relay/landing.py).
 """
 
 from __future__ import annotations
@@ -22,9 +31,10 @@ from disagg_core.compat import Compat
 from disagg_runtime.memory.intake import Memory
 from disagg_runtime.memory.pool import Pool
 from disagg_runtime.relay import auth
-from disagg_runtime.relay.landing import Chunked, Landing
-from disagg_runtime.relay.ledger import Message, Reservation, SlotLedger
+from disagg_runtime.relay.landing import Landing
+from disagg_runtime.relay.ledger import Denial, Message, Reservation, SlotLedger
 from disagg_runtime.wire.load import Load
+from disagg_runtime.wire.manifest import Manifest
 
 if TYPE_CHECKING:  # types only: lanes.py defines the connection
     import socket
@@ -74,8 +84,9 @@ class IngressParts:
     _landings: dict[str, Landing]  # by relay kind, made at its first hello
     _closing: str | None  # the goodbye's reason, once said
     # operations (ops.py)
-    _chunked: dict[bytes, Chunked]  # tcp transfers landing, by sender
+    _taking: dict[bytes, Landing]  # senders whose next messages a landing takes (loop.py)
     _rejected: int
+    _overloaded: int
     _spares_used: int
     # the loop's bookkeeping (loop.py)
     _freed: bool
@@ -91,7 +102,13 @@ class IngressParts:
         return self._ledger
 
     # ---- calls across parts: each defined in the part named ----------------------------
-    def _reply(self, ident: bytes, op: str, **fields: Any) -> None:  # loop
+    def _reply(self, ident: bytes, op: str, **fields: Any) -> bool:  # loop
+        raise NotImplementedError
+
+    def _send_zmq(self, ident: bytes, header: bytes) -> bool:  # loop
+        raise NotImplementedError
+
+    def _deny(self, denial: Denial) -> None:  # ops
         raise NotImplementedError
 
     def _drain(self) -> None:  # loop
@@ -151,15 +168,35 @@ class IngressParts:
     ) -> None:  # ops
         raise NotImplementedError
 
-    def _on_chunk(self, ident: bytes, chunked: Chunked) -> None:  # ops
-        raise NotImplementedError
-
     def _on_cancel(self, ident: bytes, msg: dict[str, Any]) -> None:  # ops
         raise NotImplementedError
 
-    # ---- Host (relay/landing.py): what landings use, in ops.py --------------------------
-    def commit(self, ident: bytes, msg: dict[str, Any]) -> None:
+    # ---- Host (relay/landing.py): what landings use, in ops.py and loop.py -------------
+    def commit(self, ident: bytes, msg: dict[str, Any]) -> None:  # ops
         raise NotImplementedError
 
-    def reject(self, ident: bytes, xid: int, reason: str) -> None:
+    def claim(self, ident: bytes, xid: int, msg: dict[str, Any]) -> tuple[Reservation, int]:
+        raise NotImplementedError  # ops
+
+    def finish(
+        self,
+        ident: bytes,
+        xid: int,
+        rid: str,
+        slot: int,
+        manifest: Manifest,
+        meta: dict[str, Any] | None,
+    ) -> None:  # ops
+        raise NotImplementedError
+
+    def reject(self, ident: bytes, xid: int, reason: str) -> None:  # ops
+        raise NotImplementedError
+
+    def expect_frames(self, ident: bytes, landing: Landing | None) -> None:  # loop
+        raise NotImplementedError
+
+    def read_into(self, buffer: Any) -> int:  # loop
+        raise NotImplementedError
+
+    def more_frames(self) -> bool:  # loop
         raise NotImplementedError

@@ -8,7 +8,11 @@ a mac over both nonces and its fields. Peers are remembered up to MAX_PEERS, the
 recently active forgotten first (with what they hold).
 
 Load reports (`load`, wire/load.py): in the welcome, on every grant and ack, and every
-`LOAD_EVERY_S` to the senders active in the last `LOAD_ACTIVE_S`.
+`LOAD_EVERY_S` to the senders active in the last `LOAD_ACTIVE_S` or waiting for room. A
+ROUTER does not say when a peer's connection goes; a reply to it then fails
+(ROUTER_MANDATORY), and the peer is forgotten with what it waits for (loop.py `_send_zmq`):
+so a sender that left is found within a keepalive (`LOAD_KEEPALIVE_S`), and a grant for
+it is freed at once instead of holding its slot for a lease.
 """
 
 from __future__ import annotations
@@ -93,9 +97,7 @@ class Sessions(IngressParts):
         self._peers.pop(ident, None)
         self._active_at.pop(ident, None)
         self._ledger.forget(ident)
-        chunked = self._chunked.pop(ident, None)
-        if chunked is not None and chunked.grant.offset is not None:
-            self._ledger.free(chunked.grant.offset)
+        self._taking.pop(ident, None)
         kind = self._kinds.pop(ident, None)
         landing = self._landings.get(kind) if kind is not None else None
         if landing is not None:
@@ -111,6 +113,7 @@ class Sessions(IngressParts):
             "pool_size": self.pool.allocator.capacity,
             "max_allocation": self.pool.allocator.max_allocation,
             "lease_s": self.lease_s,
+            "inline_ack": proto.INLINE_ACK_VERSION,
             **self._lane_offer,
             **({"lane_id": self._lane_token(ident)} if self._lane_offer else {}),
             **({"inline_wire": inline_wire.WIRE_VERSION} if self._lane_offer else {}),
@@ -154,16 +157,19 @@ class Sessions(IngressParts):
         for ident, at in list(self._active_at.items()):
             if now - at > proto.LOAD_ACTIVE_S:
                 del self._active_at[ident]
-        if not self._active_at:
+        # and to those whose reservations wait (they read their replies): a sender that
+        # left is found so (`_send_zmq`), its reservations dropped before they are granted
+        waiting = self._ledger.pending_senders().difference(self._active_at)
+        if not self._active_at and not waiting:
             return
         fields = self._load_field()
         last, sent_at = self._load_last
-        if not fields or (fields["load"] == last and now - sent_at < proto.LOAD_KEEPALIVE_S):
+        if fields.get("load") == last and now - sent_at < proto.LOAD_KEEPALIVE_S:
             return
-        self._load_last = (fields["load"], now)
+        self._load_last = (fields.get("load"), now)
         header = proto.pack("load", **fields)
-        for ident in self._active_at:
-            self._sock.send_multipart([ident, header])
+        for ident in [*self._active_at, *waiting]:
+            self._send_zmq(ident, header)
 
     def _welcome_extra(self, ident: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         """The sender's relay kind's welcome fields (a CUDA pool exports itself to cuda-ipc)."""

@@ -1,0 +1,297 @@
+"""The planned objects one by one (ConfigMap, ResourceClaimTemplate, Services, NetworkPolicy,
+StatefulSets, the gateway's Service and Deployment, the peer key Secret) and their names.
+Pure; `planner.plan` puts them in apply order, and `planner`'s docstring states the rules."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from disagg_core import contract
+from disagg_core.spec import ColocationGroup, Pipeline, Role
+from disagg_operator import names
+from disagg_operator.plan import gateway, model, pods
+
+
+def topology_config_map_name(pipeline: Pipeline) -> str:
+    return pipeline.derived_name("topology")
+
+
+def network_policy_name(pipeline: Pipeline) -> str:
+    return pipeline.derived_name("network")
+
+
+def peer_key_secret_name(pipeline: str) -> str:
+    return f"{pipeline}-peer-key"
+
+
+def peer_key_digest(key: str) -> str:
+    """disagg.dev/peer-key-hash of a peer key (the Secret's `key`, as text)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def peer_key_secret(
+    pipeline: str, *, namespace: str, key: str, owner: model.Owner | None = None
+) -> dict[str, Any]:
+    """The Secret the role pods mount (see the module docstring); `key` comes from the
+    caller (`secrets.token_hex(32)`), so that this stays pure."""
+    secret: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(
+            peer_key_secret_name(pipeline), namespace, model.common_labels(pipeline, "peer-key")
+        ),
+        "type": "Opaque",
+        "data": {pods.PEER_KEY_KEY: base64.b64encode(key.encode()).decode()},
+    }
+    if owner is not None:
+        secret["metadata"]["ownerReferences"] = [owner.reference()]
+    return secret
+
+
+def claim_template_name(pipeline: Pipeline, group: str) -> str:
+    return f"{pipeline.derived_name(group)}-gpu"
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels}
+
+
+def config_map(pipeline: Pipeline, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(
+            topology_config_map_name(pipeline),
+            namespace,
+            model.common_labels(pipeline.name, "topology"),
+        ),
+        "data": {pods.TOPOLOGY_KEY: model.topology_text(pipeline, namespace)},
+    }
+
+
+def claim_template(
+    pipeline: Pipeline,
+    unit: model.Workload,
+    group: ColocationGroup,
+    namespace: str,
+    options: model.PlanOptions,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": options.dra_api_version,
+        "kind": "ResourceClaimTemplate",
+        "metadata": _meta(
+            claim_template_name(pipeline, group.name), namespace, unit.labels(pipeline)
+        ),
+        "spec": {
+            "metadata": {"labels": unit.labels(pipeline)},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": pods.GPU_CLAIM,
+                            "exactly": {
+                                "deviceClassName": model.gpu_device_class(pipeline),
+                                "allocationMode": "ExactCount",
+                                "count": 1,
+                            },
+                        }
+                    ]
+                }
+            },
+        },
+    }
+
+
+def service(pipeline: Pipeline, unit: model.Workload, role: Role, namespace: str) -> dict[str, Any]:
+    ports = model.role_ports(unit)[role.name]
+    service_ports = [
+        {"name": "ingress", "port": ports.ingress, "targetPort": ports.ingress, "protocol": "TCP"},
+        {"name": "lane", "port": ports.lane, "targetPort": ports.lane, "protocol": "TCP"},
+        {"name": "metrics", "port": ports.metrics, "targetPort": ports.metrics, "protocol": "TCP"},
+    ]
+    service_ports += [
+        {
+            "name": port.name,
+            "port": port.container_port,
+            "targetPort": port.container_port,
+            "protocol": port.protocol,
+        }
+        for port in role.ports
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(
+            pipeline.derived_name(role.name), namespace, unit.labels(pipeline, role.name)
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": unit.selector(pipeline),
+            "ports": service_ports,
+        },
+    }
+
+
+def role_selector(pipeline: str) -> dict[str, Any]:
+    """A LabelSelector of every role pod of the pipeline (not its gateway's)."""
+    return {
+        "matchLabels": {names.LABEL_PIPELINE: pipeline, names.LABEL_MANAGED_BY: names.MANAGER},
+        "matchExpressions": [{"key": names.LABEL_ROLE, "operator": "Exists"}],
+    }
+
+
+def gateway_selector(pipeline: str) -> dict[str, Any]:
+    return {
+        "matchLabels": {
+            names.LABEL_COMPONENT: names.COMPONENT_GATEWAY,
+            names.LABEL_PIPELINE: pipeline,
+        }
+    }
+
+
+def network_policy(
+    pipeline: Pipeline,
+    units: tuple[model.Workload, ...],
+    namespace: str,
+    options: model.PlanOptions,
+) -> dict[str, Any]:
+    settings = pipeline.network_policy
+    runtime: set[tuple[str, int]] = set()
+    metrics: set[tuple[str, int]] = set()
+    for unit in units:
+        for role in unit.roles:
+            ports = model.role_ports(unit)[role.name]
+            runtime |= {("TCP", ports.ingress), ("TCP", ports.lane)}
+            runtime |= {(port.protocol, port.container_port) for port in role.ports}
+            metrics.add(("TCP", ports.metrics))
+    peers: list[dict[str, Any]] = [
+        {"podSelector": role_selector(pipeline.name)},
+        {"podSelector": gateway_selector(pipeline.name)},
+        *(dict(peer) for peer in settings.clients),
+    ]
+    scrapers: list[dict[str, Any]] = [dict(p) for p in settings.metrics_from] or [
+        {"podSelector": {}}
+    ]
+    scrapers += [
+        {
+            "namespaceSelector": {"matchLabels": {names.LABEL_NAMESPACE_NAME: other}},
+            "podSelector": {},
+        }
+        for other in options.metrics_namespaces
+        if other != namespace or settings.metrics_from
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(
+            network_policy_name(pipeline), namespace, model.common_labels(pipeline.name, "network")
+        ),
+        "spec": {
+            "podSelector": role_selector(pipeline.name),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": copy.deepcopy(peers), "ports": _policy_ports(runtime)},
+                {"from": copy.deepcopy(scrapers), "ports": _policy_ports(metrics)},
+            ],
+        },
+    }
+
+
+def _policy_ports(ports: set[tuple[str, int]]) -> list[dict[str, Any]]:
+    return [{"protocol": protocol, "port": port} for protocol, port in sorted(ports)]
+
+
+def stateful_set(
+    pipeline: Pipeline,
+    unit: model.Workload,
+    namespace: str,
+    options: model.PlanOptions,
+    mode: model.GpuMode,
+    peer_key_hash: str | None,
+) -> dict[str, Any]:
+    configs = {
+        role.name: model.role_config(pipeline, role.name, namespace=namespace, options=options)
+        for role in unit.roles
+    }
+    template = pods.pod_template(
+        pipeline,
+        unit.roles,
+        configs,
+        labels=unit.labels(pipeline),
+        spec_hash=model.spec_hash(pipeline, namespace, tuple(r.name for r in unit.roles)),
+        config_map=topology_config_map_name(pipeline),
+        peer_key_secret=peer_key_secret_name(pipeline.name),
+        peer_key_hash=peer_key_hash,
+        shared=unit.group is not None,
+        gpu=mode if unit.group is not None else "none",
+        claim_template=(
+            claim_template_name(pipeline, unit.group.name) if unit.group is not None else None
+        ),
+    )
+    spec: dict[str, Any] = {
+        "serviceName": pipeline.derived_name(unit.roles[0].name),
+        "replicas": unit.replicas,
+        "podManagementPolicy": "Parallel",
+        "updateStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"partition": options.partitions.get(unit.unit, 0)},
+        },
+        "selector": {"matchLabels": unit.selector(pipeline)},
+        "template": template,
+    }
+    if unit.unit in model.external_units(pipeline):
+        del spec["replicas"]  # the HPA's (or KEDA's) field
+    meta = _meta(unit.name, namespace, unit.labels(pipeline))
+    meta["annotations"] = {names.ANNOTATION_TEMPLATE_HASH: template_hash(template)}
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": spec}
+
+
+def template_hash(template: Mapping[str, Any]) -> str:
+    """A unit's pod template, hashed: the live StatefulSet's copy of it tells the rollout
+    whether its pods still have to move to a new revision."""
+    text = json.dumps(template, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def gateway_objects(
+    pipeline: Pipeline,
+    units: tuple[model.Workload, ...],
+    namespace: str,
+    options: model.PlanOptions,
+) -> list[dict[str, Any]]:
+    ports = {name: p for w in units for name, p in model.role_ports(w).items()}
+    domain = options.cluster_domain
+    entries = tuple(
+        contract.Peer(
+            role,
+            (f"{pipeline.derived_name(role)}.{namespace}.svc.{domain}:{ports[role].ingress}",),
+        )
+        for role in pipeline.entry_roles
+    )
+    policy = []
+    if pipeline.network_policy.enabled:
+        clients = [dict(peer) for peer in pipeline.network_policy.clients]
+        policy = [
+            gateway.network_policy(pipeline, namespace, role_selector(pipeline.name), clients)
+        ]
+    return [
+        gateway.service(pipeline, namespace),
+        *policy,
+        gateway.deployment(
+            pipeline,
+            namespace,
+            entries,
+            config_map=topology_config_map_name(pipeline),
+            # the gateway reads the entry and exit roles' slices of the topology
+            spec_hash=model.spec_hash(
+                pipeline, namespace, (*pipeline.entry_roles, *pipeline.exit_roles)
+            ),
+            peer_key_secret=peer_key_secret_name(pipeline.name),
+        ),
+    ]

@@ -1,0 +1,654 @@
+"""Reconciling pipelines: planner + apply + status builder, serialized per pipeline.
+
+`Reconciler` is what the kopf handlers call; everything it decides comes from pure functions
+(`planner.plan`, `status.build_status`, `status.with_conflicts`, `status.recheck_delay`,
+`events.decision_events`), all I/O goes through `apply`, and Events through `post_event`
+(`events.kopf_event`, kopf's event poster, by default).
+
+A reconcile (`reconcile`), for the pipeline as it is now (read fresh, so a retry or a late
+handler never acts on an old spec):
+
+1. parse and plan. An invalid spec (the validator's problems, or the planner's `check`)
+   creates no children and touches none that exist (an invalid edit of a running pipeline
+   keeps the last valid workloads running, as a Deployment does with a bad rollout);
+   a podTemplate that weakens the pods is invalid unless the pipeline opted in
+   (disagg_core.spec.podpolicy), and then a Warning Event lists what it weakens;
+2. make sure the peer key Secret exists (`manifests.peer_key_secret`, with 32 bytes from
+   `secrets`; created when absent, never overwritten) and plan with its key's hash, so
+   that a new key rolls the role pods; a deleted Secret (watched, like the StatefulSets)
+   triggers a reconcile, which makes a new key: that is how a key is rotated;
+3. apply every planned child, prune the ones the plan dropped (see `apply`);
+4. build the status from the StatefulSets as stored, write it if it differs;
+5. post Events for what changed (see `decision_events`).
+
+A status refresh (`refresh`, on any event of an owned StatefulSet) does steps 1 (no plan) and
+4. A deleted StatefulSet, NetworkPolicy or peer key Secret triggers a full reconcile, so a
+child removed by hand comes back.
+Reconciles and refreshes in flight are counted in `progress` (`liveness`: work that waits
+for minutes without any of it ending fails the liveness probe).
+Each pipeline has an `asyncio.Lock`: reconciles and refreshes of one pipeline never overlap
+(the operator is one process; kopf peering keeps other replicas passive), so a status
+computed from older reads never overwrites a newer one. Refreshes requested while one is
+waiting for the lock are merged into it.
+
+Reads come from the watch cache (`cache`: the workloads, the peer key Secret, and the
+pipeline for a refresh) when kopf has bound it, so a reconcile costs a GET of the pipeline,
+one fresh list of its StatefulSets and Deployment (a rollout must not act on a lagging cache;
+the apply compares against the same list), one list per other child kind, plus one apply per
+child (and a GET for a child not seen yet; a POST for a peer key Secret not seen yet), and a
+refresh no request at all unless the status changed. The parsed spec is kept per pipeline
+until its content changes, and so is what the rollout reads of the plan: a refresh neither
+parses nor plans again.
+Child events are coalesced (`request_refresh`): events within `coalesce` seconds give one
+refresh. A refresh that fails on the API is tried again with jittered exponential backoff.
+The status last written is remembered, so a cache that has not caught up with our own write
+does not make us write it again.
+
+While Progressing is True, a refresh is scheduled for when the progress deadline passes, so
+that `Degraded/ProgressDeadlineExceeded` appears without any event.
+
+Per-pipeline state (`PipelineState`) also holds `replicas`: the autoscaler's decisions per
+workload unit, passed to the planner as `PlanOptions.replicas` so that a reconcile does not
+undo them, and `scaling`: the autoscaler's history (see `scaling_loop`). Before each
+reconcile, `autoscaling.resumed_replicas` completes `replicas` from the status
+(`autoscaledReplicas`), so a restarted operator resumes from its last decisions instead of
+snapping back to spec.roles[].replicas, and drops units that are no longer autoscaled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import dataclasses
+import datetime
+import functools
+import logging
+import random
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from disagg_core import spec
+from disagg_core.spec import Pipeline, SpecError, pod_policy_findings
+from disagg_operator.autoscaling import scaling as autoscaling
+from disagg_operator.k8s import client as kube
+from disagg_operator.plan import manifests, model, planner, podmonitor, pods
+from disagg_operator.reconcile import apply, cache, status
+from disagg_operator.reconcile.events import (
+    EVENT_FAILED,
+    EVENT_ROLLOUT_STALLED,
+    MAX_EVENT_MESSAGE,
+    Event,
+    PostEvent,
+    decision_events,
+    kopf_event,
+    privileged_events,
+)
+from disagg_operator.reconcile.metrics import Metrics
+from disagg_operator.reconcile.progress import Progress
+from disagg_operator.rollout import state as rollout_state
+from disagg_operator.rollout.tracker import RolloutTracker
+
+PEER_KEY_BYTES: Final = 32
+PARALLEL: Final = 32  # reconciles and refreshes in flight at once (the rest queue)
+COALESCE: Final = 0.1  # seconds: child events within this window give one status refresh
+REFRESH_RETRY: Final = 1.0  # seconds before a failed refresh is tried again; doubles ...
+REFRESH_RETRY_CAP: Final = 60.0  # ... up to this, jittered
+WORKLOAD_KINDS: Final = (("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"))  # rollouts
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # namespace, name
+Clock = Callable[[], datetime.datetime]
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+@dataclass
+class PipelineState:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    replicas: dict[str, int] = field(default_factory=dict)  # autoscaler decisions, by unit
+    scaling: autoscaling.ScalingState | None = None  # the autoscaler's windows
+    conflicts: tuple[apply.Conflict, ...] = ()
+    privileged: tuple[str, ...] = ()  # the weakening settings last warned about
+    refresh_waiting: bool = False
+    recheck: asyncio.TimerHandle | None = None
+    rollout: RolloutTracker = field(default_factory=RolloutTracker)  # partitions, step
+    peer_key_hash: str | None = None  # of the key last reconciled: templates carry it
+    refresh_due: asyncio.TimerHandle | None = None  # a coalesced refresh, scheduled
+    refresh_failures: int = 0
+    generation: int = 0  # the newest generation read from the API
+    written: dict[str, Any] = field(default_factory=dict)  # the status we last wrote
+    applied: dict[str, dict[str, Any]] = field(default_factory=dict)  # StatefulSets, by name
+    parsed: tuple[tuple[str, str], Pipeline | SpecError] | None = None  # see `validated`
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one reconcile or refresh did."""
+
+    phase: str
+    result: apply.ApplyResult | None = None  # None: no apply (invalid spec, refresh)
+    problems: tuple[str, ...] = ()
+    status_written: bool = False
+    events: tuple[Event, ...] = ()
+
+    @property
+    def conflicts(self) -> tuple[apply.Conflict, ...]:
+        return self.result.conflicts if self.result else ()
+
+
+@dataclass
+class Reconciler:
+    api: kube.Api
+    options: model.PlanOptions = field(default_factory=model.PlanOptions)
+    metrics: Metrics = field(default_factory=Metrics)
+    post_event: PostEvent = kopf_event
+    clock: Clock = utc_now
+    progress_deadline: float = status.DEFAULT_PROGRESS_DEADLINE
+    cache: cache.Cache = field(default_factory=cache.Cache)
+    coalesce: float = COALESCE
+    parallel: int = PARALLEL
+    progress: Progress = field(default_factory=Progress)  # for the probe
+    states: dict[Key, PipelineState] = field(default_factory=dict, init=False)
+    _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
+    _pod_monitors_detected: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.metrics.count_pipelines(lambda: len(self.states))
+
+    # ------------------------------------------------------------------ entry points
+
+    async def reconcile(self, namespace: str, name: str) -> Outcome | None:
+        """Bring the children and the status in line with the spec; None if the pipeline is
+        gone or being deleted. Raises kube.ApiError on API failures (after an Event)."""
+        state = self.states.setdefault((namespace, name), PipelineState())
+        with self.progress.working():
+            return await self._reconcile_locked(namespace, name, state)
+
+    async def _reconcile_locked(
+        self, namespace: str, name: str, state: PipelineState
+    ) -> Outcome | None:
+        async with state.lock, self._slot(), self._measured("spec"):
+            body = await apply.get_pipeline(self.api, namespace, name)
+            if body is None:
+                self.forget(namespace, name)
+                return None
+            if body["metadata"].get("deletionTimestamp"):
+                return None
+            state.generation = max(state.generation, int(body["metadata"].get("generation") or 0))
+            state.replicas = autoscaling.resumed_replicas(body, state.replicas)
+            try:
+                return await self._reconcile(body, state)
+            except Exception as error:
+                message = f"reconcile failed: {type(error).__name__}: {error}"
+                self.post_event(body, "Warning", EVENT_FAILED, message[:MAX_EVENT_MESSAGE])
+                raise
+
+    async def refresh(self, namespace: str, name: str) -> Outcome | None:
+        """Recompute and write the status from the observed StatefulSets."""
+        state = self.states.setdefault((namespace, name), PipelineState())
+        if state.refresh_waiting:
+            return None  # the waiting refresh reads after this request: nothing is missed
+        state.refresh_waiting = True
+        with self.progress.working():
+            try:
+                await state.lock.acquire()
+            finally:
+                state.refresh_waiting = False  # also when cancelled while waiting
+            try:
+                async with self._slot(), self._measured("status"):
+                    body = await self._current_body(namespace, name, state)
+                    if body is None:
+                        self.forget(namespace, name)
+                        return None
+                    return await self._refresh(body, state)
+            finally:
+                state.lock.release()
+
+    def request_refresh(self, namespace: str, name: str) -> None:
+        """A child of the pipeline changed: refresh its status `coalesce` seconds from now,
+        once for all the changes that come in meanwhile (a rollout gives dozens of
+        StatefulSet events; they cost one status computation and at most one write)."""
+        state = self.states.setdefault((namespace, name), PipelineState())
+        if state.refresh_due is None:
+            state.refresh_due = asyncio.get_running_loop().call_later(
+                self.coalesce, self._due_refresh, (namespace, name)
+            )
+
+    async def _current_body(
+        self, namespace: str, name: str, state: PipelineState
+    ) -> dict[str, Any] | None:
+        """The pipeline from the watch cache when it is at least as new as what the last
+        reconcile read, else from the API."""
+        cached = self.cache.pipeline((namespace, name))
+        if cached is not None:
+            generation = int((cached.get("metadata") or {}).get("generation") or 0)
+            if generation >= state.generation:
+                return cached
+        return await apply.get_pipeline(self.api, namespace, name)
+
+    async def child_deleted(self, namespace: str, name: str) -> Outcome | None:
+        """A StatefulSet of the pipeline was deleted: put it back (a full reconcile)."""
+        state = self.states.get((namespace, name))
+        if state is not None:
+            state.applied = {}
+        return await self.reconcile(namespace, name)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The pipeline is gone: drop its state (no finalizer needed: children are
+        garbage-collected through their ownerReferences)."""
+        state = self.states.pop((namespace, name), None)
+        self.metrics.forget(namespace, name)
+        if state is not None:
+            for timer in (state.recheck, state.refresh_due):
+                if timer is not None:
+                    timer.cancel()
+
+    async def close(self) -> None:
+        for state in self.states.values():
+            for timer in (state.recheck, state.refresh_due):
+                if timer is not None:
+                    timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.api.close()
+
+    # ------------------------------------------------------------------ steps
+
+    async def _detect_pod_monitors(self, body: Mapping[str, Any]) -> None:
+        """Once per run, when a pipeline may want a PodMonitor (the default, or its spec):
+        does the cluster serve them? (`podmonitor`)"""
+        if self._pod_monitors_detected:
+            return
+        asked = ((body.get("spec") or {}).get("monitoring") or {}).get("podMonitor")
+        if not (self.options.pod_monitor_default or asked is True):
+            return
+        self._pod_monitors_detected = True
+        found = await self.api.serves(podmonitor.API_VERSION, podmonitor.PLURAL)
+        log.info("PodMonitors %s", "served: rendering them" if found else "not served: none")
+        self.options = dataclasses.replace(self.options, pod_monitors=found)
+
+    async def _reconcile(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
+        namespace = body["metadata"]["namespace"]
+        owner = model.Owner.of(body)
+        await self._detect_pod_monitors(body)
+        options = self._options_for(state)
+        pipeline = self.validated(body, state, options)
+        if isinstance(pipeline, SpecError):
+            state.conflicts = ()
+            return await self._finish(body, state, pipeline, None)
+        extra = privileged_events(pipeline, state.privileged)
+        state.privileged = tuple(str(p) for p in pod_policy_findings(pipeline))
+        kinds = planner.child_kinds(options)
+        others = [k for k in kinds if k not in WORKLOAD_KINDS]
+        # the reads, all at once (one round trip: a slow API server costs one wait, not three)
+        secret = asyncio.ensure_future(self._peer_key(pipeline, namespace, owner))
+        # fresh, not cached: a rollout must not act on a lagging cache; also what the apply
+        # compares these kinds against (no second list of them)
+        listed = asyncio.ensure_future(
+            apply.list_children(self.api, WORKLOAD_KINDS, namespace=namespace, pipeline=owner.name)
+        )
+        children = asyncio.ensure_future(self._existing_children(others, namespace, owner.name))
+        await apply.all_of([secret, listed, children])
+        (key, created), workloads, existing = secret.result(), listed.result(), children.result()
+        digest = manifests.peer_key_digest(peer_key_text(key))
+        objects = self._plan(pipeline, state, namespace, owner, options, digest)
+        state.peer_key_hash = digest
+        live = [
+            o for o in workloads.values() if (apply.controller_of(o) or {}).get("uid") == owner.uid
+        ]
+        state.rollout.step(pipeline, objects, live)
+        if self._options_for(state) != options:  # the rollout moved a partition
+            options = self._options_for(state)
+            objects = self._plan(pipeline, state, namespace, owner, options, digest)
+        result = await apply.apply_children(
+            self.api,
+            objects,
+            owner=owner,
+            namespace=namespace,
+            kinds=kinds,
+            existing={**workloads, **existing},
+        )
+        if created:  # reported with the children
+            made = (kube.ObjectRef.of(key), *result.created)
+            result = dataclasses.replace(result, created=made)
+        known, state.conflicts = state.conflicts, result.conflicts
+        if result.conflicts:
+            self.metrics.errors.labels(kind="spec", reason="Conflict").inc()
+        return await self._finish(
+            body, state, pipeline, result, known_conflicts=known, extra_events=extra
+        )
+
+    async def _peer_key(
+        self, pipeline: Pipeline, namespace: str, owner: model.Owner
+    ) -> tuple[dict[str, Any], bool]:
+        """The pipeline's peer key Secret as stored, and whether it was created now."""
+        wanted = manifests.peer_key_secret(
+            pipeline.name,
+            namespace=namespace,
+            key=secrets.token_hex(PEER_KEY_BYTES),
+            owner=owner,
+        )
+        cached = self.cache.secrets((namespace, owner.name))
+        name = wanted["metadata"]["name"]
+        found = next((s for s in cached or () if s["metadata"]["name"] == name), None)
+        if found is not None and peer_key_text(found):
+            return found, False
+        return await apply.ensure_created(self.api, wanted, likely_absent=cached is not None)
+
+    async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
+        parsed = self.validated(body, state, self._options_for(state))
+        return await self._finish(body, state, parsed, None)
+
+    def validated(
+        self, body: Mapping[str, Any], state: PipelineState, options: model.PlanOptions
+    ) -> Pipeline | SpecError:
+        """`validate`, remembered per pipeline for the body's content (`cache.digest`: all
+        but status and server-kept metadata) and the options: the status refreshes that
+        child events cause, and the autoscaler's rounds, parse a pipeline once per edit,
+        not once per event (at a thousand pipelines, parsing was a tenth of the CPU). Of the
+        options, `planner.check` reads the GPU mode and the DRA version (not the replicas
+        and partitions, which change often)."""
+        key = (cache.digest(body), f"{options.gpu_mode} {options.dra_api_version}")
+        if state.parsed is not None and state.parsed[0] == key:
+            return state.parsed[1]
+        parsed = validate(body, options)
+        state.parsed = (key, parsed)
+        return parsed
+
+    def _plan(
+        self,
+        pipeline: Pipeline,
+        state: PipelineState,
+        namespace: str,
+        owner: model.Owner,
+        options: model.PlanOptions,
+        peer_key_hash: str,
+    ) -> list[dict[str, Any]]:
+        """`planner.plan`; what the rollout reads of it is kept (`RolloutTracker.remember`)."""
+        objects = planner.plan(
+            pipeline,
+            namespace=namespace,
+            owner=owner,
+            options=options,
+            peer_key_hash=peer_key_hash,
+        )
+        key = (pipeline, namespace, owner, repr(options), peer_key_hash)
+        state.rollout.remember(key, objects)
+        return objects
+
+    def _planned_for_rollout(
+        self,
+        pipeline: Pipeline,
+        state: PipelineState,
+        namespace: str,
+        owner: model.Owner,
+        options: model.PlanOptions,
+        peer_key_hash: str,
+    ) -> list[dict[str, Any]]:
+        """The planned StatefulSets as the rollout reads them (`RolloutTracker.planned_for`)."""
+        key = (pipeline, namespace, owner, repr(options), peer_key_hash)
+        return state.rollout.planned_for(
+            key, lambda: self._plan(pipeline, state, namespace, owner, options, peer_key_hash)
+        )
+
+    async def _finish(
+        self,
+        body: Mapping[str, Any],
+        state: PipelineState,
+        parsed: Pipeline | SpecError,
+        result: apply.ApplyResult | None,
+        *,
+        known_conflicts: Sequence[apply.Conflict] = (),
+        extra_events: Sequence[Event] = (),
+    ) -> Outcome:
+        now = self.clock()
+        # what we wrote last counts even where the (cached) body does not show it yet
+        before = {**(body.get("status") or {}), **state.written}
+        if result is not None:
+            statefulsets = result.statefulsets()
+            state.applied = {
+                o["metadata"]["name"]: cache.slim(o, "apps/v1", o["kind"]) for o in statefulsets
+            }
+        else:
+            statefulsets = await self._statefulsets(body, state)
+        after = status.build_status(
+            parsed,
+            statefulsets,
+            generation=body["metadata"].get("generation"),
+            now=now,
+            previous_conditions=before.get("conditions") or (),
+            progress_deadline=self.progress_deadline,
+            options=self._options_for(state),
+        )
+        if not isinstance(parsed, SpecError):
+            after = status.with_conflicts(after, state.conflicts, now=now, previous=before)
+            after = self._rollout_status(body, parsed, statefulsets, state, after)
+            phase = (after.get("rollout") or {}).get("phase", "Complete")
+            self.metrics.observed(body["metadata"]["namespace"], parsed.name, after["roles"], phase)
+        written = await apply.write_status(self.api, {**body, "status": before}, after)
+        if written:
+            state.written = dict(after)
+        events = [*extra_events]
+        events += decision_events(
+            result=result, before=before, after=after, known_conflicts=known_conflicts
+        )
+        for type_, reason, message in events:
+            self.post_event(body, type_, reason, message[:MAX_EVENT_MESSAGE])
+        self._schedule_recheck(body, state, after, now)
+        return Outcome(
+            phase=str(after.get("phase")),
+            result=result,
+            problems=tuple(after.get("problems") or ()),
+            status_written=written,
+            events=tuple(events),
+        )
+
+    def _options_for(self, state: PipelineState) -> model.PlanOptions:
+        if not state.replicas and not state.rollout.partitions:
+            return self.options
+        return dataclasses.replace(
+            self.options,
+            replicas={**self.options.replicas, **state.replicas},
+            partitions=dict(state.rollout.partitions),
+        )
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _rollout_status(
+        self,
+        body: Mapping[str, Any],
+        pipeline: Pipeline,
+        statefulsets: Sequence[Mapping[str, Any]],
+        state: PipelineState,
+        built: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """`built` with `rollout`; an Event when a step stalls; a reconcile scheduled when the
+        observed StatefulSets finished the current step (the next one lowers partitions)."""
+        if state.peer_key_hash is None:  # no reconcile since start: the plan is not known yet
+            return dict(built)
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        owner, options = model.Owner.of(body), self._options_for(state)
+        planned = self._planned_for_rollout(
+            pipeline, state, meta["namespace"], owner, options, state.peer_key_hash
+        )
+        decision, stalled = state.rollout.observe(pipeline, planned, statefulsets)
+        if stalled is not None:
+            self.post_event(body, "Warning", EVENT_ROLLOUT_STALLED, stalled)
+        state.rollout.schedule_step_deadline(
+            decision, pipeline, functools.partial(self._spawn_refresh, key)
+        )
+        if state.rollout.next_step_due(decision):
+            self._spawn_reconcile(key)
+        return {**built, "rollout": rollout_state.status(decision, pipeline.rollout.paused)}
+
+    def _spawn_reconcile(self, key: Key) -> None:
+        task = asyncio.create_task(self._reconcile_logged(key), name=f"disagg-step-{key[1]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reconcile_logged(self, key: Key) -> None:
+        try:
+            await self.reconcile(*key)
+        except Exception:  # kopf's own retries take over on the next event
+            log.exception("rollout step of %s/%s failed", *key)
+
+    def _schedule_recheck(
+        self,
+        body: Mapping[str, Any],
+        state: PipelineState,
+        after: Mapping[str, Any],
+        now: datetime.datetime,
+    ) -> None:
+        if state.recheck is not None:
+            state.recheck.cancel()
+            state.recheck = None
+        delay = status.recheck_delay(after, now=now, deadline=self.progress_deadline)
+        if delay is None:
+            return
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        state.recheck = asyncio.get_running_loop().call_later(delay, self._spawn_refresh, key)
+
+    async def _existing_children(
+        self, kinds: Sequence[tuple[str, str]], namespace: str, name: str
+    ) -> dict[kube.ObjectRef, dict[str, Any]]:
+        """The pipeline's labelled children: the cached kinds from the cache, the others
+        listed (one request per kind)."""
+        cached = [k for k in kinds if self.cache.children([k], (namespace, name)) is not None]
+        listed = [k for k in kinds if k not in cached]
+        found = {
+            kube.ObjectRef.of(o): o for o in self.cache.children(cached, (namespace, name)) or []
+        }
+        if listed:
+            found.update(
+                await apply.list_children(self.api, listed, namespace=namespace, pipeline=name)
+            )
+        return found
+
+    async def _statefulsets(
+        self, body: Mapping[str, Any], state: PipelineState
+    ) -> list[dict[str, Any]]:
+        """The pipeline's StatefulSets and gateway Deployment (controlled by its uid): cached,
+        else listed. One the last reconcile applied that the cache has not seen yet, or has
+        seen only in an older generation, counts as it was applied (the watch lags our own
+        writes; a status built from it would flap to ChildMissing or report the old spec)."""
+        owner = model.Owner.of(body)
+        namespace = body["metadata"]["namespace"]
+        found = self.cache.children(WORKLOAD_KINDS, (namespace, owner.name))
+        if found is None:
+            return await apply.owned_statefulsets(self.api, owner, namespace)
+        ours = {
+            o["metadata"]["name"]: o
+            for o in found
+            if (apply.controller_of(o) or {}).get("uid") == owner.uid
+        }
+        for name, applied in state.applied.items():
+            seen = ours.get(name)
+            if seen is None or _generation(seen) < _generation(applied):
+                ours[name] = applied  # the cache has not caught up with our own apply
+        return list(ours.values())
+
+    def _due_refresh(self, key: Key) -> None:
+        state = self.states.get(key)
+        if state is not None:
+            state.refresh_due = None
+        self._spawn_refresh(key)
+
+    def _spawn_refresh(self, key: Key) -> None:
+        task = asyncio.create_task(self._refresh_task(key), name=f"disagg-refresh-{key[1]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _refresh_task(self, key: Key) -> None:
+        """A scheduled refresh; on an API error, again later (backoff with jitter) while
+        the pipeline is tracked, so a failed status write never leaves it stale."""
+        try:
+            await self.refresh(*key)
+        except kube.ApiError as error:
+            state = self.states.get(key)
+            if state is None:
+                return
+            state.refresh_failures += 1
+            ceiling = min(REFRESH_RETRY_CAP, REFRESH_RETRY * 2 ** (state.refresh_failures - 1))
+            delay = random.uniform(ceiling / 2, ceiling)
+            log.warning("status of %s/%s: %s; again in %.1f s", *key, error, delay)
+            if state.refresh_due is None:
+                state.refresh_due = asyncio.get_running_loop().call_later(
+                    delay, self._due_refresh, key
+                )
+        else:
+            state = self.states.get(key)
+            if state is not None:
+                state.refresh_failures = 0
+
+    def _slot(self) -> asyncio.Semaphore:
+        """At most `parallel` reconciles and refreshes at once: a thousand pipelines created
+        together queue here, not in the HTTP connection pool, where the wait would eat
+        their requests' timeouts and turn into retries (a work queue, as controller-runtime
+        has)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(max(1, self.parallel))
+        return self._slots
+
+    def _measured(self, kind: str) -> _Measured:
+        return _Measured(self.metrics, kind)
+
+
+class _Measured:
+    """Times a block into the duration histogram; counts exceptions into the errors."""
+
+    def __init__(self, metrics: Metrics, kind: str) -> None:
+        self.metrics = metrics
+        self.kind = kind
+        self.started = 0.0
+
+    async def __aenter__(self) -> None:
+        self.started = time.perf_counter()
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: object, tb: object) -> None:
+        self.metrics.duration.labels(kind=self.kind).observe(time.perf_counter() - self.started)
+        if kind is not None and not issubclass(kind, asyncio.CancelledError):
+            reason = error.reason if isinstance(error, kube.ApiError) else kind.__name__
+            self.metrics.errors.labels(kind=self.kind, reason=reason).inc()
+
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+def _generation(obj: Mapping[str, Any]) -> int:
+    value = (obj.get("metadata") or {}).get("generation")
+    return value if isinstance(value, int) else 0
+
+
+def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The pipeline document as plain dicts (kopf hands out read-only mappings)."""
+    return {key: value for key, value in body.items()}
+
+
+def validate(body: Mapping[str, Any], options: model.PlanOptions) -> Pipeline | SpecError:
+    """The validated pipeline, or every problem of the spec and of the planner's `check`."""
+    try:
+        pipeline = spec.parse_pipeline(_plain(body))
+    except SpecError as error:
+        return error
+    problems = planner.check(pipeline, options)
+    return SpecError(problems) if problems else pipeline
+
+
+def peer_key_text(secret: Mapping[str, Any]) -> str:
+    """The `key` of a peer key Secret as stored (base64 in `data`); "" when it has none."""
+    raw = (secret.get("data") or {}).get(pods.PEER_KEY_KEY) or ""
+    try:
+        return base64.b64decode(str(raw), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return ""
