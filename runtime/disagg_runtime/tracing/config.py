@@ -16,7 +16,7 @@ endpoint, an exporter or a trace file is named: a role must not spend a thread a
 socket on spans nobody collects. Nor, by default, is every request: a span costs tens of
 microseconds of Python in the SDK, and a role visit records four, so sampling every
 request of a fast pipeline costs a large share of its throughput (`disagg bench pipeline
---trace` measures it); 1 % of new traces keeps it within 2 %. A traceparent that arrives
+--trace` measures it); 1 % of new traces is sampled by default. A traceparent that arrives
 sampled is followed whatever the ratio (parent-based). Pure: the environment is handed in.
 """
 
