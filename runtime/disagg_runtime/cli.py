@@ -59,6 +59,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "and replicas over time, time split per role (needs the report extra: matplotlib)",
     )
     up.add_argument(
+        "--trace",
+        nargs="?",
+        const="disagg-trace.jsonl",
+        metavar="FILE",
+        help="record every request's spans in FILE (JSON lines; default disagg-trace.jsonl) "
+        "and print the slowest requests' timelines (needs the tracing extra: OpenTelemetry)",
+    )
+    up.add_argument(
         "--autoscale", action="store_true", help="scale roles by pool occupancy while running"
     )
     up.add_argument(
@@ -155,7 +163,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     transport.add_argument("--json", action="store_true", help="print a JSON list")
     chain = bench_sub.add_parser("pipeline", help="per-hop runtime overhead vs the bare relay")
-    chain.add_argument("--size", default="64MiB", help="payload size (default 64MiB)")
+    chain.add_argument(
+        "--size", default=None, help="payload size (default 64MiB; with --trace 64KiB)"
+    )
     chain.add_argument("--hops", type=int, default=2, help="full-size hops (default 2)")
     chain.add_argument("--repeats", type=int, default=9, help="repetitions (default 9)")
     chain.add_argument("--json", action="store_true", help="print JSON")
@@ -170,6 +180,13 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="gateway against the in-process client, side by side (4 KiB and --size)",
     )
+    chain.add_argument(
+        "--trace",
+        action="store_true",
+        help="throughput with tracing on vs off, side by side (OTLP to a local receiver; "
+        "--requests per round, --concurrency, --rounds; needs the tracing extra)",
+    )
+    chain.add_argument("--rounds", type=int, default=20, help="--trace: rounds per mode (20)")
     llm = bench_sub.add_parser("llm", help="KV-cache hand-off vs the bare relay; batched prefill")
     llm.add_argument("--model", help="tiny LLM directory (default: build one in a temp dir)")
     llm.add_argument("--large-kv", default="256MiB", help="KV of the larger random model")
@@ -236,6 +253,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime.bench import transport
 
         return transport.run_cli(args)
+    if args.command == "bench" and args.bench_command == "pipeline":
+        args.size = args.size or ("64KiB" if args.trace else "64MiB")
+    if args.command == "bench" and args.bench_command == "pipeline" and args.trace:
+        from disagg_runtime.bench import tracing
+        from disagg_runtime.bench.transport import parse_size
+
+        return tracing.run_cli(args, parse_size(args.size))
     if args.command == "bench" and args.bench_command == "pipeline" and args.url:
         from disagg_runtime.bench import http
 

@@ -99,6 +99,20 @@ def test_faults_bench_loses_no_request_across_a_kill_a_scale_down_and_a_rollout(
     assert proc.returncode == 0, proc.stderr
 
 
+def test_pipeline_trace_bench_puts_traced_beside_untraced():
+    pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (OpenTelemetry)")
+    args = ("--requests", "30", "--rounds", "2", "--concurrency", "2", "--json")
+    proc = run("bench", "pipeline", "--trace", *args)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["size_bytes"] == 64 << 10 and result["roles"] == 3  # --trace's default size
+    assert len(result["rounds_rps"]["off"]) == 2
+    for mode in ("off", "unsampled", "default", "all"):
+        assert result[f"{mode}_rps"] > 0
+    # every request of the `all` rounds and the warm-up was traced in full, and exported
+    assert result["spans_received"] >= result["spans_all_mode"] == (2 * 30 + 20) * 13
+
+
 def test_gateway_bench_puts_the_gateway_beside_the_client():
     """One run: 4 KiB round trips both ways, a safetensors upload against memcpy and raw TCP
     (through real `disagg gateway` processes configured by their environment: one on the

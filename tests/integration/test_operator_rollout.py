@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from disagg_operator import names
+from disagg_operator.reconcile.metrics import ROLLOUT_PHASES, Metrics
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 
@@ -123,6 +124,15 @@ async def moved(k8s: EmulatorThread, controller: Controller, old: dict[str, str]
     )
 
 
+def phase_metric(metrics: Metrics) -> str:
+    """The phase whose disagg_operator_rollout_phase series is 1 ("" if none)."""
+    for phase in ROLLOUT_PHASES:
+        labels = {"pipeline_namespace": NS, "pipeline": NAME, "phase": phase}
+        if metrics.value("disagg_operator_rollout_phase", labels) == 1:
+            return phase
+    return ""
+
+
 def rollout_phase(k8s: EmulatorThread) -> str:
     return str((s.pipeline_status(k8s, NAME).get("rollout") or {}).get("phase", ""))
 
@@ -161,9 +171,11 @@ async def test_a_step_that_never_gets_ready_stalls_with_an_event(k8s_crd: Emulat
     k8s = k8s_crd
     controller = Controller(k8s)
     events: list[tuple[str, str, str]] = []
-    async with s.running_operator(k8s, events=events), controller.running():
+    metrics = Metrics()
+    async with s.running_operator(k8s, events=events, metrics=metrics), controller.running():
         await s.call(k8s.create, doc("ghcr.io/disagg/runtime:0.1.0", stepDeadlineSeconds=2), NS)
         await settled(k8s, controller)
+        assert phase_metric(metrics) == "Complete"
         controller.stuck = frozenset({"decode"})
         old = controller.baseline = dict(controller.revisions)
         new = doc("ghcr.io/disagg/runtime:0.2.0", stepDeadlineSeconds=2)
@@ -171,6 +183,16 @@ async def test_a_step_that_never_gets_ready_stalls_with_an_event(k8s_crd: Emulat
         await s.until(k8s, lambda: rollout_phase(k8s) == "Stalled", "Stalled", 60)
         await moved(k8s, controller, old)
         assert any(reason == "RolloutStalled" for _, reason, _ in events)
+        await s.until(k8s, lambda: phase_metric(metrics) == "Stalled", "the phase metric", 10)
+        replicas = {
+            state: metrics.value(
+                "disagg_operator_role_replicas",
+                {"pipeline_namespace": NS, "pipeline": NAME, "role": "decode", "state": state},
+            )
+            for state in ("desired", "ready", "updated")
+        }
+        desired = replicas["desired"] or 0
+        assert desired > 0 and (replicas["ready"] or 0) < desired, replicas  # stuck pods
         held = dict(controller.seen[-1])
         await asyncio.sleep(1.0)
         assert controller.seen[-1] == held  # nothing advances while stalled

@@ -71,6 +71,7 @@ from disagg_core.contract.topology import (
     read_topology,
     write_topology,
 )
+from disagg_core.contract.tracing import tracing_env
 
 __all__ = [
     "DEFAULT_GATEWAY_IDLE_TIMEOUT",
@@ -112,5 +113,6 @@ __all__ = [
     "read_topology",
     "render_env",
     "render_gateway_env",
+    "tracing_env",
     "write_topology",
 ]

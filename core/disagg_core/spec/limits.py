@@ -37,6 +37,7 @@ MAX_NETWORK_PEERS: Final = 32
 # deployment. The CRD's `maximum`s and the spec's readers both read these.
 MAX_RANKS: Final = 64
 MAX_NODES: Final = 64
+MAX_URL_LENGTH: Final = 2048
 # A free-form mapping (podTemplate, handlerArgs) nests at most this deep (the API server
 # stores at most 100 levels of JSON; a deeper one would only crash the renderers).
 MAX_FREE_DEPTH: Final = 64
@@ -65,6 +66,7 @@ MAX_LENGTH: Final[Mapping[str, int]] = {
     "spec.roles[].env[].name": MAX_ENV_NAME_LENGTH,
     "spec.edges[].tensorRefs[].path": MAX_PATH_LENGTH,
     "spec.edges[].tensorRefs[].to": model.MAX_LABEL_LENGTH,
+    "spec.monitoring.tracing.endpoint": MAX_URL_LENGTH,
 }
 _INDEX = re.compile(r"\[\d+\]")
 

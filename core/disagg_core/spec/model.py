@@ -351,13 +351,27 @@ class NetworkPolicy:
     metrics_from: tuple[Mapping[str, Any], ...] = ()
 
 
+DEFAULT_TRACE_SAMPLE_RATIO: Final = 0.01
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tracing:
+    """`spec.monitoring.tracing`: the OTLP/HTTP endpoint every role and the gateway export
+    spans to, and the share of new requests they trace (a caller's sampled traceparent is
+    followed whatever the ratio). Rendered as OTEL_* env (contract `tracing_env`)."""
+
+    endpoint: str
+    sample_ratio: float = DEFAULT_TRACE_SAMPLE_RATIO
+
+
 @dataclass(frozen=True, kw_only=True)
 class Monitoring:
     """`spec.monitoring`: `pod_monitor` asks the operator for a PodMonitor of the pipeline's
     roles and gateway (None: the operator's default, `--pod-monitors`); made only where the
-    Prometheus Operator's CRDs are installed."""
+    Prometheus Operator's CRDs are installed. `tracing`: traces (None: none configured)."""
 
     pod_monitor: bool | None = None
+    tracing: Tracing | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

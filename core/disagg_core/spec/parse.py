@@ -28,7 +28,8 @@ METADATA_KEYS = (
     "managedFields", "ownerReferences", "generateName", "selfLink",
 )  # fmt: skip
 NETWORK_POLICY_KEYS = ("enabled", "clients", "metricsFrom")
-MONITORING_KEYS = ("podMonitor",)
+MONITORING_KEYS = ("podMonitor", "tracing")
+TRACING_KEYS = ("endpoint", "sampleRatio")
 PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
 SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -635,7 +636,28 @@ def _share(out: Collector, r: dict[str, object], key: str, path: str) -> int | N
 
 def _monitoring(out: Collector, raw: object, path: str) -> m.Monitoring:
     n = f.fields(out, raw, path, known=MONITORING_KEYS) or {}
-    return m.Monitoring(pod_monitor=f.boolean(out, n, "podMonitor", path))
+    tracing = _tracing(out, n["tracing"], f.child(path, "tracing")) if "tracing" in n else None
+    return m.Monitoring(pod_monitor=f.boolean(out, n, "podMonitor", path), tracing=tracing)
+
+
+def _tracing(out: Collector, raw: object, path: str) -> m.Tracing | None:
+    n = f.fields(out, raw, path, known=TRACING_KEYS) or {}
+    endpoint = f.text(out, n, "endpoint", path)
+    if "endpoint" not in n:
+        out.add(f.child(path, "endpoint"), "required: the OTLP/HTTP endpoint, http(s)://host:port")
+    elif endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        out.add(f.child(path, "endpoint"), f"must be an http:// or https:// URL, got {endpoint!r}")
+        endpoint = None
+    ratio = f.number(out, n, "sampleRatio", path)
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        out.add(f.child(path, "sampleRatio"), f"must be within 0..1, got {ratio}")
+        ratio = None
+    if endpoint is None:
+        return None
+    return m.Tracing(
+        endpoint=endpoint,
+        sample_ratio=m.DEFAULT_TRACE_SAMPLE_RATIO if ratio is None else ratio,
+    )
 
 
 def _network_policy(out: Collector, raw: object, path: str) -> m.NetworkPolicy:

@@ -227,6 +227,28 @@ def monitoring_schema() -> crd_kit.Schema:
                 "ports; false: none. Unset: the operator's default (the chart's "
                 "monitoring.podMonitors). Only where the PodMonitor CRD is installed."
             ),
+            "tracing": crd_kit.object_schema(
+                "Traces (OpenTelemetry over OTLP/HTTP): every role and the gateway get "
+                "OTEL_EXPORTER_OTLP_ENDPOINT and a parent-based ratio sampler. Unset: none, "
+                "unless a role's env sets OTEL_* itself.",
+                {
+                    "endpoint": crd_kit.string(
+                        "OTLP/HTTP base URL of a collector, e.g. "
+                        "http://otel-collector.observability:4318 (/v1/traces is appended).",
+                        minLength=1,
+                        maxLength=limits.MAX_URL_LENGTH,
+                        pattern="^https?://",
+                    ),
+                    "sampleRatio": crd_kit.number(
+                        "Share of new requests traced, 0..1 (a caller's sampled traceparent "
+                        f"is followed whatever it is). Default {m.DEFAULT_TRACE_SAMPLE_RATIO}.",
+                        minimum=0,
+                        maximum=1,
+                        default=m.DEFAULT_TRACE_SAMPLE_RATIO,
+                    ),
+                },
+                required=("endpoint",),
+            ),
         },
         default={},
     )

@@ -102,7 +102,8 @@ def deployment(
     peer_key_secret: str,
 ) -> dict[str, Any]:
     spec = pipeline.gateway
-    ours = env(config(pipeline, namespace, entries))
+    tracing = [{"name": k, "value": v} for k, v in contract.tracing_env(pipeline).items()]
+    ours = env(config(pipeline, namespace, entries)) + tracing
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image(pipeline),

@@ -122,7 +122,11 @@ def _container(
     }
     if role.args is not None:
         container["args"] = list(role.args)
-    container["env"] = contract_env(config) + [_user_env(var) for var in role.env]
+    own = {var.name for var in role.env}  # the role's own OTEL_* win over spec.monitoring's
+    tracing = [
+        {"name": k, "value": v} for k, v in contract.tracing_env(pipeline).items() if k not in own
+    ]
+    container["env"] = contract_env(config) + tracing + [_user_env(var) for var in role.env]
     container["ports"] = [
         {"name": runtime_port_name(kind, index), "containerPort": port, "protocol": "TCP"}
         for kind, port in (

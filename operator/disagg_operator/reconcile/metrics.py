@@ -21,18 +21,31 @@ in one test process do not collide), served by `serve(port)`:
                                                         drove it (occupancy, queue, ...)
     disagg_operator_autoscaled_replicas{pipeline_namespace,pipeline,role}
                                                         gauge; the replicas last decided
+    disagg_operator_role_replicas{pipeline_namespace,pipeline,role,state}
+                                                        gauge; a role's pods as its workload
+                                                        last reported them: state = desired |
+                                                        ready | updated (at the latest
+                                                        revision): updated / desired is the
+                                                        rollout's progress
+    disagg_operator_rollout_phase{pipeline_namespace,pipeline,phase}
+                                                        gauge; 1 for the pipeline's rollout
+                                                        phase now, 0 for the others: phase =
+                                                        Complete | Rolling | Paused | Stalled
 
 (`pipeline_namespace`, not `namespace`: a scrape gives `namespace` the operator's own.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Final
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
 
 import prometheus_client
 
 PREFIX: Final = "disagg_operator_"
+REPLICA_STATES: Final = ("desired", "ready", "updated")
+ROLLOUT_PHASES: Final = ("Complete", "Rolling", "Paused", "Stalled")  # rollout_state.phase
 BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -77,6 +90,20 @@ class Metrics:
             ["pipeline_namespace", "pipeline", "role"],
             registry=self.registry,
         )
+        self.role_replicas = prometheus_client.Gauge(
+            PREFIX + "role_replicas",
+            "A role's pods as its workload reports them: desired, ready, updated (at the "
+            "latest revision).",
+            ["pipeline_namespace", "pipeline", "role", "state"],
+            registry=self.registry,
+        )
+        self.rollout_phase = prometheus_client.Gauge(
+            PREFIX + "rollout_phase",
+            "1 for the pipeline's rollout phase now (Complete, Rolling, Paused, Stalled).",
+            ["pipeline_namespace", "pipeline", "phase"],
+            registry=self.registry,
+        )
+        self._roles: dict[tuple[str, str], set[str]] = {}  # series to drop with the pipeline
 
     def scaled(
         self, namespace: str, pipeline: str, role: str, current: int, desired: int, signal: str
@@ -85,6 +112,29 @@ class Metrics:
         direction = "up" if desired > current else "down"
         self.scale_decisions.labels(namespace, pipeline, role, direction, signal).inc()
         self.autoscaled.labels(namespace, pipeline, role).set(desired)
+
+    def observed(
+        self, namespace: str, pipeline: str, roles: Iterable[Mapping[str, Any]], phase: str
+    ) -> None:
+        """The pipeline's status as just built: `status.roles` entries, `rollout.phase`."""
+        seen = self._roles.setdefault((namespace, pipeline), set())
+        for role in roles:
+            seen.add(str(role["name"]))
+            for state in REPLICA_STATES:
+                series = self.role_replicas.labels(namespace, pipeline, role["name"], state)
+                series.set(int(role.get(state) or 0))
+        for name in ROLLOUT_PHASES:
+            self.rollout_phase.labels(namespace, pipeline, name).set(float(name == phase))
+
+    def forget(self, namespace: str, pipeline: str) -> None:
+        """The pipeline is gone: its series go too (else they would report it forever)."""
+        for role in self._roles.pop((namespace, pipeline), set()):
+            for state in REPLICA_STATES:
+                with contextlib.suppress(KeyError):
+                    self.role_replicas.remove(namespace, pipeline, role, state)
+        for name in ROLLOUT_PHASES:
+            with contextlib.suppress(KeyError):
+                self.rollout_phase.remove(namespace, pipeline, name)
 
     def api_request(self, client: str) -> Callable[[str, str, str], None]:
         """A recorder of one client's requests: (verb, resource, outcome)."""

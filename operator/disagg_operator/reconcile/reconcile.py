@@ -245,6 +245,7 @@ class Reconciler:
         """The pipeline is gone: drop its state (no finalizer needed: children are
         garbage-collected through their ownerReferences)."""
         state = self.states.pop((namespace, name), None)
+        self.metrics.forget(namespace, name)
         if state is not None:
             for timer in (state.recheck, state.refresh_due):
                 if timer is not None:
@@ -431,6 +432,8 @@ class Reconciler:
         if not isinstance(parsed, SpecError):
             after = status.with_conflicts(after, state.conflicts, now=now, previous=before)
             after = self._rollout_status(body, parsed, statefulsets, state, after)
+            phase = (after.get("rollout") or {}).get("phase", "Complete")
+            self.metrics.observed(body["metadata"]["namespace"], parsed.name, after["roles"], phase)
         written = await apply.write_status(self.api, {**body, "status": before}, after)
         if written:
             state.written = dict(after)

@@ -58,15 +58,18 @@ class Reserved:
             used, self._used = self._used, True
         return not used
 
-    def start(self, *, on_chunk: Callable[[Any], None] | None = None) -> tuple[str, Future[Any]]:
-        """Commit the filled slot: the request starts, as `Client.start` would start it."""
+    def start(
+        self, *, on_chunk: Callable[[Any], None] | None = None, trace: str = ""
+    ) -> tuple[str, Future[Any]]:
+        """Commit the filled slot: the request starts, as `Client.start` would start it
+        (`trace`: the caller's traceparent, carried to every role)."""
         client, rid = self._client, self.grant.rid
         if not self._use():
             raise RequestFailed(f"request {rid}: its slot was already released")
         pending = Pending(client.exits, self.deadline, on_chunk=on_chunk)
         client._track(rid, pending)
         remaining = max(0.0, self.deadline - time.monotonic())
-        meta = Meta(rid, "data", "client", time.time() + remaining, client.reply)
+        meta = Meta(rid, "data", "client", time.time() + remaining, client.reply, trace=trace)
         try:
             self._relay.commit(self.grant, meta=meta.to_json(), timeout=remaining)
         except (RelayError, OSError) as exc:
@@ -109,8 +112,10 @@ class Upload:
         starts: Sequence[int],
         timeout: float,
         on_done: Callable[[], None],
+        trace: str = "",
     ) -> None:
         self._client = client
+        self.trace = trace  # the envelope leaves with the first chunk, under this trace
         self._peers = peers
         self.manifest = manifest
         self._data = data
@@ -136,9 +141,13 @@ class Upload:
             self._filled = filled
             self._cond.notify()
 
-    def start(self, *, on_chunk: Callable[[Any], None] | None = None) -> tuple[str, Future[Any]]:
+    def start(
+        self, *, on_chunk: Callable[[Any], None] | None = None, trace: str = ""
+    ) -> tuple[str, Future[Any]]:
         """Submit: the request is registered and its last chunk sent; returns once the
-        entry role holds the payload (or failed to take it: the future says so)."""
+        entry role holds the payload (or failed to take it: the future says so). `trace`
+        is unused: the upload's envelope left with its first chunk, under the trace given
+        to `Client.upload`."""
         client, rid = self._client, self.rid
         pending = Pending(client.exits, self.deadline, on_chunk=on_chunk)
         with self._cond:
@@ -238,7 +247,8 @@ class Upload:
 
     def _send(self, relay: TcpSender, grant: Grant) -> None:
         remaining = max(0.0, self.deadline - time.monotonic())
-        meta = Meta(self.rid, "data", "client", time.time() + remaining, self._client.reply)
+        reply = self._client.reply
+        meta = Meta(self.rid, "data", "client", time.time() + remaining, reply, trace=self.trace)
         sources = chunk_sources(self.manifest, relay.chunk_bytes, self._starts)
         data = self._data
         with relay.stream(grant, meta=meta.to_json(), timeout=remaining) as out:

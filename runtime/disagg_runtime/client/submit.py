@@ -117,10 +117,13 @@ class Client:
         self._thread.start()
 
     # ---- API -----------------------------------------------------------------------------------
-    def submit_async(self, payload: Any, *, timeout: float | None = None) -> Future[Any]:
+    def submit_async(
+        self, payload: Any, *, timeout: float | None = None, trace: str = ""
+    ) -> Future[Any]:
         """Start a request; the future holds the exit role's payload (a dict by exit role when
-        there are several; the list of chunks when the pipeline streams)."""
-        return self._start(payload, timeout)[1].future
+        there are several; the list of chunks when the pipeline streams). `trace`: the
+        W3C traceparent of the caller's span, carried to every role."""
+        return self._start(payload, timeout, trace=trace)[1].future
 
     def start(
         self,
@@ -128,12 +131,13 @@ class Client:
         *,
         timeout: float | None = None,
         on_chunk: Callable[[Any], None] | None = None,
+        trace: str = "",
     ) -> tuple[str, Future[Any]]:
         """Start a request; its id (for `cancel`) and its future. With `on_chunk`, each
         chunk of a stream goes to it, in order, on the thread that receives the client's
         messages (it must not block), and the future's result then holds `Streamed(count)`
         instead of the chunks. The future is completed on that thread too."""
-        rid, pending = self._start(payload, timeout, on_chunk)
+        rid, pending = self._start(payload, timeout, on_chunk, trace=trace)
         return rid, pending.future
 
     def reserve(self, manifest: Manifest, *, timeout: float | None = None) -> Reserved | None:
@@ -181,6 +185,7 @@ class Client:
         *,
         timeout: float | None = None,
         on_done: Callable[[], None],
+        trace: str = "",
     ) -> Upload | None:
         """Stream a payload laid out as `manifest` to the entry role over tcp while its
         bytes arrive in `data` (tensor i at `starts[i]`; see `Upload`), reserving its slot
@@ -191,7 +196,7 @@ class Client:
         if self._closed.is_set():
             raise RequestFailed("client is closed")
         seconds = self.timeout if timeout is None else timeout
-        return Upload(self, self.entries[0], manifest, data, starts, seconds, on_done)
+        return Upload(self, self.entries[0], manifest, data, starts, seconds, on_done, trace)
 
     def submit(self, payload: Any, *, timeout: float | None = None) -> Any:
         future = self.submit_async(payload, timeout=timeout)
@@ -251,6 +256,8 @@ class Client:
         payload: Any,
         timeout: float | None,
         on_chunk: Callable[[Any], None] | None = None,
+        *,
+        trace: str = "",
     ) -> tuple[str, Pending]:
         if self._closed.is_set():
             raise RequestFailed("client is closed")
@@ -265,7 +272,7 @@ class Client:
             first=rid,
         )
         self._track(rid, pending)
-        meta = Meta(rid, "data", "client", time.time() + seconds, self.reply)
+        meta = Meta(rid, "data", "client", time.time() + seconds, self.reply, trace=trace)
         try:
             for peers in self.entries:
                 self._send(peers, meta, payload)

@@ -28,11 +28,12 @@ from disagg_runtime.client import (
     RequestFailed,
     Upload,
 )
-from disagg_runtime.gateway import limits, native, openai, openapi, sse, upload
+from disagg_runtime.gateway import limits, native, openai, openapi, sse, tracing, upload
 from disagg_runtime.gateway.bridge import Bridge
 from disagg_runtime.gateway.errors import RETRY_AFTER_S, HttpError, from_failure
 from disagg_runtime.gateway.metrics import GatewayMetrics
 from disagg_runtime.gateway.token import BearerToken
+from disagg_runtime.tracing import NOOP, Tracer
 from disagg_runtime.wire import codec
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class GatewayApp:
     settings: Settings
     pipeline: Bridge
     ready: Callable[[], Awaitable[str]]
+    tracer: Tracer = NOOP  # each request's span (tracing.py), the parent of the roles' spans
     metrics: GatewayMetrics = field(init=False)
     arena: upload.Arena = field(init=False)
     token: BearerToken = field(init=False)
@@ -113,7 +115,8 @@ class GatewayApp:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[self._measure, self._auth], client_max_size=self.settings.max_body
+            middlewares=[self._measure, tracing.middleware(self.tracer), self._auth],
+            client_max_size=self.settings.max_body,
         )
         app.on_response_prepare.append(upload.close_after)
         app.router.add_get("/healthz", self.healthz)

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from disagg_runtime.client import Client, RequestFailed, Reserved, Streamed, Upload
+from disagg_runtime.gateway import tracing
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.manifest import Manifest
 
@@ -51,17 +52,18 @@ class Bridge:
         self, payload: Any, on_chunk: Any = None, timeout: float | None = None, sent: Sent = None
     ) -> tuple[str, Future[Any]]:
         work: Future[tuple[str, Future[Any]]]
+        trace = tracing.current()  # this task's: the worker threads below do not see it
         if isinstance(payload, (Reserved, Upload)):
-            work = self._submit.submit(payload.start, on_chunk=on_chunk)
+            work = self._submit.submit(payload.start, on_chunk=on_chunk, trace=trace)
         elif codec.payload_nbytes(payload) <= INLINE_BYTES:
             try:
-                return self.client.start(payload, timeout=timeout, on_chunk=on_chunk)
+                return self.client.start(payload, timeout=timeout, on_chunk=on_chunk, trace=trace)
             finally:
                 if sent is not None:
                     sent()
         else:
             work = self._submit.submit(
-                self.client.start, payload, timeout=timeout, on_chunk=on_chunk
+                self.client.start, payload, timeout=timeout, on_chunk=on_chunk, trace=trace
             )
         abandoned: list[bool] = []
 
@@ -100,7 +102,9 @@ class Bridge:
     ) -> Upload | None:
         """An `Upload` of the payload whose bytes will arrive in `data` (Client.upload:
         from here on it calls `on_done`); None where the entry relay is not tcp."""
-        return self.client.upload(manifest, data, starts, timeout=timeout, on_done=on_done)
+        return self.client.upload(
+            manifest, data, starts, timeout=timeout, on_done=on_done, trace=tracing.current()
+        )
 
     async def granted(self, upload: Upload) -> None:
         """Wait for the upload's slot (RequestFailed if none); cancelled: it is cut."""

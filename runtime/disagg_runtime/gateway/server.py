@@ -30,6 +30,7 @@ from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.routing import migration
 from disagg_runtime.routing.peers import PeerSet
+from disagg_runtime.tracing import open_tracer
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0
@@ -109,7 +110,13 @@ def _probe(peers: PeerSet, key: bytes) -> str:
 
 
 def gateway_for(client: Client, settings: Settings) -> GatewayApp:
-    return GatewayApp(settings=settings, pipeline=Bridge(client), ready=entries_ready(client))
+    tracer = open_tracer(
+        f"{settings.pipeline}/gateway",
+        resource={"disagg.pipeline": settings.pipeline, "disagg.role": "gateway"},
+    )
+    return GatewayApp(
+        settings=settings, pipeline=Bridge(client), ready=entries_ready(client), tracer=tracer
+    )
 
 
 class Server:
@@ -219,4 +226,5 @@ def main(unix: str | None = None) -> int:
     finally:
         gateway.pipeline.close()
         client.close()
+        gateway.tracer.shutdown()
     return 0

@@ -75,6 +75,7 @@ def serve(
         asyncio.run(main())
     finally:
         client.close()
+        gateway.tracer.shutdown()
     for line in died:
         print(f"disagg up: {line}", file=sys.stderr)
     for label, count in local.restarts.counts().items():

@@ -8,6 +8,7 @@ requests are in flight. The summary is the same with or without `--json`.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import sys
@@ -18,10 +19,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg_core import contract
 from disagg_core.spec import ROOT, SpecError, load_pipeline_file
 from disagg_runtime.client import Client
 from disagg_runtime.local.autoscaler import LocalAutoscaler
 from disagg_runtime.local.supervisor import LocalPipeline, RoleProcess, dump_json
+from disagg_runtime.local.trace import RunTrace
 from disagg_runtime.role.handler import input_factory
 from disagg_runtime.wire import codec
 
@@ -73,6 +76,7 @@ def drive(
     duration: float | None,
     stop: threading.Event,
     progress: Callable[[Tally, float], None],
+    trace: RunTrace | None = None,
 ) -> tuple[Tally, float]:
     tally = Tally()
     slots = threading.Semaphore(concurrency)
@@ -92,8 +96,11 @@ def drive(
         payload = make(i)
         tally.input_bytes += codec.payload_nbytes(payload)
         t0 = time.monotonic()
-        future = client.submit_async(payload)
+        span = trace.request(i) if trace is not None else None
+        future = client.submit_async(payload, trace=span.traceparent if span else "")
         tally.submitted += 1
+        if span is not None:
+            future.add_done_callback(RunTrace.ender(span))
         future.add_done_callback(_recorder(tally, slots, t0))
         i += 1
         progress(tally, time.monotonic() - started)
@@ -254,6 +261,10 @@ def render(summary: dict[str, Any]) -> str:
     if summary.get("logs"):
         lines.append(f"role logs kept in {summary['logs']}")
     lines += [f"error: {e}" for e in summary["errors"]]
+    if summary.get("trace"):
+        t = summary["trace"]
+        lines.append(f"trace: {t['spans']} spans of {t['requests']} requests in {t['file']}")
+        lines += ["slowest requests:", *t["slowest"]] if t["slowest"] else []
     return "\n".join(lines)
 
 
@@ -280,8 +291,22 @@ def run_cli(args: argparse.Namespace) -> int:
             client.fail_all(f"role {rp.label} died (exit code {code})", role=rp.config.role)
 
     local.on_death = died
+    trace: RunTrace | None = None
+    if getattr(args, "trace", None):
+        try:
+            trace = RunTrace(args.trace, pipeline.name)
+        except (RuntimeError, OSError) as exc:  # TracingUnavailable: what to install
+            print(f"disagg up: --trace: {exc}", file=sys.stderr)
+            return 2
+    for name, value in contract.tracing_env(pipeline).items():  # spec.monitoring.tracing
+        os.environ.setdefault(name, value)  # the roles inherit it; the shell's own wins
     if serving:
-        return _serve(local, args)
+        try:
+            return _serve(local, args)
+        finally:
+            if trace is not None:
+                trace.close()
+                print(f"spans written to {trace.path}", file=sys.stderr)
     scaler: LocalAutoscaler | None = None
     try:
         local.start()
@@ -299,6 +324,7 @@ def run_cli(args: argparse.Namespace) -> int:
             duration=args.duration,
             stop=stop,
             progress=_bar(None if args.duration else args.requests),
+            trace=trace,
         )
         if sys.stderr.isatty():
             sys.stderr.write("\n")
@@ -324,8 +350,12 @@ def run_cli(args: argparse.Namespace) -> int:
         if client is not None:
             client.close()
         local.stop()
+        if trace is not None:
+            trace.close()
     if interrupted or summary is None:
         return 130
+    if trace is not None:  # the roles flushed their spans as they stopped
+        summary["trace"] = trace.summary()
     if args.json:
         dump_json(summary, sys.stdout)
     else:

@@ -119,7 +119,6 @@ def _requests(c: Catalog) -> list[Panel]:
 
 
 def _queues(c: Catalog) -> list[Panel]:
-    request, handler = c.histogram("disagg_request_seconds"), c.histogram("disagg_handler_seconds")
     return [
         Panel(
             "Queue depth and in-flight",
@@ -138,17 +137,12 @@ def _queues(c: Catalog) -> list[Panel]:
             ),
         ),
         Panel(
-            "Time outside the handler (mean)",
-            "Mean request time minus mean handler time: queue wait plus hand-off. The roles "
-            "export no queue-wait histogram of their own.",
+            "Queue wait quantiles",
+            "How long received messages waited for a worker, measured per message as a "
+            "worker takes it (disagg_queue_wait_seconds): a role short of workers shows here "
+            "before its pool fills.",
             "s",
-            (
-                (
-                    f"({_mean(request, _ROLE, 'pipeline, role')}) - "
-                    f"({_mean(handler, _ROLE, 'pipeline, role')})",
-                    "{{role}}",
-                ),
-            ),
+            _quantiles(c.histogram("disagg_queue_wait_seconds"), _ROLE, "pipeline, role"),
         ),
         Panel(
             "Pool occupancy",
@@ -309,6 +303,14 @@ def _operator(c: Catalog) -> list[Panel]:
     duration = c.histogram("disagg_operator_reconcile_duration_seconds")
     decisions = c.counter("disagg_operator_scale_decisions_total")
     autoscaled = c.gauge("disagg_operator_autoscaled_replicas")
+    replicas = c.gauge("disagg_operator_role_replicas")
+
+    def share(state: str) -> str:
+        return (
+            f'max by (pipeline, role) ({replicas}{{{_OPERATOR},state="{state}"}}) / '
+            f'max by (pipeline, role) ({replicas}{{{_OPERATOR},state="desired"}})'
+        )
+
     return [
         Panel(
             "Scale decisions",
@@ -328,6 +330,14 @@ def _operator(c: Catalog) -> list[Panel]:
             "Replicas the operator's autoscaler last decided per role.",
             "short",
             ((f"max by (pipeline, role) ({autoscaled}{{{_OPERATOR}}})", "{{role}}"),),
+        ),
+        Panel(
+            "Rollout progress",
+            "Per role, the share of its pods at the latest revision (updated / desired) and "
+            "the share ready, as its workload last reported them to the operator: a rollout "
+            "climbs to 1 step by step; one that stalls stays below it.",
+            "percentunit",
+            ((share("updated"), "updated {{role}}"), (share("ready"), "ready {{role}}")),
         ),
         Panel(
             "Reconciles/s and duration p99",

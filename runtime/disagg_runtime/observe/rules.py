@@ -12,6 +12,9 @@ Alerts (labels: namespace, pipeline, role where it applies):
                                role targets so
     DisaggPeerRefusalsRising   a role refuses connections or messages without the peer key
     DisaggGateway5xx           more than `error_ratio` of a gateway's answers are 5xx
+    DisaggRolloutStalled       the operator holds a pipeline's rollout: a step's pods were
+                               not ready within spec.rollout.stepDeadlineSeconds (labels:
+                               pipeline_namespace, pipeline)
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def rules(
     requests = c.counter("disagg_requests_total")
     rejected = c.counter("disagg_peer_rejected_total")
     answers = c.counter("disagg_gateway_requests_total")
+    phase = c.gauge("disagg_operator_rollout_phase")
     gateway_by = "namespace, pipeline"
     recorded = [
         {
@@ -100,6 +104,14 @@ def rules(
             "warning",
             "{{ $labels.pipeline }}: {{ $value | humanizePercentage }} of the gateway's "
             "answers are 5xx",
+        ),
+        _alert(
+            "DisaggRolloutStalled",
+            f'max by (pipeline_namespace, pipeline) ({phase}{{phase="Stalled"}}) == 1',
+            pending,
+            "warning",
+            "{{ $labels.pipeline_namespace }}/{{ $labels.pipeline }}: the rollout is stalled "
+            "(a step's pods not ready in time; kubectl describe dpipe says which)",
         ),
     ]
     return {"groups": [{"name": GROUP, "rules": [*recorded, *alerts]}]}

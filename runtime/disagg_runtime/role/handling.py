@@ -27,6 +27,7 @@ from disagg_runtime.role.batching import BatchCancelled, BatchTimeout
 from disagg_runtime.role.handler import Runner
 from disagg_runtime.role.metrics import RoleMetrics
 from disagg_runtime.role.requests import Join, Requests
+from disagg_runtime.role.spans import RoleSpans
 from disagg_runtime.routing import forward, migration
 from disagg_runtime.routing.forward import ReplyFailed
 from disagg_runtime.wire import envelope
@@ -45,6 +46,7 @@ class Handling:
         runner: Runner,
         metrics: RoleMetrics,
         forwarder: forward.Forwarder,
+        spans: RoleSpans,
         *,
         stopping: threading.Event,
     ) -> None:
@@ -55,6 +57,7 @@ class Handling:
         self.runner = runner
         self.metrics = metrics
         self.forward = forwarder
+        self.spans = spans  # a traced request's spans (spans.py)
         self._stopping = stopping
         self.service_s = 0.0  # moving average of handler seconds (dispatch.Load.service_s)
 
@@ -112,12 +115,17 @@ class Handling:
         closes ours. A request counts as done here when its last output has left."""
         started = time.monotonic()
         rid = meta.rid
+        traced = self.spans.begin(meta, messages, started)  # None: not traced
+        if traced is not None:  # what this role sends on hangs under its span
+            meta = meta.with_(trace=traced.span.traceparent)
         try:
             result = self.runner.invoke(
                 data,
                 timeout=forward.remaining(meta),
                 cancelled=lambda: self.requests.aborted(rid) or self._stopping.is_set(),
             )
+            if traced is not None and not inspect.isgenerator(result):
+                traced.handled(time.monotonic())  # the sends below are spans of their own
             if inspect.isgenerator(result):
                 for chunk in result:
                     if self.requests.aborted(rid):  # the client left: stop generating
@@ -139,12 +147,16 @@ class Handling:
             self.fail(meta, "handler", f"{type(exc).__name__}: {exc}", exc_type=type(exc).__name__)
         else:
             took = time.monotonic() - started
+            if traced is not None:
+                traced.handled(started + took)  # a stream: generating and sending
             self.metrics.handler_seconds(took)
             # recent seconds per call, advertised in the load (a plain float store)
             self.service_s = took if not self.service_s else 0.8 * self.service_s + 0.2 * took
             if not streaming_input:
                 self.metrics.request_done(time.monotonic() - started)
         finally:
+            if traced is not None:
+                self.spans.end(traced)
             for msg in messages:
                 msg.release()
 
@@ -162,14 +174,25 @@ class Handling:
         else:
             out = meta.with_(kind="data", source=self.name)
         if self.me.exit:
-            self.forward.send_reply(out, payload)
+            self._send(None, out, payload)
             return
         if kind == "data":
             for ref in self.me.refs_out:
                 payload, value = envelope.extract(payload, ref.path)
-                self.forward.send_to(ref.target, out.with_(kind="ref", path=ref.path), value)
+                self._send(ref.target, out.with_(kind="ref", path=ref.path), value)
         for target in self.me.downstream:
-            self.forward.send_to(target, out, payload)
+            self._send(target, out, payload)
+
+    def _send(self, target: str | None, meta: Meta, payload: Any) -> None:
+        """One output to `target` (None: the request's reply endpoint); a traced request's
+        hand-off is a span (spans.py)."""
+        started = time.monotonic()
+        if target is None:
+            relay, nbytes = self.forward.send_reply(meta, payload)
+        else:
+            relay, nbytes = self.forward.send_to(target, meta, payload)
+        if meta.trace:
+            self.spans.sent(meta, target or "client", started, relay, nbytes)
 
     # ---- failure -----------------------------------------------------------------------------
     def _fail_send(self, meta: Meta, exc: RelayError) -> None:
@@ -211,6 +234,8 @@ class Handling:
         """Tell the client, tell downstream roles to let go, count it."""
         log.warning("role %s: request %s failed: %s", self.name, meta.rid, message)
         self.metrics.request_failed(reason)
+        if meta.trace:
+            self.spans.failed(meta, reason, message)
         error = {
             "role": self.name,
             "replica": str(self.config.replica),

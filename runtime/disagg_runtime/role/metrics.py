@@ -52,6 +52,8 @@ name                                type       extra labels           meaning
 ``disagg_request_seconds``          histogram  -                      receive-to-done latency of
                                                                       requests that completed
 ``disagg_handler_seconds``          histogram  -                      time inside the user handler
+``disagg_queue_wait_seconds``       histogram  -                      received -> taken by a
+                                                                      worker, per message
 ``disagg_handler_calls_total``      counter    -                      calls into the handler (one
                                                                       per batch when batching)
 ``disagg_handler_batch_size``       histogram  -                      requests per handler call
@@ -295,6 +297,13 @@ class RoleMetrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        self._queue_wait = Histogram(
+            "disagg_queue_wait_seconds",
+            "Seconds a received message waited for a worker.",
+            CONST_LABELS,
+            buckets=EDGE_BUCKETS,
+            registry=reg,
+        )
         self._handler_calls = Counter(
             "disagg_handler_calls", "Calls into the handler.", CONST_LABELS, registry=reg
         )
@@ -350,6 +359,7 @@ class RoleMetrics:
         self._done = self._requests.labels(*self._const, "done")
         self._done_seconds = self._request_seconds.labels(*self._const)
         self._handler = self._handler_seconds.labels(*self._const)
+        self._waited = self._queue_wait.labels(*self._const)
         self._calls = self._handler_calls.labels(*self._const)
         self._batch = self._batch_size.labels(*self._const)
 
@@ -379,6 +389,9 @@ class RoleMetrics:
 
     def handler_seconds(self, seconds: float) -> None:
         self._handler.observe(seconds)
+
+    def queue_wait(self, seconds: float) -> None:
+        self._waited.observe(max(0.0, seconds))
 
     def handler_call(self, requests: int) -> None:
         """One call into the handler carrying `requests` requests (a batch, or 1)."""

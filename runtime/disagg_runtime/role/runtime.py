@@ -64,9 +64,11 @@ from disagg_runtime.role.handling import Handling
 from disagg_runtime.role.health import HealthServer
 from disagg_runtime.role.metrics import RoleMetrics, RoleSample
 from disagg_runtime.role.requests import Requests
+from disagg_runtime.role.spans import RoleSpans
 from disagg_runtime.routing import dispatch, forward, inflight, migration
 from disagg_runtime.routing.peers import RESOLVE_EVERY, PeerSet, PeersFile, Resolver, resolve_dns
 from disagg_runtime.routing.relays import RelayCache
+from disagg_runtime.tracing import open_tracer
 from disagg_runtime.wire import envelope
 from disagg_runtime.wire.envelope import Meta
 
@@ -137,6 +139,9 @@ class RoleRuntime:
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
+        resource = {"disagg.pipeline": config.pipeline, "disagg.role": config.role}
+        tracer = open_tracer(f"{config.pipeline}/{config.role}", resource=resource)
+        self.spans = RoleSpans(tracer, config.role, config.replica)  # spans.py
         self.runner = Runner(
             handler,
             max_batch_size=config.max_batch_size,
@@ -185,7 +190,13 @@ class RoleRuntime:
             on_lost=self._lost,
         )
         self.handling = Handling(
-            config, self.requests, self.runner, self.metrics, self.forward, stopping=self._stopping
+            config,
+            self.requests,
+            self.runner,
+            self.metrics,
+            self.forward,
+            self.spans,
+            stopping=self._stopping,
         )
         self.health = HealthServer(
             self.metrics,
@@ -270,6 +281,7 @@ class RoleRuntime:
         self.relays.close()
         self.health.close()
         self.pool.close()
+        self.spans.tracer.shutdown()
         if self.config.metrics_dump:
             with open(self.config.metrics_dump, "wb") as f:
                 f.write(self.metrics.render())
@@ -468,6 +480,7 @@ class RoleRuntime:
     def _worker(self) -> None:
         while (taken := self.requests.take(self._stopping)) is not None:
             rid, (meta, payload, msg) = taken
+            self.metrics.queue_wait(time.monotonic() - msg.received_at)
             try:
                 self.handling.handle(meta, payload, msg)
             except Exception:  # a bug here must not kill the worker

@@ -75,7 +75,8 @@ class Forwarder:
         self._on_lost = on_lost  # requests that went to a replica now lost (inflight.py)
         self.inflight = InFlight()
 
-    def send_to(self, target: str, meta: Meta, payload: Any) -> None:
+    def send_to(self, target: str, meta: Meta, payload: Any) -> tuple[str, int]:
+        """Send to a replica of `target`; the relay kind that carried it and the bytes."""
         peers = self.peers[target]
         new = meta.kind not in ("end", "abort")  # those follow the request, never choose
         started = time.monotonic()
@@ -100,6 +101,7 @@ class Forwarder:
         elif meta.kind in ("data", "ref") or (meta.kind == "chunk" and meta.seq == 0):
             self.inflight.add(Sent(meta, target, relay.kind, route.endpoint))
         self._edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
+        return relay.kind, nbytes
 
     def _paired(self, peers: PeerSet, meta: Meta, new: bool) -> tuple[Relay, str]:
         """A relay to the replica of `peers` the request goes to, among those that pair
@@ -171,13 +173,13 @@ class Forwarder:
                     self.peers[target].lost(endpoint)
                 self.lost(sent)
 
-    def send_reply(self, meta: Meta, payload: Any) -> None:
+    def send_reply(self, meta: Meta, payload: Any) -> tuple[str, int]:
         """To the request's reply endpoint, which must prove the peer key (so it is one of
         the pipeline's clients or gateways); connecting and sending together take no
         longer than the request has left."""
         kind, endpoint = meta.reply.relay, meta.reply.endpoint
         try:
-            failover.send(
+            _, nbytes = failover.send(
                 self.relays,
                 kind,
                 endpoint,
@@ -190,6 +192,7 @@ class Forwarder:
             self.relays.failed()
             raise ReplyFailed(f"reply to {endpoint}: {exc}") from exc
         self.relays.succeeded()
+        return kind, nbytes
 
 
 class Paired:

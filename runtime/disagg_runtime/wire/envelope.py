@@ -10,6 +10,8 @@ kinds: `data` (one whole payload), `chunk` (one of a stream, `seq` numbered per 
 role), `end` (stream finished; `count` chunks were sent), `ref` (a tensor reference parked
 at its consumer; `path` says where it goes back), `error` (to the client: `error` names
 role, replica, exception), `abort` (free everything of `rid`, pass it on).
+`trace` (optional): the W3C traceparent of the span that sent it (tracecontext.py); one
+that does not parse is dropped, as the recommendation says, never an error.
 Pure: parsing checks every field, since it crossed a socket.
 """
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from disagg_core.spec import PathStep, parse_payload_path
+from disagg_runtime.wire import tracecontext
 
 Kind = Literal["data", "chunk", "end", "ref", "error", "abort"]
 KINDS: tuple[Kind, ...] = ("data", "chunk", "end", "ref", "error", "abort")
@@ -49,6 +52,7 @@ class Meta:
     count: int = 0
     path: str = ""
     error: Mapping[str, str] = field(default_factory=dict)
+    trace: str = ""  # a valid version-00 traceparent, or "" (not traced)
 
     def with_(self, **changes: Any) -> Meta:
         fields = {**self.__dict__, **changes}
@@ -80,6 +84,8 @@ class Meta:
             out["path"] = self.path
         if self.kind == "error":
             out["error"] = dict(self.error)
+        if self.trace:
+            out["trace"] = self.trace
         return out
 
 
@@ -123,6 +129,7 @@ def parse(m: object) -> Meta:
         count=m.get("count", 0) if isinstance(m.get("count", 0), int) else 0,
         path=m.get("path", "") if isinstance(m.get("path", ""), str) else "",
         error=error,
+        trace=tracecontext.valid(m["trace"]) if "trace" in m else "",
     )
     return meta
 

@@ -275,7 +275,13 @@ def test_role_overrides_image_command_args_env(full_doc: Obj) -> None:
     assert encoder["args"] == ["role", "--verbose", ""]
     names_in_order = [e["name"] for e in encoder["env"]]
     assert names_in_order[-2:] == ["MODEL", "TOKEN"]
-    assert all(n.startswith("DISAGG_") for n in names_in_order[:-2])
+    # the contract's DISAGG_*, then spec.monitoring.tracing's OTEL_*, then the role's own
+    assert names_in_order[-5:-2] == [
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_TRACES_SAMPLER",
+        "OTEL_TRACES_SAMPLER_ARG",
+    ]
+    assert all(n.startswith("DISAGG_") for n in names_in_order[:-5])
     token = encoder["env"][-1]
     assert token == {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "full-s", "key": "k"}}}
     # ranks: 2, and resources are one rank's: the pod asks for twice each

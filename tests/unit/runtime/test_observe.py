@@ -58,7 +58,7 @@ def test_the_dashboard_covers_the_issue_s_list(cat: catalog.Catalog) -> None:
         "first chunk",
         "reason",
         "Queue depth",
-        "outside the handler",
+        "Queue wait",
         "Pool occupancy",
         "Inline budget",
         "Edge bytes/s",
@@ -66,6 +66,7 @@ def test_the_dashboard_covers_the_issue_s_list(cat: catalog.Catalog) -> None:
         "Replicas",
         "Peer refusals",
         "Reconcile",
+        "Rollout progress",
     ):
         assert any(words in t for t in titles), words
     model = dashboard.dashboard(cat)
@@ -94,6 +95,7 @@ def test_rules_are_recording_then_alerting_and_parameterised(cat: catalog.Catalo
         "DisaggNoReadyReplica",
         "DisaggPeerRefusalsRising",
         "DisaggGateway5xx",
+        "DisaggRolloutStalled",
     }
     assert all(a["for"] == "0s" for a in alerts.values())
     assert alerts["DisaggPoolFull"]["expr"] == "disagg:pool_occupancy:max >= 0.5"
