@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.size = args.size or ("64KiB" if args.trace else "64MiB")
     if args.command == "bench" and args.bench_command == "pipeline" and args.trace:
         from disagg_runtime.bench import tracing
-        from disagg_runtime.bench.transport import parse_size
+        from disagg_runtime.bench.sizes import parse_size
 
         return tracing.run_cli(args, parse_size(args.size))
     if args.command == "bench" and args.bench_command == "pipeline" and args.url:

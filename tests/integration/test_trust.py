@@ -609,8 +609,9 @@ def test_the_work_queue_is_bounded_and_refuses_with_overloaded() -> None:
                 except RequestOverloaded as exc:
                     assert exc.error["reason"] == "overloaded" and "overloaded" in str(exc)
                     outcomes.append("overloaded")
-            # one running and 16 (QUEUE_PER_WORKER x 1) waiting; the rest told at once
-            assert outcomes.count("done") >= 17 and outcomes.count("overloaded") >= 1
+            # 16 (QUEUE_PER_WORKER x 1) waiting, and one more where the worker took the first
+            # before the 17th arrived (a race the bound does not promise); the rest told at once
+            assert outcomes.count("done") >= 16 and outcomes.count("overloaded") >= 1
             s = rp.samples("r")
             assert counter(s, 'disagg_request_failures_total{reason="overloaded"}') >= 1
             assert client.submit({"i": 99, "sleep": 0})["i"] == 99  # and serves again

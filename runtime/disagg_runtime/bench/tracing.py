@@ -42,7 +42,7 @@ import torch
 
 from disagg_runtime.bench.otlp_sink import OtlpSink
 from disagg_runtime.bench.pipeline import chain
-from disagg_runtime.bench.transport import format_size
+from disagg_runtime.bench.sizes import format_size
 from disagg_runtime.client import Client
 from disagg_runtime.local.supervisor import LocalPipeline
 from disagg_runtime.tracing import Tracer, TracingUnavailable, open_tracer
