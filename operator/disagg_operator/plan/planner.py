@@ -139,9 +139,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from disagg_core.spec import Pipeline, Problem, SpecError, child
+from disagg_core.spec import Pipeline, Problem, Role, SpecError, child
 from disagg_operator import names
-from disagg_operator.plan import manifests, model, podmonitor
+from disagg_operator.plan import groups, manifests, model, podmonitor
+
+MAX_STATEFULSET_NAME = 52
 
 # the runtime's ports of a pod's k-th container are named <kind>-<k> (pods.runtime_port_name)
 _RESERVED_PORT_NAME = re.compile(r"(ingress|lane|metrics)(-[0-9]+)?")
@@ -198,14 +200,7 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                     )
                 seen.setdefault(port.name, member)
     for i, role in enumerate(pipeline.roles):
-        if role.nodes > 1:
-            problems.append(
-                Problem(
-                    f"spec.roles[{i}].nodes",
-                    f"{role.nodes}: groups of several pods per replica are not rendered by this "
-                    "operator version; ranks within one pod are (roles[].ranks)",
-                )
-            )
+        problems += _group_problems(pipeline, role, i)
         for k, port in enumerate(role.ports):
             if _RESERVED_PORT_NAME.fullmatch(port.name):
                 problems.append(
@@ -214,6 +209,34 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                         f"{port.name!r} is reserved for the runtime's own port",
                     )
                 )
+    return problems
+
+
+def _group_problems(pipeline: Pipeline, role: Role, index: int) -> list[Problem]:
+    """A role of groups: its worker StatefulSets' names fit (a StatefulSet's name is at most
+    52 characters: its pods' controller-revision-hash label), and its replicas are the
+    operator's to scale (an HPA scaling the leaders alone would split groups)."""
+    if not groups.grouped(role):
+        return []
+    problems = []
+    longest = groups.longest_name(pipeline, role)
+    if len(longest) > MAX_STATEFULSET_NAME:
+        problems.append(
+            Problem(
+                f"spec.roles[{index}].name",
+                f"{longest!r}, the StatefulSet of node rank {role.nodes - 1} of {role.name!r}'s "
+                f"groups, is longer than {MAX_STATEFULSET_NAME} characters: shorten the "
+                "pipeline's or the role's name",
+            )
+        )
+    if role.name in model.external_units(pipeline):
+        problems.append(
+            Problem(
+                child("metadata.annotations", names.ANNOTATION_EXTERNAL_SCALING),
+                f"names {role.name!r}, a role of groups (nodes {role.nodes}): an external "
+                "scaler would scale its leaders without their workers",
+            )
+        )
     return problems
 
 
@@ -245,12 +268,13 @@ def plan(
         ]
     for unit in units:
         objects += [manifests.service(pipeline, unit, role, namespace) for role in unit.roles]
+        objects += manifests.ranks_services(pipeline, unit, namespace)
     if pipeline.network_policy.enabled:
         objects.append(manifests.network_policy(pipeline, units, namespace, options))
-    objects += [
-        manifests.stateful_set(pipeline, unit, namespace, options, mode, peer_key_hash)
-        for unit in units
-    ]
+        for unit in units:
+            objects += manifests.ranks_network_policy(pipeline, unit, namespace)
+    for unit in units:
+        objects += manifests.stateful_sets(pipeline, unit, namespace, options, mode, peer_key_hash)
     if pipeline.gateway.enabled:
         objects += manifests.gateway_objects(pipeline, units, namespace, options)
     if options.pod_monitors and podmonitor.wanted(pipeline, options.pod_monitor_default):
