@@ -1,25 +1,28 @@
 """Group restart for roles of groups (roles[].nodes > 1): which pods to delete so that a
 group whose member failed or was replaced starts again as a whole. Pure; the reconciler
-lists the pods and deletes what this names (`Reconciler.restart_groups`).
+lists the pods and deletes what this names (`restarts.restart_groups`).
 
 A group is the pods of one role with one ordinal (label apps.kubernetes.io/pod-index), one
 per node rank (label disagg.dev/node-rank). Its world (torch.distributed, formed once at
 start) survives no member: a worker that restarted in place or was recreated alone would
-wait for a rendezvous the others left long ago. So the whole group is deleted, and the
-StatefulSet controllers recreate every member at once, when:
+wait for a rendezvous the others left long ago. So the group's other members are deleted,
+and the StatefulSet controllers recreate them, when one member
 
-- a member's container restarted (restartCount > 0: it failed, or its liveness probe did), or
-- its members' creation times span more than `SPREAD_S` (one was deleted, evicted or rolled
-  by its StatefulSet and recreated alone).
+- is being deleted or is gone (deleted, evicted, rolled by its StatefulSet): the members
+  created no later than it (its generation of the group; not those already recreated), or
+- restarted in place (a container's restartCount > 0: it failed, or its liveness probe
+  failed): the whole group, or
+- was recreated alone while the operator was not watching: the members' creation times
+  span more than `SPREAD_S`: the whole group.
 
-Deleting every member (not only the stale ones) is what converges: they come back together
-whatever the operator's delay. A group with a member being deleted is left alone (a restart
-or a scale-down in progress), so is one that is incomplete (its controller recreates the
-missing pod first); a group younger than `SETTLE_S` is left until then, which spaces the
-restarts of a group that keeps failing (deleting its pods drops the kubelet's back-off)."""
+Groups past the role's desired count are left alone (a scale-down removes them), so is an
+incomplete group (its controller recreates the missing pod first); a group younger than
+`SETTLE_S` is restarted for a failure only after that, which spaces the restarts of a group
+that keeps failing (deleting its pods drops the kubelet's back-off)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -42,6 +45,14 @@ class Member:
     created: datetime.datetime
     restarts: int
     deleting: bool
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A role of groups as planned: pods per group, and groups."""
+
+    nodes: int
+    groups: int
 
 
 @dataclass(frozen=True)
@@ -78,17 +89,29 @@ def members(pods: Iterable[Mapping[str, Any]]) -> list[Member]:
 
 
 def decide(
-    pods: Iterable[Mapping[str, Any]], nodes: Mapping[str, int], now: datetime.datetime
+    pods: Iterable[Mapping[str, Any]],
+    shapes: Mapping[str, Shape],
+    now: datetime.datetime,
+    gone: Iterable[Mapping[str, Any]] = (),
 ) -> Decision:
-    """What to delete among `pods` (a pipeline's); `nodes`: each role of groups' nodes."""
+    """What to delete among `pods` (a pipeline's); `shapes`: each role of groups; `gone`:
+    pods whose deletion was just seen (no longer among `pods`)."""
     by_group: dict[tuple[str, int], list[Member]] = {}
-    for member in members(pods):
-        if member.role in nodes:
+    left = [dataclasses.replace(m, deleting=True) for m in members(gone)]
+    for member in [*members(pods), *left]:
+        shape = shapes.get(member.role)
+        if shape is not None and member.group < shape.groups:
             by_group.setdefault((member.role, member.group), []).append(member)
     delete: list[str] = []
     waits: list[float] = []
     for (role, _), group in sorted(by_group.items()):
-        if any(m.deleting for m in group) or len({m.node_rank for m in group}) < nodes[role]:
+        leaving = [m for m in group if m.deleting]
+        staying = [m for m in group if not m.deleting]
+        if leaving:
+            generation = max(m.created for m in leaving)
+            delete += [m.name for m in staying if m.created <= generation]
+            continue
+        if len({m.node_rank for m in group}) < shapes[role].nodes:
             continue
         oldest = min(m.created for m in group)
         newest = max(m.created for m in group)

@@ -219,11 +219,12 @@ def _group(g: int, leader_s: float = 0.0, worker_s: float = 0.0, **worker: Any) 
 
 
 LATER = T0 + datetime.timedelta(seconds=600)
+SHAPE = {"llm": regroup.Shape(nodes=2, groups=2)}
 
 
 def test_healthy_groups_are_left_alone() -> None:
     pods = _group(0) + _group(1, 2.0, 3.0)
-    assert regroup.decide(pods, {"llm": 2}, LATER) == regroup.Decision((), None)
+    assert regroup.decide(pods, SHAPE, LATER) == regroup.Decision((), None)
 
 
 @pytest.mark.parametrize(
@@ -236,15 +237,27 @@ def test_healthy_groups_are_left_alone() -> None:
 )
 def test_a_member_that_failed_or_was_replaced_restarts_its_whole_group(change: Obj) -> None:
     pods = _group(0) + _group(1, **change)
-    decision = regroup.decide(pods, {"llm": 2}, LATER)
+    decision = regroup.decide(pods, SHAPE, LATER)
     assert decision == regroup.Decision(("mn-llm-1", "mn-llm-w1-1"), None)
 
 
-def test_restarts_wait_for_deletions_missing_members_and_a_settled_group() -> None:
-    nodes = {"llm": 2}
-    deleting = _group(1, worker_s=200.0)
-    deleting[0]["metadata"]["deletionTimestamp"] = "2026-01-01T00:10:00Z"
-    assert regroup.decide(deleting, nodes, LATER).delete == ()
+def test_a_deleted_member_takes_its_generation_of_the_group_along() -> None:
+    leader, worker = _group(1)
+    # the worker's deletion seen (the watch's DELETED event): the leader goes too
+    assert regroup.decide([leader], SHAPE, LATER, gone=[worker]).delete == ("mn-llm-1",)
+    # or its deletion begun (deletionTimestamp): likewise, the worker itself is left
+    worker["metadata"]["deletionTimestamp"] = "2026-01-01T00:10:00Z"
+    assert regroup.decide([leader, worker], SHAPE, LATER).delete == ("mn-llm-1",)
+    # the leader's own deletion seen after the worker was recreated: nothing more
+    fresh = _pod("mn-llm-w1-1", 1, 1, 300.0)
+    assert regroup.decide([fresh], SHAPE, LATER, gone=[leader]).delete == ()
+    # a scale-down (groups past the desired count) is the controllers' own
+    shrunk = {"llm": regroup.Shape(nodes=2, groups=1)}
+    assert regroup.decide([leader], shrunk, LATER, gone=[worker]).delete == ()
+
+
+def test_restarts_wait_for_missing_members_and_a_settled_group() -> None:
+    nodes = SHAPE
     assert regroup.decide(_group(1)[:1], nodes, LATER).delete == ()  # the controller's turn
     young = _group(1, worker_s=595.0)
     decision = regroup.decide(young, nodes, LATER)
@@ -257,4 +270,4 @@ def test_restarts_wait_for_deletions_missing_members_and_a_settled_group() -> No
 def test_a_fresh_group_after_a_restart_is_whole() -> None:
     """The restart converges: members recreated together are within SPREAD_S."""
     pods = _group(1, leader_s=300.0, worker_s=301.0)
-    assert regroup.decide(pods, {"llm": 2}, LATER).delete == ()
+    assert regroup.decide(pods, SHAPE, LATER).delete == ()
