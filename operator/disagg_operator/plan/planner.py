@@ -8,6 +8,8 @@ Naming (P = metadata.name, at most 40 characters; R = a role; G = a colocation g
 `P-R` and `P-G` are at most 52 characters, which the spec checks):
 
     ConfigMap              P-topology    data `topology.json` = contract.Topology of P
+    Service, NetworkPolicy P-R-ranks     a role of groups (`nodes` > 1): its members
+    StatefulSet            P-R-wk        a role of groups: its workers of node rank k
     ResourceClaimTemplate  P-G-gpu       one per colocation group, GPU mode `dra` only
     Service (headless)     P-R           one per role, grouped or not
     StatefulSet            P-U           one per workload unit U: a role outside every
@@ -63,8 +65,19 @@ A role of `ranks: N` > 1 (role/ranks.py in the runtime) is still one container p
 process is rank 0 and starts the other N - 1, so the container is told DISAGG_RANKS=N,
 DISAGG_LEADER=127.0.0.1 and DISAGG_RANK_PORT=29500 (torch.distributed's rendezvous, inside
 the pod), and its `resources` are one rank's: every request and limit is N times the
-role's (`nvidia.com/gpu: 1` per rank asks for N GPUs, one per local rank). `nodes` > 1 (a
-group of pods per replica) is refused by `check` in this version.
+role's (`nvidia.com/gpu: 1` per rank asks for N GPUs, one per local rank).
+
+A role of `nodes: M` > 1 (`groups`) is a group of M pods per replica: StatefulSet P-R holds
+the leaders (node rank 0), StatefulSet P-R-wk the workers of node rank k (1..M-1), all with
+the replicas (groups) and partition of the role, so ordinal g of each is group g. Their pods
+carry disagg.dev/node-rank; Service P-R selects only node rank 0 (peers see one address per
+group), the headless Service P-R-ranks (not-ready addresses published; the StatefulSets'
+governing Service) every member, and NetworkPolicy P-R-ranks admits the members to each
+other on every port. Each member is told DISAGG_NODES=M, its DISAGG_NODE_RANK and
+DISAGG_LEADER = P-R-$(DISAGG_GROUP_INDEX).P-R-ranks.NS.svc.<domain>, the group index coming
+from the pod-index label through the downward API. `check` refuses names past 52
+characters and external scaling of such a role; the reconciler restarts groups
+(reconcile/regroup.py).
 DISAGG_SAME_GPU_PEERS lists the other roles of R's group. The topology file is the ConfigMap,
 mounted read-only at /etc/disagg. DISAGG_PEER_KEY_FILE = /etc/disagg-peer-key/key: the
 Secret P-peer-key (its `key` only, mode 0440, group 65532 through the pod's fsGroup),
