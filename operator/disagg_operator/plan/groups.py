@@ -76,6 +76,25 @@ def group_index_env() -> dict[str, Any]:
     }
 
 
+def as_worker(template: dict[str, Any], role: str) -> dict[str, Any]:
+    """A worker's pod template: its role container without the runtime's probes and ports.
+    Only global rank 0 (the leader) serves the ingress, lane, /metrics and the probes; a
+    worker that fails exits (its container restarts, and the group with it: regroup.py),
+    and one that hangs fails the leader's collectives within their timeout. Without the
+    ports no PodMonitor endpoint (selected by port name) scrapes a worker."""
+    runtime = {"ingress", "lane", "metrics"}
+    for container in template["spec"]["containers"]:
+        if container.get("name") != role:
+            continue
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            container.pop(probe, None)
+        ports = [p for p in container.get("ports") or () if p.get("name") not in runtime]
+        container["ports"] = ports
+        if not ports:
+            del container["ports"]
+    return template
+
+
 def member_labels(labels: dict[str, str], node_rank: int) -> dict[str, str]:
     return {**labels, names.LABEL_NODE_RANK: str(node_rank)}
 

@@ -330,6 +330,8 @@ def stateful_set(
             claim_template_name(pipeline, unit.group.name) if unit.group is not None else None
         ),
     )
+    if node_rank:
+        template = groups.as_worker(template, unit.roles[0].name)
     spec: dict[str, Any] = {
         "serviceName": service,
         "replicas": unit.replicas,

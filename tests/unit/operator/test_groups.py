@@ -10,6 +10,7 @@ import pytest
 
 from disagg_core import contract, spec
 from disagg_operator import names
+from disagg_operator.autoscaling import scaling
 from disagg_operator.plan import groups, planner
 from disagg_operator.plan import model as plan_model
 from disagg_operator.reconcile import regroup, status
@@ -271,3 +272,29 @@ def test_a_fresh_group_after_a_restart_is_whole() -> None:
     """The restart converges: members recreated together are within SPREAD_S."""
     pods = _group(1, leader_s=300.0, worker_s=301.0)
     assert regroup.decide(pods, SHAPE, LATER).delete == ()
+
+
+def test_workers_serve_no_probes_nor_runtime_ports_and_the_autoscaler_skips_them() -> None:
+    doc = _doc()
+    doc["spec"]["roles"][1]["ports"] = [{"name": "debug", "containerPort": 5678}]
+    found = _plan(doc)
+    [leader] = found["StatefulSet", "mn-llm"]["spec"]["template"]["spec"]["containers"]
+    [worker] = found["StatefulSet", "mn-llm-w1"]["spec"]["template"]["spec"]["containers"]
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(leader)
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(worker)
+    assert [p["name"] for p in leader["ports"]] == ["ingress", "lane", "metrics", "debug"]
+    assert [p["name"] for p in worker["ports"]] == ["debug"]
+    # the autoscaler counts leaders only (a group's metrics are its leader's)
+    pipeline = spec.parse_pipeline(_doc())
+    plan = scaling.scaling_plan(pipeline)
+    ready = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    pods = [
+        {
+            "metadata": {"name": n, "labels": {names.LABEL_ROLE: "llm", names.LABEL_NODE_RANK: r}},
+            "spec": {"containers": [c]},
+            "status": ready,
+        }
+        for n, r, c in (("mn-llm-0", "0", leader), ("mn-llm-w1-0", "1", worker))
+    ]
+    views = scaling.pod_views(pods, plan)
+    assert [v.name for v in views.get("llm", [])] == ["mn-llm-0"]
