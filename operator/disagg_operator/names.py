@@ -25,6 +25,7 @@ LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_PIPELINE: Final = f"{GROUP}/pipeline"
 LABEL_ROLE: Final = f"{GROUP}/role"
 LABEL_GROUP: Final = f"{GROUP}/group"
+LABEL_NODE_RANK: Final = f"{GROUP}/node-rank"  # a member's place in its group (roles[].nodes)
 # Well-known namespace label (set by the API server on every namespace since 1.21).
 LABEL_NAMESPACE_NAME: Final = "kubernetes.io/metadata.name"
 # The component label of a pipeline's gateway pods (issue "Front door"); the NetworkPolicy

@@ -65,9 +65,32 @@ def test_a_role_of_two_ranks_renders_admitted_objects(
     assert k8s.call(lambda: list(k8s.emulator.warnings)) == []
 
 
-@pytest.mark.parametrize("nodes", [2])
-def test_groups_of_pods_are_refused_by_this_operator(nodes: int) -> None:
+def test_groups_of_pods_render_admitted_objects(kubectl: Kubectl, k8s: EmulatorThread) -> None:
+    """nodes: 2 (two ranks each) and replicas 2: the leaders' and the workers' StatefulSets,
+    the members' headless Service and their NetworkPolicy pass the API server's admission."""
+    doc: dict[str, Any] = pipeline("mn")
+    doc["spec"]["roles"][1].update(nodes=2, ranks=2, replicas=2)
+    objects = planner.plan(spec.parse_pipeline(doc), namespace="default")
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert {("StatefulSet", "mn-b"), ("StatefulSet", "mn-b-w1")} <= kinds
+    assert {("Service", "mn-b-ranks"), ("NetworkPolicy", "mn-b-ranks")} <= kinds
+    result = kubectl("apply", "--server-side", "-f", "-", input=render.dump_all(objects))
+    assert "Warning" not in result.stderr, result.stderr
+    assert k8s.call(lambda: list(k8s.emulator.warnings)) == []
+    for name in ("mn-b", "mn-b-w1"):
+        stored = k8s.get("statefulsets", name, "default")
+        assert stored is not None and stored["spec"]["replicas"] == 2  # groups
+
+
+@pytest.mark.parametrize("role", ["a-role-whose-name-is-long-enough-to-matter-" + "x" * 7])
+def test_a_group_whose_worker_names_do_not_fit_is_refused(role: str) -> None:
     doc = pipeline()
-    doc["spec"]["roles"][1]["nodes"] = nodes
-    [problem] = planner.check(spec.parse_pipeline(doc))
-    assert problem.path == "spec.roles[1].nodes" and "not rendered" in problem.reason
+    doc["spec"]["roles"][1]["nodes"] = 2
+    doc["spec"]["roles"][1]["name"] = role
+    for edge in doc["spec"].get("edges", []):
+        for key in ("from", "to"):
+            if edge.get(key) == "b":
+                edge[key] = role
+    problems = planner.check(spec.parse_pipeline(doc))
+    assert [p.path for p in problems] == ["spec.roles[1].name"]
+    assert "longer than 52" in problems[0].reason

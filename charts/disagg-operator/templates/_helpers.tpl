@@ -160,10 +160,11 @@ namespace with rbac.namespaced). */}}
   - apiGroups: [""]
     resources: ["secrets"]
     verbs: ["get", "list", "watch", "create"]
-  # The autoscaler watches the pipelines' pods (by label) to scrape their pool occupancy.
+  # The autoscaler watches the pipelines' pods (by label) to scrape their pool occupancy;
+  # a role of groups (roles[].nodes) restarts a group by deleting its other members' pods.
   - apiGroups: [""]
     resources: ["pods"]
-    verbs: ["list", "watch"]
+    verbs: ["list", "watch", "delete"]
   # Events about the pipelines.
   - apiGroups: [""]
     resources: ["events"]

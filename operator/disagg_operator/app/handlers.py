@@ -55,7 +55,7 @@ from disagg_operator import names
 from disagg_operator.app import scaling_loop
 from disagg_operator.k8s import client as kube
 from disagg_operator.plan import model, planner
-from disagg_operator.reconcile import apply, cache, reconcile
+from disagg_operator.reconcile import apply, cache, reconcile, restarts
 
 ANNOTATION_PREFIX: Final = f"operator.{names.GROUP}"
 FINALIZER: Final = f"{ANNOTATION_PREFIX}/finalizer"
@@ -289,6 +289,29 @@ def register(
             id=f"guard-{plural}",
             labels={names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_PIPELINE: kopf.PRESENT},
         )(guard_deleted)
+
+    @kopf.on.event(
+        "",
+        "v1",
+        "pods",
+        registry=registry,
+        id="group-member",
+        labels={names.LABEL_PIPELINE: kopf.PRESENT, names.LABEL_NODE_RANK: kopf.PRESENT},
+    )
+    async def group_member_changed(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
+        """A member of a role's group (roles[].nodes) changed: restart its group if one
+        member failed or was replaced (`restarts`)."""
+        pipeline = (body.get("metadata", {}).get("labels") or {}).get(names.LABEL_PIPELINE)
+        if namespace is None or pipeline is None or pipeline_gone(namespace, pipeline):
+            return
+        bind(kwargs)
+        try:
+            gone = [body] if kwargs.get("type") == "DELETED" else []
+            await restarts.restart_groups(reconciler, namespace, pipeline, gone)
+        except kube.ApiError as error:  # kopf does not retry event handlers: the next will
+            kopf_logger = kwargs.get("logger")
+            if kopf_logger is not None:
+                kopf_logger.warning("restarting a group failed: %s", error)
 
     return registry
 

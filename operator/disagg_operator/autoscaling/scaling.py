@@ -215,6 +215,8 @@ def pod_view(pod: Mapping[str, Any], plan: ScalingPlan) -> PodView | None:
     pod_status = pod.get("status") or {}
     if unit not in plan.roles or meta.get("deletionTimestamp"):
         return None
+    if (meta.get("labels") or {}).get(names.LABEL_NODE_RANK, "0") != "0":
+        return None  # a group's worker: its leader serves the group's metrics
     if pod_status.get("phase") in ("Succeeded", "Failed"):
         return None
     ready = any(

@@ -262,8 +262,11 @@ def role_schema() -> crd_kit.Schema:
             ),
             "nodes": crd_kit.integer(
                 "Pods per replica: a group of a leader and nodes-1 workers, each running "
-                "`ranks` ranks of one world. `disagg up` runs such groups (as rank sets on one "
-                "machine); this operator version refuses nodes above 1.",
+                "`ranks` ranks of one world. The leader (StatefulSet <pipeline>-<role>) is the "
+                "only member peers see; worker k runs in StatefulSet <pipeline>-<role>-w<k>; "
+                "`replicas` counts groups, and a group restarts whole when a member fails or "
+                "is deleted (docs/handlers.md). `disagg up` runs groups as rank sets on one "
+                "machine.",
                 minimum=1,
                 maximum=limits.MAX_NODES,
                 format="int32",

@@ -14,7 +14,7 @@ from typing import Any
 from disagg_core import contract
 from disagg_core.spec import ColocationGroup, Pipeline, Role
 from disagg_operator import names
-from disagg_operator.plan import gateway, model, pods
+from disagg_operator.plan import gateway, groups, model, pods
 
 
 def topology_config_map_name(pipeline: Pipeline) -> str:
@@ -132,10 +132,62 @@ def service(pipeline: Pipeline, unit: model.Workload, role: Role, namespace: str
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
-            "selector": unit.selector(pipeline),
+            "selector": _leaders(unit.selector(pipeline), role),
             "ports": service_ports,
         },
     }
+
+
+def _leaders(selector: dict[str, str], role: Role) -> dict[str, str]:
+    """A group's leader alone stands for the group (peers see one address per group)."""
+    return groups.member_labels(selector, 0) if groups.grouped(role) else selector
+
+
+def ranks_services(
+    pipeline: Pipeline, unit: model.Workload, namespace: str
+) -> list[dict[str, Any]]:
+    """Service P-R-ranks of a role of groups (`groups.ranks_service`); none otherwise."""
+    role = unit.roles[0]
+    if not groups.grouped(role):
+        return []
+    config = model.role_config(pipeline, role.name, namespace=namespace)
+    return [
+        groups.ranks_service(
+            pipeline,
+            role,
+            unit.labels(pipeline),
+            unit.selector(pipeline),
+            namespace,
+            config.rank_port,
+        )
+    ]
+
+
+def ranks_network_policy(
+    pipeline: Pipeline, unit: model.Workload, namespace: str
+) -> list[dict[str, Any]]:
+    """NetworkPolicy P-R-ranks of a role of groups: its pods admit each other on every port
+    (the rank port's rendezvous, then gloo's and NCCL's own connections on ports they
+    pick); policies add up, so P-network still admits the peers on the runtime's ports."""
+    if not groups.grouped(unit.roles[0]):
+        return []
+    members = {"matchLabels": unit.selector(pipeline)}
+    return [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(
+                groups.ranks_service_name(pipeline, unit.roles[0].name),
+                namespace,
+                unit.labels(pipeline),
+            ),
+            "spec": {
+                "podSelector": copy.deepcopy(members),
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": [{"podSelector": copy.deepcopy(members)}]}],
+            },
+        }
+    ]
 
 
 def role_selector(pipeline: str) -> dict[str, Any]:
@@ -207,6 +259,36 @@ def _policy_ports(ports: set[tuple[str, int]]) -> list[dict[str, Any]]:
     return [{"protocol": protocol, "port": port} for protocol, port in sorted(ports)]
 
 
+def stateful_sets(
+    pipeline: Pipeline,
+    unit: model.Workload,
+    namespace: str,
+    options: model.PlanOptions,
+    mode: model.GpuMode,
+    peer_key_hash: str | None,
+) -> list[dict[str, Any]]:
+    """The unit's StatefulSet; for a role of groups, the leaders' (P-R) and one per worker
+    node rank (P-R-wk), all of `unit.replicas` (groups) pods."""
+    role = unit.roles[0]
+    if not groups.grouped(role):
+        return [stateful_set(pipeline, unit, namespace, options, mode, peer_key_hash)]
+    config = model.role_config(pipeline, role.name, namespace=namespace, options=options)
+    leader = groups.leader_host(pipeline, role.name, namespace, options.cluster_domain)
+    return [
+        stateful_set(
+            pipeline,
+            unit,
+            namespace,
+            options,
+            mode,
+            peer_key_hash,
+            node_rank=k,
+            config=groups.member_config(config, node_rank=k, leader=leader),
+        )
+        for k in range(role.nodes)
+    ]
+
+
 def stateful_set(
     pipeline: Pipeline,
     unit: model.Workload,
@@ -214,16 +296,30 @@ def stateful_set(
     options: model.PlanOptions,
     mode: model.GpuMode,
     peer_key_hash: str | None,
+    *,
+    node_rank: int | None = None,
+    config: contract.RoleConfig | None = None,
 ) -> dict[str, Any]:
+    """One StatefulSet of `unit`; `node_rank` and `config` for a member of a role's groups."""
     configs = {
         role.name: model.role_config(pipeline, role.name, namespace=namespace, options=options)
         for role in unit.roles
     }
+    labels = unit.labels(pipeline)
+    selector = unit.selector(pipeline)
+    name = unit.name
+    service = pipeline.derived_name(unit.roles[0].name)
+    if node_rank is not None and config is not None:
+        configs[unit.roles[0].name] = config
+        labels = groups.member_labels(labels, node_rank)
+        selector = groups.member_labels(selector, node_rank)
+        name = groups.member_name(pipeline, unit.roles[0].name, node_rank)
+        service = groups.ranks_service_name(pipeline, unit.roles[0].name)
     template = pods.pod_template(
         pipeline,
         unit.roles,
         configs,
-        labels=unit.labels(pipeline),
+        labels=labels,
         spec_hash=model.spec_hash(pipeline, namespace, tuple(r.name for r in unit.roles)),
         config_map=topology_config_map_name(pipeline),
         peer_key_secret=peer_key_secret_name(pipeline.name),
@@ -234,20 +330,22 @@ def stateful_set(
             claim_template_name(pipeline, unit.group.name) if unit.group is not None else None
         ),
     )
+    if node_rank:
+        template = groups.as_worker(template, unit.roles[0].name)
     spec: dict[str, Any] = {
-        "serviceName": pipeline.derived_name(unit.roles[0].name),
+        "serviceName": service,
         "replicas": unit.replicas,
         "podManagementPolicy": "Parallel",
         "updateStrategy": {
             "type": "RollingUpdate",
             "rollingUpdate": {"partition": options.partitions.get(unit.unit, 0)},
         },
-        "selector": {"matchLabels": unit.selector(pipeline)},
+        "selector": {"matchLabels": selector},
         "template": template,
     }
     if unit.unit in model.external_units(pipeline):
         del spec["replicas"]  # the HPA's (or KEDA's) field
-    meta = _meta(unit.name, namespace, unit.labels(pipeline))
+    meta = _meta(name, namespace, labels)
     meta["annotations"] = {names.ANNOTATION_TEMPLATE_HASH: template_hash(template)}
     return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": spec}
 

@@ -8,6 +8,8 @@ Naming (P = metadata.name, at most 40 characters; R = a role; G = a colocation g
 `P-R` and `P-G` are at most 52 characters, which the spec checks):
 
     ConfigMap              P-topology    data `topology.json` = contract.Topology of P
+    Service, NetworkPolicy P-R-ranks     a role of groups (`nodes` > 1): its members
+    StatefulSet            P-R-wk        a role of groups: its workers of node rank k
     ResourceClaimTemplate  P-G-gpu       one per colocation group, GPU mode `dra` only
     Service (headless)     P-R           one per role, grouped or not
     StatefulSet            P-U           one per workload unit U: a role outside every
@@ -63,8 +65,19 @@ A role of `ranks: N` > 1 (role/ranks.py in the runtime) is still one container p
 process is rank 0 and starts the other N - 1, so the container is told DISAGG_RANKS=N,
 DISAGG_LEADER=127.0.0.1 and DISAGG_RANK_PORT=29500 (torch.distributed's rendezvous, inside
 the pod), and its `resources` are one rank's: every request and limit is N times the
-role's (`nvidia.com/gpu: 1` per rank asks for N GPUs, one per local rank). `nodes` > 1 (a
-group of pods per replica) is refused by `check` in this version.
+role's (`nvidia.com/gpu: 1` per rank asks for N GPUs, one per local rank).
+
+A role of `nodes: M` > 1 (`groups`) is a group of M pods per replica: StatefulSet P-R holds
+the leaders (node rank 0), StatefulSet P-R-wk the workers of node rank k (1..M-1), all with
+the replicas (groups) and partition of the role, so ordinal g of each is group g. Their pods
+carry disagg.dev/node-rank; Service P-R selects only node rank 0 (peers see one address per
+group), the headless Service P-R-ranks (not-ready addresses published; the StatefulSets'
+governing Service) every member, and NetworkPolicy P-R-ranks admits the members to each
+other on every port. Each member is told DISAGG_NODES=M, its DISAGG_NODE_RANK and
+DISAGG_LEADER = P-R-$(DISAGG_GROUP_INDEX).P-R-ranks.NS.svc.<domain>, the group index coming
+from the pod-index label through the downward API. `check` refuses names past 52
+characters and external scaling of such a role; the reconciler restarts groups
+(reconcile/regroup.py).
 DISAGG_SAME_GPU_PEERS lists the other roles of R's group. The topology file is the ConfigMap,
 mounted read-only at /etc/disagg. DISAGG_PEER_KEY_FILE = /etc/disagg-peer-key/key: the
 Secret P-peer-key (its `key` only, mode 0440, group 65532 through the pod's fsGroup),
@@ -139,9 +152,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from disagg_core.spec import Pipeline, Problem, SpecError, child
+from disagg_core.spec import Pipeline, Problem, Role, SpecError, child
 from disagg_operator import names
-from disagg_operator.plan import manifests, model, podmonitor
+from disagg_operator.plan import groups, manifests, model, podmonitor
+
+MAX_STATEFULSET_NAME = 52
 
 # the runtime's ports of a pod's k-th container are named <kind>-<k> (pods.runtime_port_name)
 _RESERVED_PORT_NAME = re.compile(r"(ingress|lane|metrics)(-[0-9]+)?")
@@ -198,14 +213,7 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                     )
                 seen.setdefault(port.name, member)
     for i, role in enumerate(pipeline.roles):
-        if role.nodes > 1:
-            problems.append(
-                Problem(
-                    f"spec.roles[{i}].nodes",
-                    f"{role.nodes}: groups of several pods per replica are not rendered by this "
-                    "operator version; ranks within one pod are (roles[].ranks)",
-                )
-            )
+        problems += _group_problems(pipeline, role, i)
         for k, port in enumerate(role.ports):
             if _RESERVED_PORT_NAME.fullmatch(port.name):
                 problems.append(
@@ -214,6 +222,34 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                         f"{port.name!r} is reserved for the runtime's own port",
                     )
                 )
+    return problems
+
+
+def _group_problems(pipeline: Pipeline, role: Role, index: int) -> list[Problem]:
+    """A role of groups: its worker StatefulSets' names fit (a StatefulSet's name is at most
+    52 characters: its pods' controller-revision-hash label), and its replicas are the
+    operator's to scale (an HPA scaling the leaders alone would split groups)."""
+    if not groups.grouped(role):
+        return []
+    problems = []
+    longest = groups.longest_name(pipeline, role)
+    if len(longest) > MAX_STATEFULSET_NAME:
+        problems.append(
+            Problem(
+                f"spec.roles[{index}].name",
+                f"{longest!r}, the StatefulSet of node rank {role.nodes - 1} of {role.name!r}'s "
+                f"groups, is longer than {MAX_STATEFULSET_NAME} characters: shorten the "
+                "pipeline's or the role's name",
+            )
+        )
+    if role.name in model.external_units(pipeline):
+        problems.append(
+            Problem(
+                child("metadata.annotations", names.ANNOTATION_EXTERNAL_SCALING),
+                f"names {role.name!r}, a role of groups (nodes {role.nodes}): an external "
+                "scaler would scale its leaders without their workers",
+            )
+        )
     return problems
 
 
@@ -245,12 +281,13 @@ def plan(
         ]
     for unit in units:
         objects += [manifests.service(pipeline, unit, role, namespace) for role in unit.roles]
+        objects += manifests.ranks_services(pipeline, unit, namespace)
     if pipeline.network_policy.enabled:
         objects.append(manifests.network_policy(pipeline, units, namespace, options))
-    objects += [
-        manifests.stateful_set(pipeline, unit, namespace, options, mode, peer_key_hash)
-        for unit in units
-    ]
+        for unit in units:
+            objects += manifests.ranks_network_policy(pipeline, unit, namespace)
+    for unit in units:
+        objects += manifests.stateful_sets(pipeline, unit, namespace, options, mode, peer_key_hash)
     if pipeline.gateway.enabled:
         objects += manifests.gateway_objects(pipeline, units, namespace, options)
     if options.pod_monitors and podmonitor.wanted(pipeline, options.pod_monitor_default):

@@ -12,6 +12,7 @@ from disagg_core import contract, quantity
 from disagg_core.spec import EnvSetting, Pipeline, Role
 from disagg_operator import names
 from disagg_operator.plan import merge
+from disagg_operator.plan.groups import group_index_env
 
 TOPOLOGY_KEY: Final = os.path.basename(contract.DEFAULT_TOPOLOGY_FILE)  # topology.json
 TOPOLOGY_DIR: Final = os.path.dirname(contract.DEFAULT_TOPOLOGY_FILE)  # /etc/disagg
@@ -90,7 +91,8 @@ def _pinned(spec_hash: str, peer_key_hash: str | None) -> dict[str, str]:
 def contract_env(config: contract.RoleConfig) -> list[dict[str, Any]]:
     """The contract part of a container's env: DISAGG_* as rendered, DISAGG_POD_NAME from
     the downward API."""
-    env: list[dict[str, Any]] = [
+    env: list[dict[str, Any]] = [group_index_env()] if config.nodes > 1 else []
+    env += [
         {"name": key, "value": value}
         for key, value in contract.render_env(config).items()
         if key not in _DROPPED_ENV

@@ -86,7 +86,13 @@ def slim(obj: Mapping[str, Any], api_version: str, kind: str, *, digested: bool 
             ]
         }
         status = obj.get("status") or {}
+        entry["metadata"]["creationTimestamp"] = meta.get("creationTimestamp")
         entry["status"] = {
+            # a group's restart reads the restarts (reconcile/regroup.py)
+            "containerStatuses": [
+                {"restartCount": c.get("restartCount") or 0}
+                for c in status.get("containerStatuses") or ()
+            ],
             "phase": status.get("phase"),
             "podIP": status.get("podIP"),
             "conditions": [

@@ -280,7 +280,7 @@ class Reconciler:
         namespace = body["metadata"]["namespace"]
         owner = model.Owner.of(body)
         await self._detect_pod_monitors(body)
-        options = self._options_for(state)
+        options = self.options_for(state)
         pipeline = self.validated(body, state, options)
         if isinstance(pipeline, SpecError):
             state.conflicts = ()
@@ -306,8 +306,8 @@ class Reconciler:
             o for o in workloads.values() if (apply.controller_of(o) or {}).get("uid") == owner.uid
         ]
         state.rollout.step(pipeline, objects, live)
-        if self._options_for(state) != options:  # the rollout moved a partition
-            options = self._options_for(state)
+        if self.options_for(state) != options:  # the rollout moved a partition
+            options = self.options_for(state)
             objects = self._plan(pipeline, state, namespace, owner, options, digest)
         result = await apply.apply_children(
             self.api,
@@ -345,7 +345,7 @@ class Reconciler:
         return await apply.ensure_created(self.api, wanted, likely_absent=cached is not None)
 
     async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
-        parsed = self.validated(body, state, self._options_for(state))
+        parsed = self.validated(body, state, self.options_for(state))
         return await self._finish(body, state, parsed, None)
 
     def validated(
@@ -427,7 +427,7 @@ class Reconciler:
             now=now,
             previous_conditions=before.get("conditions") or (),
             progress_deadline=self.progress_deadline,
-            options=self._options_for(state),
+            options=self.options_for(state),
         )
         if not isinstance(parsed, SpecError):
             after = status.with_conflicts(after, state.conflicts, now=now, previous=before)
@@ -452,7 +452,7 @@ class Reconciler:
             events=tuple(events),
         )
 
-    def _options_for(self, state: PipelineState) -> model.PlanOptions:
+    def options_for(self, state: PipelineState) -> model.PlanOptions:
         if not state.replicas and not state.rollout.partitions:
             return self.options
         return dataclasses.replace(
@@ -477,7 +477,7 @@ class Reconciler:
             return dict(built)
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
-        owner, options = model.Owner.of(body), self._options_for(state)
+        owner, options = model.Owner.of(body), self.options_for(state)
         planned = self._planned_for_rollout(
             pipeline, state, meta["namespace"], owner, options, state.peer_key_hash
         )

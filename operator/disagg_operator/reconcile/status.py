@@ -53,7 +53,7 @@ from disagg_core import spec
 from disagg_core.spec import ROOT, Pipeline, SpecError
 from disagg_operator import names
 from disagg_operator.k8s import times
-from disagg_operator.plan import gateway, model
+from disagg_operator.plan import gateway, groups, model
 from disagg_operator.reconcile import apply
 
 # Degraded reason when a planned child's name is taken by an object this pipeline does not
@@ -113,6 +113,25 @@ def unit_state(statefulset: Mapping[str, Any] | None, planned: int) -> UnitState
     )
 
 
+def _unit_state(
+    pipeline: Pipeline, unit: model.Workload, by_name: Mapping[Any, Mapping[str, Any]]
+) -> UnitState:
+    """A role of groups (roles[].nodes): its StatefulSets' ordinals are its groups, so a
+    group counts (current, ready, updated) only as far as every member's StatefulSet does."""
+    members = groups.member_names(pipeline, unit)
+    states = [unit_state(by_name.get(name), unit.replicas) for name in members]
+    if len(states) == 1:
+        return states[0]
+    return UnitState(
+        present=all(s.present for s in states),
+        desired=states[0].desired,
+        current=min(s.current for s in states),
+        ready=min(s.ready for s in states),
+        updated=min(s.updated for s in states),
+        stale=any(s.stale for s in states),
+    )
+
+
 def build_status(
     pipeline_or_error: Pipeline | SpecError,
     observed_statefulsets: Sequence[Mapping[str, Any]],
@@ -143,7 +162,7 @@ def build_status(
     pipeline = pipeline_or_error
     by_name = {(sts.get("metadata") or {}).get("name"): sts for sts in observed_statefulsets}
     units = model.workloads(pipeline, options)
-    states = {unit.name: unit_state(by_name.get(unit.name), unit.replicas) for unit in units}
+    states = {unit.name: _unit_state(pipeline, unit, by_name) for unit in units}
     home = {role.name: unit.name for unit in units for role in unit.roles}
     roles = [_role_entry(name, home[name], states[home[name]]) for name in pipeline.role_names]
     ready = sum(1 for name in pipeline.role_names if states[home[name]].is_ready)

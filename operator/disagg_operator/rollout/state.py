@@ -122,8 +122,22 @@ def observe(
                 rolling=two_revisions and bool(st.get("updateRevision")),
                 target=held,
             )
-        units[_unit_name(sts)] = unit
+        name = _unit_name(sts)
+        units[name] = _whole(units[name], unit) if name in units else unit
     return units
+
+
+def _whole(a: rollout.Unit, b: rollout.Unit) -> rollout.Unit:
+    """A role of groups (roles[].nodes) has a StatefulSet per node rank whose ordinals are
+    its groups: a group is updated, ready or held only where every member is."""
+    return rollout.Unit(
+        replicas=a.replicas,
+        updated=min(a.updated, b.updated),
+        ready=min(a.ready, b.ready),
+        rolling=a.rolling or b.rolling,
+        target=min(a.target, b.target),
+        stale=a.stale or b.stale,
+    )
 
 
 def decide(
