@@ -79,14 +79,19 @@ def replicas(tmp_path: Path) -> Iterator[list[tuple[RoleConfig, subprocess.Popen
                 proc.wait(timeout=30)
 
 
-def test_replica_stopped_under_a_stream_of_inline_requests_loses_none(
+def _listed_client(
     replicas: list[tuple[RoleConfig, subprocess.Popen[bytes]]],
-) -> None:
+    listed: list[str] | None = None,
+    *,
+    dispatch: str = "load",
+) -> tuple[Client, list[str], list[str]]:
+    """A client of the replicas whose lookup answers `listed` (a lagging DNS view the test
+    edits in place; all of them by default), with the replicas' endpoints."""
     endpoints = [f"tcp://127.0.0.1:{config.ingress_port}" for config, _ in replicas]
-    listed = [endpoints[0]]  # the client's lagging view: replica 0 only, until it re-resolves
+    view = list(endpoints) if listed is None else listed
 
     def resolver(host: str, port: int) -> list[str]:
-        return list(listed)
+        return list(view)
 
     client = Client(
         [Peer("solo", ("solo.test:7000",))],
@@ -96,7 +101,17 @@ def test_replica_stopped_under_a_stream_of_inline_requests_loses_none(
         timeout=TIMEOUT_S,
         key=KEY,
         resolver=resolver,
+        dispatch=dispatch,
     )
+    return client, view, endpoints
+
+
+def test_replica_stopped_under_a_stream_of_inline_requests_loses_none(
+    replicas: list[tuple[RoleConfig, subprocess.Popen[bytes]]],
+) -> None:
+    # the client's lagging view: replica 0 only, until it re-resolves
+    first = f"tcp://127.0.0.1:{replicas[0][0].ingress_port}"
+    client, listed, endpoints = _listed_client(replicas, [first])
     # both replicas serve first (each answers a request sent straight to it)
     for endpoint in [*endpoints, endpoints[0]]:
         listed[:] = [endpoint]
@@ -155,21 +170,7 @@ def test_replica_killed_under_a_stream_of_requests_loses_none(
     saw that connection die, are moved to the other replica (request migration), not
     lost until their deadline. The client's view still lists the dead replica for a
     second, as DNS does after a pod dies."""
-    endpoints = [f"tcp://127.0.0.1:{config.ingress_port}" for config, _ in replicas]
-    listed = list(endpoints)
-
-    def resolver(host: str, port: int) -> list[str]:
-        return list(listed)
-
-    client = Client(
-        [Peer("solo", ("solo.test:7000",))],
-        ["solo"],
-        pipeline=PIPELINE.name,
-        pool_size=8 << 20,
-        timeout=TIMEOUT_S,
-        key=KEY,
-        resolver=resolver,
-    )
+    client, listed, endpoints = _listed_client(replicas)
     for endpoint in endpoints:  # both serve first (each answers a request sent to it)
         listed[:] = [endpoint]
         client.entries[0].endpoints(refresh=True)
@@ -229,22 +230,7 @@ def test_the_first_small_message_into_a_connection_that_died_is_resent_or_fails_
     elsewhere) or the socket takes the payload first (an inline payload has no receipt:
     moved once the dead connection is seen), it is served by replica 1 soon; never lost
     until its deadline."""
-    endpoints = [f"tcp://127.0.0.1:{config.ingress_port}" for config, _ in replicas]
-    listed = list(endpoints)
-
-    def resolver(host: str, port: int) -> list[str]:
-        return list(listed)
-
-    client = Client(
-        [Peer("solo", ("solo.test:7000",))],
-        ["solo"],
-        pipeline=PIPELINE.name,
-        pool_size=8 << 20,
-        timeout=TIMEOUT_S,
-        key=KEY,
-        resolver=resolver,
-        dispatch="hash",
-    )
+    client, listed, endpoints = _listed_client(replicas, dispatch="hash")
     killed = replicas[0][1]
     try:
         for endpoint in endpoints:  # a relay open to each
