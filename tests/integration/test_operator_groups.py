@@ -7,7 +7,6 @@ the API holds is the ground truth."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,15 +21,6 @@ NS = s.NS
 NAME = "mn"
 PODS = "v1/pods"
 MEMBERS = ("mn-llm", "mn-llm-w1")
-
-
-@pytest.fixture
-def k8s_crd(k8s: EmulatorThread, disagg_crd: Any) -> Iterator[EmulatorThread]:
-    """The emulator with the CRD; the operator's calls must be in the recorded RBAC."""
-    k8s.apply_file(disagg_crd)
-    yield k8s
-    missing = s.observed_rbac(k8s) - s.recorded_rbac()
-    assert not missing, f"calls missing from {s.RBAC_FILE.name}: {missing}"
 
 
 def doc(replicas: int) -> dict[str, Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import kmock
@@ -36,16 +35,6 @@ ALL_CHILDREN = {
     f"Service/{NAME}",  # the gateway's
     f"Deployment/{NAME}-gateway",
 }
-
-
-@pytest.fixture
-def k8s_crd(k8s: EmulatorThread, disagg_crd: Any) -> Iterator[EmulatorThread]:
-    """The emulator with the CRD; afterwards, the operator's calls (the only recorded ones
-    here) must be covered by operator_rbac_observed.json."""
-    k8s.apply_file(disagg_crd)
-    yield k8s
-    missing = s.observed_rbac(k8s) - s.recorded_rbac()
-    assert not missing, f"calls missing from {s.RBAC_FILE.name}: {missing}"
 
 
 async def created(k8s: EmulatorThread, doc: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -21,15 +21,6 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(180)]
 NS = s.NS
 NAME = "paired"
 UNITS = ("prefill", "decode")
-
-
-@pytest.fixture
-def k8s_crd(k8s: EmulatorThread, disagg_crd: Any) -> Iterator[EmulatorThread]:
-    """The emulator with the CRD; the operator's calls must be in the recorded RBAC."""
-    k8s.apply_file(disagg_crd)
-    yield k8s
-    missing = s.observed_rbac(k8s) - s.recorded_rbac()
-    assert not missing, f"calls missing from {s.RBAC_FILE.name}: {missing}"
 
 
 def doc(image: str, **rollout: Any) -> dict[str, Any]:

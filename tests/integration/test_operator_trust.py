@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import kubernetes_validate
@@ -26,14 +25,6 @@ NS = s.NS
 SECRETS = "v1/secrets"
 POLICIES = "networking.k8s.io/v1/networkpolicies"
 UNITS = ("encoder", "denoiser", "decoder")
-
-
-@pytest.fixture
-def k8s_crd(k8s: EmulatorThread, disagg_crd: Any) -> Iterator[EmulatorThread]:
-    k8s.apply_file(disagg_crd)
-    yield k8s
-    missing = s.observed_rbac(k8s) - s.recorded_rbac()
-    assert not missing, f"calls missing from {s.RBAC_FILE.name}: {missing}"
 
 
 def secret(k8s: EmulatorThread) -> dict[str, Any]:
