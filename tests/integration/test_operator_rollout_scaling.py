@@ -20,7 +20,6 @@ from tests.integration.test_operator_rollout import (
     Controller,
     all_at_new_revision,
     doc,
-    k8s_crd,  # noqa: F401  (fixture)
     rollout_phase,
     settled,
 )
@@ -55,7 +54,7 @@ def with_replicas(d: dict[str, Any], prefill: int, decode: int) -> dict[str, Any
 
 @pytest.mark.parametrize(("prefill", "decode"), [(6, 6), (2, 3)], ids=["up", "down"])
 async def test_scaling_during_a_rollout_keeps_partitions_and_finishes(
-    k8s_crd: EmulatorThread,  # noqa: F811
+    k8s_crd: EmulatorThread,
     prefill: int,
     decode: int,
 ) -> None:
@@ -100,7 +99,7 @@ def externally_scaled(d: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("replicas", [6, 2], ids=["up", "down"])
 async def test_an_autoscaler_resizing_during_a_rollout_keeps_partitions_and_finishes(
-    k8s_crd: EmulatorThread,  # noqa: F811
+    k8s_crd: EmulatorThread,
     replicas: int,
 ) -> None:
     """The autoscaler, not the spec, resizes prefill in the middle of the rollout: an HPA
