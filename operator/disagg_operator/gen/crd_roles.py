@@ -367,7 +367,16 @@ def role_schema() -> crd_kit.Schema:
                     ),
                     "batching.maxBatchSize exceeds concurrency: larger batches never form",
                     ".batching.maxBatchSize",
-                )
+                ),
+                crd_kit.rule(
+                    f"(has(self.nodes) ? self.nodes : {m.DEFAULT_NODES}) == "
+                    f"(has(oldSelf.nodes) ? oldSelf.nodes : {m.DEFAULT_NODES})",
+                    "nodes cannot change on a live role: every group's pods and world size "
+                    "would change, and the role's StatefulSets' serviceName and selector are "
+                    "immutable. Remove the role (or the pipeline) and add it again, or give the "
+                    "role a new name (docs/troubleshooting.md)",
+                    ".nodes",
+                ),
             ]
         },
     )
