@@ -12,6 +12,7 @@ One scenario, one cluster (module scope): `make test` pays for it once."""
 
 from __future__ import annotations
 
+import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,7 @@ def container_env(cluster: LocalCluster, name: str) -> dict[str, str]:
     worker = cluster.node.worker(NS, name)
     (c,) = [c for c in worker.containers if c.name == ROLE]
     assert c.process is not None
-    raw = open(f"/proc/{c.process.pid}/environ", "rb").read().split(b"\0")
+    raw = pathlib.Path(f"/proc/{c.process.pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode().partition("=")[::2] for item in raw if item)
 
 

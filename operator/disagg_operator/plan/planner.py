@@ -64,8 +64,9 @@ target T of R (edge targets, then tensor-reference targets):
 A role of `ranks: N` > 1 (role/ranks.py in the runtime) is still one container per pod: its
 process is rank 0 and starts the other N - 1, so the container is told DISAGG_RANKS=N,
 DISAGG_LEADER=127.0.0.1 and DISAGG_RANK_PORT=29500 (torch.distributed's rendezvous, inside
-the pod; `check` refuses a role port of 29500/TCP on such a role), and its `resources` are one rank's: every request and limit is N times the
-role's (`nvidia.com/gpu: 1` per rank asks for N GPUs, one per local rank).
+the pod; `check` refuses a role port of 29500/TCP on such a role), and its `resources` are
+one rank's: every request and limit is N times the role's (`nvidia.com/gpu: 1` per rank asks
+for N GPUs, one per local rank).
 
 A role of `nodes: M` > 1 (`groups`) is a group of M pods per replica: StatefulSet P-R holds
 the leaders (node rank 0), StatefulSet P-R-wk the workers of node rank k (1..M-1), all with
