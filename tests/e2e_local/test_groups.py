@@ -12,6 +12,7 @@ One scenario, one cluster (module scope): `make test` pays for it once."""
 
 from __future__ import annotations
 
+import datetime
 import pathlib
 import time
 from collections.abc import Callable
@@ -59,6 +60,10 @@ def pod(cluster: LocalCluster, name: str) -> dict[str, Any]:
 def ready(obj: dict[str, Any]) -> bool:
     conditions = (obj.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def role_of(obj: dict[str, Any]) -> str | None:
+    return (obj["metadata"].get("labels") or {}).get("disagg.dev/role")
 
 
 def running(obj: dict[str, Any]) -> bool:
@@ -115,8 +120,8 @@ def test_a_role_of_groups(local_cluster: LocalCluster, figures: Callable[[str], 
     cluster.wait_for(lambda: cluster.ready(NAME), "Ready", READY_TIMEOUT)
     cluster.wait_for(lambda: group_serving(cluster, 0), "group 0 serving", READY_TIMEOUT)
     ready_s = time.monotonic() - t0
-    names = sorted(p["metadata"]["name"] for p in cluster.pods(NAME))
-    assert names == [f"{NAME}-ingest-0", f"{LEADERS}-0", f"{LEADERS}-w1-0"], names
+    names = sorted(p["metadata"]["name"] for p in cluster.pods(NAME) if role_of(p) == ROLE)
+    assert names == [f"{LEADERS}-0", f"{LEADERS}-w1-0"], names  # one group: two pods
     line = [f"Ready in {ready_s:.1f} s with pods {names}"]
 
     # the kubelet expanded $(DISAGG_GROUP_INDEX) in the worker's DISAGG_LEADER
@@ -152,7 +157,7 @@ def test_a_role_of_groups(local_cluster: LocalCluster, figures: Callable[[str], 
         "disaggregatedpipeline",
         NAME,
         "--type=json",
-        '-p=[{"op": "replace", "path": "/spec/roles/1/replicas", "value": 2}]',
+        '-p=[{"op": "add", "path": "/spec/roles/1/replicas", "value": 2}]',
     )
 
     def both_new() -> bool:
@@ -162,9 +167,11 @@ def test_a_role_of_groups(local_cluster: LocalCluster, figures: Callable[[str], 
     cluster.wait_for(both_new, "group 1's pods", 60)
     appeared_s = time.monotonic() - t0
     created = [
-        pod(cluster, n)["metadata"]["creationTimestamp"]
+        datetime.datetime.fromisoformat(pod(cluster, n)["metadata"]["creationTimestamp"])
         for n in (f"{LEADERS}-1", f"{LEADERS}-w1-1")
     ]
+    apart_s = abs((created[0] - created[1]).total_seconds())
+    assert apart_s <= 5, f"group 1's leader and worker came {apart_s} s apart"
     cluster.wait_for(lambda: group_serving(cluster, 1), "group 1 serving", READY_TIMEOUT)
     scaled_s = time.monotonic() - t0
     sts = cluster.k8s.get("apps/v1/statefulsets", f"{LEADERS}-w1", NS) or {}
@@ -179,7 +186,7 @@ def test_a_role_of_groups(local_cluster: LocalCluster, figures: Callable[[str], 
         rounds += 1
     assert served > 0, "the new group served no request"
     line.append(
-        f"scaled 1 -> 2 groups: both pods in {appeared_s:.1f} s (created {created}), "
+        f"scaled 1 -> 2 groups: both pods in {appeared_s:.1f} s ({apart_s:.0f} s apart), "
         f"serving in {scaled_s:.1f} s, new group served {served:.0f} of {6 * rounds}"
     )
 
