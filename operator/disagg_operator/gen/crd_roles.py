@@ -265,8 +265,8 @@ def role_schema() -> crd_kit.Schema:
                 "`ranks` ranks of one world. The leader (StatefulSet <pipeline>-<role>) is the "
                 "only member peers see; worker k runs in StatefulSet <pipeline>-<role>-w<k>; "
                 "`replicas` counts groups, and a group restarts whole when a member fails or "
-                "is deleted (docs/handlers.md). `disagg up` runs groups as rank sets on one "
-                "machine.",
+                "is deleted (docs/handlers.md). Fixed once the role exists (a change is refused "
+                "at admission). `disagg up` runs groups as rank sets on one machine.",
                 minimum=1,
                 maximum=limits.MAX_NODES,
                 format="int32",
