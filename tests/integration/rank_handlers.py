@@ -33,6 +33,27 @@ class Reduce:
             yield {"step": step, "total": float(total)}
 
 
+class ScaleInPlace:
+    """Writes its input in place (`x *= rank + 2`) and all-reduces it: 5x with private
+    inputs (2x on rank 0, 3x on rank 1); a rank that saw rank 0's write would add 6x."""
+
+    writes_inputs = True
+
+    def setup(self, ctx: Any) -> None:
+        self.group, self.rank = ctx.group, ctx.rank
+
+    def __call__(self, payload: dict[str, Any]) -> Any:
+        x = payload["x"]
+        x.mul_(self.rank + 2)
+        total = x.to(torch.float64, copy=True)
+        dist.all_reduce(total, group=self.group)
+        return {"x": total}
+
+
+class ScaleInPlaceUnflagged(ScaleInPlace):
+    writes_inputs = False  # rank 1's write then hits the read-only mapping of rank 0's pool
+
+
 def feed_peer(rank: int, port: int, pool_name: str | None, out: Any) -> None:
     """One end of test_ranks' feed round trip: rank 0 sends, rank 1 reports what it got."""
     import datetime

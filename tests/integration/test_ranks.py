@@ -14,7 +14,7 @@ import torch
 
 from disagg_runtime.client import Client, RequestFailed, RequestTimeout
 from disagg_runtime.role import ranks
-from tests.integration.test_up import local_pipeline, process_of, segments
+from tests.integration.test_up import PIPELINES, local_pipeline, process_of, segments
 from tests.support import wait_for
 
 
@@ -78,6 +78,34 @@ def test_a_killed_rank_fails_in_flight_requests_and_the_replica_restarts(
         wait_for(lambda: local.deaths, 5, message="the launcher to see the death")
         local.scale("tp", 1, ready_timeout=60)  # what the supervisor or the kubelet does
         assert torch.equal(wait_for(lambda: answer(client, x), 40, message="an answer")["x"], x * 3)
+
+
+def test_a_handler_that_writes_its_inputs_gets_private_copies_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """writes_inputs = True: 16 MiB in rank 0's pool, written in place on both ranks, and
+    neither rank sees the other's write (rank 0 waits until rank 1 copied)."""
+    with local_pipeline("ranks-inplace.yaml", monkeypatch) as (_, client):
+        x = torch.arange(2 * 2**20, dtype=torch.float64)  # 16 MiB: through the pool
+        for _ in range(3):
+            assert torch.equal(client.submit({"x": x.clone()})["x"], x * 5)
+
+
+def test_without_the_flag_a_write_on_rank_1_takes_the_replica_down_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """The same handler unflagged: rank 1's write hits the read-only mapping (SIGSEGV), the
+    request fails naming rank 1, the replica restarts (what docs/troubleshooting.md says)."""
+    doc = (PIPELINES / "ranks-inplace.yaml").read_text()
+    file = tmp_path / "unflagged.yaml"
+    file.write_text(doc.replace("ScaleInPlace", "ScaleInPlaceUnflagged"))
+    with local_pipeline(str(file), monkeypatch) as (local, client):
+        x = torch.arange(2 * 2**20, dtype=torch.float64)
+        with pytest.raises(RequestFailed) as failed:
+            client.submit({"x": x}, timeout=20)
+        assert "rank 1" in str(failed.value) and f"code {-signal.SIGSEGV}" in str(failed.value)
+        code = wait_for(lambda: process_of(local, "tp").proc.poll(), 20, message="rank 0 exits")
+        assert code == ranks.RANK_LOST_EXIT
 
 
 def answer(client: Client, x: torch.Tensor) -> Any:

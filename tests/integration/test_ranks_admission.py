@@ -94,3 +94,53 @@ def test_a_group_whose_worker_names_do_not_fit_is_refused(role: str) -> None:
     problems = planner.check(spec.parse_pipeline(doc))
     assert [p.path for p in problems] == ["spec.roles[1].name"]
     assert "longer than 52" in problems[0].reason
+
+
+def test_nodes_cannot_change_on_a_live_role_but_everything_around_it_can(
+    with_crd: Kubectl, k8s: EmulatorThread
+) -> None:
+    """The CRD's transition rule (oldSelf): a role's nodes is fixed once it exists, named in
+    the refusal; roles are matched by name (a list-type map), so reordering them, changing
+    ranks or replicas, or adding a role of groups under a new name is accepted."""
+    doc = pipeline("live")
+    doc["spec"]["roles"][1].update(nodes=2, ranks=2)
+    with_crd("apply", "--server-side", "-f", "-", input=yaml.safe_dump(doc))
+
+    def apply(change: Any) -> Any:
+        edited = pipeline("live")
+        edited["spec"]["roles"][1].update(nodes=2, ranks=2)
+        change(edited)
+        return with_crd(
+            "apply", "--server-side", "-f", "-", input=yaml.safe_dump(edited), check=False
+        )
+
+    def stored_nodes() -> list[tuple[str, int]]:
+        obj = k8s.get("disaggregatedpipelines", "live", "default") or {}
+        return [(r["name"], r["nodes"]) for r in obj["spec"]["roles"]]
+
+    for what, change in (
+        ("1 -> 2", lambda d: d["spec"]["roles"][0].update(nodes=2)),
+        ("2 -> 1", lambda d: d["spec"]["roles"][1].update(nodes=1)),
+        ("2 -> 3", lambda d: d["spec"]["roles"][1].update(nodes=3)),
+        ("2 -> unset (1)", lambda d: d["spec"]["roles"][1].pop("nodes")),
+    ):
+        result = apply(change)
+        assert result.returncode != 0, what
+        index = 0 if what == "1 -> 2" else 1
+        assert f"spec.roles[{index}].nodes" in result.stderr, (what, result.stderr)
+        assert "nodes cannot change on a live role" in result.stderr, (what, result.stderr)
+        assert stored_nodes() == [("a", 1), ("b", 2)], what
+
+    def reorder(d: Any) -> None:
+        d["spec"]["roles"].reverse()
+        d["spec"]["roles"][0].update(ranks=4, replicas=3)
+
+    def add_renamed(d: Any) -> None:
+        d["spec"]["roles"].append({"name": "b2", "handler": "disagg_runtime.demo:encode_text"})
+        d["spec"]["roles"][2]["nodes"] = 4
+        d["spec"]["edges"].append({"from": "a", "to": "b2"})
+
+    for change in (reorder, add_renamed):
+        result = apply(change)
+        assert result.returncode == 0, result.stderr
+    assert stored_nodes() == [("a", 1), ("b", 2), ("b2", 4)]

@@ -134,15 +134,15 @@ def rule_errors(value: Any, schema: JSON, *, old: Any = None) -> Iterator[FieldE
     """The CEL rules that ``value`` breaks, each at its node's path (plus its fieldPath). On
     an update (``old``), a node whose value did not change is not evaluated again (the
     server's validation ratcheting: an unchanged value is not refused)."""
-    for path, node, item in values.walk(value, schema):
+    for path, node, item, before in _paired(value, old, schema):
         rules = node.get("x-kubernetes-validations") or []
-        if rules and old is not None and _at(old, path) == item:
+        if rules and before is not None and before == item:
             continue
         for entry in rules:
             rule = _compiled(entry, node)
-            if rule.transition and old is None:
-                continue  # a transition rule needs the old object
-            result = cel.evaluate(rule, item, _at(old, path))
+            if rule.transition and before is None:
+                continue  # a transition rule needs the old value (a new item has none)
+            result = cel.evaluate(rule, item, before)
             if result is True:
                 continue
             where = path
@@ -165,22 +165,37 @@ def _compiled(entry: JSON, node: JSON) -> cel.Rule:
     return _RULES[key]
 
 
-def _at(old: Any, path: str) -> Any:
-    """The old object's value at ``path`` (None when it has none; list items by index)."""
-    if old is None or not path:
-        return old
-    current = old
-    for part in path.replace("[", ".[").split("."):
-        if not part:
-            continue
-        if part.startswith("["):
-            index = int(part[1:-1])
-            current = current[index] if isinstance(current, list) and index < len(current) else None
-        else:
-            current = current.get(part) if isinstance(current, dict) else None
-        if current is None:
-            return None
-    return current
+def _paired(
+    value: Any, old: Any, schema: JSON, path: str = ""
+) -> Iterator[tuple[str, JSON, Any, Any]]:
+    """`values.walk` with each node's old value: object fields by name, the items of a
+    `x-kubernetes-list-type: map` list by their map keys (as the server correlates them, so
+    that a reordered or renamed item is compared with its own old self, or with none), other
+    lists' items by index."""
+    yield path, schema, value, old
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            sub = properties.get(key, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                before = old.get(key) if isinstance(old, dict) else None
+                yield from _paired(item, before, sub, fe.child(path, key))
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        olds = old if isinstance(old, list) else []
+        keys = schema.get("x-kubernetes-list-map-keys") or []
+        mapped = schema.get("x-kubernetes-list-type") == "map" and bool(keys)
+        by_key = {_map_key(o, keys): o for o in olds if mapped and isinstance(o, dict)}
+        for i, item in enumerate(value):
+            if mapped:
+                before = by_key.get(_map_key(item, keys)) if isinstance(item, dict) else None
+            else:
+                before = olds[i] if i < len(olds) else None
+            yield from _paired(item, before, schema["items"], f"{path}[{i}]")
+
+
+def _map_key(item: JSON, keys: list[str]) -> str:
+    return json.dumps([item.get(k) for k in keys])
 
 
 # ------------------------------------------------------------------ built-in kinds

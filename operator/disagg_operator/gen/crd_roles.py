@@ -265,8 +265,8 @@ def role_schema() -> crd_kit.Schema:
                 "`ranks` ranks of one world. The leader (StatefulSet <pipeline>-<role>) is the "
                 "only member peers see; worker k runs in StatefulSet <pipeline>-<role>-w<k>; "
                 "`replicas` counts groups, and a group restarts whole when a member fails or "
-                "is deleted (docs/handlers.md). `disagg up` runs groups as rank sets on one "
-                "machine.",
+                "is deleted (docs/handlers.md). Fixed once the role exists (a change is refused "
+                "at admission). `disagg up` runs groups as rank sets on one machine.",
                 minimum=1,
                 maximum=limits.MAX_NODES,
                 format="int32",
@@ -367,7 +367,16 @@ def role_schema() -> crd_kit.Schema:
                     ),
                     "batching.maxBatchSize exceeds concurrency: larger batches never form",
                     ".batching.maxBatchSize",
-                )
+                ),
+                crd_kit.rule(
+                    f"(has(self.nodes) ? self.nodes : {m.DEFAULT_NODES}) == "
+                    f"(has(oldSelf.nodes) ? oldSelf.nodes : {m.DEFAULT_NODES})",
+                    "nodes cannot change on a live role: every group's pods and world size "
+                    "would change, and the role's StatefulSets' serviceName and selector are "
+                    "immutable. Remove the role (or the pipeline) and add it again, or give the "
+                    "role a new name (docs/troubleshooting.md)",
+                    ".nodes",
+                ),
             ]
         },
     )

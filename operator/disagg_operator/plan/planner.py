@@ -64,8 +64,9 @@ target T of R (edge targets, then tensor-reference targets):
 A role of `ranks: N` > 1 (role/ranks.py in the runtime) is still one container per pod: its
 process is rank 0 and starts the other N - 1, so the container is told DISAGG_RANKS=N,
 DISAGG_LEADER=127.0.0.1 and DISAGG_RANK_PORT=29500 (torch.distributed's rendezvous, inside
-the pod), and its `resources` are one rank's: every request and limit is N times the
-role's (`nvidia.com/gpu: 1` per rank asks for N GPUs, one per local rank).
+the pod; `check` refuses a role port of 29500/TCP on such a role), and its `resources` are
+one rank's: every request and limit is N times the role's (`nvidia.com/gpu: 1` per rank asks
+for N GPUs, one per local rank).
 
 A role of `nodes: M` > 1 (`groups`) is a group of M pods per replica: StatefulSet P-R holds
 the leaders (node rank 0), StatefulSet P-R-wk the workers of node rank k (1..M-1), all with
@@ -152,6 +153,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from disagg_core import contract
 from disagg_core.spec import Pipeline, Problem, Role, SpecError, child
 from disagg_operator import names
 from disagg_operator.plan import groups, manifests, model, podmonitor
@@ -214,6 +216,7 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                 seen.setdefault(port.name, member)
     for i, role in enumerate(pipeline.roles):
         problems += _group_problems(pipeline, role, i)
+        problems += _rank_port_problems(role, i)
         for k, port in enumerate(role.ports):
             if _RESERVED_PORT_NAME.fullmatch(port.name):
                 problems.append(
@@ -223,6 +226,23 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                     )
                 )
     return problems
+
+
+def _rank_port_problems(role: Role, index: int) -> list[Problem]:
+    """A role of several ranks: rank 0 listens on DISAGG_RANK_PORT (torch.distributed's
+    rendezvous, MASTER_PORT) in its container, so none of the role's own ports may be it."""
+    if role.world_size == 1:
+        return []
+    return [
+        Problem(
+            f"spec.roles[{index}].ports[{k}].containerPort",
+            f"{port.container_port} is the rendezvous port of the role's ranks "
+            f"({contract.PREFIX}RANK_PORT, MASTER_PORT; ranks {role.ranks}, nodes "
+            f"{role.nodes}): rank 0 listens on it, so use another port",
+        )
+        for k, port in enumerate(role.ports)
+        if port.container_port == contract.DEFAULT_RANK_PORT and port.protocol == "TCP"
+    ]
 
 
 def _group_problems(pipeline: Pipeline, role: Role, index: int) -> list[Problem]:

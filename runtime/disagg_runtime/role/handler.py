@@ -15,6 +15,11 @@ The spec names a handler `module:attr`. `attr` is either
 `roles[].batching` needs `batch`; a class without `__call__` is only ever batched. Streaming
 works as before: an output that is a generator (from `__call__`, or an element of `batch`'s
 list) is sent on chunk by chunk.
+
+`writes_inputs = True` (a class attribute, or an attribute of the function) says the handler
+writes its input tensors in place: a replica of several ranks then hands every rank a
+private copy (role/rankfeed.py); otherwise the ranks above 0 read rank 0's inputs from a
+read-only mapping.
 """
 
 from __future__ import annotations
@@ -69,6 +74,10 @@ class Handler:
     @property
     def can_batch(self) -> bool:
         return self._batch is not None
+
+    @property
+    def writes_inputs(self) -> bool:
+        return getattr(self.target, "writes_inputs", False) is True
 
     def setup(self, ctx: SetupContext) -> None:
         setup = _method(self.target, "setup")

@@ -23,6 +23,13 @@ the pool (zero copy; tensors elsewhere are broadcast). `disagg bench ranks` meas
 The inputs stay valid while the handler runs: rank 0 frees its slots only after its own
 handler call has returned, which is after every collective of the call has completed.
 
+A handler that writes its inputs in place (`writes_inputs = True`, docs/handlers.md) gets
+`private` inputs: under `shm` the other ranks copy each pool tensor out of the mapping (a
+memmove), and a barrier after the notice holds rank 0's handler until every rank holds its
+copy, so rank 0's writes are never seen by the others. Without it a write on a rank > 0 hits
+the read-only mapping (SIGSEGV: the rank dies, the replica restarts). Broadcast tensors are
+the ranks' own anyway.
+
 Every wait is a collective of the group, and the group has a timeout: a rank that dies makes
 the others' next collective fail (or time out) instead of hanging.
 """
@@ -70,10 +77,13 @@ class Notice:
 class Feed:
     """One end of the feed. Rank 0 `send`s, the others `receive`; both sides in order."""
 
-    def __init__(self, group: Any, *, rank: int, mode: Mode = "broadcast") -> None:
+    def __init__(
+        self, group: Any, *, rank: int, mode: Mode = "broadcast", private: bool = False
+    ) -> None:
         self.group = group
         self.rank = rank
         self.mode: Mode = mode
+        self.private = private  # rank 0 says so in its hello
         self.seq = 0
         self._pool: Pool | None = None
         self._base = 0
@@ -94,7 +104,7 @@ class Feed:
     def hello(self) -> None:
         """Tell the others how inputs travel (and the pool's name for `shm`)."""
         name = self._pool.name if self._pool is not None and self.mode == "shm" else None
-        self._send(HELLO, {"mode": self.mode, "pool": name})
+        self._send(HELLO, {"mode": self.mode, "pool": name, "private": self.private})
 
     def send(self, kind: int, payload: Any = None) -> None:
         self.seq += 1
@@ -118,6 +128,12 @@ class Feed:
         for tensor, offset in zip(tensors, where, strict=True):
             if offset < 0 and tensor.numel():
                 dist.broadcast(tensor, 0, group=self.group)
+        if self._copied(where):
+            dist.barrier(group=self.group)  # every rank copied its inputs: rank 0 may write
+
+    def _copied(self, where: list[Any]) -> bool:
+        """Whether the others copy pool tensors out of this notice (both sides agree)."""
+        return self.private and self.mode == "shm" and any(o >= 0 for o in where)
 
     def _offset(self, t: torch.Tensor) -> int:
         if self.mode != "shm" or not t.numel():
@@ -152,6 +168,8 @@ class Feed:
         if not isinstance(where, list) or len(where) != len(metas):
             raise FeedError("rank feed: a notice without one place per tensor")
         tensors = [self._tensor(meta, offset) for meta, offset in zip(metas, where, strict=True)]
+        if self._copied(where):
+            dist.barrier(group=self.group)
         payload = wire_tree.unflatten(header.get("tree"), tensors)
         if kind == HELLO:
             self._attach(payload)
@@ -169,13 +187,19 @@ class Feed:
         if self._view is None or offset + meta.nbytes > self._view.numel():
             raise FeedError(f"rank feed: {meta.nbytes} B at offset {offset} is outside the pool")
         flat = self._view[offset : offset + meta.nbytes]
+        if self.private:
+            flat = flat.clone()  # the handler's own (writable) copy
         return flat.view(meta.dtype).view(meta.shape)
 
     def _attach(self, hello: Any) -> None:
         mode, name = (hello or {}).get("mode"), (hello or {}).get("pool")
+        private = (hello or {}).get("private", False)
         if mode not in MODES:
             raise FeedError(f"rank feed: unknown mode {mode!r}")
+        if not isinstance(private, bool):
+            raise FeedError(f"rank feed: private {private!r} is not a boolean")
         self.mode = mode
+        self.private = private
         if mode != "shm":
             return
         if not isinstance(name, str) or not name.startswith(SHM_PREFIX) or "/" in name:

@@ -140,6 +140,23 @@ def test_names_that_do_not_fit_and_external_scaling_are_refused() -> None:
     assert "without their workers" in problem.reason
 
 
+@pytest.mark.parametrize(("nodes", "ranks"), [(2, 1), (1, 2)])
+def test_a_role_port_on_the_rank_port_is_refused_naming_the_field(nodes: int, ranks: int) -> None:
+    ports = [
+        {"name": "debug", "containerPort": 8000},
+        {"name": "rdzv", "containerPort": contract.DEFAULT_RANK_PORT},
+        {"name": "stats", "containerPort": contract.DEFAULT_RANK_PORT, "protocol": "UDP"},
+    ]
+    doc = _doc(nodes=nodes, ranks=ranks, ports=ports)
+    [problem] = planner.check(spec.parse_pipeline(doc))
+    assert problem.path == "spec.roles[1].ports[1].containerPort"
+    assert "29500 is the rendezvous port" in problem.reason and "DISAGG_RANK_PORT" in problem.reason
+    with pytest.raises(spec.SpecError, match=r"roles\[1\]\.ports\[1\]\.containerPort"):
+        planner.plan(spec.parse_pipeline(doc), namespace=NS)
+    one = _doc(nodes=1, ranks=1, ports=ports)  # one process: the port is the role's own
+    assert planner.check(spec.parse_pipeline(one)) == []
+
+
 def _sts(name: str, desired: int, ready: int, updated: int | None = None) -> Obj:
     return {
         "metadata": {"name": name, "labels": {names.LABEL_ROLE: "llm"}},
