@@ -54,7 +54,6 @@ from disagg_runtime.memory.pool import (
 from disagg_runtime.relay import (
     Ingress,
     Message,
-    RelayError,
 )
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
