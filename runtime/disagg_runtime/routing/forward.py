@@ -141,9 +141,9 @@ class Forwarder:
                 time.sleep(PAIR_WAIT_S)
                 peers.endpoints(refresh=True)
                 continue
-            except Unanswered as exc:  # gone, or unreachable: another replica, if any
+            except Unanswered as exc:  # gone, unreachable or starved: another one, if any
                 log.info("role %s: %s", self.name, exc)
-                peers.lost(endpoint)
+                peers.unanswered(endpoint)
                 peers.unpin(meta.rid)
                 peers.endpoints(refresh=True)
                 continue
