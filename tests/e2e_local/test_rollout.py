@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -278,3 +279,92 @@ def test_scale_down_then_up_under_load_loses_nothing(
     assert result["failed"] == 0, result["errors"]
     cluster.kubectl("delete", "disaggregatedpipeline", UPDOWN)
     cluster.wait_for(lambda: not cluster.children(UPDOWN), "children gone", 90)
+
+
+KILL = "kill"
+KILL_REQUESTS = 500  # ~60 s at one request every 0.1 s (two in flight): outlasts the restart
+
+
+def kill_pipeline() -> dict[str, Any]:
+    """prefill (1) -> middle (2 replicas) -> decode (1), no revision pairing."""
+    doc = pipeline("kv-1", KILL)
+    prefill, decode = doc["spec"]["roles"]
+    middle = {**copy.deepcopy(decode), "name": "middle", "handler": f"{HANDLERS}:middle"}
+    for role in (prefill, middle, decode):
+        role.pop("compat")
+        role["replicas"] = 2 if role is middle else 1
+    doc["spec"]["roles"] = [prefill, middle, decode]
+    doc["spec"]["edges"] = [{"from": "prefill", "to": "middle"}, {"from": "middle", "to": "decode"}]
+    doc["spec"].pop("rollout")
+    return doc
+
+
+def test_kill_9_of_one_of_two_middle_replicas_under_load_fails_nothing(
+    rollout_cluster: LocalCluster, figures: Callable[[str], None]
+) -> None:
+    """kill -9 of middle-1 while a client sends steadily: what it held is reported lost
+    by prefill (its connection died: routing/inflight.py) and resent whole by the client
+    (nothing of it had come back: routing/migration.py), so none fails; the container is
+    restarted, Ready again, and takes requests."""
+    cluster = rollout_cluster
+    doc = kill_pipeline()
+    cluster.kubectl.apply([doc])
+    cluster.wait_for(lambda: cluster.ready(KILL), "Ready", 240)
+    client_doc = copy.deepcopy(doc)
+    client_doc["spec"]["roles"][0]["handler"] = "prefill"  # demo.sample_input's entry name
+    cluster.run_client("kill-warm", client_doc, requests=4, timeout=60)
+    cluster.run_client(
+        "kill-steady", client_doc, requests=KILL_REQUESTS, concurrency=2, pause=0.1,
+        timeout=30, wait=False,
+    )  # fmt: skip
+    victim = f"{KILL}-middle-1"
+
+    def state() -> dict[str, Any]:
+        pod = cluster.k8s.get("v1/pods", victim, NS) or {}
+        statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+        return dict(statuses[0])
+
+    def served(pod_name: str) -> float:
+        pod = cluster.k8s.get("v1/pods", pod_name, NS)
+        assert pod is not None, pod_name
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in cluster.metrics(pod, "middle").splitlines()
+            if line.startswith("disagg_requests_total{") and 'outcome="done"' in line
+        )
+
+    def client_running() -> bool:
+        pod = cluster.k8s.get("v1/pods", "kill-steady", NS) or {}
+        return (pod.get("status") or {}).get("phase") == "Running"
+
+    cluster.wait_for(client_running, "the client pod running", 60)
+    time.sleep(5.0)  # requests flowing through both middle replicas
+    before = served(victim)
+    t0 = time.monotonic()
+    cluster.node.kill(NS, victim, "middle", signal.SIGKILL)
+    cluster.wait_for(
+        lambda: state().get("restartCount") == 1 and state().get("ready"),
+        "middle-1 restarted and Ready",
+        180,
+    )
+    back_s = time.monotonic() - t0
+    under_load = client_running()
+    result = cluster.client_result("kill-steady", timeout=600)
+    after = cluster.run_client("kill-after", client_doc, requests=40, concurrency=4, timeout=30)
+    took = served(victim)  # the restarted process's own count: since it came back
+    last = (state().get("lastState") or {}).get("terminated") or {}
+    figures(
+        f"kill -9 of middle-1 (of 2) under traffic: requests ok={result['ok']} "
+        f"failed={result['failed']} p50={result['p50_s']}s max={result['max_s']}s; it had "
+        f"served {before:.0f}, back and Ready in {back_s:.1f} s, then served {took:.0f} "
+        f"(of {after['ok']} ok after)"
+    )
+    assert last.get("exitCode") == 128 + signal.SIGKILL, last
+    assert under_load, f"the client finished before middle-1 was back: {result}"
+    assert result["ok"] + result["failed"] == KILL_REQUESTS, result
+    # nothing streams here: every request had streamed nothing when it was caught
+    assert result["failed"] == 0, result["errors"]
+    assert after["ok"] == 40, after
+    assert took > 0, "the restarted replica took no requests"
+    cluster.kubectl("delete", "disaggregatedpipeline", KILL)
+    cluster.wait_for(lambda: not cluster.children(KILL), "children gone", 90)
