@@ -195,6 +195,26 @@ def live_pods(cluster: LocalCluster, name: str) -> tuple[int, int]:
     return counts["prefill"], counts["decode"]
 
 
+def pod_lines(cluster: LocalCluster, name: str, client_log: list[str]) -> list[str]:
+    """The lines of every role pod's log (all restarts) naming a request the client log
+    lines name: where a failed request went, for the diagnosis."""
+    import re
+
+    rids = {r for line in client_log for r in re.findall(r"[0-9a-f]{32}", line)}
+    found = []
+    for pod in cluster.pods(name):
+        role = pod["metadata"]["labels"].get("disagg.dev/role")
+        if not role or not rids:
+            continue
+        text = cluster.node.logs(NS, pod["metadata"]["name"], role)
+        found += [
+            f"{pod['metadata']['name']}: {x}"
+            for x in text.splitlines()
+            if any(r in x for r in rids)
+        ]
+    return found[:40]
+
+
 def settled(cluster: LocalCluster, name: str, replicas: int) -> bool:
     """Every role's StatefulSet asks for `replicas`, has that many Ready, and no other pod
     of the pipeline is left (a scaled-away pod is gone once its drain ended)."""
@@ -363,7 +383,7 @@ def test_kill_9_of_one_of_two_middle_replicas_under_load_fails_nothing(
     assert under_load, f"the client finished before middle-1 was back: {result}"
     assert result["ok"] + result["failed"] == KILL_REQUESTS, result
     # nothing streams here: every request had streamed nothing when it was caught
-    assert result["failed"] == 0, result["errors"]
+    assert result["failed"] == 0, (result, pod_lines(cluster, KILL, result.get("log") or []))
     assert after["ok"] == 40, after
     assert took > 0, "the restarted replica took no requests"
     cluster.kubectl("delete", "disaggregatedpipeline", KILL)
