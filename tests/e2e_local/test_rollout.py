@@ -239,7 +239,15 @@ def test_scale_down_then_up_under_load_loses_nothing(
     """Both roles 2 -> 1 -> 2 replicas while a client sends steadily: the removed pods
     (highest ordinal) stop taking work, drain and go (runtime.py: readiness drops, the
     senders re-resolve, goodbye, what was handed back is resent), the new ones join through
-    DNS. The old loss (8 of 80 in a down-then-up under load) must not come back."""
+    DNS. The old loss (8 of 80 in a down-then-up under load) must not come back.
+
+    What a scale-down does here, as on a node: the operator lowers the StatefulSets'
+    replicas; the StatefulSet controller deletes the highest ordinal; the pod, terminating,
+    leaves its EndpointSlice (so the Service name stops listing it); the kubelet sends
+    SIGTERM (no preStop; terminationGracePeriodSeconds the default 30 s) and the role
+    stops being ready, keeps receiving until its senders re-resolved the name
+    (RESOLVE_EVERY + 1 s), says goodbye, serves what crossed it, hands back what it cannot
+    finish, and exits; only then does the pod go. Both down-steps settle in 13-15 s."""
     cluster = rollout_cluster
     cluster.kubectl.apply([pipeline("kv-1", UPDOWN)])
     cluster.wait_for(lambda: cluster.ready(UPDOWN), "Ready", 240)
@@ -377,7 +385,7 @@ def test_kill_9_of_one_of_two_middle_replicas_under_load_fails_nothing(
         f"kill -9 of middle-1 (of 2) under traffic: requests ok={result['ok']} "
         f"failed={result['failed']} p50={result['p50_s']}s max={result['max_s']}s; it had "
         f"served {before:.0f}, back and Ready in {back_s:.1f} s, then served {took:.0f} "
-        f"(of {after['ok']} ok after)"
+        f"since it came back (a later client: {after['ok']}/40 ok)"
     )
     assert last.get("exitCode") == 128 + signal.SIGKILL, last
     assert under_load, f"the client finished before middle-1 was back: {result}"
