@@ -54,9 +54,10 @@ def main() -> None:
             while len(pending) >= args.concurrency:
                 t0, future = pending.pop(0)
                 ok, failed = _collect(t0, future, ok, failed, errors, latencies)
-            pending.append(
-                (time.monotonic(), client.submit_async(demo.sample_input(args.handler, i)))
-            )
+            t0 = time.monotonic()
+            future = client.submit_async(demo.sample_input(args.handler, i))
+            future.add_done_callback(_stamp)  # runs at once when it is done already
+            pending.append((t0, future))
             if args.pause:
                 time.sleep(args.pause)
         for t0, future in pending:
@@ -82,14 +83,25 @@ def _collect(
     errors: list[str],
     latencies: list[float],
 ) -> tuple[int, int]:
+    """Count `future` (submitted at `t0`); its latency runs to when it finished, not to
+    when it is collected here (after the requests before it)."""
     try:
         future.result()
-        latencies.append(time.monotonic() - t0)
+        latencies.append(_finished_at(future) - t0)
         return ok + 1, failed
     except Exception as exc:
         errors.append(f"{type(exc).__name__}: {exc}"[:300])
-        latencies.append(time.monotonic() - t0)
+        latencies.append(_finished_at(future) - t0)
         return ok, failed + 1
+
+
+def _finished_at(future: Future[object]) -> float:
+    done = getattr(future, "finished_at", None)
+    return float(done) if done is not None else time.monotonic()
+
+
+def _stamp(future: Future[object]) -> None:
+    future.finished_at = time.monotonic()  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":

@@ -390,5 +390,8 @@ class LocalCluster:
         match = re.search(r"^RESULT (.*)$", logs, re.MULTILINE)
         assert match, f"client pod {name} printed no result:\n{logs[-3000:]}"
         result: Obj = json.loads(match.group(1))
+        rids = set(re.findall(r"request ([0-9a-f]{32})", " ".join(result.get("errors") or ())))
+        if rids:  # what the client said of the requests that failed, for the diagnosis
+            result["log"] = [line for line in logs.splitlines() if any(r in line for r in rids)]
         self.k8s.delete("v1/pods", name, namespace)
         return result

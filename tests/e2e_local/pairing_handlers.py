@@ -26,3 +26,9 @@ def decode(payload: Payload) -> Payload:
         raise ValueError(f"crossed revisions: prefill {payload['prefill']} -> decode {mine}")
     time.sleep(0.02)
     return {"ids": payload["ids"], "prefill": payload["prefill"], "decode": mine}
+
+
+def middle(payload: Payload) -> Payload:
+    """The middle role of the kill scenario: passes the request on after a little work."""
+    time.sleep(0.05)
+    return payload

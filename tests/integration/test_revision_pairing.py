@@ -188,3 +188,46 @@ def test_a_draining_sender_with_no_other_replica_fails_requests_naming_why() -> 
         assert time.monotonic() - started < 10.0  # not the request's 30 s deadline
     finally:
         pair.close()
+
+
+def test_readiness_answers_at_once_while_downstream_replicas_do_not() -> None:
+    """4 downstream replicas that accept a connection and never answer the handshake (a
+    CPU-starved pod, or one whose address blackholes): the pairing check used to ask them
+    one after another inside /readyz, PROBE_S each (4.0 s measured, past the kubelet's
+    default 1 s probe timeout, so the probe failed by timeout rather than by answer). It
+    runs beside the probe now: /readyz answers from its last verdict at once."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    doc = pipeline_doc("it-pairing-slow", [("p", "identity"), ("d", "identity")])
+    doc["spec"]["roles"][1]["replicas"] = 4
+    pipeline = parse_pipeline(doc)
+    folder = tempfile.mkdtemp(prefix="disagg-pair-")
+    topology_file = os.path.join(folder, "topology.json")
+    configs = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+    contract.write_topology(configs[0].topology, topology_file)
+    silent = []
+    for config in configs[1:]:  # the decode replicas: listening, never answering
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", config.ingress_port))
+        sock.listen(16)
+        silent.append(sock)
+    config = dataclasses.replace(configs[0], peer_key_file=write_key(folder), compat="kv-1")
+    role = RoleRuntime(config, handler=_tagging(-1), grace_s=0.5)
+    try:
+        role.start()
+        url = f"http://127.0.0.1:{role.health.port}/readyz"
+        took = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(url, timeout=10).read()
+            took.append(time.monotonic() - t0)
+            assert err.value.code == 503  # no partner: not ready, said at once
+        assert max(took) < 0.5, f"/readyz took {took} s"
+    finally:
+        role.stop(grace_s=0)
+        for sock in silent:
+            sock.close()

@@ -64,15 +64,27 @@ def test_slow_denoiser_scales_up_under_load_and_down_after_it(scale: str) -> Non
 
 @pytest.mark.timeout(300)
 def test_llm_example_scales_decode_at_concurrency_64() -> None:
+    """Decode scales up under the load, and the replicas it adds take requests. They once
+    seemed not to (by_replica {0: 490, 1: 447, 2: 0, 3: 0}): the scale-up came late in a
+    12 s run and its replicas were ready after the load had ended (a new replica is
+    published once its /readyz answers, `done_s`), so the load now lasts 25 s and a new
+    replica ready 3 s before its end must have served."""
+    duration = 25.0
     s = run_up(
         "llm-prefill-decode.yaml",
-        *("--duration", "12", "--concurrency", "64"),
+        *("--duration", str(duration), "--concurrency", "64"),
         scale="0.1",
         timeout=280,
     )
     decode = s["roles"]["decode"]
-    events = [(e["from"], e["to"], e["signal"]) for e in s["scale_events"]]
-    line = f"llm decode {decode}, events {events}"
+    ups = [e for e in s["scale_events"] if e["role"] == "decode" and e["to"] > e["from"]]
+    events = [(e["from"], e["to"], e["signal"], e["time_s"], e["done_s"]) for e in ups]
+    line = f"llm decode {decode}, scale-ups (from, to, signal, at s, ready s) {events}"
     print(line)
     assert s["failed"] == 0, line
     assert decode["replicas_max"] > decode["replicas_initial"], line
+    in_time = [e for e in ups if e["done_s"] < duration - 3.0]
+    assert in_time, f"no scale-up was ready 3 s before the load ended: {line}"
+    joined = {str(r) for e in in_time for r in range(e["from"], e["to"])}
+    idle = sorted(r for r in joined if decode["by_replica"].get(r, 0) == 0)
+    assert not idle, f"decode replicas {idle} joined under load and served nothing: {line}"

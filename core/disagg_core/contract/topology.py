@@ -32,6 +32,7 @@ class RoleTopology:
     downstream: tuple[str, ...]
     refs_out: tuple[RefSpec, ...] = ()
     refs_in: tuple[RefSpec, ...] = ()
+    idempotent: bool = True  # roles[].idempotent: a request may run here twice
 
     @property
     def entry(self) -> bool:
@@ -65,6 +66,40 @@ class Topology:
     def exit_roles(self) -> tuple[str, ...]:
         return tuple(n for n, r in self.roles.items() if r.exit)
 
+    @property
+    def not_idempotent(self) -> frozenset[str]:
+        return frozenset(n for n, r in self.roles.items() if not r.idempotent)
+
+    def ran_before(self, role: str) -> frozenset[str]:
+        """The roles a request may have run at when it reached `role` and `role` had not
+        started it (it handed the request back): every role whose inputs (upstream roles,
+        tensor references: a join waits for all) may all have come without passing
+        through `role`; other branches of a fan-out included. An unknown role: all."""
+        if role not in self.roles:
+            return frozenset(self.roles)
+        inputs = {
+            name: {*r.upstream, *(x.source for x in r.refs_in)} for name, r in self.roles.items()
+        }
+        ran: set[str] = set()
+        grew = True
+        while grew:  # a fixed point: the roles are few, the order need not be known
+            grew = False
+            for name, needs in inputs.items():
+                if name != role and name not in ran and needs <= ran:
+                    ran.add(name)
+                    grew = True
+        return frozenset(ran)
+
+    def resend_unsafe(self) -> dict[str, frozenset[str]]:
+        """Per role R, the roles that are not idempotent and may have run a request R
+        handed back (`ran_before`); only roles with some. A request lost with a replica
+        (not handed back) may have run anywhere: `not_idempotent` is what bars it."""
+        bad = self.not_idempotent
+        if not bad:
+            return {}
+        unsafe = {name: self.ran_before(name) & bad for name in self.roles}
+        return {name: found for name, found in unsafe.items() if found}
+
     @classmethod
     def from_pipeline(cls, pipeline: Pipeline, namespace: str | None = None) -> Topology:
         """Built once per pipeline and namespace (the planner asks for it per role)."""
@@ -93,6 +128,7 @@ class Topology:
                 downstream=pipeline.downstream(name),
                 refs_out=tuple(by_source.get(name, ())),
                 refs_in=tuple(by_target.get(name, ())),
+                idempotent=pipeline.role(name).idempotent,
             )
             for name in pipeline.topological_order
         }
@@ -120,6 +156,7 @@ class Topology:
                     "downstream": list(r.downstream),
                     "refsOut": [{"path": x.path, "to": x.target} for x in r.refs_out],
                     "refsIn": [{"path": x.path, "from": x.source} for x in r.refs_in],
+                    **({} if r.idempotent else {"idempotent": False}),
                 }
                 for r in chosen
             ],
@@ -133,6 +170,9 @@ class Topology:
             roles: dict[str, RoleTopology] = {}
             for r in obj["roles"]:
                 name = str(r["name"])
+                idempotent = r.get("idempotent", True)
+                if not isinstance(idempotent, bool):
+                    raise ContractError(f"topology: role {name}: idempotent is not a boolean")
                 roles[name] = RoleTopology(
                     name=name,
                     upstream=tuple(str(x) for x in r["upstream"]),
@@ -143,6 +183,7 @@ class Topology:
                     refs_in=tuple(
                         RefSpec(str(x["from"]), str(x["path"]), name) for x in r["refsIn"]
                     ),
+                    idempotent=idempotent,
                 )
             attempts = obj.get("migrationAttempts", DEFAULT_MIGRATION_ATTEMPTS)
             if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0:

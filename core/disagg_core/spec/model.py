@@ -137,8 +137,9 @@ class PoolOverride:
 class Transport:
     """`spec.transport`: the default relay per edge, the default pool, the request timeout,
     and how often a request lost with a replica before any output of it came back is
-    resent to a live one (`migration_attempts`; 0: never, for handlers that are not
-    idempotent: every built-in one is)."""
+    resent to a live one (`migration_attempts`; 0: never; a role whose handler is not
+    idempotent says so with `Role.idempotent`, and requests that may have run there are
+    then not resent)."""
 
     relay: RelayKind = DEFAULT_RELAY
     pool_size: int = DEFAULT_POOL_SIZE
@@ -231,6 +232,9 @@ class Role:
     compatible_with: tuple[str, ...] = ()  # further tokens this revision interoperates with
     ranks: int = DEFAULT_RANKS
     nodes: int = DEFAULT_NODES
+    # running a request twice is harmless (every built-in handler): a request lost with a
+    # replica may be resent whole (transport.migrationAttempts) even after this role ran it
+    idempotent: bool = True
 
     @property
     def world_size(self) -> int:

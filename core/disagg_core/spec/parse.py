@@ -57,7 +57,7 @@ POOL_OVERRIDE_KEYS = ("poolSize", "minBlock", "poolDevice")
 ROLE_KEYS = (
     "name", "replicas", "handler", "image", "command", "args", "env", "resources", "ports",
     "transport", "concurrency", "autoscaling", "podTemplate", "handlerArgs", "batching",
-    "startupSeconds", "compat", "compatibleWith", "ranks", "nodes",
+    "startupSeconds", "compat", "compatibleWith", "ranks", "nodes", "idempotent",
 )  # fmt: skip
 BATCHING_KEYS = ("maxBatchSize", "maxWaitMilliseconds")
 PORT_KEYS = ("name", "containerPort", "protocol")
@@ -315,6 +315,7 @@ def _role(out: Collector, raw: object, path: str) -> m.Role:
         nodes=_or(
             f.integer(out, r, "nodes", path, minimum=1, maximum=limits.MAX_NODES), m.DEFAULT_NODES
         ),
+        idempotent=_or(f.boolean(out, r, "idempotent", path), True),
     )
 
 

@@ -60,7 +60,7 @@ def transport_schema() -> crd_kit.Schema:
             "migrationAttempts": crd_kit.integer(
                 "How often a request lost with a replica (killed, restarted, drained) before "
                 "any output of it came back is resent to a live replica, within its "
-                "deadline; 0 never resends (handlers that are not idempotent).",
+                "deadline; 0 never resends (roles[].idempotent: false opts one role out).",
                 minimum=0,
                 maximum=m.MAX_MIGRATION_ATTEMPTS,
                 default=m.DEFAULT_MIGRATION_ATTEMPTS,
@@ -271,6 +271,12 @@ def role_schema() -> crd_kit.Schema:
                 maximum=limits.MAX_NODES,
                 format="int32",
                 default=m.DEFAULT_NODES,
+            ),
+            "idempotent": crd_kit.boolean(
+                "Whether running a request twice here is harmless (default true: every "
+                "built-in handler). false: a request that may have run at this role is not "
+                "resent when a replica is lost (spec.transport.migrationAttempts); it fails, "
+                "naming the role."
             ),
             "handler": crd_kit.string(
                 "What each request is handed to: 'package.module:function', or "

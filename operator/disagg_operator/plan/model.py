@@ -198,17 +198,21 @@ def spec_hash(pipeline: Pipeline, namespace: str, roles: tuple[str, ...]) -> str
 def gateway_hash(pipeline: Pipeline, namespace: str) -> str:
     """The hash of what the gateway reads from the topology file: the pipeline and
     namespace, its entry roles (and which of them join inputs: those it sends to by hash),
-    its exit roles, and how often it resends a request lost with a replica. A graph edit
-    that changes none of these (a role added in the middle, or after an exit role that
-    stays one) leaves the gateway's pods, and their streams, alone."""
+    its exit roles, and how often (and past which roles not idempotent) it resends a request
+    lost with a replica. A graph edit that changes none of these (a role added in the
+    middle, or after an exit role that stays one) leaves the gateway's pods, and their
+    streams, alone."""
     topo = topology(pipeline, namespace)
-    mine = {
+    mine: dict[str, object] = {
         "pipeline": topo.pipeline,
         "namespace": topo.namespace,
         "entries": {r: topo.roles[r].joins for r in sorted(topo.entry_roles)},
         "exits": sorted(topo.exit_roles),
         "migrationAttempts": topo.migration_attempts,
     }
+    if topo.not_idempotent:  # which requests it may not resend (absent: the hash stays)
+        mine["notIdempotent"] = sorted(topo.not_idempotent)
+        mine["unsafeBefore"] = {r: sorted(found) for r, found in topo.resend_unsafe().items()}
     text = json.dumps(mine, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

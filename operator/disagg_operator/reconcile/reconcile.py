@@ -90,7 +90,7 @@ from disagg_operator.reconcile.events import (
 from disagg_operator.reconcile.metrics import Metrics
 from disagg_operator.reconcile.progress import Progress
 from disagg_operator.rollout import state as rollout_state
-from disagg_operator.rollout.tracker import RolloutTracker
+from disagg_operator.rollout.tracker import PlanKey, RolloutTracker
 
 PEER_KEY_BYTES: Final = 32
 PARALLEL: Final = 32  # reconciles and refreshes in flight at once (the rest queue)
@@ -381,7 +381,7 @@ class Reconciler:
             options=options,
             peer_key_hash=peer_key_hash,
         )
-        key = (pipeline, namespace, owner, repr(options), peer_key_hash)
+        key = _plan_key(pipeline, namespace, owner, options, peer_key_hash)
         state.rollout.remember(key, objects)
         return objects
 
@@ -395,7 +395,7 @@ class Reconciler:
         peer_key_hash: str,
     ) -> list[dict[str, Any]]:
         """The planned StatefulSets as the rollout reads them (`RolloutTracker.planned_for`)."""
-        key = (pipeline, namespace, owner, repr(options), peer_key_hash)
+        key = _plan_key(pipeline, namespace, owner, options, peer_key_hash)
         return state.rollout.planned_for(
             key, lambda: self._plan(pipeline, state, namespace, owner, options, peer_key_hash)
         )
@@ -652,3 +652,14 @@ def peer_key_text(secret: Mapping[str, Any]) -> str:
         return base64.b64decode(str(raw), validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
         return ""
+
+
+def _plan_key(
+    pipeline: Pipeline,
+    namespace: str,
+    owner: model.Owner,
+    options: model.PlanOptions,
+    peer_key_hash: str,
+) -> PlanKey:
+    """What a plan is made of: the key under which the rollout keeps what it read of one."""
+    return (pipeline, namespace, owner, repr(options), peer_key_hash)

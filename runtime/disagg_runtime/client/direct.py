@@ -210,7 +210,7 @@ class Upload:
                 peers.endpoint_for(self.rid, viewer) if first else peers.reroute(self.rid, viewer)
             ),
             role=peers.peer.role,
-            unanswered=peers.lost,
+            unanswered=peers.unanswered,
         )
         return failover.with_failover(
             route,

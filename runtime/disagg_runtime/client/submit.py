@@ -169,7 +169,7 @@ class Client:
                 timeout=seconds,
                 repick=lambda: peers.reroute(rid, self.relays.viewer(peers.kind)),
                 role=peers.peer.role,
-                lost=peers.lost,
+                lost=peers.unanswered,
             )
         except (RelayError, OSError) as exc:
             peers.unpin(rid)
@@ -296,7 +296,7 @@ class Client:
             meta=meta.to_json(),
             repick=lambda: peers.reroute(meta.rid, self.relays.viewer(peers.kind), new=new),
             role=peers.peer.role,
-            lost=peers.lost,
+            lost=peers.unanswered,
             gone=self.moves.entry_gone,
         )
         if new:

@@ -55,7 +55,7 @@ def client_for(config: GatewayConfig) -> Client:
         peers_file=config.peers_file,
         key=read_key(config.peer_key_file),
         hashed_roles=[r for r in config.topology.entry_roles if config.topology.roles[r].joins],
-        migrate=migration.Policy(max_attempts=config.topology.migration_attempts),
+        migrate=migration.Policy.of(config.topology),
     )
 
 

@@ -121,6 +121,8 @@ class LocalAutoscaler:
                 decision.reason,
             )
             self.local.scale(decision.role, decision.desired)
+            # when the new replicas joined the peers file (ready), or the leaving ones left
+            self.events[-1]["done_s"] = round(time.monotonic() - self._started, 3)
             self.peak[decision.role] = max(self.peak.get(decision.role, 0), decision.desired)
         return decisions
 

@@ -338,7 +338,7 @@ class LocalPipeline:
             key=self.key,
             dispatch=self.dispatch,
             hashed_roles=[r for r in topology.entry_roles if topology.roles[r].joins],
-            migrate=migration.Policy(max_attempts=topology.migration_attempts),
+            migrate=migration.Policy.of(topology),
         )
 
     def metrics(self) -> dict[str, dict[str, float]]:

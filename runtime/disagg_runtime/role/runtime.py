@@ -54,7 +54,6 @@ from disagg_runtime.memory.pool import (
 from disagg_runtime.relay import (
     Ingress,
     Message,
-    RelayError,
 )
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
@@ -63,6 +62,7 @@ from disagg_runtime.role.handler import HandlerError, Runner, SetupContext, defa
 from disagg_runtime.role.handling import Handling
 from disagg_runtime.role.health import HealthServer
 from disagg_runtime.role.metrics import RoleMetrics, RoleSample
+from disagg_runtime.role.pairing import PairingCheck
 from disagg_runtime.role.requests import Requests
 from disagg_runtime.role.spans import RoleSpans
 from disagg_runtime.routing import dispatch, forward, inflight, migration
@@ -76,8 +76,6 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)
 ABORT_MEMORY_S = 120.0
 QUEUE_PER_WORKER = 16  # requests that may wait for each worker before new ones are refused
-PROBES_PER_CHECK = 4  # downstream replicas asked their revision per readiness check
-PROBE_S = 1.0  # how long asking one may take
 CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
 LINGER_QUIET_S = 0.3  # after its goodbye a role serves until nothing came for this long
 LINGER_MAX_S = 3.0  # ... or at most this long
@@ -198,6 +196,7 @@ class RoleRuntime:
             self.spans,
             stopping=self._stopping,
         )
+        self.pairing = PairingCheck(self.name, self.peers, self.relays)  # pairing.py
         self.health = HealthServer(
             self.metrics,
             host=config.bind_host,
@@ -228,6 +227,7 @@ class RoleRuntime:
             thread.start()
             self._threads.append(thread)
         self._started = True
+        self.pairing.start()
         log.info("role %s/%d serving on %s", self.name, self.config.replica, self.ingress.endpoint)
 
     def idle(self) -> bool:
@@ -275,6 +275,7 @@ class RoleRuntime:
                 self.runner.close()
             except Exception:
                 log.exception("role %s: handler close() failed", self.name)
+        self.pairing.close()
         self.ingress.close()  # no more deliveries: what is queued now is all there is
         for msg in self.requests.clear():
             msg.release()
@@ -336,31 +337,10 @@ class RoleRuntime:
     def _ready(self) -> bool:
         """Serving, not draining, and able to send on (a role out of sockets, or whose
         sends all fail, is taken out of its Service rather than failing silently)."""
-        trouble = self.relays.trouble() or self._pairing_trouble()
+        trouble = self.relays.trouble() or self.pairing.trouble()
         if trouble is not None:
             log.warning("role %s not ready: %s", self.name, trouble)
         return self._started and not self._draining.is_set() and trouble is None
-
-    def _pairing_trouble(self) -> str | None:
-        """Ask replicas of downstream roles not asked lately which revision they run
-        (a cached relay's welcome says it); a role none of whose replicas of some downstream
-        role pairs with it is not ready, so upstream sends to ones that have a partner."""
-        for peers in self.peers.values():
-            if not peers.pairing:
-                continue
-            for endpoint in peers.unchecked()[:PROBES_PER_CHECK]:
-                try:
-                    relay = self.relays.get(
-                        peers.kind, endpoint, timeout=PROBE_S, role=peers.peer.role
-                    )
-                except RelayError:
-                    continue
-                if not peers.admit(endpoint, relay.peer_compat):
-                    self.relays.drop(peers.kind, endpoint)  # a later pod may reuse the address
-            trouble = peers.trouble()
-            if trouble is not None:
-                return trouble
-        return None
 
     def _sample(self) -> RoleSample:
         stats = self.pool.stats()

@@ -99,7 +99,14 @@ class Forwarder:
             peers.unpin(meta.rid)
             self.inflight.forget(meta.rid, target)
         elif meta.kind in ("data", "ref") or (meta.kind == "chunk" and meta.seq == 0):
-            self.inflight.add(Sent(meta, target, relay.kind, route.endpoint))
+            sent = Sent(meta, target, relay.kind, route.endpoint)
+            self.inflight.add(sent)
+            if self.relays.peek(relay.kind, route.endpoint) is not relay:
+                # the relay it went on was dropped since (the sweep found its receiver
+                # gone between this send and the line above, and reported what it knew
+                # of then): what went on it may be lost, and nothing would tell
+                self.inflight.forget(meta.rid, target)
+                self.lost([sent])
         self._edge_sent(f"{self.name}->{target}", relay.kind, nbytes, elapsed)
         return relay.kind, nbytes
 
@@ -141,9 +148,9 @@ class Forwarder:
                 time.sleep(PAIR_WAIT_S)
                 peers.endpoints(refresh=True)
                 continue
-            except Unanswered as exc:  # gone, or unreachable: another replica, if any
+            except Unanswered as exc:  # gone, unreachable or starved: another one, if any
                 log.info("role %s: %s", self.name, exc)
-                peers.lost(endpoint)
+                peers.unanswered(endpoint)
                 peers.unpin(meta.rid)
                 peers.endpoints(refresh=True)
                 continue

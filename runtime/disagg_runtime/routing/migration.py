@@ -17,14 +17,19 @@ A request moves only while none of its output has reached the client (nothing ca
 back), at most `max_attempts` times, and only with at least `margin_s` of its deadline
 left; one whose payload the client does not keep (written in place: `reserve`, `upload`)
 cannot be resent. Handlers are assumed idempotent (every built-in one is): a pipeline
-whose handlers are not sets `max_attempts` 0.
+whose handlers are not sets `max_attempts` 0, or a role whose handler is not says so
+(`roles[].idempotent: false`), and a request that may have run there is not resent: one
+handed back by role R when a role not idempotent may have run it before R (`Topology.
+resend_unsafe`), one lost with a replica (it may have run anywhere) in any such pipeline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
+
+from disagg_core.contract.topology import Topology
 
 HANDED_BACK = "handed_back"  # error reason: a draining role gave the request back
 LOST = "lost"  # error reason: a replica the request went to was lost, maybe holding it
@@ -41,6 +46,25 @@ class Policy:
 
     max_attempts: int = DEFAULT_ATTEMPTS
     margin_s: float = MARGIN_S
+    not_idempotent: frozenset[str] = frozenset()  # roles a request must not run at twice
+    # role -> the roles of `not_idempotent` a request it hands back may have run at
+    unsafe_before: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, topology: Topology) -> Policy:
+        """The pipeline's policy: `migrationAttempts`, and its roles that are not
+        idempotent."""
+        return cls(
+            max_attempts=topology.migration_attempts,
+            not_idempotent=topology.not_idempotent,
+            unsafe_before=topology.resend_unsafe(),
+        )
+
+    def ran_unsafe(self, reason: str, role: str) -> frozenset[str]:
+        """The roles not idempotent that may have run a request reported at `role`."""
+        if reason == HANDED_BACK:
+            return self.unsafe_before.get(role, frozenset())
+        return self.not_idempotent
 
 
 @dataclass(frozen=True)
@@ -79,6 +103,10 @@ def decide(
         return "fail", f"{what}, and its payload was written in place: it cannot be resent"
     if moved >= policy.max_attempts:
         return "fail", f"{what}, and it was moved {moved} times already"
+    unsafe = policy.ran_unsafe(reason, role)
+    if unsafe:
+        names = ", ".join(sorted(unsafe))
+        return "fail", f"{what}, and it may have run at {names} (not idempotent): it is not moved"
     if remaining_s < policy.margin_s:
         return "fail", f"{what} with {remaining_s:.2f} s of its deadline left"
     return "move", f"{what}: moved to a live replica"

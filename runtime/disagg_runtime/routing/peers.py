@@ -22,9 +22,13 @@ some replica was found to pair with it (`PeerSet.trouble`).
 
 A replica that does not complete a relay handshake within `relays.CONNECT_S` (its pod is gone
 while a stale name lookup still lists it, or it cannot be reached) is given up on
-(`Unanswered`, a kind of PeerLost: nothing was sent) and skipped for `LOST_S` while any
-other replica is listed, so a request goes elsewhere instead of waiting out its deadline
-in a handshake.
+(`Unanswered`, a kind of PeerLost: nothing was sent) and skipped while any other replica
+is listed, so a request goes elsewhere instead of waiting out its deadline in a handshake.
+A live replica too starved of CPU to answer in time is one such: the skip starts at
+`UNANSWERED_S` and doubles with each silence in a row (`unanswered_skip`), up to `LOST_S`,
+so a slow replica is asked again within a second or two while a gone one (it also leaves
+the name lookup) stays skipped; one that answers is forgiven. A replica whose connection
+died or restarted under a request (`lost`) is skipped `LOST_S` at once.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ RESOLVE_EVERY = 5.0
 FILE_RESOLVE_EVERY = 0.25
 MAX_PINS = 1 << 16  # requests remembered per downstream role (least recently used go first)
 VERDICT_S = 10.0  # how long a replica's pairing verdict is trusted before it is asked again
-LOST_S = 10.0  # a replica that did not answer a handshake (relays.CONNECT_S) is skipped this long
+LOST_S = 10.0  # a replica lost (connection died) is skipped this long; silences at most this
+UNANSWERED_S = 1.0  # the first skip of a replica that did not answer a handshake in CONNECT_S
+STRIKES_S = 60.0  # silences further apart than this are not "in a row"
 Resolver = Callable[[str, int], list[str]]
 
 
@@ -74,6 +80,12 @@ def compatible_endpoints(
 ) -> list[str]:
     """`endpoints` less those found incompatible (`rejected`: endpoint -> until when)."""
     return [e for e in endpoints if rejected.get(e, float("-inf")) <= now]
+
+
+def unanswered_skip(strikes: int) -> float:
+    """How long a replica is skipped after its `strikes`-th unanswered handshake in a row:
+    UNANSWERED_S doubling, at most LOST_S."""
+    return float(min(LOST_S, UNANSWERED_S * 2 ** max(0, strikes - 1)))
 
 
 def answering_endpoints(endpoints: list[str], lost: Mapping[str, float], now: float) -> list[str]:
@@ -151,6 +163,7 @@ class PeerSet:
         self._file = peers_file
         self._rejected: dict[str, float] = {}  # endpoint -> until when it is skipped
         self._lost: dict[str, float] = {}  # endpoint -> until when it is skipped (Unanswered)
+        self._strikes: dict[str, tuple[int, float]] = {}  # endpoint -> silences in a row, last
         self._verdicts: dict[str, tuple[bool, float, Compat | None]] = {}  # ok, when, theirs
         self._endpoints: list[str] = []
         self._resolved_at = float("-inf")
@@ -175,6 +188,7 @@ class PeerSet:
                         self._verdicts.pop(gone, None)
                         self._rejected.pop(gone, None)
                         self._lost.pop(gone, None)
+                        self._strikes.pop(gone, None)
                 self._resolved_at = time.monotonic()
             return list(self._endpoints)
 
@@ -228,13 +242,29 @@ class PeerSet:
         return chosen
 
     def lost(self, endpoint: str) -> None:
-        """`endpoint` did not answer a handshake (Unanswered): skip it for LOST_S while
-        other replicas are listed."""
-        log.info(
-            "replica %s of role %s did not answer: skipped for a while", endpoint, self.peer.role
-        )
+        """The replica at `endpoint` was lost (its connection died, it restarted): skip it
+        for LOST_S while other replicas are listed."""
+        log.info("replica %s of role %s was lost: skipped for a while", endpoint, self.peer.role)
         with self._lock:
             self._lost[endpoint] = time.monotonic() + LOST_S
+
+    def unanswered(self, endpoint: str) -> None:
+        """`endpoint` did not answer a handshake in time (Unanswered): skip it while other
+        replicas are listed, for `unanswered_skip` of its silences in a row."""
+        now = time.monotonic()
+        with self._lock:
+            strikes, last = self._strikes.get(endpoint, (0, float("-inf")))
+            strikes = strikes + 1 if now - last <= STRIKES_S else 1
+            self._strikes[endpoint] = (strikes, now)
+            skip = unanswered_skip(strikes)
+            self._lost[endpoint] = max(self._lost.get(endpoint, float("-inf")), now + skip)
+        log.info(
+            "replica %s of role %s did not answer (%d in a row): skipped for %.0f s",
+            endpoint,
+            self.peer.role,
+            strikes,
+            skip,
+        )
 
     def unpin(self, rid: str) -> None:
         """Forget where `rid` went (its last message was sent)."""
@@ -246,6 +276,7 @@ class PeerSet:
         ok = compatible(self.compat, theirs)
         now = time.monotonic()
         with self._lock:
+            self._strikes.pop(endpoint, None)  # it answered
             before = self._verdicts.get(endpoint)
             self._verdicts[endpoint] = (ok, now, theirs)
             if ok:

@@ -38,6 +38,57 @@ def test_topology_json_round_trip(t2v):
     assert again.namespace == "ml"
 
 
+def _fan(idempotent: dict[str, bool]) -> Topology:
+    """ingest -> (left, right) -> fuse -> out, `ingest` also feeds `out` a tensor ref."""
+    roles = [
+        {
+            "name": n,
+            "handler": "m:f",
+            **({"idempotent": v} if (v := idempotent.get(n)) is not None else {}),
+        }
+        for n in ("ingest", "left", "right", "fuse", "out")
+    ]
+    edges = [
+        {"from": "ingest", "to": "left"},
+        {"from": "ingest", "to": "right", "tensorRefs": [{"path": "x", "to": "out"}]},
+        {"from": "left", "to": "fuse"},
+        {"from": "right", "to": "fuse"},
+        {"from": "fuse", "to": "out"},
+    ]
+    doc = {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedPipeline",
+        "metadata": {"name": "fan"},
+        "spec": {"image": "i", "roles": roles, "edges": edges},
+    }
+    return Topology.from_pipeline(parse_pipeline(doc))
+
+
+def test_roles_a_handed_back_request_may_have_run_at():
+    topo = _fan({})
+    assert topo.not_idempotent == frozenset() and topo.resend_unsafe() == {}
+    assert topo.ran_before("ingest") == frozenset()  # the only entry: nothing ran before
+    # the other branch may have run it; fuse (behind left and right) and out not
+    assert topo.ran_before("left") == {"ingest", "right"}
+    assert topo.ran_before("fuse") == {"ingest", "left", "right"}
+    # out is reached through fuse, and by ingest's tensor ref: everything may have run
+    assert topo.ran_before("out") == {"ingest", "left", "right", "fuse"}
+    assert topo.ran_before("nope") == set(topo.roles)
+
+
+def test_a_role_not_idempotent_is_in_the_topology_and_its_json():
+    topo = _fan({"right": False, "left": True})
+    assert topo.not_idempotent == {"right"}
+    # handed back at left: right may have run it; at right itself or ingest: it did not
+    assert topo.resend_unsafe() == {"left": {"right"}, "fuse": {"right"}, "out": {"right"}}
+    doc = topo.to_json()
+    assert [r.get("idempotent") for r in doc["roles"]] == [None, None, False, None, None]
+    assert Topology.from_json(json.loads(json.dumps(doc))) == topo
+    doc["roles"][0]["idempotent"] = "no"
+    with pytest.raises(ContractError, match="idempotent is not a boolean"):
+        Topology.from_json(doc)
+
+
 @pytest.mark.parametrize(
     "bad",
     [None, [], {"version": 2}, {"version": 1, "pipeline": "p", "namespace": "", "roles": [{}]}],

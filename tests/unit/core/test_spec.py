@@ -467,6 +467,7 @@ ROLE_RULES: list[tuple[dict[str, object], str, str]] = [
     ({"replicas": 1.5}, ".replicas", "expected an integer, got a number"),
     ({"replicas": -1}, ".replicas", "must be at least 0, got -1"),
     ({"concurrency": 0}, ".concurrency", "must be at least 1"),
+    ({"idempotent": "no"}, ".idempotent", "expected true or false, got a string"),
     ({"name": "Bee"}, ".name", "DNS-1035"),
     ({"name": "b_b"}, ".name", "DNS-1035"),
     ({"name": "b-"}, ".name", "DNS-1035"),

@@ -524,6 +524,13 @@ def test_the_gateway_rolls_only_when_what_it_reads_changes(load_yaml: Any, repo:
     resends = copy.deepcopy(doc)
     resends["spec"]["transport"]["migrationAttempts"] = 0
     assert _gateway_hash(planner.plan(_pipeline(resends), namespace=NS)) != before
+    # a role not idempotent changes which requests the gateway may resend
+    once = copy.deepcopy(doc)
+    once["spec"]["roles"][1]["idempotent"] = False
+    assert _gateway_hash(planner.plan(_pipeline(once), namespace=NS)) != before
+    explicit = copy.deepcopy(doc)
+    explicit["spec"]["roles"][1]["idempotent"] = True  # the default: nothing changes
+    assert _gateway_hash(planner.plan(_pipeline(explicit), namespace=NS)) == before
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))

@@ -28,6 +28,41 @@ def _decide(**kw: object) -> tuple[str, str]:
     return migration.decide(Policy(max_attempts=3), **args)  # type: ignore[arg-type]
 
 
+def test_a_role_not_idempotent_bars_moves_of_what_may_have_run_there() -> None:
+    """encoder -> denoiser -> decoder with the denoiser not idempotent: a request the
+    decoder hands back may have run at the denoiser (fails, naming it); one the denoiser
+    hands back had not run there (moves); one lost with a replica may have run anywhere."""
+    policy = Policy(
+        max_attempts=3,
+        not_idempotent=frozenset({"denoiser"}),
+        unsafe_before={"decoder": frozenset({"denoiser"})},
+    )
+
+    def decide(reason: str, role: str) -> tuple[str, str]:
+        return migration.decide(
+            policy, reason=reason, role=role, exits=EXITS, seen=Seen(), moved=0,
+            remaining_s=10.0, kept=True,
+        )  # fmt: skip
+
+    verdict, why = decide(HANDED_BACK, "decoder")
+    assert verdict == "fail" and "may have run at denoiser (not idempotent)" in why
+    assert decide(HANDED_BACK, "denoiser")[0] == "move"
+    assert decide(HANDED_BACK, "encoder")[0] == "move"
+    assert decide(LOST, "encoder")[0] == "fail"
+    assert Policy().ran_unsafe(LOST, "x") == frozenset()  # every role idempotent
+
+
+def test_the_policy_of_a_topology() -> None:
+    from disagg_core.contract import Topology
+    from disagg_core.spec import load_pipeline_file
+    from tests.support import EXAMPLES
+
+    pipeline = load_pipeline_file(EXAMPLES / "text-to-video.yaml")
+    policy = Policy.of(Topology.from_pipeline(pipeline))
+    assert policy.max_attempts == pipeline.transport.migration_attempts
+    assert policy.not_idempotent == frozenset() and dict(policy.unsafe_before) == {}
+
+
 def test_a_request_nothing_came_back_of_moves() -> None:
     assert _decide()[0] == "move"
     assert _decide(reason=HANDED_BACK)[0] == "move"

@@ -239,6 +239,38 @@ def test_a_replica_that_did_not_answer_is_skipped_for_a_while(monkeypatch):
     assert ps.endpoint_for("r") in eps
 
 
+def test_a_replica_slow_to_answer_is_asked_again_soon_and_longer_apart_if_it_stays_silent(
+    monkeypatch,
+):
+    """A live replica starved of CPU past the handshake bound (relays.CONNECT_S) used to be
+    skipped LOST_S (10 s) at its first silence; now 1 s, doubling with each silence in a
+    row up to LOST_S, and forgiven once it answers (admit)."""
+    assert [peers.unanswered_skip(n) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 8, 10, 10]
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    eps = ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1"]
+    ps = peers.PeerSet(Peer("d", ("svc:1",)), "tcp", resolver=lambda h, p: eps)
+    slow = eps[0]
+
+    def chosen() -> set[str]:
+        return {ps.endpoint_for(f"r{i}") for i in range(40)}
+
+    for strikes, skip in ((1, 1.0), (2, 2.0), (3, 4.0)):
+        ps.unanswered(slow)
+        clock[0] += skip - 0.1
+        assert chosen() == {eps[1]}, f"silence {strikes}: still skipped"
+        clock[0] += 0.2
+        assert chosen() == set(eps), f"silence {strikes}: asked again after {skip} s"
+    ps.admit(slow, None)  # it answered: the next silence is a first one again
+    ps.unanswered(slow)
+    clock[0] += 1.1
+    assert chosen() == set(eps)
+    clock[0] += peers.STRIKES_S + 1  # silences a minute apart are not in a row
+    ps.unanswered(slow)
+    clock[0] += 1.1
+    assert chosen() == set(eps)
+
+
 def _silent_endpoint() -> tuple[socket.socket, str]:
     """A TCP port that accepts connections and never says a word (no ZMTP greeting):
     a relay handshake to it can only time out."""
