@@ -142,8 +142,9 @@ def _build_parser() -> argparse.ArgumentParser:
     transport = bench_sub.add_parser("transport", help="relays vs their limits and naive baselines")
     transport.add_argument(
         "--sizes",
-        default="4KiB,64KiB,1MiB,16MiB,64MiB,256MiB",
-        help="comma list, e.g. 64MiB,256MiB",
+        default=None,
+        help="comma list, e.g. 64MiB,256MiB (default 4KiB,64KiB,1MiB,16MiB,64MiB,256MiB; "
+        "with --cpu-messages 4KiB)",
     )
     transport.add_argument("--repeats", type=int, default=0, help="repetitions (0 = by size)")
     transport.add_argument(
@@ -160,6 +161,14 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=("cpu", "cuda"),
         default="cpu",
         help="where payloads live: cpu, or cuda (GPU relays against a device-to-device copy)",
+    )
+    transport.add_argument(
+        "--cpu-messages",
+        type=int,
+        default=0,
+        help="instead: the CPU (both processes, user + sys) of N streamed messages per size "
+        "(default size 4KiB) for raw_unix, py_unix and the relays shm,tcp (and nixl where it "
+        "works), e.g. 10000",
     )
     transport.add_argument("--json", action="store_true", help="print a JSON list")
     chain = bench_sub.add_parser("pipeline", help="per-hop runtime overhead vs the bare relay")

@@ -74,6 +74,39 @@ def test_transport_table_and_bad_arguments():
     assert bad.returncode == 2 and "unknown method" in bad.stderr
 
 
+def test_transport_cpu_mode_reports_cpu_per_message_beside_the_references():
+    proc = run(
+        "bench", "transport", "--cpu-messages", "300", "--sizes", "4KiB,1KiB", "--json",
+        "--methods", "raw_unix,py_unix,shm,tcp",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [(r["method"], r["size_bytes"]) for r in rows] == [
+        (m, s) for s in (4096, 1024) for m in ("raw_unix", "py_unix", "shm", "tcp")
+    ]
+    by = {(r["method"], r["size_bytes"]): r for r in rows}
+    for row in rows:
+        assert row["messages"] == 300
+        assert row["sender_cpu_s"] > 0 and row["receiver_cpu_s"] > 0 and row["wall_s"] > 0
+        total = row["sender_cpu_s"] + row["receiver_cpu_s"]
+        assert row["cpu_us_per_message"] == pytest.approx(total / 300 * 1e6)
+        assert row["messages_per_core_s"] == pytest.approx(300 / total)
+        if row["method"] in ("raw_unix", "py_unix"):
+            assert row["over"] == {}
+            continue
+        assert set(row["over"]) == {"raw_unix", "py_unix"}
+        for ref, ratio in row["over"].items():
+            reference = by[(ref, row["size_bytes"])]["cpu_us_per_message"]
+            assert ratio == pytest.approx(row["cpu_us_per_message"] / reference)
+    table = run("bench", "transport", "--cpu-messages", "100", "--methods", "py_unix,shm")
+    assert table.returncode == 0, table.stderr
+    assert "us/msg" in table.stdout and "shm" in table.stdout and "4KiB" in table.stdout
+    bad = run("bench", "transport", "--cpu-messages", "10", "--methods", "memcpy")
+    assert bad.returncode == 2 and "unknown method(s) memcpy for --cpu-messages" in bad.stderr
+    bad = run("bench", "transport", "--cpu-messages", "-3")
+    assert bad.returncode == 2 and "--cpu-messages must be at least 1" in bad.stderr
+
+
 def test_pipeline_bench_reports_per_hop_overhead():
     proc = run("bench", "pipeline", "--size", "1MiB", "--repeats", "2", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -601,3 +601,36 @@ def test_a_grant_lapses_on_time_while_only_inline_frames_arrive(rig: Rig) -> Non
         stop.set()
         thread.join(timeout=WAIT)
     assert ingress.stats().rejected == 0
+
+
+def test_a_stream_of_sends_polls_for_replies_at_most_every_watch_gap(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    import zmq
+
+    from disagg_runtime.relay import link
+
+    ingress = rig.ingress("shm")
+    sender = rig.sender("shm", ingress)
+    wait_for(lambda: ingress.stats().lanes == 1)
+    polls: list[float] = []
+    real = zmq.zmq_poll
+
+    def counted(*args: Any) -> Any:
+        polls.append(time.monotonic())
+        return real(*args)
+
+    monkeypatch.setattr(zmq, "zmq_poll", counted)
+    monkeypatch.setattr(link, "WATCH_GAP_S", 10.0)  # one poll for the whole burst
+    sender._watched_at = float("-inf")  # type: ignore[attr-defined]  # the next send asks
+    for i in range(50):
+        sender.send(small_payload(i), request_id=f"s{i}")
+    assert len(polls) == 1
+    monkeypatch.setattr(link, "WATCH_GAP_S", 0.0)  # every send asks again
+    for i in range(5):
+        sender.send(small_payload(i), request_id=f"t{i}")
+    assert len(polls) == 6
+    for _ in range(55):
+        ingress.recv(timeout=WAIT).release()

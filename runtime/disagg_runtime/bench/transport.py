@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import zmq
 
-from disagg_runtime.bench import bare_nixl, frames, limits, peer, ratios, raw_tcp
+from disagg_runtime.bench import bare_nixl, frames, limits, peer, ratios, raw_tcp, stream_cpu
 from disagg_runtime.bench.rss import peak_rss_bytes, reset_peak, rss_bytes
 from disagg_runtime.bench.sizes import format_size, parse_size
 from disagg_runtime.memory.pool import cuda_unavailable_reason
@@ -67,6 +67,7 @@ NIXL_METHODS = ("nixl", *ratios.NIXL_PEERS)  # in every run where the nixl packa
 LIMIT = {"cpu": "memcpy", "cuda": "d2d"}
 RELAYS = {"shm": "shm", "tcp": "tcp", "cuda_ipc": "cuda-ipc", "nixl": "nixl"}
 LATENCY_MAX = 64 * 1024
+DEFAULT_SIZES = "4KiB,64KiB,1MiB,16MiB,64MiB,256MiB"
 
 
 def default_repeats(size: int) -> int:
@@ -330,6 +331,8 @@ def _peer_table(results: list[Result]) -> list[str]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    if getattr(args, "cpu_messages", 0):
+        return stream_cpu.run_cli(args)
     device = getattr(args, "device", "cpu")
     known = GPU_METHODS if device == "cuda" else METHODS
     try:
@@ -337,7 +340,7 @@ def run_cli(args: argparse.Namespace) -> int:
             reason = cuda_unavailable_reason()
             if reason is not None:
                 raise ValueError(f"--device cuda needs CUDA, and {reason}")
-        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES).split(",") if s.strip()]
         methods = [m.strip() for m in (args.methods or "").split(",") if m.strip()]
         unknown = sorted(set(methods) - set(known) - set(NIXL_METHODS))
         if unknown:
