@@ -22,6 +22,7 @@ so the connection is in step again and the slot free at once. Nothing new on the
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Mapping
 from types import TracebackType
@@ -31,9 +32,11 @@ import torch
 import zmq
 
 from disagg_runtime.memory.copies import copy_async
-from disagg_runtime.memory.layout import slot_views
+from disagg_runtime.memory.layout import SlotPlan, slot_views
 from disagg_runtime.memory.pool import Backing, PoolError, pinned_staging
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.backends.tcp import stripe_plan
+from disagg_runtime.relay.backends.tcp.stripe_send import Stripes, StripesBroke, parse_offer
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.sender import (
     CHUNK_BYTES,
@@ -46,7 +49,9 @@ from disagg_runtime.relay.session import INLINE_THRESHOLD
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.manifest import Manifest
 
+log = logging.getLogger(__name__)
 TCP_INLINE_MAX = 1 << 20
+STRIPES_RETRY_S = 1.0  # after stripe connections broke, payloads go over ZMQ this long
 HOST_POOLS = ("shm", "cpu")  # pool devices a payload may as well land beside, in the heap
 
 
@@ -66,6 +71,14 @@ def chunk_plan(manifest: Manifest, chunk: int) -> list[tuple[int, int, int]]:
     ]
 
 
+class _Resend(RelayError):
+    """A striped payload failed and the receiver freed its slot: send it again."""
+
+
+class _Delivered(RelayError):
+    """A striped payload whose stripes broke after the receiver had every byte (acked)."""
+
+
 class TcpSender(Sender):
     """Streams tensors as zero-copy chunk frames that land in the receiver's pool. With a
     lane, reservations, grants and acknowledgements travel there (one thread wake-up each
@@ -74,13 +87,94 @@ class TcpSender(Sender):
     kind = "tcp"
     control_on_lane = True
 
-    def __init__(self, endpoint: str, *, chunk_bytes: int = CHUNK_BYTES, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        streams: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.chunk_bytes = chunk_bytes
+        # the most parallel streams a large payload uses (stripe_plan.py; None: one per core)
+        self.max_streams = stripe_plan.default_streams() if streams is None else streams
+        stripe_plan.check_streams(self.max_streams)
         self._staging: Backing | None = None
+        self._stripes: Stripes | None = None  # the receiver offered stripe connections
+        self._striped: tuple[int, int] | None = None  # (xid, streams) of the commit built
+        self._stripes_retry_at = 0.0
+        self.resent = 0  # payloads sent again over ZMQ after their stripes broke
         super().__init__(endpoint, **kwargs)
 
     def _commit_fields(self) -> dict[str, Any]:
         return {"chunk": self.chunk_bytes}
+
+    def _on_welcome(self, welcome: dict[str, Any]) -> None:
+        offer = parse_offer(welcome)
+        if offer is not None and self.endpoint.startswith("tcp://"):
+            self._stripes = Stripes(self.endpoint, offer, key=self._key, timeout=self.timeout)
+
+    def _stream_count(self, nbytes: int) -> int:
+        """The stripe connections a payload of `nbytes` goes over now (0: over ZMQ), opening
+        them at the first payload that wants them; after a failure, ZMQ for a while."""
+        stripes = self._stripes
+        if stripes is None or time.monotonic() < self._stripes_retry_at:
+            return 0
+        streams = stripe_plan.stream_count(nbytes, min(self.max_streams, stripes.max_streams))
+        if streams and stripes.open < streams:
+            try:
+                stripes.connect(self.max_streams)
+            except OSError as exc:  # StripesBroke included
+                self._stripes_failed(exc)
+                return 0
+        return streams
+
+    def _stripes_failed(self, exc: BaseException) -> None:
+        self._stripes_retry_at = time.monotonic() + STRIPES_RETRY_S
+        log.info("tcp relay to %s: stripes off for %g s: %s", self.endpoint, STRIPES_RETRY_S, exc)
+
+    def _commit_header(
+        self,
+        rid: str,
+        xid: int,
+        offset: int,
+        manifest: Manifest,
+        placed: SlotPlan,
+        meta: Mapping[str, Any] | None,
+        ask: dict[str, int] | None,
+    ) -> bytes:
+        streams = self._stream_count(manifest.nbytes)
+        if not streams:
+            self._striped = None
+            return super()._commit_header(rid, xid, offset, manifest, placed, meta, ask)
+        self._striped = (xid, streams)
+        return proto.pack(
+            "commit",
+            rid=rid,
+            xid=xid,
+            offset=offset,
+            manifest=manifest.to_json(),
+            meta=meta,
+            stripes=streams,
+        )
+
+    def _send_staged(
+        self,
+        rid: str,
+        manifest: Manifest,
+        placed: SlotPlan,
+        tensors: list[torch.Tensor],
+        deadline: float,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        try:
+            super()._send_staged(rid, manifest, placed, tensors, deadline, meta)
+        except _Delivered:
+            return
+        except _Resend as exc:  # the stripes broke, the receiver freed the slot: over ZMQ now
+            log.info("tcp relay to %s: request %s sent again over ZMQ: %s", self.endpoint, rid, exc)
+            self.resent += 1
+            super()._send_staged(rid, manifest, placed, tensors, deadline, meta)
 
     def inline_limit(self, welcome: dict[str, Any]) -> int:
         return inline_limit(welcome.get("pool_device"))
@@ -88,6 +182,10 @@ class TcpSender(Sender):
     def _transfer(self, transfer: Transfer) -> None:
         commit, manifest, tensors = transfer.commit, transfer.manifest, transfer.tensors
         self._check_lease(transfer.xid, transfer.write_by)
+        striped, self._striped = self._striped, None
+        if striped is not None and striped[0] == transfer.xid and self._stripes is not None:
+            self._send_striped(transfer, self._stripes, striped[1])
+            return
         chunks: list[memoryview] = []
         for tensor in self._host_tensors(manifest, tensors):
             raw = codec.tensor_bytes(tensor)
@@ -97,6 +195,22 @@ class TcpSender(Sender):
         self._sock.send(commit)
         for chunk in chunks:  # one message each: libzmq buffers a multipart message whole
             self._sock.send(chunk, copy=len(chunk) < ZERO_COPY_MIN)
+
+    def _send_striped(self, transfer: Transfer, stripes: Stripes, streams: int) -> None:
+        """The commit over ZMQ, then the stripes at once over their connections. When one
+        fails: the receiver's verdict is awaited (it frees the slot) and `_Resend` raised."""
+        tensors = self._host_tensors(transfer.manifest, transfer.tensors)
+        raws = [codec.tensor_bytes(t) for t in tensors]
+        self._sock.send(transfer.commit)
+        try:
+            stripes.send(transfer.xid, raws, streams)
+        except StripesBroke as exc:
+            self._stripes_failed(exc)
+            deadline = time.monotonic() + self.timeout
+            reply = self._await(transfer.xid, {"ack", "nack"}, deadline, "acknowledgement")
+            if reply["op"] == "ack":  # every byte was in after all
+                raise _Delivered from None
+            raise _Resend(str(exc)) from None
 
     def _host_tensors(self, manifest: Manifest, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """GPU tensors are copied once, on the copy stream, into a private pinned staging
@@ -152,6 +266,8 @@ class TcpSender(Sender):
         self._lost = self._lost or "a chunk stream on it broke off"
 
     def _on_close(self) -> None:
+        if self._stripes is not None:
+            self._stripes.close()
         if self._staging is not None:
             self._staging.close()
             self._staging = None
