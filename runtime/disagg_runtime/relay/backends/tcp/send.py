@@ -197,11 +197,11 @@ class TcpSender(Sender):
             self._sock.send(chunk, copy=len(chunk) < ZERO_COPY_MIN)
 
     def _send_striped(self, transfer: Transfer, stripes: Stripes, streams: int) -> None:
-        """The commit over ZMQ, then the stripes at once over their connections. When one
+        """The commit, then the stripes at once over their connections. When one
         fails: the receiver's verdict is awaited (it frees the slot) and `_Resend` raised."""
         tensors = self._host_tensors(transfer.manifest, transfer.tensors)
         raws = [codec.tensor_bytes(t) for t in tensors]
-        self._sock.send(transfer.commit)
+        self._control(transfer.commit)  # on the lane where it runs: no chunks follow it
         try:
             stripes.send(transfer.xid, raws, streams)
         except StripesBroke as exc:
