@@ -51,6 +51,8 @@ def send_process(
     """The sender: each payload in turn, then what it saw (resent count, errors)."""
     sender = TcpSender(endpoint, key=key, streams=streams, timeout=WAIT)
     try:
+        if max(sizes) >= stripe_plan.STREAMS_MIN:  # else: never opened
+            assert sender.open_streams(WAIT)
         for i, size in enumerate(sizes):
             sender.send(payload(size, i), request_id=f"r{i}")
         out.send({"resent": sender.resent, "open": sender._stripes.open if sender._stripes else 0})
@@ -270,9 +272,11 @@ def test_a_commit_for_more_streams_than_open_is_refused_and_sent_again(
 ) -> None:
     sender = TcpSender(receiver.ingress.endpoint, key=KEY, streams=2, timeout=WAIT)
     try:
-        sender.send(payload(16 * MiB, 0), request_id="first")  # opens 2 connections
+        assert sender.open_streams(WAIT)
+        sender.send(payload(16 * MiB, 0), request_id="first")
         assert receiver.hub.landed == 1
-        monkeypatch.setattr(stripe_plan, "stream_count", lambda nbytes, most=None: 3)
+        once = iter([3])  # one commit for 3 stripes over the 2 connections open
+        monkeypatch.setattr(sender, "_stream_count", lambda nbytes: next(once, 0))
         sender.send(payload(16 * MiB, 1), request_id="second")
         assert sender.resent == 1  # refused ("stripe connection 2 is not open"), then ZMQ
         assert receiver.ingress.stats().rejected == 1 and receiver.hub.landed == 1
@@ -284,3 +288,40 @@ def test_a_commit_for_more_streams_than_open_is_refused_and_sent_again(
         wait_for(lambda: receiver.pool.stats().used == 0)  # the refused commit's slot too
     finally:
         sender.close()
+
+
+def test_the_first_large_payload_does_not_wait_for_the_streams(receiver: Receiver) -> None:
+    """Stripe connections open in the background: the payload that asked goes over ZMQ,
+    the next ones striped once they are up."""
+    sender = TcpSender(receiver.ingress.endpoint, key=KEY, streams=2, timeout=WAIT)
+    try:
+        sender.send(payload(16 * MiB, 0), request_id="first")
+        wait_for(lambda: receiver.hub.connections() == 2)
+        wait_for(lambda: sender._stripes is not None and sender._stripes.open == 2)
+        sender.send(payload(16 * MiB, 1), request_id="second")
+        assert receiver.hub.landed == 1  # the second one
+        for i, msg in enumerate(receiver.got):
+            assert_bit_exact(msg.payload, payload(16 * MiB, i))
+    finally:
+        sender.close()
+
+
+def test_an_unreachable_stripe_port_leaves_payloads_on_zmq(receiver: Receiver) -> None:
+    """A port the network filters (here: closed) costs no payload a stall or a failure."""
+    sender, _port, _ = _welcome(receiver)
+    try:
+        assert sender._stripes is not None
+        sender._stripes._port = _closed_port()
+        assert not sender.open_streams(1.0)
+        for i in range(3):
+            sender.send(payload(16 * MiB, i), request_id=f"r{i}")
+        assert [m.request_id for m in receiver.got] == ["r0", "r1", "r2"]
+        assert receiver.hub.landed == 0 and sender._stripes.open == 0
+    finally:
+        sender.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

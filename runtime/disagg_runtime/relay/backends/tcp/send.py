@@ -52,6 +52,7 @@ from disagg_runtime.wire.manifest import Manifest
 log = logging.getLogger(__name__)
 TCP_INLINE_MAX = 1 << 20
 STRIPES_RETRY_S = 1.0  # after stripe connections broke, payloads go over ZMQ this long
+STRIPES_UNREACHABLE_S = 30.0  # and after they could not be opened (a filtered port)
 HOST_POOLS = ("shm", "cpu")  # pool devices a payload may as well land beside, in the heap
 
 
@@ -115,23 +116,39 @@ class TcpSender(Sender):
             self._stripes = Stripes(self.endpoint, offer, key=self._key, timeout=self.timeout)
 
     def _stream_count(self, nbytes: int) -> int:
-        """The stripe connections a payload of `nbytes` goes over now (0: over ZMQ), opening
-        them at the first payload that wants them; after a failure, ZMQ for a while."""
+        """The stripe connections a payload of `nbytes` goes over now (0: over ZMQ). The
+        first payload that wants them starts opening them in the background; after a
+        failure, payloads go over ZMQ for a while."""
         stripes = self._stripes
-        if stripes is None or time.monotonic() < self._stripes_retry_at:
+        if stripes is None:
             return 0
-        streams = stripe_plan.stream_count(nbytes, min(self.max_streams, stripes.max_streams))
-        if streams and stripes.open < streams:
-            try:
-                stripes.connect(self.max_streams)
-            except OSError as exc:  # StripesBroke included
-                self._stripes_failed(exc)
-                return 0
-        return streams
+        most = min(self.max_streams, stripes.max_streams)
+        streams = stripe_plan.stream_count(nbytes, most)
+        if not streams or stripes.open >= streams:
+            return streams
+        if time.monotonic() >= self._stripes_retry_at:
+            stripes.connect_soon(most, self._stripes_unreachable)
+        return 0
 
-    def _stripes_failed(self, exc: BaseException) -> None:
-        self._stripes_retry_at = time.monotonic() + STRIPES_RETRY_S
-        log.info("tcp relay to %s: stripes off for %g s: %s", self.endpoint, STRIPES_RETRY_S, exc)
+    def open_streams(self, wait: float) -> bool:
+        """Open the stripe connections now rather than at the first large payload, waiting
+        up to `wait` s; whether they are open (False: the receiver offers none, or they
+        cannot be reached: large payloads go over ZMQ)."""
+        stripes = self._stripes
+        if stripes is None:
+            return False
+        stripes.connect_soon(min(self.max_streams, stripes.max_streams), self._stripes_unreachable)
+        deadline = time.monotonic() + wait
+        while not stripes.open and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return stripes.open > 0
+
+    def _stripes_failed(self, exc: BaseException, off_s: float = STRIPES_RETRY_S) -> None:
+        self._stripes_retry_at = time.monotonic() + off_s
+        log.info("tcp relay to %s: stripes off for %g s: %s", self.endpoint, off_s, exc)
+
+    def _stripes_unreachable(self, exc: BaseException) -> None:
+        self._stripes_failed(exc, STRIPES_UNREACHABLE_S)
 
     def _commit_header(
         self,
@@ -267,7 +284,7 @@ class TcpSender(Sender):
 
     def _on_close(self) -> None:
         if self._stripes is not None:
-            self._stripes.close()
+            self._stripes.close(final=True)
         if self._staging is not None:
             self._staging.close()
             self._staging = None
