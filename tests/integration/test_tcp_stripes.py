@@ -23,8 +23,9 @@ import torch
 from disagg_runtime.memory.pool import MiB, Pool
 from disagg_runtime.relay import Ingress, auth
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.backends.tcp import TcpSender, stripe_land, stripe_plan
-from disagg_runtime.relay.backends.tcp.stripe_land import HELLO_PREFIX, NONCE_CHARS, StripeHub
+from disagg_runtime.relay.backends.tcp import TcpSender, stripe_accept, stripe_plan
+from disagg_runtime.relay.backends.tcp.stripe_accept import HELLO_PREFIX, NONCE_CHARS
+from disagg_runtime.relay.backends.tcp.stripe_land import StripeHub
 from disagg_runtime.relay.ledger import Message
 from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import KEY, WAIT
@@ -229,9 +230,9 @@ def test_connections_that_prove_no_key_get_nothing(receiver: Receiver) -> None:
 def test_silent_strangers_are_bounded_and_timed_out(
     receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(stripe_land, "STRANGER_S", 0.5)
+    monkeypatch.setattr(stripe_accept, "STRANGER_S", 0.5)
     sender, port, _ = _welcome(receiver)
-    silent = [_stripe_conn(port)[0] for _ in range(stripe_land.MAX_STRANGERS)]
+    silent = [_stripe_conn(port)[0] for _ in range(stripe_accept.MAX_STRANGERS)]
     try:
         extra = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
         with extra:  # over the bound: closed at once, no nonce

@@ -29,7 +29,8 @@ from typing import Any
 from disagg_runtime.memory.pool import PoolError
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.backends.tcp import stripe_plan
-from disagg_runtime.relay.backends.tcp.stripe_land import StripeHub, listener_for
+from disagg_runtime.relay.backends.tcp.stripe_accept import listener_for
+from disagg_runtime.relay.backends.tcp.stripe_land import StripeHub
 from disagg_runtime.relay.landing import Host, Landing
 from disagg_runtime.relay.ledger import Reservation
 from disagg_runtime.wire.codec import CodecError

@@ -17,6 +17,11 @@ one that other requests share. A stream that cannot finish (its source went away
 stalled) is cut: the chunks still owed go empty, which the receiver takes as a failed
 transfer (a chunk of the wrong size): it reads them, frees the slot and answers a nack,
 so the connection is in step again and the slot free at once. Nothing new on the wire.
+
+Payloads of at least stripe_plan.STREAMS_MIN go over parallel stripe connections where
+the receiver offers them (stripe_send.py; `streams` bounds how many a payload uses),
+with their commit on the control lane; when a stripe fails, the receiver frees the slot
+and nacks, and the payload goes again as chunks over ZMQ (`resent` counts them).
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ authenticated before anything is kept for it:
                                                   mac: H(K, "stripe", id, index, nonce)}
     one READY byte; a thread now reads it    -->
 
-A connection that says nothing valid within STRANGER_S, says too much, or proves no key is
-closed; at most MAX_STRANGERS wait at once, read by one acceptor thread, and none gets a
-thread, a buffer or a slot. The `id` is the sender's, from its authenticated welcome; the
-nonce makes each hello good for its own connection only.
+A connection that says nothing valid in time, says too much, or proves no key is closed
+by the acceptor (stripe_accept.py) and gets no thread, no buffer and no slot. The `id`
+is the sender's, from its authenticated welcome; the nonce makes each hello good for its
+own connection only.
 
-A payload's commit (over ZMQ, as the chunked one) carries `stripes: n`; stripe `i` of its
+A payload's commit (on the control lane, else over ZMQ) carries `stripes: n`; stripe `i` of its
 plan (stripe_plan.py) then comes on connection `i`, as `HEADER` (xid, length) and its
 bytes, which that connection's thread `recv_into`s straight at their place in the slot
 (`recv_into` releases the GIL: the stripes land at once, one core each). When every
@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import selectors
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,19 +41,15 @@ from typing import Any
 from disagg_runtime.relay import auth, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.backends.tcp import stripe_plan
+from disagg_runtime.relay.backends.tcp.stripe_accept import Acceptor
 from disagg_runtime.relay.landing import Host
 from disagg_runtime.relay.ledger import Reservation
 from disagg_runtime.wire.codec import CodecError
 from disagg_runtime.wire.manifest import Manifest
 
 log = logging.getLogger(__name__)
-NONCE_CHARS = 2 * auth.NONCE_BYTES  # the challenge: the nonce as hex text
-HELLO_PREFIX = struct.Struct("<I")
 STRIPE_HELLO = frozenset({"stripe"})
-MAX_STRANGERS = 16  # connections before their hello; more are refused at once
 MAX_CONNECTIONS = 64  # authenticated stripe connections per ingress (one thread each)
-STRANGER_S = 5.0  # a connection must say its hello this soon
-ACCEPT_TICK_S = 0.5  # how often the acceptor looks at those deadlines
 
 
 @dataclass(eq=False)
@@ -86,14 +80,6 @@ class StripeConn:
     index: int
 
 
-@dataclass(eq=False)
-class _Stranger:
-    sock: socket.socket
-    nonce: str
-    opened_at: float
-    got: bytearray = field(default_factory=bytearray)
-
-
 def targets_of(slot: int, manifest: Manifest, streams: int) -> list[list[tuple[int, int]]]:
     """(pool offset, length) of each segment of each stripe of a payload in `slot`."""
     plan = stripe_plan.stripe_plan([t.nbytes for t in manifest.tensors], streams)
@@ -110,8 +96,6 @@ class StripeHub:
         self.host = host
         self.max_streams = max_streams
         self.refusals = auth.Refusals(log, f"tcp stripes at {host.endpoint}")
-        self._listener = listener
-        self._port = listener.getsockname()[1]
         self._cond = threading.Condition()
         self._tokens: dict[str, bytes] = {}  # offered in welcomes: whose stripes they open
         self._token_of: dict[bytes, str] = {}
@@ -120,11 +104,7 @@ class StripeHub:
         self._closed = False
         self.landed = 0  # striped payloads whose every stripe came in
         self.failed = 0  # striped payloads failed (slot freed, commit nacked)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name="disagg-tcp-stripes", daemon=True
-        )
-        self._acceptor.start()
+        self._acceptor = Acceptor(listener, self._admit, self.refusals)
 
     # ---- the I/O thread -------------------------------------------------------------------
     def offer(self, ident: bytes) -> dict[str, Any]:
@@ -134,7 +114,7 @@ class StripeHub:
         with self._cond:
             self._tokens[token] = ident
             self._token_of[ident] = token
-        return {"port": self._port, "id": token, "max": self.max_streams}
+        return {"port": self._acceptor.port, "id": token, "max": self.max_streams}
 
     def start(
         self,
@@ -206,12 +186,7 @@ class StripeHub:
             self._cond.notify_all()
         for ident in idents:
             self._shut(ident)
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        self._acceptor.join(timeout=5)
-        self._listener.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        self._acceptor.close()
 
     def connections(self) -> int:
         """Authenticated stripe connections open now."""
@@ -353,84 +328,8 @@ class StripeHub:
         self._shut(conn.ident)
         conn.sock.close()
 
-    # ---- the acceptor thread --------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self._listener, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        strangers: dict[int, _Stranger] = {}
-        try:
-            while not self._closed:
-                for key, _ in sel.select(ACCEPT_TICK_S):
-                    if key.fileobj is self._listener:
-                        self._accept(sel, strangers)
-                    elif key.fileobj is not self._wake_r:
-                        self._hear(sel, strangers, key.fd)
-                now = time.monotonic()
-                for fd, s in list(strangers.items()):
-                    if now - s.opened_at > STRANGER_S:
-                        self.refusals.refuse("stripe connection: no hello in time")
-                        self._drop_stranger(sel, strangers, fd)
-        finally:
-            for fd in list(strangers):
-                self._drop_stranger(sel, strangers, fd)
-            sel.close()
-
-    def _accept(self, sel: selectors.BaseSelector, strangers: dict[int, _Stranger]) -> None:
-        while (sock := lane.accept(self._listener)) is not None:
-            if len(strangers) >= MAX_STRANGERS:
-                self.refusals.refuse(f"{len(strangers)} stripe connections without a hello")
-                sock.close()
-                continue
-            nonce = auth.nonce()
-            try:
-                sock.send(nonce.encode())  # 32 bytes into an empty buffer
-            except OSError:
-                sock.close()
-                continue
-            strangers[sock.fileno()] = _Stranger(sock, nonce, time.monotonic())
-            sel.register(sock, selectors.EVENT_READ)
-
-    def _drop_stranger(
-        self, sel: selectors.BaseSelector, strangers: dict[int, _Stranger], fd: int
-    ) -> _Stranger:
-        s = strangers.pop(fd)
-        sel.unregister(s.sock)
-        s.sock.close()
-        return s
-
-    def _hear(self, sel: selectors.BaseSelector, strangers: dict[int, _Stranger], fd: int) -> None:
-        """Read a stranger's hello; once whole, it is a stripe connection or closed."""
-        s = strangers[fd]
-        limit = HELLO_PREFIX.size + proto.MAX_HANDSHAKE_BYTES
-        try:
-            data = s.sock.recv(limit - len(s.got))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.refusals.refuse("stripe connection closed before its hello")
-            self._drop_stranger(sel, strangers, fd)
-            return
-        s.got += data
-        if len(s.got) < HELLO_PREFIX.size:
-            return
-        (size,) = HELLO_PREFIX.unpack_from(s.got)
-        if size > proto.MAX_HANDSHAKE_BYTES:
-            self.refusals.refuse(f"stripe hello of {size} B")
-            self._drop_stranger(sel, strangers, fd)
-            return
-        if len(s.got) < HELLO_PREFIX.size + size:
-            return
-        strangers.pop(fd)
-        sel.unregister(s.sock)
-        problem = self._admit(s, bytes(s.got[HELLO_PREFIX.size : HELLO_PREFIX.size + size]))
-        if problem is not None:
-            self.refusals.refuse(f"stripe connection: {problem}")
-            s.sock.close()
-
-    def _admit(self, s: _Stranger, header: bytes) -> str | None:
+    # ---- the acceptor's thread ------------------------------------------------------------
+    def _admit(self, sock: socket.socket, nonce: str, header: bytes) -> str | None:
         """A stranger's hello: why it is refused, or None (it is a stripe connection now)."""
         try:
             hello = proto.unpack(header, STRIPE_HELLO)
@@ -438,9 +337,7 @@ class StripeHub:
             index = proto.nonneg_int(hello, "index")
         except proto.ProtocolError as exc:
             return str(exc)
-        if len(s.got) != HELLO_PREFIX.size + len(header):
-            return "bytes after the hello"
-        if not self.host.verify(hello.get("mac"), "stripe", token, str(index), s.nonce):
+        if not self.host.verify(hello.get("mac"), "stripe", token, str(index), nonce):
             return "unknown id or bad mac"
         with self._cond:
             ident = self._tokens.get(token)
@@ -453,11 +350,11 @@ class StripeHub:
             if self._closed or total - (old is not None) >= MAX_CONNECTIONS:
                 return f"{total} stripe connections open"
             try:
-                s.sock.setblocking(True)
-                s.sock.send(lane.READY)
+                sock.setblocking(True)
+                sock.send(lane.READY)
             except OSError as exc:
                 return f"hello not answered: {exc}"
-            conn = StripeConn(s.sock, ident, index)
+            conn = StripeConn(sock, ident, index)
             self._conns.setdefault(ident, {})[index] = conn
         if old is not None:  # the sender replaced it: whatever it carried failed with it
             with contextlib.suppress(OSError):
@@ -477,12 +374,3 @@ def _recv_whole(sock: socket.socket, view: memoryview) -> bool:
             return False
         got += n
     return True
-
-
-def listener_for(endpoint: str) -> socket.socket | None:
-    """A listening socket for stripe connections beside a tcp:// ingress (None: another
-    transport, or no port free)."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    listening = lane.listen(endpoint)
-    return listening[0] if listening is not None else None

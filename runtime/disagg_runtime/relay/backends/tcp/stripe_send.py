@@ -28,7 +28,7 @@ from typing import Any
 from disagg_runtime.relay import auth, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.backends.tcp import stripe_plan
-from disagg_runtime.relay.backends.tcp.stripe_land import HELLO_PREFIX, NONCE_CHARS
+from disagg_runtime.relay.backends.tcp.stripe_accept import HELLO_PREFIX, NONCE_CHARS
 from disagg_runtime.relay.errors import RelayError
 
 CONNECT_S = 2.0  # a filtered port must not stall a send long
