@@ -23,7 +23,7 @@ import torch
 from disagg_runtime.memory.pool import MiB, Pool
 from disagg_runtime.relay import Ingress, auth
 from disagg_runtime.relay import protocol as proto
-from disagg_runtime.relay.backends.tcp import TcpSender, stripe_accept, stripe_plan
+from disagg_runtime.relay.backends.tcp import TcpLanding, TcpSender, stripe_accept, stripe_plan
 from disagg_runtime.relay.backends.tcp.stripe_accept import HELLO_PREFIX, NONCE_CHARS
 from disagg_runtime.relay.backends.tcp.stripe_land import StripeHub
 from disagg_runtime.relay.ledger import Message
@@ -76,7 +76,8 @@ class Receiver:
     @property
     def hub(self) -> StripeHub:
         landing = wait_for(lambda: self.ingress._landings.get("tcp"))  # at the first hello
-        hub = landing.stripes  # type: ignore[attr-defined]
+        assert isinstance(landing, TcpLanding)
+        hub = landing.stripes
         assert isinstance(hub, StripeHub)
         return hub
 

@@ -3,6 +3,8 @@ payload takes, and how its bytes are cut over them, apart from any socket."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -55,7 +57,7 @@ def test_cuts_are_aligned_contiguous_and_cover() -> None:
     assert len(parts) == 3
     assert parts[0][0] == 0
     assert sum(n for _, n in parts) == total
-    for (a, n), (b, _) in zip(parts, parts[1:], strict=False):
+    for (a, n), (b, _) in itertools.pairwise(parts):
         assert a + n == b and b % sp.ALIGN == 0
 
 
