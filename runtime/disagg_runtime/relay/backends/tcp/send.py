@@ -82,7 +82,11 @@ class _Resend(RelayError):
 
 
 class _Delivered(RelayError):
-    """A striped payload whose stripes broke after the receiver had every byte (acked)."""
+    """A striped payload the receiver acked (its verdict is read by `_send_striped`)."""
+
+
+class _Nacked(RelayError):
+    """A striped payload the receiver refused for a reason of its own (not its stripes)."""
 
 
 class TcpSender(Sender):
@@ -193,6 +197,8 @@ class TcpSender(Sender):
             super()._send_staged(rid, manifest, placed, tensors, deadline, meta)
         except _Delivered:
             return
+        except _Nacked as exc:
+            raise RelayError(f"receiver at {self.endpoint} rejected request {rid}: {exc}") from None
         except _Resend as exc:  # the stripes broke, the receiver freed the slot: over ZMQ now
             log.info("tcp relay to %s: request %s sent again over ZMQ: %s", self.endpoint, rid, exc)
             self.resent += 1
@@ -219,20 +225,28 @@ class TcpSender(Sender):
             self._sock.send(chunk, copy=len(chunk) < ZERO_COPY_MIN)
 
     def _send_striped(self, transfer: Transfer, stripes: Stripes, streams: int) -> None:
-        """The commit, then the stripes at once over their connections. When one
-        fails: the receiver's verdict is awaited (it frees the slot) and `_Resend` raised."""
+        """The commit, then the stripes at once over their connections, then the verdict:
+        an ack ends the send (`_Delivered`); a nack because stripes failed, on either side
+        (the receiver freed the slot), closes them and asks for the payload again over
+        ZMQ (`_Resend`); any other nack is the payload's (`_Nacked`)."""
         tensors = self._host_tensors(transfer.manifest, transfer.tensors)
         raws = [codec.tensor_bytes(t) for t in tensors]
         self._control(transfer.commit)  # on the lane where it runs: no chunks follow it
+        broke: StripesBroke | None = None
         try:
             stripes.send(transfer.xid, raws, streams)
         except StripesBroke as exc:
-            self._stripes_failed(exc)
-            deadline = time.monotonic() + self.timeout
-            reply = self._await(transfer.xid, {"ack", "nack"}, deadline, "acknowledgement")
-            if reply["op"] == "ack":  # every byte was in after all
-                raise _Delivered from None
-            raise _Resend(str(exc)) from None
+            broke = exc
+        deadline = time.monotonic() + self.timeout
+        reply = self._await(transfer.xid, {"ack", "nack"}, deadline, "acknowledgement")
+        if reply["op"] == "ack":  # every byte was in (also when a stripe broke after that)
+            raise _Delivered
+        reason = str(reply.get("reason"))
+        if broke is not None or reason.startswith(stripe_plan.FAILED):
+            stripes.close()  # the receiver shut its ends
+            self._stripes_failed(broke or RelayError(reason))
+            raise _Resend(reason)
+        raise _Nacked(reason)
 
     def _host_tensors(self, manifest: Manifest, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """GPU tensors are copied once, on the copy stream, into a private pinned staging

@@ -131,15 +131,21 @@ class StripeHub:
         try:
             if not 1 <= streams <= self.max_streams:
                 most = self.max_streams
-                raise proto.ProtocolError(f"stripes: {streams} is not within [1, {most}]")
+                raise proto.ProtocolError(
+                    f"{stripe_plan.FAILED}: {streams} streams, not within [1, {most}]"
+                )
             targets = targets_of(slot, manifest, streams)
             with self._cond:
                 conns = self._conns.get(ident, {})
                 missing = [i for i in range(len(targets)) if i not in conns]
                 if missing:
-                    raise proto.ProtocolError(f"stripe connection {missing[0]} is not open")
+                    raise proto.ProtocolError(
+                        f"{stripe_plan.FAILED}: stripe connection {missing[0]} is not open"
+                    )
                 if ident in self._transfers:
-                    raise proto.ProtocolError("a striped payload of this sender is landing")
+                    raise proto.ProtocolError(
+                        f"{stripe_plan.FAILED}: a payload of this sender is landing"
+                    )
                 self._transfers[ident] = Striped(
                     ident,
                     xid,
@@ -208,7 +214,7 @@ class StripeHub:
         if t.error is not None:
             self.failed += 1
             host.ledger.free(t.slot)
-            host.reject(t.ident, t.xid, t.error)
+            host.reject(t.ident, t.xid, f"{stripe_plan.FAILED}: {t.error}")
             return
         self.landed += 1
         try:

@@ -24,6 +24,8 @@ MAX_STREAMS = 8  # the most stripe connections one sender may open to one receiv
 ALIGN = 4096  # stripes are cut at multiples of this (a page) in the payload's bytes
 HEADER = struct.Struct("<QQ")  # before each stripe on its connection: xid, stripe bytes
 
+FAILED = "stripes failed"  # how a nack for a payload its stripes lost begins: send it again
+
 Segment = tuple[int, int, int]  # (tensor index, start in the tensor, length)
 
 
