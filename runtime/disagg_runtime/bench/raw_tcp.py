@@ -12,14 +12,21 @@ one-way delay its receiver saw (perf_counter is one clock for every process here
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 import struct
 import threading
 import time
 
-STREAMS = max(2, min(4, os.cpu_count() or 2))  # N, as many as a relay could keep busy
+from disagg_runtime.relay.backends.tcp import stripe_plan
+
 STAMP = struct.Struct("d")
+
+
+def streams_for(size: int) -> int:
+    """N for `raw_tcp_n` at `size`: the streams the tcp relay cuts such a payload over
+    (relay/backends/tcp/stripe_plan.py, the one derivation of N), or, where it does not
+    cut it, as many as it cuts large payloads over (one per core, bounded)."""
+    return stripe_plan.stream_count(size) or stripe_plan.default_streams()
 
 
 def split(size: int, streams: int) -> list[tuple[int, int]]:

@@ -212,7 +212,7 @@ def measure(
     elif method == "py_unix":
         times = limits.measure_py_unix(size, n)
     elif method in ratios.TCP_RAW:
-        times = raw_tcp.measure(size, n, 1 if method == "raw_tcp" else raw_tcp.STREAMS)
+        times = raw_tcp.measure(size, n, 1 if method == "raw_tcp" else raw_tcp.streams_for(size))
     elif method in ratios.NIXL_PEERS:
         times = bare_nixl.measure(method, size, n)
     else:

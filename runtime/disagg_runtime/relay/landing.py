@@ -14,6 +14,7 @@ needs the socket.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from disagg_runtime.memory.intake import Memory
@@ -70,6 +71,14 @@ class Host(Protocol):
 
     def more_frames(self) -> bool:
         """Whether the message being handed over has more frames (they are dropped)."""
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the I/O thread soon (callable from any thread: a landing's own
+        threads end their transfers so)."""
+
+    def verify(self, given: object, label: str, *parts: str) -> bool:
+        """Whether `given` is the peer key's mac over `label` and `parts` (relay/auth.py):
+        a landing's own connections prove the key without holding it."""
 
 
 class Landing:

@@ -421,6 +421,12 @@ class Ingress(Lanes, Sessions, Operations):
     def more_frames(self) -> bool:
         return bool(self._sock.getsockopt(zmq.RCVMORE))
 
+    def call(self, fn: Callable[[], None]) -> None:
+        self._call(fn)
+
+    def verify(self, given: object, label: str, *parts: str) -> bool:
+        return auth.verify(self._key, given, label, *parts)
+
     def _reply(self, ident: bytes, op: str, **fields: Any) -> bool:
         """Whether the reply went out. Over ZMQ it fails when the sender's connection is
         gone (then the sender is: `_forget`), or its queue is full (dropped, as a ROUTER

@@ -198,3 +198,9 @@ class IngressParts:
 
     def more_frames(self) -> bool:  # loop
         raise NotImplementedError
+
+    def call(self, fn: Callable[[], None]) -> None:  # loop
+        raise NotImplementedError
+
+    def verify(self, given: object, label: str, *parts: str) -> bool:  # loop
+        raise NotImplementedError

@@ -5,6 +5,11 @@ at their place in the receiver's pool.
 - `land`: the receiver's side (`TcpLanding`: chunked commits, `Chunked`, `chunk_targets`).
 
 The two share only the chunk order (`chunk_plan` and `chunk_targets` agree on it).
+
+Payloads of STREAMS_MIN (4 MiB) or more to a receiver whose pool is host memory go over
+parallel streams instead: `stripe_plan` (how many, and how the bytes are cut: pure),
+`stripe_send` (the sender's connections, one thread each), `stripe_land` (the receiver's
+authenticated connections, landing each stripe in place).
 """
 
 from __future__ import annotations

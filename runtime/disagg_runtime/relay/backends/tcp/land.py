@@ -13,6 +13,9 @@ sender cut the transfer: send.py `ChunkStream.cut`) fails the transfer, but its 
 chunks are still read (and dropped), so the connection stays in step; the slot is freed
 and the commit nacked at the end. A transfer whose chunks stop coming for a lease is
 nacked and its slot freed (`expire`).
+
+A commit with `stripes` instead says its bytes come over parallel stripe connections,
+into a pool of host memory: stripe_land.py.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from typing import Any
 
 from disagg_runtime.memory.pool import PoolError
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.backends.tcp import stripe_plan
+from disagg_runtime.relay.backends.tcp.stripe_accept import listener_for
+from disagg_runtime.relay.backends.tcp.stripe_land import StripeHub
 from disagg_runtime.relay.landing import Host, Landing
 from disagg_runtime.relay.ledger import Reservation
 from disagg_runtime.wire.codec import CodecError
@@ -75,8 +81,18 @@ class TcpLanding(Landing):
     def __init__(self, host: Host) -> None:
         self.host = host
         self._chunked: dict[bytes, Chunked] = {}  # transfers landing, by sender
+        self.stripes: StripeHub | None = None  # parallel streams, into host memory only
+        listener = listener_for(host.endpoint) if host.memory.kind == "host" else None
+        if listener is not None:
+            self.stripes = StripeHub(host, listener, stripe_plan.MAX_STREAMS)
+
+    def welcome(self, ident: bytes, hello: dict[str, Any]) -> dict[str, Any]:
+        return {"stripes": self.stripes.offer(ident)} if self.stripes is not None else {}
 
     def commit(self, ident: bytes, msg: dict[str, Any]) -> bool:
+        if msg.get("stripes") is not None:
+            self._striped(ident, msg)
+            return True
         if msg.get("chunk") is None:
             return False  # its bytes are in the slot already: the plain commit
         host = self.host
@@ -107,6 +123,26 @@ class TcpLanding(Landing):
         self._chunked[ident] = Chunked(grant, xid, manifest, meta, targets, count, deadline)
         host.expect_frames(ident, self)
         return True
+
+    def _striped(self, ident: bytes, msg: dict[str, Any]) -> None:
+        """A commit whose stripes come on the stripe connections (stripe_land.py)."""
+        host = self.host
+        xid = proto.nonneg_int(msg, "xid")
+        grant, slot = host.claim(ident, xid, msg)
+        try:
+            if self.stripes is None:
+                raise proto.ProtocolError("this ingress offered no stripe connections")
+            manifest = Manifest.from_json(
+                msg.get("manifest"), slot_size=host.pool.allocator.size_of(slot)
+            )
+            meta = proto.meta(msg)
+            if host.more_frames():
+                raise proto.ProtocolError("commit carries unexpected frames")
+            streams = proto.nonneg_int(msg, "stripes")
+            self.stripes.start(ident, xid, grant, slot, manifest, meta, streams)
+        except BaseException:
+            host.ledger.free(slot)
+            raise
 
     def take(self, ident: bytes) -> None:
         """Land the next chunk of `ident`'s transfer straight into its slot."""
@@ -146,9 +182,13 @@ class TcpLanding(Landing):
         return self._chunked.pop(ident, None)
 
     def due(self) -> float | None:
-        return min((c.deadline for c in self._chunked.values()), default=None)
+        due = min((c.deadline for c in self._chunked.values()), default=None)
+        striped = self.stripes.due() if self.stripes is not None else None
+        return striped if due is None else due if striped is None else min(due, striped)
 
     def expire(self, now: float) -> None:
+        if self.stripes is not None:
+            self.stripes.expire(now)
         for ident, chunked in list(self._chunked.items()):
             if chunked.deadline <= now:  # sender vanished mid-transfer
                 self._end(ident)
@@ -161,3 +201,9 @@ class TcpLanding(Landing):
         chunked = self._end(ident)
         if chunked is not None and chunked.grant.offset is not None:
             self.host.ledger.free(chunked.grant.offset)
+        if self.stripes is not None:
+            self.stripes.forget(ident)
+
+    def close(self) -> None:
+        if self.stripes is not None:
+            self.stripes.close()

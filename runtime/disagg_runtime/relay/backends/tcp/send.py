@@ -17,11 +17,17 @@ one that other requests share. A stream that cannot finish (its source went away
 stalled) is cut: the chunks still owed go empty, which the receiver takes as a failed
 transfer (a chunk of the wrong size): it reads them, frees the slot and answers a nack,
 so the connection is in step again and the slot free at once. Nothing new on the wire.
+
+Payloads of at least stripe_plan.STREAMS_MIN go over parallel stripe connections where
+the receiver offers them (stripe_send.py; `streams` bounds how many a payload uses),
+with their commit on the control lane; when a stripe fails, the receiver frees the slot
+and nacks, and the payload goes again as chunks over ZMQ (`resent` counts them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Mapping
 from types import TracebackType
@@ -31,9 +37,11 @@ import torch
 import zmq
 
 from disagg_runtime.memory.copies import copy_async
-from disagg_runtime.memory.layout import slot_views
+from disagg_runtime.memory.layout import SlotPlan, slot_views
 from disagg_runtime.memory.pool import Backing, PoolError, pinned_staging
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.backends.tcp import stripe_plan
+from disagg_runtime.relay.backends.tcp.stripe_send import Stripes, StripesBroke, parse_offer
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.sender import (
     CHUNK_BYTES,
@@ -46,7 +54,10 @@ from disagg_runtime.relay.session import INLINE_THRESHOLD
 from disagg_runtime.wire import codec
 from disagg_runtime.wire.manifest import Manifest
 
+log = logging.getLogger(__name__)
 TCP_INLINE_MAX = 1 << 20
+STRIPES_RETRY_S = 1.0  # after stripe connections broke, payloads go over ZMQ this long
+STRIPES_UNREACHABLE_S = 30.0  # and after they could not be opened (a filtered port)
 HOST_POOLS = ("shm", "cpu")  # pool devices a payload may as well land beside, in the heap
 
 
@@ -66,6 +77,18 @@ def chunk_plan(manifest: Manifest, chunk: int) -> list[tuple[int, int, int]]:
     ]
 
 
+class _Resend(RelayError):
+    """A striped payload failed and the receiver freed its slot: send it again."""
+
+
+class _Delivered(RelayError):
+    """A striped payload the receiver acked (its verdict is read by `_send_striped`)."""
+
+
+class _Nacked(RelayError):
+    """A striped payload the receiver refused for a reason of its own (not its stripes)."""
+
+
 class TcpSender(Sender):
     """Streams tensors as zero-copy chunk frames that land in the receiver's pool. With a
     lane, reservations, grants and acknowledgements travel there (one thread wake-up each
@@ -74,13 +97,112 @@ class TcpSender(Sender):
     kind = "tcp"
     control_on_lane = True
 
-    def __init__(self, endpoint: str, *, chunk_bytes: int = CHUNK_BYTES, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        streams: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.chunk_bytes = chunk_bytes
+        # the most parallel streams a large payload uses (stripe_plan.py; None: one per core)
+        self.max_streams = stripe_plan.default_streams() if streams is None else streams
+        stripe_plan.check_streams(self.max_streams)
         self._staging: Backing | None = None
+        self._stripes: Stripes | None = None  # the receiver offered stripe connections
+        self._striped: tuple[int, int] | None = None  # (xid, streams) of the commit built
+        self._stripes_retry_at = 0.0
+        self.resent = 0  # payloads sent again over ZMQ after their stripes broke
         super().__init__(endpoint, **kwargs)
 
     def _commit_fields(self) -> dict[str, Any]:
         return {"chunk": self.chunk_bytes}
+
+    def _on_welcome(self, welcome: dict[str, Any]) -> None:
+        offer = parse_offer(welcome)
+        if offer is not None and self.endpoint.startswith("tcp://"):
+            self._stripes = Stripes(self.endpoint, offer, key=self._key, timeout=self.timeout)
+
+    def _stream_count(self, nbytes: int) -> int:
+        """The stripe connections a payload of `nbytes` goes over now (0: over ZMQ). The
+        first payload that wants them starts opening them in the background; after a
+        failure, payloads go over ZMQ for a while."""
+        stripes = self._stripes
+        if stripes is None:
+            return 0
+        most = min(self.max_streams, stripes.max_streams)
+        streams = stripe_plan.stream_count(nbytes, most)
+        if not streams or stripes.open >= streams:
+            return streams
+        if time.monotonic() >= self._stripes_retry_at:
+            stripes.connect_soon(most, self._stripes_unreachable)
+        return 0
+
+    def open_streams(self, wait: float) -> bool:
+        """Open the stripe connections now rather than at the first large payload, waiting
+        up to `wait` s; whether they are open (False: the receiver offers none, or they
+        cannot be reached: large payloads go over ZMQ)."""
+        stripes = self._stripes
+        if stripes is None:
+            return False
+        stripes.connect_soon(min(self.max_streams, stripes.max_streams), self._stripes_unreachable)
+        deadline = time.monotonic() + wait
+        while not stripes.open and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return stripes.open > 0
+
+    def _stripes_failed(self, exc: BaseException, off_s: float = STRIPES_RETRY_S) -> None:
+        self._stripes_retry_at = time.monotonic() + off_s
+        log.info("tcp relay to %s: stripes off for %g s: %s", self.endpoint, off_s, exc)
+
+    def _stripes_unreachable(self, exc: BaseException) -> None:
+        self._stripes_failed(exc, STRIPES_UNREACHABLE_S)
+
+    def _commit_header(
+        self,
+        rid: str,
+        xid: int,
+        offset: int,
+        manifest: Manifest,
+        placed: SlotPlan,
+        meta: Mapping[str, Any] | None,
+        ask: dict[str, int] | None,
+    ) -> bytes:
+        streams = self._stream_count(manifest.nbytes)
+        if not streams:
+            self._striped = None
+            return super()._commit_header(rid, xid, offset, manifest, placed, meta, ask)
+        self._striped = (xid, streams)
+        return proto.pack(
+            "commit",
+            rid=rid,
+            xid=xid,
+            offset=offset,
+            manifest=manifest.to_json(),
+            meta=meta,
+            stripes=streams,
+        )
+
+    def _send_staged(
+        self,
+        rid: str,
+        manifest: Manifest,
+        placed: SlotPlan,
+        tensors: list[torch.Tensor],
+        deadline: float,
+        meta: Mapping[str, Any] | None,
+    ) -> None:
+        try:
+            super()._send_staged(rid, manifest, placed, tensors, deadline, meta)
+        except _Delivered:
+            return
+        except _Nacked as exc:
+            raise RelayError(f"receiver at {self.endpoint} rejected request {rid}: {exc}") from None
+        except _Resend as exc:  # the stripes broke, the receiver freed the slot: over ZMQ now
+            log.info("tcp relay to %s: request %s sent again over ZMQ: %s", self.endpoint, rid, exc)
+            self.resent += 1
+            super()._send_staged(rid, manifest, placed, tensors, deadline, meta)
 
     def inline_limit(self, welcome: dict[str, Any]) -> int:
         return inline_limit(welcome.get("pool_device"))
@@ -88,6 +210,10 @@ class TcpSender(Sender):
     def _transfer(self, transfer: Transfer) -> None:
         commit, manifest, tensors = transfer.commit, transfer.manifest, transfer.tensors
         self._check_lease(transfer.xid, transfer.write_by)
+        striped, self._striped = self._striped, None
+        if striped is not None and striped[0] == transfer.xid and self._stripes is not None:
+            self._send_striped(transfer, self._stripes, striped[1])
+            return
         chunks: list[memoryview] = []
         for tensor in self._host_tensors(manifest, tensors):
             raw = codec.tensor_bytes(tensor)
@@ -97,6 +223,30 @@ class TcpSender(Sender):
         self._sock.send(commit)
         for chunk in chunks:  # one message each: libzmq buffers a multipart message whole
             self._sock.send(chunk, copy=len(chunk) < ZERO_COPY_MIN)
+
+    def _send_striped(self, transfer: Transfer, stripes: Stripes, streams: int) -> None:
+        """The commit, then the stripes at once over their connections, then the verdict:
+        an ack ends the send (`_Delivered`); a nack because stripes failed, on either side
+        (the receiver freed the slot), closes them and asks for the payload again over
+        ZMQ (`_Resend`); any other nack is the payload's (`_Nacked`)."""
+        tensors = self._host_tensors(transfer.manifest, transfer.tensors)
+        raws = [codec.tensor_bytes(t) for t in tensors]
+        self._control(transfer.commit)  # on the lane where it runs: no chunks follow it
+        broke: StripesBroke | None = None
+        try:
+            stripes.send(transfer.xid, raws, streams)
+        except StripesBroke as exc:
+            broke = exc
+        deadline = time.monotonic() + self.timeout
+        reply = self._await(transfer.xid, {"ack", "nack"}, deadline, "acknowledgement")
+        if reply["op"] == "ack":  # every byte was in (also when a stripe broke after that)
+            raise _Delivered
+        reason = str(reply.get("reason"))
+        if broke is not None or reason.startswith(stripe_plan.FAILED):
+            stripes.close()  # the receiver shut its ends
+            self._stripes_failed(broke or RelayError(reason))
+            raise _Resend(reason)
+        raise _Nacked(reason)
 
     def _host_tensors(self, manifest: Manifest, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """GPU tensors are copied once, on the copy stream, into a private pinned staging
@@ -152,6 +302,8 @@ class TcpSender(Sender):
         self._lost = self._lost or "a chunk stream on it broke off"
 
     def _on_close(self) -> None:
+        if self._stripes is not None:
+            self._stripes.close(final=True)
         if self._staging is not None:
             self._staging.close()
             self._staging = None
