@@ -6,7 +6,8 @@ server). It is pure and torch-free so that the operator and `disagg validate` st
 Validation reports every problem at once, each with a field path (`spec.edges[2].to`):
 
 - `fields`: typed readers that collect problems (`Problem`, `SpecError`);
-- `parse`: document -> model, one object at a time (types, formats, per-object rules);
+- `parse` (with `parse_roles`, `parse_graph`, `parse_service`, `parse_common`): document ->
+  model, one object at a time (types, formats, per-object rules);
 - `checks`: rules across objects (unique names, the role graph, colocation groups);
 - `model`: the dataclasses and graph queries (`Pipeline.downstream`, `pool_for`, ...).
 
@@ -62,7 +63,8 @@ from disagg_core.spec.model import (
     Transport,
     parse_payload_path,
 )
-from disagg_core.spec.parse import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE
+from disagg_core.spec.parse_graph import MAX_ROLLOUT_STEP_DEADLINE_SECONDS
+from disagg_core.spec.parse_roles import MAX_TARGET_QUEUE
 from disagg_core.spec.podpolicy import findings as pod_policy_findings
 
 __all__ = [
