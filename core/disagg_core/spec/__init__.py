@@ -26,6 +26,7 @@ import yaml
 
 from disagg_core import relays
 from disagg_core.spec import checks, parse
+from disagg_core.spec.engines import EdgeKind, Engine, EngineArg, EngineKind, KvRole
 from disagg_core.spec.fields import ROOT, Collector, Problem, SpecError, child
 from disagg_core.spec.model import (
     ALL_PODS,
@@ -92,8 +93,13 @@ __all__ = [
     "Collector",
     "ColocationGroup",
     "Edge",
+    "EdgeKind",
+    "Engine",
+    "EngineArg",
+    "EngineKind",
     "EnvSetting",
     "IntOrPercent",
+    "KvRole",
     "PathStep",
     "Pipeline",
     "PoolDevice",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from disagg_core.spec import fields as f
 from disagg_core.spec import limits
 from disagg_core.spec import model as m
+from disagg_core.spec.engines import EDGE_KINDS
 from disagg_core.spec.fields import Collector, child
 from disagg_core.spec.parse_common import (
     DNS_1035_LABEL,
@@ -22,7 +23,7 @@ MAX_ROLLOUT_STEP_DEADLINE_SECONDS = 86_400
 
 def edge(out: Collector, raw: object, path: str) -> m.Edge:
     e = f.fields(
-        out, raw, path, known=("from", "to", "relay", "tensorRefs"), required=("from", "to")
+        out, raw, path, known=("from", "to", "kind", "relay", "tensorRefs"), required=("from", "to")
     )
     if e is None:
         return m.Edge(source="", target="")
@@ -31,6 +32,7 @@ def edge(out: Collector, raw: object, path: str) -> m.Edge:
         target=f.text(out, e, "to", path) or "",
         relay=f.choice(out, e, "relay", path, m.RELAYS),
         tensor_refs=_tensor_refs(out, e, path),
+        kind=f.choice(out, e, "kind", path, EDGE_KINDS) or "payload",
     )
 
 

@@ -12,6 +12,7 @@ from disagg_core import compat
 from disagg_core.spec import fields as f
 from disagg_core.spec import limits
 from disagg_core.spec import model as m
+from disagg_core.spec.engines import Engine
 from disagg_core.spec.fields import Collector, child
 from disagg_core.spec.parse_common import (
     DNS_1035_LABEL,
@@ -22,11 +23,12 @@ from disagg_core.spec.parse_common import (
     pool_size,
     resources,
 )
+from disagg_core.spec.parse_engine import engine
 
 ROLE_KEYS = (
     "name", "replicas", "handler", "image", "command", "args", "env", "resources", "ports",
     "transport", "concurrency", "autoscaling", "podTemplate", "handlerArgs", "batching",
-    "startupSeconds", "compat", "compatibleWith", "ranks", "nodes",
+    "startupSeconds", "compat", "compatibleWith", "ranks", "nodes", "engine",
 )  # fmt: skip
 BATCHING_KEYS = ("maxBatchSize", "maxWaitMilliseconds")
 PORT_KEYS = ("name", "containerPort", "protocol")
@@ -43,9 +45,10 @@ MAX_PORT_NAME_LENGTH = 15
 
 
 def role(out: Collector, raw: object, path: str) -> m.Role:
-    r = f.fields(out, raw, path, known=ROLE_KEYS, required=("name", "handler"))
+    r = f.fields(out, raw, path, known=ROLE_KEYS, required=("name",))
     if r is None:
         return m.Role(name="", handler="")
+    runs = _engine(out, r, path)
     autoscaling = None
     if "autoscaling" in r:
         autoscaling = _autoscaling(out, r["autoscaling"], child(path, "autoscaling"))
@@ -53,7 +56,7 @@ def role(out: Collector, raw: object, path: str) -> m.Role:
     default_replicas = m.DEFAULT_REPLICAS if autoscaling is None else autoscaling.min_replicas
     return m.Role(
         name=dns_label(out, r, "name", path, DNS_1035_LABEL) or "",
-        handler=_handler(out, r, path),
+        handler=_handler(out, r, path) if runs is None else "",
         replicas=or_default(replicas, default_replicas),
         image=image(out, r, path),
         command=f.texts(out, r, "command", path),
@@ -81,7 +84,26 @@ def role(out: Collector, raw: object, path: str) -> m.Role:
         nodes=or_default(
             f.integer(out, r, "nodes", path, minimum=1, maximum=limits.MAX_NODES), m.DEFAULT_NODES
         ),
+        engine=runs,
     )
+
+
+# Fields that configure a handler and mean nothing to an engine.
+HANDLER_ONLY_KEYS = ("handler", "handlerArgs", "batching", "nodes")
+
+
+def _engine(out: Collector, r: dict[str, object], path: str) -> Engine | None:
+    """`engine`, else None; a role runs a handler or an engine: exactly one is required."""
+    if "engine" not in r:
+        if "handler" not in r:
+            out.add(child(path, "handler"), "required field missing (or set engine)")
+        return None
+    where = child(path, "engine")
+    for key in HANDLER_ONLY_KEYS:
+        if key in r and not (key == "nodes" and r[key] == 1):
+            what = "more than one pod per replica" if key == "nodes" else key
+            out.add(child(path, key), f"a role with an engine takes no {what}; remove it")
+    return engine(out, r["engine"], where)
 
 
 def _pool_override(out: Collector, raw: object, path: str) -> m.PoolOverride:
