@@ -17,7 +17,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -30,6 +30,7 @@ from disagg_runtime.client import (
 )
 from disagg_runtime.gateway import limits, native, openai, openapi, sse, tracing, upload
 from disagg_runtime.gateway.bridge import Bridge
+from disagg_runtime.gateway.engines import EngineRouter
 from disagg_runtime.gateway.errors import RETRY_AFTER_S, HttpError, from_failure
 from disagg_runtime.gateway.metrics import GatewayMetrics
 from disagg_runtime.gateway.token import BearerToken
@@ -93,9 +94,10 @@ class GatewayApp:
     it can)."""
 
     settings: Settings
-    pipeline: Bridge
+    pipeline: Bridge | None  # None: a pipeline of engine roles (`engines`), no /v1/infer
     ready: Callable[[], Awaitable[str]]
     tracer: Tracer = NOOP  # each request's span (tracing.py), the parent of the roles' spans
+    engines: EngineRouter | None = None  # OpenAI requests to engine roles (engines.py)
     metrics: GatewayMetrics = field(init=False)
     arena: upload.Arena = field(init=False)
     token: BearerToken = field(init=False)
@@ -123,7 +125,15 @@ class GatewayApp:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/openapi.json", self.openapi_doc)
-        app.router.add_post("/v1/infer", self.infer)
+        if self.pipeline is not None:
+            app.router.add_post("/v1/infer", self.infer)
+        if self.engines is not None:
+            engines = self.engines
+
+            async def close_engines(_: web.Application) -> None:
+                await engines.close()
+
+            app.on_cleanup.append(close_engines)
         if self.settings.api == "openai":
             app.router.add_get("/v1/models", self.models)
             app.router.add_post("/v1/completions", self.completions)
@@ -193,6 +203,19 @@ class GatewayApp:
     async def openapi_doc(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.document(self.settings.api, self.settings.model))
 
+    @property
+    def bridge(self) -> Bridge:
+        """The pipeline of handler roles (the native routes exist only where there is one)."""
+        if self.pipeline is None:
+            raise HttpError(404, "this pipeline runs engines: use the OpenAI API", kind="not_found")
+        return self.pipeline
+
+    def _chunks(self, payload: dict[str, Any]) -> AsyncGenerator[Any, None]:
+        """An OpenAI request's chunks: from the engine roles, else the pipeline's roles."""
+        if self.engines is not None:
+            return self.engines.stream(payload)
+        return self.bridge.stream(payload)
+
     # ---- native API ----------------------------------------------------------------------------
     async def infer(self, request: web.Request) -> web.StreamResponse:
         payload, sent = await self._native_input(request)
@@ -200,7 +223,7 @@ class GatewayApp:
         if sse.CONTENT_TYPE in accept:
             return await self._native_stream(request, payload, sent)
         try:
-            result = await self.pipeline.call(payload, sent=sent)
+            result = await self.bridge.call(payload, sent=sent)
         except Exception as exc:
             raise from_failure(exc) from None
         if native.SAFETENSORS in accept:
@@ -337,7 +360,7 @@ class GatewayApp:
         remaining = max(0.0, body.deadline - time.monotonic())
         reserved = streaming = None
         if manifest.nbytes:  # (a body of metadata only has nothing to land)
-            reserved = await self.pipeline.reserve(manifest, remaining)
+            reserved = await self.bridge.reserve(manifest, remaining)
         if reserved is None:
             slot = self.arena.take(body.length)
             try:
@@ -345,9 +368,9 @@ class GatewayApp:
                 slot.view[8 : 8 + size] = header
                 data = slot.view[8 + size :]
                 starts = native.data_starts(metadata, spans) if manifest.nbytes else []
-                streaming = self.pipeline.upload(manifest, data, starts, remaining, slot.release)
+                streaming = self.bridge.upload(manifest, data, starts, remaining, slot.release)
                 if streaming is not None:  # from here the upload frees the slot
-                    await self.pipeline.granted(streaming)
+                    await self.bridge.granted(streaming)
                     return await self._stream_body(body, data, streaming)
                 await body.fill([data])
                 return native.request_from_safetensors(slot.view), slot.release
@@ -364,7 +387,7 @@ class GatewayApp:
                 ]
             )
         except BaseException:
-            self.pipeline.release(reserved)
+            self.bridge.release(reserved)
             raise
         return reserved, reserved.release
 
@@ -390,7 +413,7 @@ class GatewayApp:
         out = sse.EventStream(request)
         count = 0
         try:
-            async with contextlib.aclosing(self.pipeline.stream(payload, sent=sent)) as chunks:
+            async with contextlib.aclosing(self.bridge.stream(payload, sent=sent)) as chunks:
                 async for chunk in chunks:
                     if count == 0:
                         self.metrics.first_chunk("/v1/infer", time.monotonic() - request[STARTED])
@@ -428,13 +451,13 @@ class GatewayApp:
         if sampling.stream:
             return await self._openai_stream(request, payload, sampling, answer, done)
         try:
-            async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
+            async with contextlib.aclosing(self._chunks(payload)) as chunks:
                 async for chunk in chunks:
                     done.feed(chunk)
                     if done.stopped:
                         break  # leaving the stream aborts the rest of the request
             done.finish()
-        except (RequestFailed, ValueError) as exc:
+        except (RequestFailed, ValueError, HttpError) as exc:
             raise self._openai_failure(exc) from None
         body = answer.whole(done)
         response = web.json_response(body)
@@ -452,7 +475,7 @@ class GatewayApp:
         out = sse.EventStream(request)
         first = True
         try:
-            async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
+            async with contextlib.aclosing(self._chunks(payload)) as chunks:
                 async for chunk in chunks:
                     text = done.feed(chunk)
                     if first:
@@ -469,7 +492,7 @@ class GatewayApp:
             if sampling.include_usage:
                 await out.send(sse.encode(answer.usage_chunk(done)))
             await out.send(sse.DONE)
-        except (RequestFailed, ValueError) as exc:
+        except (RequestFailed, ValueError, HttpError) as exc:
             failure = self._openai_failure(exc)
             if not out.started:
                 raise failure from None
@@ -478,6 +501,8 @@ class GatewayApp:
         return await out.finish()
 
     def _openai_failure(self, exc: Exception) -> HttpError:
+        if isinstance(exc, HttpError):  # an engine's answer (engines.py)
+            return exc
         if isinstance(exc, (RequestFailed, native.InputError, codec.CodecError)):
             return from_failure(exc)
         # a chunk that is not {"text": ...}: the pipeline does not speak this API
