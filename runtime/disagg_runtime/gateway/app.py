@@ -4,7 +4,8 @@
     POST /v1/infer                                          native API (see `native`)
     GET  /v1/models  POST /v1/completions  /v1/chat/completions   with api openai
 
-Answers by failure: `errors` (the OpenAI error shape for every route).
+Answers by failure: `errors` (the OpenAI error shape for every route). The OpenAI routes
+are in `openai_routes` (over handler roles, or engine roles: `engines`).
 
 A client that goes away (disconnect mid-stream, or while waiting) cancels its request:
 the abort reaches every role, which frees the request's pool slots.
@@ -17,7 +18,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -28,11 +29,12 @@ from disagg_runtime.client import (
     RequestFailed,
     Upload,
 )
-from disagg_runtime.gateway import limits, native, openai, openapi, sse, tracing, upload
+from disagg_runtime.gateway import limits, native, openapi, sse, tracing, upload
 from disagg_runtime.gateway.bridge import Bridge
 from disagg_runtime.gateway.engines import EngineRouter
 from disagg_runtime.gateway.errors import RETRY_AFTER_S, HttpError, from_failure
 from disagg_runtime.gateway.metrics import GatewayMetrics
+from disagg_runtime.gateway.openai_routes import STARTED, OpenAIRoutes
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.tracing import NOOP, Tracer
 from disagg_runtime.wire import codec
@@ -41,7 +43,6 @@ log = logging.getLogger(__name__)
 OPEN_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 READY_CACHE_S: Final = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-STARTED: Final = web.RequestKey("started", float)
 STREAM_PIECE: Final = 1 << 20  # tcp uploads: the body is read and sent on in pieces of this
 
 
@@ -89,7 +90,7 @@ def _nothing() -> None:
 
 
 @dataclass
-class GatewayApp:
+class GatewayApp(OpenAIRoutes):
     """Routes over one `Bridge` (to the pipeline); `ready` says why the gateway cannot serve ("":
     it can)."""
 
@@ -209,12 +210,6 @@ class GatewayApp:
         if self.pipeline is None:
             raise HttpError(404, "this pipeline runs engines: use the OpenAI API", kind="not_found")
         return self.pipeline
-
-    def _chunks(self, payload: dict[str, Any]) -> AsyncGenerator[Any, None]:
-        """An OpenAI request's chunks: from the engine roles, else the pipeline's roles."""
-        if self.engines is not None:
-            return self.engines.stream(payload)
-        return self.bridge.stream(payload)
 
     # ---- native API ----------------------------------------------------------------------------
     async def infer(self, request: web.Request) -> web.StreamResponse:
@@ -427,85 +422,3 @@ class GatewayApp:
             await out.send(sse.encode({**failure.body, "status": failure.status}, "error"))
         self.metrics.bytes_out.inc(out.bytes_out)
         return await out.finish()
-
-    # ---- OpenAI API ----------------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(openai.models(self.settings.model, self.started))
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, chat=False)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, chat=True)
-
-    async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        self._check_length(request)
-        parse = openai.parse_chat if chat else openai.parse_completion
-        try:
-            doc = await self._json(request)
-            payload, sampling = parse(doc, self.settings.model, self.settings.max_tokens)
-        except (native.InputError, openai.ModelNotFound) as exc:
-            raise from_failure(exc) from None
-        answer = openai.Answer(self.settings.model, chat)
-        done = openai.Completion(stop=sampling.stop)
-        if sampling.stream:
-            return await self._openai_stream(request, payload, sampling, answer, done)
-        try:
-            async with contextlib.aclosing(self._chunks(payload)) as chunks:
-                async for chunk in chunks:
-                    done.feed(chunk)
-                    if done.stopped:
-                        break  # leaving the stream aborts the rest of the request
-            done.finish()
-        except (RequestFailed, ValueError, HttpError) as exc:
-            raise self._openai_failure(exc) from None
-        body = answer.whole(done)
-        response = web.json_response(body)
-        self.metrics.bytes_out.inc(len(response.body or b""))  # type: ignore[arg-type]
-        return response
-
-    async def _openai_stream(
-        self,
-        request: web.Request,
-        payload: dict[str, Any],
-        sampling: openai.Sampling,
-        answer: openai.Answer,
-        done: openai.Completion,
-    ) -> web.StreamResponse:
-        out = sse.EventStream(request)
-        first = True
-        try:
-            async with contextlib.aclosing(self._chunks(payload)) as chunks:
-                async for chunk in chunks:
-                    text = done.feed(chunk)
-                    if first:
-                        self.metrics.first_chunk(request.path, time.monotonic() - request[STARTED])
-                    if text or first:
-                        await out.send(sse.encode(answer.delta(text, first=first)))
-                        first = False
-                    if done.stopped:
-                        break
-            tail = done.finish()
-            if first or tail:
-                await out.send(sse.encode(answer.delta(tail, first=first)))
-            await out.send(sse.encode(answer.delta("", finish=done.finish_reason)))
-            if sampling.include_usage:
-                await out.send(sse.encode(answer.usage_chunk(done)))
-            await out.send(sse.DONE)
-        except (RequestFailed, ValueError, HttpError) as exc:
-            failure = self._openai_failure(exc)
-            if not out.started:
-                raise failure from None
-            await out.send(sse.encode({**failure.body, "status": failure.status}))
-        self.metrics.bytes_out.inc(out.bytes_out)
-        return await out.finish()
-
-    def _openai_failure(self, exc: Exception) -> HttpError:
-        if isinstance(exc, HttpError):  # an engine's answer (engines.py)
-            return exc
-        if isinstance(exc, (RequestFailed, native.InputError, codec.CodecError)):
-            return from_failure(exc)
-        # a chunk that is not {"text": ...}: the pipeline does not speak this API
-        return HttpError(
-            502, f"the pipeline's answer is not text chunks: {exc}", kind="role_failed"
-        )
