@@ -76,6 +76,13 @@ def _check_roles(
                 f"role {name!r} sends KV to {len(sends)} roles ({', '.join(sends)}); a prefill "
                 "role has one decode role (give it more replicas instead)",
             )
+    entries = [n for n in sorted(engines, key=roles.__getitem__) if not _receives_kv(pipeline, n)]
+    if len(entries) > 1:
+        out.add(
+            f"spec.roles[{roles[entries[1]]}].engine",
+            f"the gateway routes to one engine role or one prefill/decode pair; "
+            f"{', '.join(entries)} all take requests (join them with kv edges, or use replicas)",
+        )
     handlers = [r.name for r in pipeline.roles if r.engine is None and r.name and r.handler]
     if handlers:
         first = min(handlers, key=roles.__getitem__)
@@ -84,3 +91,7 @@ def _check_roles(
             f"this pipeline runs engine roles ({', '.join(sorted(engines))}); handler roles "
             "beside them are not supported yet",
         )
+
+
+def _receives_kv(pipeline: m.Pipeline, name: str) -> bool:
+    return any(e.kind == "kv" and e.target == name for e in pipeline.edges)

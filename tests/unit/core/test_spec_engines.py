@@ -216,3 +216,8 @@ def test_unknown_edge_kind() -> None:
     document = doc()
     document["spec"]["edges"][0]["kind"] = "blocks"
     assert "payload, kv" in problems(document)["spec.edges[0].kind"]
+
+
+def test_one_entry_engine_role() -> None:
+    document = doc(edges=[])
+    assert "routes to one engine role" in problems(document)["spec.roles[1].engine"]
