@@ -104,6 +104,12 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--unix", metavar="PATH", help="--serve: serve on this Unix socket too (local clients)"
     )
+    up.add_argument(
+        "--engine-python",
+        metavar="PATH",
+        help="the interpreter of engine roles (default: $DISAGG_VLLM_PYTHON, else "
+        ".venv-vllm/bin/python)",
+    )
 
     gateway = sub.add_parser(
         "gateway", help="the HTTP gateway of a pipeline, from the DISAGG_* environment"

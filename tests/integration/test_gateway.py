@@ -494,7 +494,7 @@ def test_failure_mid_stream_is_an_error_event(served: Served) -> None:
 
 def test_disconnect_mid_stream_frees_every_role_slot(served: Served, local: LocalPipeline) -> None:
     wait_until(lambda: set(pools_used(local).values()) == {0.0}, what="pools idle first")
-    client = served.gateway.pipeline.client
+    client = served.gateway.bridge.client
     with httpx.stream(
         "POST",
         f"{served.url}/v1/infer",

@@ -6,7 +6,8 @@ server). It is pure and torch-free so that the operator and `disagg validate` st
 Validation reports every problem at once, each with a field path (`spec.edges[2].to`):
 
 - `fields`: typed readers that collect problems (`Problem`, `SpecError`);
-- `parse`: document -> model, one object at a time (types, formats, per-object rules);
+- `parse` (with `parse_roles`, `parse_graph`, `parse_service`, `parse_common`): document ->
+  model, one object at a time (types, formats, per-object rules);
 - `checks`: rules across objects (unique names, the role graph, colocation groups);
 - `model`: the dataclasses and graph queries (`Pipeline.downstream`, `pool_for`, ...).
 
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Final, TextIO
 
 import yaml
 
 from disagg_core import relays
-from disagg_core.spec import checks, parse
+from disagg_core.spec import checks, expand, parse
+from disagg_core.spec.engines import EdgeKind, Engine, EngineArg, EngineKind, KvRole
 from disagg_core.spec.fields import ROOT, Collector, Problem, SpecError, child
 from disagg_core.spec.model import (
     ALL_PODS,
@@ -62,7 +64,8 @@ from disagg_core.spec.model import (
     Transport,
     parse_payload_path,
 )
-from disagg_core.spec.parse import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, MAX_TARGET_QUEUE
+from disagg_core.spec.parse_graph import MAX_ROLLOUT_STEP_DEADLINE_SECONDS
+from disagg_core.spec.parse_roles import MAX_TARGET_QUEUE
 from disagg_core.spec.podpolicy import findings as pod_policy_findings
 
 __all__ = [
@@ -90,8 +93,13 @@ __all__ = [
     "Collector",
     "ColocationGroup",
     "Edge",
+    "EdgeKind",
+    "Engine",
+    "EngineArg",
+    "EngineKind",
     "EnvSetting",
     "IntOrPercent",
+    "KvRole",
     "PathStep",
     "Pipeline",
     "PoolDevice",
@@ -134,8 +142,11 @@ def parse_pipeline(doc: object) -> Pipeline:
     return pipeline
 
 
-def load_pipeline_text(text: str, source: str = "<text>") -> Pipeline:
-    """Parse and validate YAML text holding exactly one pipeline document."""
+def load_pipeline_text(
+    text: str, source: str = "<text>", *, environ: Mapping[str, str] | None = None
+) -> Pipeline:
+    """Parse and validate YAML text holding exactly one pipeline document; with `environ`,
+    its strings' `${NAME}` and `${NAME:-default}` are expanded first (`expand`)."""
     try:
         docs = [doc for doc in yaml.load_all(text, Loader=_StrictLoader) if doc is not None]
     except yaml.YAMLError as error:
@@ -143,15 +154,23 @@ def load_pipeline_text(text: str, source: str = "<text>") -> Pipeline:
     if len(docs) != 1:
         reason = "the file is empty" if not docs else f"the file holds {len(docs)} YAML documents"
         raise SpecError([Problem("", f"{reason}; expected exactly one {KIND}")], source=source)
+    doc = docs[0]
+    if environ is not None:
+        out = Collector()
+        doc = expand.expand(doc, environ, out)
+        if out.problems:
+            raise SpecError(out.problems, source=source)
     try:
-        return parse_pipeline(docs[0])
+        return parse_pipeline(doc)
     except SpecError as error:
         raise SpecError(error.problems, source=source) from None
 
 
-def load_pipeline_file(path: str | os.PathLike[str]) -> Pipeline:
+def load_pipeline_file(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None
+) -> Pipeline:
     """Read, parse and validate a pipeline file; every failure, unreadable files included, is
-    a SpecError, so callers print one kind of error."""
+    a SpecError, so callers print one kind of error. `environ`: as `load_pipeline_text`."""
     source = os.fspath(path)
     try:
         with open(source, "rb") as file:
@@ -164,18 +183,25 @@ def load_pipeline_file(path: str | os.PathLike[str]) -> Pipeline:
         raise SpecError([Problem("", reason)], source=source) from None
     except UnicodeDecodeError as error:
         raise SpecError([Problem("", f"not UTF-8 text: {error}")], source=source) from None
-    return load_pipeline_text(text, source)
+    return load_pipeline_text(text, source, environ=environ)
 
 
-def validate_cli(files: Sequence[str], *, out: TextIO, err: TextIO | None = None) -> int:
-    """`disagg validate`: `FILE: ok` per valid file, `FILE: <path>: <reason>` per problem.
+def validate_cli(
+    files: Sequence[str],
+    *,
+    out: TextIO,
+    err: TextIO | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """`disagg validate`: `FILE: ok` per valid file, `FILE: <path>: <reason>` per problem
+    (`${NAME:-default}` from `environ`: the caller's environment, as `disagg up` reads it).
 
     Returns the exit status: 0 when every file is valid, else 1.
     """
     status = 0
     for name in files:
         try:
-            pipeline = load_pipeline_file(name)
+            pipeline = load_pipeline_file(name, environ=os.environ if environ is None else environ)
         except SpecError as error:
             status = 1
             for problem in error.problems:

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from disagg_core import compat, quantity, relays
+from disagg_core.spec import engine_checks, podpolicy
 from disagg_core.spec import model as m
-from disagg_core.spec import podpolicy
 from disagg_core.spec.fields import Collector, child
 
 
@@ -48,6 +48,7 @@ def check(pipeline: m.Pipeline, out: Collector) -> None:
     _check_pod_policy(pipeline, out)
     _check_gateway_max_tokens(pipeline, out)
     _check_rollout_groups(pipeline, roles, out)
+    engine_checks.check(pipeline, roles, out)
 
 
 def _check_gateway_max_tokens(pipeline: m.Pipeline, out: Collector) -> None:

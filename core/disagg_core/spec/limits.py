@@ -63,6 +63,7 @@ MAX_LENGTH: Final[Mapping[str, int]] = {
     "spec.image": MAX_IMAGE_LENGTH,
     "spec.roles[].image": MAX_IMAGE_LENGTH,
     "spec.roles[].handler": MAX_HANDLER_LENGTH,
+    "spec.roles[].engine.model": MAX_URL_LENGTH,
     "spec.roles[].env[].name": MAX_ENV_NAME_LENGTH,
     "spec.edges[].tensorRefs[].path": MAX_PATH_LENGTH,
     "spec.edges[].tensorRefs[].to": model.MAX_LABEL_LENGTH,

@@ -14,14 +14,28 @@ that an edge's `from`/`to` are `source`/`target` (`from` is a Python keyword).
 from __future__ import annotations
 
 import collections
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Final, Literal, get_args
+from typing import Any, Literal, get_args
 
 from disagg_core.relays import RELAYS as RELAYS
 from disagg_core.relays import RelayKind as RelayKind
+from disagg_core.spec.engines import EdgeKind, Engine, KvRole
+from disagg_core.spec.paths import PathStep as PathStep
+from disagg_core.spec.paths import parse_payload_path as parse_payload_path
+from disagg_core.spec.sections import ALL_PODS as ALL_PODS
+from disagg_core.spec.sections import (
+    DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS as DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS,
+)
+from disagg_core.spec.sections import DEFAULT_TRACE_SAMPLE_RATIO as DEFAULT_TRACE_SAMPLE_RATIO
+from disagg_core.spec.sections import NO_PODS as NO_PODS
+from disagg_core.spec.sections import ONE_POD as ONE_POD
+from disagg_core.spec.sections import IntOrPercent as IntOrPercent
+from disagg_core.spec.sections import Monitoring as Monitoring
+from disagg_core.spec.sections import NetworkPolicy as NetworkPolicy
+from disagg_core.spec.sections import Rollout as Rollout
+from disagg_core.spec.sections import Tracing as Tracing
 
 API_VERSION = "disagg.dev/v1alpha1"
 KIND = "DisaggregatedPipeline"
@@ -81,38 +95,6 @@ DEFAULT_GATEWAY_PORT = 8080
 DEFAULT_GATEWAY_REPLICAS = 1
 DEFAULT_TOKEN_KEY = "token"
 GATEWAY_NAME = "gateway"  # the gateway's Deployment is P-gateway: no role or group may be
-
-_PATH_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-_PATH_INDEX = re.compile(r"\[(0|[1-9][0-9]*)\]")
-PathStep = str | int
-
-
-def parse_payload_path(path: str) -> tuple[PathStep, ...]:
-    """Split a payload path such as `latents`, `a.b[0]` or `[1].kv` into keys and indexes.
-
-    Raises ValueError when the path is malformed. Keys are identifier-like (letters, digits,
-    `_`, `-`, not starting with a digit); indexes are non-negative integers in brackets.
-    """
-    steps: list[PathStep] = []
-    position = 0
-    while position < len(path):
-        index = _PATH_INDEX.match(path, position)
-        if index is not None:
-            steps.append(int(index[1]))
-            position = index.end()
-            continue
-        if steps:
-            if path[position] != ".":
-                raise ValueError(f"expected '.' or '[' at offset {position} of {path!r}")
-            position += 1
-        key = _PATH_KEY.match(path, position)
-        if key is None:
-            raise ValueError(f"expected a key at offset {position} of {path!r}")
-        steps.append(key[0])
-        position = key.end()
-    if not steps:
-        raise ValueError("a payload path must not be empty")
-    return tuple(steps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,7 +192,8 @@ class Role:
     """One stage: `replicas` processes running `handler` (`module.path:function` or a class
     with setup/batch/close), `handler_args` (free-form JSON) handed to its `setup`. A replica
     is `nodes` pods (a group: leader and workers) of `ranks` processes each, one
-    torch.distributed world of `world_size` ranks; rank 0 owns the transport."""
+    torch.distributed world of `world_size` ranks; rank 0 owns the transport. A role with
+    an `engine` runs that engine instead (its `handler` is ""; spec/engines.py)."""
 
     name: str
     handler: str
@@ -235,6 +218,7 @@ class Role:
     # running a request twice is harmless (every built-in handler): a request lost with a
     # replica may be resent whole (transport.migrationAttempts) even after this role ran it
     idempotent: bool = True
+    engine: Engine | None = None
 
     @property
     def world_size(self) -> int:
@@ -264,12 +248,15 @@ class TensorRef:
 
 @dataclass(frozen=True, kw_only=True)
 class Edge:
-    """`source` hands its result to `target`; `relay` None means the pipeline default."""
+    """`source` hands its result to `target`; `relay` None means the pipeline default. A
+    `kv` edge joins two engine roles: the source's KV blocks go to the target (prefill ->
+    decode; spec/engines.py), where a `payload` edge carries a handler's result."""
 
     source: str
     target: str
     relay: RelayKind | None = None
     tensor_refs: tuple[TensorRef, ...] = ()
+    kind: EdgeKind = "payload"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,92 +277,6 @@ class RatioLockSpec:
     leader_share: int = 1
     follower_share: int = 1
     tolerance: float = 0.0
-
-
-DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS = 600
-
-
-@dataclass(frozen=True)
-class IntOrPercent:
-    """A field in Kubernetes' int-or-percent form (a Deployment's `maxUnavailable`): a count of
-    pods (`2`), or a percentage of a role's pods (`"25%"`)."""
-
-    value: int
-    percent: bool = False
-
-    def of(self, total: int, *, round_up: bool = False) -> int:
-        """The count for `total` pods: a percentage rounded down (up with `round_up`)."""
-        if not self.percent:
-            return self.value
-        exact = self.value * total
-        return -(-exact // 100) if round_up else exact // 100
-
-    def fraction(self, total: int) -> float:
-        """The share of `total` pods (a count over total; 1.0 at most)."""
-        if self.percent:
-            return min(1.0, self.value / 100)
-        return min(1.0, self.value / total) if total else 1.0
-
-    def __str__(self) -> str:
-        return f"{self.value}%" if self.percent else str(self.value)
-
-
-NO_PODS: Final = IntOrPercent(0)
-ONE_POD: Final = IntOrPercent(1)
-ALL_PODS: Final = IntOrPercent(100, percent=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rollout:
-    """How a template change rolls across roles (operator/disagg_operator/rollout/steps.py): at most
-    `max_unavailable` pods of a role per step; roles bound by a ratio lock or listed together
-    in `groups` keep their updated fractions within `max_skew` of each other; `partition`
-    pods per role stay on the old revision (each an int-or-percent, as in a Deployment: a
-    percentage of maxUnavailable rounds down but to at least 1, of partition up, of maxSkew is
-    a share of each role's pods, a count of pods over the role's replicas); `paused` holds;
-    a step that is not ready within `step_deadline_seconds` stops the rollout."""
-
-    max_unavailable: IntOrPercent = ONE_POD
-    max_skew: IntOrPercent = ALL_PODS
-    partition: IntOrPercent = NO_PODS
-    paused: bool = False
-    step_deadline_seconds: int = DEFAULT_ROLLOUT_STEP_DEADLINE_SECONDS
-    groups: tuple[tuple[str, ...], ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class NetworkPolicy:
-    """`spec.networkPolicy`: whether the operator renders the pipeline's NetworkPolicy, and
-    which peers (Kubernetes NetworkPolicyPeers, kept as written) it admits besides the
-    pipeline's own pods and gateway: `clients` to the role ports, `metrics_from` to the
-    metrics ports (else the pipeline's namespace)."""
-
-    enabled: bool = True
-    clients: tuple[Mapping[str, Any], ...] = ()
-    metrics_from: tuple[Mapping[str, Any], ...] = ()
-
-
-DEFAULT_TRACE_SAMPLE_RATIO: Final = 0.01
-
-
-@dataclass(frozen=True, kw_only=True)
-class Tracing:
-    """`spec.monitoring.tracing`: the OTLP/HTTP endpoint every role and the gateway export
-    spans to, and the share of new requests they trace (a caller's sampled traceparent is
-    followed whatever the ratio). Rendered as OTEL_* env (contract `tracing_env`)."""
-
-    endpoint: str
-    sample_ratio: float = DEFAULT_TRACE_SAMPLE_RATIO
-
-
-@dataclass(frozen=True, kw_only=True)
-class Monitoring:
-    """`spec.monitoring`: `pod_monitor` asks the operator for a PodMonitor of the pipeline's
-    roles and gateway (None: the operator's default, `--pod-monitors`); made only where the
-    Prometheus Operator's CRDs are installed. `tracing`: traces (None: none configured)."""
-
-    pod_monitor: bool | None = None
-    tracing: Tracing | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -542,6 +443,24 @@ class Pipeline:
     def image_for(self, name: str) -> str | None:
         role = self.role(name)
         return self.image if role.image is None else role.image
+
+    @property
+    def engine_roles(self) -> tuple[str, ...]:
+        """Roles that run an engine instead of a handler."""
+        return tuple(role.name for role in self.roles if role.engine is not None)
+
+    def kv_role(self, name: str) -> KvRole | None:
+        """An engine role's part in KV transfer, from its `kv` edges: the producer (prefill)
+        sends, the consumer (decode) receives; None for an engine without kv edges."""
+        if any(edge.kind == "kv" for edge in self.edges_from(name)):
+            return "kv_producer"
+        if any(edge.kind == "kv" for edge in self.edges_to(name)):
+            return "kv_consumer"
+        return None
+
+    def kv_targets(self, name: str) -> tuple[str, ...]:
+        """The decode roles a prefill role's KV blocks go to, in edge order."""
+        return tuple(edge.target for edge in self.edges_from(name) if edge.kind == "kv")
 
     def tensor_refs_to(self, name: str) -> tuple[tuple[Edge, TensorRef], ...]:
         """The tensor references that `name` consumes, with the edge each is declared on."""

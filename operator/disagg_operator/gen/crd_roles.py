@@ -4,7 +4,7 @@ resources and autoscaling, with the defaults and limits of the spec module."""
 from __future__ import annotations
 
 from disagg_core import compat, quantity, relays
-from disagg_core.spec import MAX_TARGET_QUEUE, limits
+from disagg_core.spec import MAX_TARGET_QUEUE, engines, limits
 from disagg_core.spec import model as m
 from disagg_operator.gen import crd_kit
 
@@ -36,6 +36,44 @@ def _pool_fields(*, defaults: bool) -> dict[str, crd_kit.Schema]:
             **default(m.DEFAULT_POOL_DEVICE),
         ),
     }
+
+
+def engine_schema() -> crd_kit.Schema:
+    port = {"minimum": 1, "maximum": 65535, "format": "int32"}
+    return crd_kit.object_schema(
+        "Run an inference engine instead of a handler (docs/vllm.md): it keeps its own "
+        "continuous batching and KV cache. A kv edge from one engine role to another makes "
+        "the source the prefill (KV producer) and the target the decode (KV consumer); "
+        "ranks becomes the engine's tensor parallel size.",
+        {
+            "kind": crd_kit.string("The engine.", enum=list(engines.ENGINE_KINDS)),
+            "model": crd_kit.string(
+                "The model the engine serves: a directory in the container, or a name the "
+                "engine resolves.",
+                maxLength=limits.MAX_URL_LENGTH,
+            ),
+            "args": {
+                **crd_kit.free_object(
+                    "Engine arguments by camelCase name: maxModelLen: 512 is vLLM's "
+                    "--max-model-len 512; true is a flag, false its --no- form. model, host, "
+                    "port, tensorParallelSize, kvTransferConfig and servedModelName are set "
+                    "by disagg."
+                ),
+                "maxProperties": engines.MAX_ENGINE_ARGS,
+            },
+            "port": crd_kit.integer(
+                "The engine's HTTP port (OpenAI API, /health, /metrics).",
+                default=engines.DEFAULT_ENGINE_PORT,
+                **port,
+            ),
+            "kvPort": crd_kit.integer(
+                "The port a decode engine's KV ingress listens on.",
+                default=engines.DEFAULT_KV_PORT,
+                **port,
+            ),
+        },
+        required=("kind", "model"),
+    )
 
 
 def transport_schema() -> crd_kit.Schema:
@@ -278,6 +316,7 @@ def role_schema() -> crd_kit.Schema:
                 "resent when a replica is lost (spec.transport.migrationAttempts); it fails, "
                 "naming the role."
             ),
+            "engine": engine_schema(),
             "handler": crd_kit.string(
                 "What each request is handed to: 'package.module:function', or "
                 "'package.module:Class' with setup(ctx), __call__ or batch(payloads), close() "
@@ -362,9 +401,13 @@ def role_schema() -> crd_kit.Schema:
                 '"true" (docs/security.md).'
             ),
         },
-        required=("name", "handler"),
+        required=("name",),
         **{
             "x-kubernetes-validations": [
+                crd_kit.rule(
+                    "has(self.handler) != has(self.engine)",
+                    "a role runs either a handler or an engine: set exactly one",
+                ),
                 crd_kit.rule(
                     crd_kit.given(
                         "self.batching",

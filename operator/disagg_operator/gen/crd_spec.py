@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from disagg_core.spec import MAX_ROLLOUT_STEP_DEADLINE_SECONDS, limits
 from disagg_core.spec import model as m
+from disagg_core.spec.engines import EDGE_KINDS
 from disagg_operator.gen import crd_kit, crd_roles
 
 
@@ -33,6 +34,12 @@ def edge_schema() -> crd_kit.Schema:
             ),
             "to": crd_kit.string(
                 "Target role.", pattern=crd_kit.DNS_1035_LABEL, maxLength=m.MAX_LABEL_LENGTH
+            ),
+            "kind": crd_kit.string(
+                "What the edge carries: payload (a handler's result) or kv (an engine's KV "
+                "blocks, prefill to decode; both ends engine roles).",
+                enum=list(EDGE_KINDS),
+                default="payload",
             ),
             "relay": crd_kit.string(
                 "Relay of this edge. Unset: spec.transport.relay.", enum=list(m.RELAYS)

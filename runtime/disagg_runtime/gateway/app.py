@@ -4,7 +4,8 @@
     POST /v1/infer                                          native API (see `native`)
     GET  /v1/models  POST /v1/completions  /v1/chat/completions   with api openai
 
-Answers by failure: `errors` (the OpenAI error shape for every route).
+Answers by failure: `errors` (the OpenAI error shape for every route). The OpenAI routes
+are in `openai_routes` (over handler roles, or engine roles: `engines`).
 
 A client that goes away (disconnect mid-stream, or while waiting) cancels its request:
 the abort reaches every role, which frees the request's pool slots.
@@ -28,10 +29,12 @@ from disagg_runtime.client import (
     RequestFailed,
     Upload,
 )
-from disagg_runtime.gateway import limits, native, openai, openapi, sse, tracing, upload
+from disagg_runtime.gateway import limits, native, openapi, sse, tracing, upload
 from disagg_runtime.gateway.bridge import Bridge
+from disagg_runtime.gateway.engines import EngineRouter
 from disagg_runtime.gateway.errors import RETRY_AFTER_S, HttpError, from_failure
 from disagg_runtime.gateway.metrics import GatewayMetrics
+from disagg_runtime.gateway.openai_routes import STARTED, OpenAIRoutes
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.tracing import NOOP, Tracer
 from disagg_runtime.wire import codec
@@ -40,7 +43,6 @@ log = logging.getLogger(__name__)
 OPEN_PATHS: Final = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json"})
 READY_CACHE_S: Final = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-STARTED: Final = web.RequestKey("started", float)
 STREAM_PIECE: Final = 1 << 20  # tcp uploads: the body is read and sent on in pieces of this
 
 
@@ -88,14 +90,15 @@ def _nothing() -> None:
 
 
 @dataclass
-class GatewayApp:
+class GatewayApp(OpenAIRoutes):
     """Routes over one `Bridge` (to the pipeline); `ready` says why the gateway cannot serve ("":
     it can)."""
 
     settings: Settings
-    pipeline: Bridge
+    pipeline: Bridge | None  # None: a pipeline of engine roles (`engines`), no /v1/infer
     ready: Callable[[], Awaitable[str]]
     tracer: Tracer = NOOP  # each request's span (tracing.py), the parent of the roles' spans
+    engines: EngineRouter | None = None  # OpenAI requests to engine roles (engines.py)
     metrics: GatewayMetrics = field(init=False)
     arena: upload.Arena = field(init=False)
     token: BearerToken = field(init=False)
@@ -123,7 +126,15 @@ class GatewayApp:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/openapi.json", self.openapi_doc)
-        app.router.add_post("/v1/infer", self.infer)
+        if self.pipeline is not None:
+            app.router.add_post("/v1/infer", self.infer)
+        if self.engines is not None:
+            engines = self.engines
+
+            async def close_engines(_: web.Application) -> None:
+                await engines.close()
+
+            app.on_cleanup.append(close_engines)
         if self.settings.api == "openai":
             app.router.add_get("/v1/models", self.models)
             app.router.add_post("/v1/completions", self.completions)
@@ -193,6 +204,13 @@ class GatewayApp:
     async def openapi_doc(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.document(self.settings.api, self.settings.model))
 
+    @property
+    def bridge(self) -> Bridge:
+        """The pipeline of handler roles (the native routes exist only where there is one)."""
+        if self.pipeline is None:
+            raise HttpError(404, "this pipeline runs engines: use the OpenAI API", kind="not_found")
+        return self.pipeline
+
     # ---- native API ----------------------------------------------------------------------------
     async def infer(self, request: web.Request) -> web.StreamResponse:
         payload, sent = await self._native_input(request)
@@ -200,7 +218,7 @@ class GatewayApp:
         if sse.CONTENT_TYPE in accept:
             return await self._native_stream(request, payload, sent)
         try:
-            result = await self.pipeline.call(payload, sent=sent)
+            result = await self.bridge.call(payload, sent=sent)
         except Exception as exc:
             raise from_failure(exc) from None
         if native.SAFETENSORS in accept:
@@ -337,7 +355,7 @@ class GatewayApp:
         remaining = max(0.0, body.deadline - time.monotonic())
         reserved = streaming = None
         if manifest.nbytes:  # (a body of metadata only has nothing to land)
-            reserved = await self.pipeline.reserve(manifest, remaining)
+            reserved = await self.bridge.reserve(manifest, remaining)
         if reserved is None:
             slot = self.arena.take(body.length)
             try:
@@ -345,9 +363,9 @@ class GatewayApp:
                 slot.view[8 : 8 + size] = header
                 data = slot.view[8 + size :]
                 starts = native.data_starts(metadata, spans) if manifest.nbytes else []
-                streaming = self.pipeline.upload(manifest, data, starts, remaining, slot.release)
+                streaming = self.bridge.upload(manifest, data, starts, remaining, slot.release)
                 if streaming is not None:  # from here the upload frees the slot
-                    await self.pipeline.granted(streaming)
+                    await self.bridge.granted(streaming)
                     return await self._stream_body(body, data, streaming)
                 await body.fill([data])
                 return native.request_from_safetensors(slot.view), slot.release
@@ -364,7 +382,7 @@ class GatewayApp:
                 ]
             )
         except BaseException:
-            self.pipeline.release(reserved)
+            self.bridge.release(reserved)
             raise
         return reserved, reserved.release
 
@@ -390,7 +408,7 @@ class GatewayApp:
         out = sse.EventStream(request)
         count = 0
         try:
-            async with contextlib.aclosing(self.pipeline.stream(payload, sent=sent)) as chunks:
+            async with contextlib.aclosing(self.bridge.stream(payload, sent=sent)) as chunks:
                 async for chunk in chunks:
                     if count == 0:
                         self.metrics.first_chunk("/v1/infer", time.monotonic() - request[STARTED])
@@ -404,83 +422,3 @@ class GatewayApp:
             await out.send(sse.encode({**failure.body, "status": failure.status}, "error"))
         self.metrics.bytes_out.inc(out.bytes_out)
         return await out.finish()
-
-    # ---- OpenAI API ----------------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(openai.models(self.settings.model, self.started))
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, chat=False)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._openai(request, chat=True)
-
-    async def _openai(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        self._check_length(request)
-        parse = openai.parse_chat if chat else openai.parse_completion
-        try:
-            doc = await self._json(request)
-            payload, sampling = parse(doc, self.settings.model, self.settings.max_tokens)
-        except (native.InputError, openai.ModelNotFound) as exc:
-            raise from_failure(exc) from None
-        answer = openai.Answer(self.settings.model, chat)
-        done = openai.Completion(stop=sampling.stop)
-        if sampling.stream:
-            return await self._openai_stream(request, payload, sampling, answer, done)
-        try:
-            async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
-                async for chunk in chunks:
-                    done.feed(chunk)
-                    if done.stopped:
-                        break  # leaving the stream aborts the rest of the request
-            done.finish()
-        except (RequestFailed, ValueError) as exc:
-            raise self._openai_failure(exc) from None
-        body = answer.whole(done)
-        response = web.json_response(body)
-        self.metrics.bytes_out.inc(len(response.body or b""))  # type: ignore[arg-type]
-        return response
-
-    async def _openai_stream(
-        self,
-        request: web.Request,
-        payload: dict[str, Any],
-        sampling: openai.Sampling,
-        answer: openai.Answer,
-        done: openai.Completion,
-    ) -> web.StreamResponse:
-        out = sse.EventStream(request)
-        first = True
-        try:
-            async with contextlib.aclosing(self.pipeline.stream(payload)) as chunks:
-                async for chunk in chunks:
-                    text = done.feed(chunk)
-                    if first:
-                        self.metrics.first_chunk(request.path, time.monotonic() - request[STARTED])
-                    if text or first:
-                        await out.send(sse.encode(answer.delta(text, first=first)))
-                        first = False
-                    if done.stopped:
-                        break
-            tail = done.finish()
-            if first or tail:
-                await out.send(sse.encode(answer.delta(tail, first=first)))
-            await out.send(sse.encode(answer.delta("", finish=done.finish_reason)))
-            if sampling.include_usage:
-                await out.send(sse.encode(answer.usage_chunk(done)))
-            await out.send(sse.DONE)
-        except (RequestFailed, ValueError) as exc:
-            failure = self._openai_failure(exc)
-            if not out.started:
-                raise failure from None
-            await out.send(sse.encode({**failure.body, "status": failure.status}))
-        self.metrics.bytes_out.inc(out.bytes_out)
-        return await out.finish()
-
-    def _openai_failure(self, exc: Exception) -> HttpError:
-        if isinstance(exc, (RequestFailed, native.InputError, codec.CodecError)):
-            return from_failure(exc)
-        # a chunk that is not {"text": ...}: the pipeline does not speak this API
-        return HttpError(
-            502, f"the pipeline's answer is not text chunks: {exc}", kind="role_failed"
-        )

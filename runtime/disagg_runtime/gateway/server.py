@@ -224,7 +224,7 @@ def main(unix: str | None = None) -> int:
             )
         )
     finally:
-        gateway.pipeline.close()
+        gateway.bridge.close()
         client.close()
         gateway.tracer.shutdown()
     return 0

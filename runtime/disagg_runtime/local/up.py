@@ -270,11 +270,15 @@ def render(summary: dict[str, Any]) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        pipeline = load_pipeline_file(args.file)
+        pipeline = load_pipeline_file(args.file, environ=os.environ)
     except SpecError as exc:
         for p in exc.problems:
             print(f"{args.file}: {p.path or ROOT}: {p.reason}", file=sys.stderr)
         return 1
+    if pipeline.engine_roles:  # vLLM engines, not role processes (local/engine_up.py)
+        from disagg_runtime.local import engine_up
+
+        return engine_up.run(pipeline, args)
     stop = threading.Event()
     serving = getattr(args, "serve", False)
     restart = not getattr(args, "fail_fast", False) if serving else getattr(args, "restart", False)

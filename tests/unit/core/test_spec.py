@@ -1057,7 +1057,8 @@ def _llm_doc() -> dict[str, Any]:
 
 def test_handler_args_batching_and_startup_parse() -> None:
     prefill, decode = spec.parse_pipeline(_llm_doc()).roles
-    assert prefill.handler_args == {"model": "/tmp/disagg-tiny-llm", "dtype": "float32"}
+    model = "${DISAGG_TINY_LLM:-/tmp/disagg-tiny-llm}"  # expanded by the file loaders only
+    assert prefill.handler_args == {"model": model, "dtype": "float32"}
     assert prefill.batching == spec.model.Batching(max_batch_size=8, max_wait_milliseconds=5.0)
     assert prefill.startup_seconds == 900
     assert decode.batching is None and decode.startup_seconds == 900

@@ -20,6 +20,7 @@ from tests.support import REPO
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 CRD_FILE = REPO / "crds" / "disagg.dev_disaggregatedpipelines.yaml"
 FULL_FILE = pathlib.Path(__file__).with_name("full-pipeline.yaml")
+ENGINE_FILE = pathlib.Path(__file__).with_name("full-engine-pipeline.yaml")
 Schema = dict[str, Any]
 
 
@@ -85,6 +86,14 @@ def full_doc_text() -> str:
 @pytest.fixture
 def full_doc() -> dict[str, Any]:
     doc = load(FULL_FILE)
+    assert isinstance(doc, dict)
+    return doc
+
+
+@pytest.fixture
+def engine_doc() -> dict[str, Any]:
+    """Every engine-role field (a pipeline runs engines or handlers, so not in full_doc)."""
+    doc = load(ENGINE_FILE)
     assert isinstance(doc, dict)
     return doc
 

@@ -411,9 +411,11 @@ def _record_known_fields(doc: Doc, monkeypatch: pytest.MonkeyPatch) -> dict[str,
 
 
 def test_parser_and_schema_know_the_same_fields(
-    crd_checker: Any, full_doc: Doc, monkeypatch: pytest.MonkeyPatch
+    crd_checker: Any, full_doc: Doc, engine_doc: Doc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     parser = _record_known_fields(full_doc, monkeypatch)
+    for path, fields in _record_known_fields(engine_doc, monkeypatch).items():
+        parser.setdefault(path, set()).update(fields)
     schema = {
         path: set(node["properties"])
         for path, node in _nodes(crd_checker.schema)
@@ -425,7 +427,7 @@ def test_parser_and_schema_know_the_same_fields(
         assert fields == schema[path], path
 
 
-def test_full_document_uses_every_field(crd_checker: Any, full_doc: Doc) -> None:
+def test_full_document_uses_every_field(crd_checker: Any, full_doc: Doc, engine_doc: Doc) -> None:
     used: set[str] = set()
 
     def visit(value: Any, path: str) -> None:
@@ -438,6 +440,7 @@ def test_full_document_uses_every_field(crd_checker: Any, full_doc: Doc) -> None
                 visit(item, f"{path}[]")
 
     visit(full_doc, "")
+    visit(engine_doc, "")
     declared = {
         path
         for path, _ in _nodes(crd_checker.schema)
@@ -446,6 +449,16 @@ def test_full_document_uses_every_field(crd_checker: Any, full_doc: Doc) -> None
         and ".*" not in path
         and ".podTemplate." not in path
         and ".handlerArgs." not in path
+        and ".engine.args." not in path
         and ".valueFrom." not in path
     }
     assert declared - used == set()
+
+
+def test_the_engine_document_is_admitted_and_valid(crd_checker: Any, engine_doc: Doc) -> None:
+    assert crd_checker.errors(engine_doc) == []
+    pipeline = spec.parse_pipeline(crd_checker.defaulted(engine_doc))
+    assert pipeline.kv_role("prefill") == "kv_producer"
+    both = copy.deepcopy(engine_doc)
+    both["spec"]["roles"][0]["handler"] = "pkg.mod:fn"
+    assert any("either a handler or an engine" in e for e in crd_checker.errors(both))

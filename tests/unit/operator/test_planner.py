@@ -130,7 +130,10 @@ def _with(config: contract.RoleConfig, **changes: Any) -> contract.RoleConfig:
 
 
 def test_env_round_trips_through_the_contract(examples: dict[str, Pipeline], full_doc: Obj) -> None:
-    for pipeline in [*examples.values(), _pipeline(full_doc)]:
+    # engine roles run vLLM, not `disagg role`: the role env contract is not theirs (the
+    # operator's rendering of engine roles is issue 32's operator part)
+    handlers = [p for p in examples.values() if not p.engine_roles]
+    for pipeline in [*handlers, _pipeline(full_doc)]:
         _configs_from_pods(pipeline)
 
 
