@@ -18,6 +18,9 @@ names the entry roles, DISAGG_INGRESS_PORT is where exit roles send replies,
 DISAGG_POOL_SIZE sizes its reply pool), parsed by `parse_gateway_env` into a
 `GatewayConfig`.
 
+An engine role (spec/engines.py) runs no `disagg role`: `engine` renders its command
+line and KV connector configuration (`engine_command`, `EngineLaunch`).
+
 Modules: role (ENV, RoleConfig), ranks (RANK_ENV: what each rank process of a replica of
 several ranks is told, torch.distributed's names), topology, gateway (GATEWAY_ENV,
 GatewayConfig), env (the value kinds and the table machinery both tables use). This
@@ -26,6 +29,7 @@ package only re-exports.
 
 from __future__ import annotations
 
+from disagg_core.contract.engine import EngineLaunch, engine_command, kv_transfer_config
 from disagg_core.contract.env import (
     DISPATCH_MODES,
     PREFIX,
@@ -94,6 +98,7 @@ __all__ = [
     "RANK_ENV",
     "TOPOLOGY_VERSION",
     "ContractError",
+    "EngineLaunch",
     "EnvVar",
     "GatewayConfig",
     "Kind",
@@ -103,8 +108,10 @@ __all__ = [
     "RoleConfig",
     "RoleTopology",
     "Topology",
+    "engine_command",
     "env_table",
     "from_environ",
+    "kv_transfer_config",
     "parse_downstream",
     "parse_env",
     "parse_gateway_env",

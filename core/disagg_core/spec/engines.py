@@ -3,7 +3,7 @@
 An engine keeps its own continuous batching and paged KV cache; disagg starts it, wires its
 KV connector from the pipeline's `kv` edges and routes OpenAI requests to it. The engine
 kind, model and arguments are data here; turning them into a command line is the
-runtime's business (disagg_runtime/engines/vllm/command.py), so this module stays pure.
+business of `disagg_core.contract.engine`, shared by the operator and `disagg up`.
 
 A `kv` edge joins two engine roles: its source is the KV producer (prefill), its target
 the consumer (decode), which listens for the KV blocks on `kv_port`.
@@ -54,8 +54,3 @@ class Engine:
     args: Mapping[str, EngineArg] = field(default_factory=dict)
     port: int = DEFAULT_ENGINE_PORT
     kv_port: int = DEFAULT_KV_PORT
-
-
-def cli_name(name: str) -> str:
-    """`maxModelLen` -> `max-model-len` (engine CLIs spell their arguments kebab-case)."""
-    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"-\1", name).lower()

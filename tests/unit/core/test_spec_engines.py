@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from disagg_core import spec
-from disagg_core.spec.engines import cli_name
 
 
 def doc(**spec_extra: Any) -> dict[str, Any]:
@@ -217,11 +216,3 @@ def test_unknown_edge_kind() -> None:
     document = doc()
     document["spec"]["edges"][0]["kind"] = "blocks"
     assert "payload, kv" in problems(document)["spec.edges[0].kind"]
-
-
-def test_cli_names() -> None:
-    assert cli_name("maxModelLen") == "max-model-len"
-    assert cli_name("enforceEager") == "enforce-eager"
-    assert cli_name("dtype") == "dtype"
-    assert cli_name("kvCacheMemoryBytes") == "kv-cache-memory-bytes"
-    assert cli_name("block2Size") == "block2-size"
