@@ -154,7 +154,7 @@ from typing import Any
 
 from disagg_core.spec import Pipeline, Problem, Role, SpecError, child
 from disagg_operator import names
-from disagg_operator.plan import groups, manifests, model, podmonitor
+from disagg_operator.plan import engines, groups, manifests, model, podmonitor
 
 MAX_STATEFULSET_NAME = 52
 
@@ -214,6 +214,7 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                 seen.setdefault(port.name, member)
     for i, role in enumerate(pipeline.roles):
         problems += _group_problems(pipeline, role, i)
+        problems += _engine_problems(pipeline, role, i)
         for k, port in enumerate(role.ports):
             if _RESERVED_PORT_NAME.fullmatch(port.name):
                 problems.append(
@@ -222,6 +223,52 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
                         f"{port.name!r} is reserved for the runtime's own port",
                     )
                 )
+    return problems
+
+
+def _engine_problems(pipeline: Pipeline, role: Role, index: int) -> list[Problem]:
+    """An engine role runs in one pod per replica (a multi-node engine is not rendered),
+    and its HTTP and KV ports are its own in the pod (a colocation group's engines each
+    need their own `port` and `kvPort`)."""
+    if role.engine is None:
+        return []
+    path = f"spec.roles[{index}]"
+    problems = []
+    if role.nodes > 1:
+        problems.append(
+            Problem(f"{path}.nodes", "an engine role runs in one pod per replica: nodes must be 1")
+        )
+    unit = model.workload_of(pipeline, role.name)
+    mine = dict(engines.ports(pipeline, role))
+    for other in unit.roles:
+        if other.name == role.name:
+            break  # each clash is reported once, on the later role
+        theirs = {p.container_port for p in other.ports}
+        if other.engine is not None:
+            theirs |= {port for _, port in engines.ports(pipeline, other)}
+        for kind, port in mine.items():
+            if port in theirs:
+                field = "port" if kind == engines.ENGINE_PORT_NAME else "kvPort"
+                problems.append(
+                    Problem(
+                        f"{path}.engine.{field}",
+                        f"{port} is also a port of {other.name!r}, in the same pod "
+                        f"(colocation group {unit.unit!r})",
+                    )
+                )
+    own = {port for _, port in engines.ports(pipeline, role)}
+    for k, port in enumerate(role.ports):
+        if port.name in engines.RESERVED_PORT_NAMES:
+            problems.append(
+                Problem(f"{path}.ports[{k}].name", f"{port.name!r} is the engine's own port")
+            )
+        if port.container_port in own:
+            problems.append(
+                Problem(
+                    f"{path}.ports[{k}].containerPort",
+                    f"{port.container_port} is the engine's own port",
+                )
+            )
     return problems
 
 
