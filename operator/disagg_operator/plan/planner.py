@@ -256,17 +256,17 @@ def _engine_problems(pipeline: Pipeline, role: Role, index: int) -> list[Problem
                         f"(colocation group {unit.unit!r})",
                     )
                 )
-    own = {port for _, port in engines.ports(pipeline, role)}
-    for k, port in enumerate(role.ports):
-        if port.name in engines.RESERVED_PORT_NAMES:
+    own = set(mine.values())
+    for k, user in enumerate(role.ports):
+        if user.name in engines.RESERVED_PORT_NAMES:
             problems.append(
-                Problem(f"{path}.ports[{k}].name", f"{port.name!r} is the engine's own port")
+                Problem(f"{path}.ports[{k}].name", f"{user.name!r} is the engine's own port")
             )
-        if port.container_port in own:
+        if user.container_port in own:
             problems.append(
                 Problem(
                     f"{path}.ports[{k}].containerPort",
-                    f"{port.container_port} is the engine's own port",
+                    f"{user.container_port} is the engine's own port",
                 )
             )
     return problems
