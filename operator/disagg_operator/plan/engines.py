@@ -40,8 +40,6 @@ METRICS_PATH: Final = "/metrics"
 PYTHON: Final = "python"  # the engine image's interpreter, on its PATH
 HOME: Final = "/tmp"
 RESERVED_PORT_NAMES: Final = (ENGINE_PORT_NAME, KV_PORT_NAME)
-# the image the docs and docker/runtime-vllm.Dockerfile name for engine roles
-IMAGE: Final = "ghcr.io/disagg/runtime-vllm"
 
 
 def is_engine(role: Role) -> bool:

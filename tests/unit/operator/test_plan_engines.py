@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 import pytest
 
 from disagg_core import contract, spec
 from disagg_core.spec import SpecError
-from disagg_operator.plan import engines, planner
+from disagg_core.spec.engines import DEFAULT_ENGINE_PORT, DEFAULT_KV_PORT
+from disagg_operator.plan import engines, planner, pods
 from disagg_operator.plan import model as plan_model
+from tests.support import REPO
 
 Obj = dict[str, Any]
 NS = "ns"
@@ -202,3 +205,17 @@ def test_handler_pipelines_render_as_before(full_doc: Obj) -> None:
                 for p in container["ports"]
             )
             assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_the_engine_image_recipe_runs_what_the_planner_renders(engine_doc: Obj) -> None:
+    text = (REPO / "docker" / "runtime-vllm.Dockerfile").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    [pin] = re.findall(r"^VLLM := (\S+)$", makefile, re.MULTILINE)
+    assert f"ARG VLLM={pin}" in text, "the image and `make venv-vllm` pin one vLLM"
+    [entry] = re.findall(r"^ENTRYPOINT (\[.*\])$", text, re.MULTILINE)
+    command = _container(_plan(engine_doc), "decode")["command"]
+    assert command[: len(json.loads(entry))] == json.loads(entry)
+    assert f"USER {pods.NONROOT_ID}:{pods.NONROOT_ID}" in text
+    assert f"EXPOSE {DEFAULT_ENGINE_PORT} {DEFAULT_KV_PORT}" in text
+    assert f"ENV HOME={engines.HOME}" in text
+    assert not re.findall(r"^COPY ", text, re.MULTILINE), "its build context is empty"
