@@ -84,6 +84,11 @@ Secret P-peer-key (its `key` only, mode 0440, group 65532 through the pod's fsGr
 mounted read-only at /etc/disagg-peer-key in every role container; roles authenticate each
 other (and clients, gateways) with it (docs/security.md).
 
+Engine roles (`roles[].engine`, vLLM) run the engine's server instead of `disagg role`: its
+command line and KV connector wiring from the kv edges, ports `engine` and `kv`, /health
+probes, no DISAGG_* contract and their own NetworkPolicy rules (`engines`); the rest of
+what follows holds for them too.
+
 Pod template:
 - image: the role's image, else spec.image; command: the role's, else ["disagg", "role"];
   args, resources, ports as in the spec;
