@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from disagg_core import autoscale, spec
@@ -126,3 +128,34 @@ def test_engine_pods_are_scraped_on_the_engine_port() -> None:
     assert view.urls == ("http://10.1.2.3:8000/metrics",)
     second = {"name": "decode", "ports": [{"name": "engine-1", "containerPort": 8001}]}
     assert autoscaling.metrics_port(second) == 8001
+
+
+@pytest.mark.asyncio
+async def test_the_scraper_reads_an_engines_metrics_endpoint_bounded() -> None:
+    """An HTTP server answering as vLLM's /metrics does; an oversized body reads as None."""
+    text = vllm_exposition([0.75], [5])
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=text, content_type="text/plain")
+
+    async def huge(_: web.Request) -> web.Response:
+        return web.Response(body=b"#" * (podmetrics.MAX_BODY + 1))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/huge", huge)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    scraper = podmetrics.Scraper(timeout=1.0)
+    try:
+        good, big = f"http://127.0.0.1:{port}/metrics", f"http://127.0.0.1:{port}/huge"
+        assert await scraper.read_all([good, big]) == {
+            good: autoscaling.Reading(0.75, 5),
+            big: None,
+        }
+    finally:
+        await scraper.close()
+        await runner.cleanup()
