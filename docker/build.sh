@@ -80,7 +80,9 @@ for image in "${images[@]}"; do
   old="$("$engine" image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)"
   ignore=()
   [ "$(basename "$engine")" != podman ] || ignore=(--ignorefile "docker/$image.Dockerfile.dockerignore")
-  "$engine" build ${BUILD_FLAGS:---quiet} -f "docker/$image.Dockerfile" "${ignore[@]}" "${args[@]}" -t "$tag" . >/dev/null
+  own=()  # runtime-vllm (named only: ~4 GB) builds on this version's runtime image
+  [ "$image" != runtime-vllm ] || own=(--build-arg "RUNTIME_IMAGE=ghcr.io/disagg/runtime:$version")
+  "$engine" build ${BUILD_FLAGS:---quiet} -f "docker/$image.Dockerfile" "${ignore[@]}" "${args[@]}" "${own[@]}" -t "$tag" . >/dev/null
   size="$("$engine" image inspect --format '{{.Size}}' "$tag")"
   # the tag's previous image, untagged by this build: removed (its layers below the source
   # are this one's too), so rebuilds leave no dangling images; kept if anything uses it

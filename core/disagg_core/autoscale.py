@@ -33,6 +33,11 @@ moves nothing, and a window holding it is no window. A fresh autoscaler (a new p
 changed policies, a restarted operator) has seen no window yet: it holds scale-downs until
 one full down window has passed since its first decision for the role, as if the window had
 been full of the current count.
+An engine role (vLLM; spec/engines.py) has no pool: its own signals take the two places
+(`ENGINE_SIGNALS`), KV cache usage (`vllm:kv_cache_usage_perc`, 0..1: the paged cache is the
+engine's pool, and a full one preempts requests) against targetPoolOccupancy, and waiting
+requests (`vllm:num_requests_waiting`: admitted, not yet scheduled) against
+targetQueuePerReplica; each decision's signal and reason name them.
 Ratio locks then hold declared proportions between roles (e.g.
 denoiser:decoder = 4:1): when the leader's desired count moves, followers outside the
 lock's tolerance are set to the proportional count (clamped to their own bounds).
@@ -53,6 +58,31 @@ MIN_RESULTS = 2  # signal results a window of more than 0 s must hold before a m
 # The role metrics the algorithm reads (runtime/disagg_runtime/role/metrics.py exports them):
 OCCUPANCY_METRIC = "disagg_pool_occupancy"
 QUEUE_DEPTH_METRIC = "disagg_queue_depth"
+
+
+# An engine's (vLLM 0.32: vllm/v1/metrics/loggers.py; gpu_cache_usage_perc before 0.10):
+ENGINE_KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+ENGINE_WAITING_METRIC = "vllm:num_requests_waiting"
+
+
+@dataclass(frozen=True)
+class SignalNames:
+    """How a policy's two signals are named in decisions (`signal`) and their reasons."""
+
+    load: str  # the 0..1 signal compared with target_occupancy
+    queue: str  # the per-replica count compared with target_queue
+    load_words: str
+    queue_words: str
+    source: str  # whose samples: "pool", "engine"
+    blocked_words: str  # what blocks a scale-down without a queue target
+
+
+POOL_SIGNALS = SignalNames(
+    "occupancy", "queue", "pool occupancy", "queue", "pool", "requests still queued"
+)
+ENGINE_SIGNALS = SignalNames(
+    "kv-cache", "waiting", "KV cache usage", "waiting requests", "engine", "waiting requests"
+)
 
 
 def signals(values: Mapping[str, float]) -> tuple[float | None, int]:
@@ -77,6 +107,7 @@ class Policy:
     max_step_up: int | None = None  # default: max(4, current), as the HPA
     max_step_down: int | None = None  # default: no limit beyond the window
     target_queue: float | None = None  # requests waiting per replica; None: occupancy only
+    names: SignalNames = POOL_SIGNALS  # ENGINE_SIGNALS for an engine role
 
     def __post_init__(self) -> None:
         if not 0 < self.min_replicas <= self.max_replicas:
@@ -112,7 +143,12 @@ class RatioLock:
         return max(1, math.ceil(leader_replicas * self.follower_share / self.leader_share))
 
 
-SIGNALS = ("occupancy", "queue", "ratio-lock")
+SIGNALS = (
+    *dict.fromkeys(
+        n for names in (POOL_SIGNALS, ENGINE_SIGNALS) for n in (names.load, names.queue)
+    ),
+    "ratio-lock",
+)
 
 
 @dataclass(frozen=True)
@@ -259,26 +295,35 @@ def recommend(
 ) -> tuple[int, str, str]:
     """The unstabilized recommendation for one role, the reason in words, and the signal
     that drove it."""
+    names = policy.names
     live = fresh(samples, now, stale_after_s)
     if not live:
-        return current, "no fresh pool samples: keeping the replica count", "occupancy"
+        return (
+            current,
+            f"no fresh {names.source} samples: keeping the replica count",
+            names.load,
+        )
     occupancy = sum(s.occupancy or 0.0 for s in live)
     queued = sum(s.queue_depth for s in live)
-    ratios = {"occupancy": occupancy / len(live) / policy.target_occupancy}
+    ratios = {names.load: occupancy / len(live) / policy.target_occupancy}
     described = (
-        f"pool occupancy {occupancy / len(live):.2f} vs target {policy.target_occupancy:.2f}"
+        f"{names.load_words} {occupancy / len(live):.2f} vs target {policy.target_occupancy:.2f}"
     )
     if policy.target_queue is not None:
-        ratios["queue"] = queued / len(live) / policy.target_queue
-        described += f", queue {queued / len(live):.1f}/replica vs target {policy.target_queue:g}"
+        ratios[names.queue] = queued / len(live) / policy.target_queue
+        described += (
+            f", {names.queue_words} {queued / len(live):.1f}/replica vs target "
+            f"{policy.target_queue:g}"
+        )
     signal = max(ratios, key=lambda name: ratios[name])
     ratio = ratios[signal]
     if abs(ratio - 1) <= policy.tolerance:
         return current, f"{described}: within tolerance", signal
     if ratio > 1:
         counted = max(current, len(samples))
-        total = occupancy if signal == "occupancy" else float(queued)
-        target = policy.target_occupancy if signal == "occupancy" else policy.target_queue or 1.0
+        on_load = signal == names.load
+        total = occupancy if on_load else float(queued)
+        target = policy.target_occupancy if on_load else policy.target_queue or 1.0
         raw = math.ceil(current * total / counted / target)
         step = policy.max_step_up if policy.max_step_up is not None else max(4, current)
         raw = min(raw, current + step)
@@ -290,7 +335,7 @@ def recommend(
         reason = f"{described}: {missing} replica(s) without fresh samples block scale-down"
         return current, reason, signal
     if policy.target_queue is None and queued > 0:
-        return current, f"{described}: requests still queued block scale-down", "queue"
+        return current, f"{described}: {names.blocked_words} block scale-down", names.queue
     raw = max(1, math.ceil(current * ratio))
     if policy.max_step_down is not None:
         raw = max(raw, current - policy.max_step_down)

@@ -18,7 +18,9 @@ Samples, one per pod of a unit (label disagg.dev/role = unit), as the algorithm 
   The algorithm counts it as a replica that will soon take load (which damps a scale-up)
   and lets it block a scale-down;
 - a ready pod is scraped on the metrics port of each container of its unit's roles (the
-  container port named `metrics`, else its DISAGG_METRICS_PORT, else 9400). Its occupancy
+  container port named `metrics`, an engine's named `engine`, else its DISAGG_METRICS_PORT,
+  else 9400). An engine unit's policy reads the engine's own signals, KV cache usage and
+  waiting requests (`autoscale.ENGINE_SIGNALS`), named so in its decisions' reasons. Its occupancy
   is the highest of its containers' (the slowest member of a group sets the pace), its queue
   depth their sum; one failed scrape makes the pod's occupancy None (never a scale-down).
 
@@ -33,6 +35,7 @@ spec.roles[].replicas: the starting point). Units no longer managed drop out, so
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ from typing import Any, Final
 
 from disagg_core import contract, spec
 from disagg_core.autoscale import (
+    ENGINE_SIGNALS,
     STALE_AFTER_S,
     Autoscaler,
     Decision,
@@ -52,6 +56,7 @@ from disagg_core.spec import Pipeline, SpecError
 from disagg_operator import names
 from disagg_operator.k8s import times
 from disagg_operator.plan import model
+from disagg_operator.plan.engines import ENGINE_PORT_NAME
 
 MAX_STATUS_DECISIONS: Final = 10
 MAX_REASON: Final = 512
@@ -60,6 +65,7 @@ STATUS_REPLICAS: Final = "autoscaledReplicas"
 EVENT_SCALED_UP: Final = "ScaledUp"
 EVENT_SCALED_DOWN: Final = "ScaledDown"
 METRICS_PORT_NAME: Final = "metrics"
+METRICS_PORT_NAMES: Final = (METRICS_PORT_NAME, ENGINE_PORT_NAME)
 METRICS_PORT_ENV: Final = contract.PREFIX + "METRICS_PORT"
 
 
@@ -94,7 +100,7 @@ def scaling_plan(pipeline: Pipeline) -> ScalingPlan:
     units = [u for u in model.workloads(pipeline) if u.unit not in external]
     home = {role.name: unit.unit for unit in units for role in unit.roles}
     policies = {
-        unit.unit: policy_of(unit.roles[0].autoscaling)
+        unit.unit: _policy(unit.roles[0].autoscaling, unit.roles)
         for unit in units
         if unit.roles[0].autoscaling is not None
     }
@@ -117,6 +123,14 @@ def scaling_plan(pipeline: Pipeline) -> ScalingPlan:
         roles={unit.unit: tuple(r.name for r in unit.roles) for unit in units},
         spec_replicas={unit.unit: unit.replicas for unit in units},
     )
+
+
+def _policy(autoscaling: spec.Autoscaling, roles: Sequence[spec.Role]) -> Policy:
+    """The unit's policy; an engine unit's is on the engine's own signals."""
+    policy = policy_of(autoscaling)
+    if any(role.engine is not None for role in roles):
+        return dataclasses.replace(policy, names=ENGINE_SIGNALS)
+    return policy
 
 
 @dataclass
@@ -195,11 +209,11 @@ class PodView:
 
 
 def metrics_port(container: Mapping[str, Any]) -> int:
-    """The container's metrics port: the port named `metrics` (`metrics-<k>` in the k-th
-    container of a colocation pod), else DISAGG_METRICS_PORT."""
+    """The container's metrics port: the port named `metrics`, or an engine's `engine`
+    (`<name>-<k>` in the k-th container of a colocation pod), else DISAGG_METRICS_PORT."""
     for port in container.get("ports") or ():
-        name = str(port.get("name", ""))
-        runtime = name == METRICS_PORT_NAME or name.startswith(METRICS_PORT_NAME + "-")
+        name = str(port.get("name", "")).split("-")[0]
+        runtime = name in METRICS_PORT_NAMES
         if runtime and _count(port.get("containerPort")):
             return int(port["containerPort"])
     for env in container.get("env") or ():

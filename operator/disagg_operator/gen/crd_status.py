@@ -57,7 +57,9 @@ def status_schema() -> crd_kit.Schema:
             "role": crd_kit.string("The role (or colocation group) scaled."),
             "fromReplicas": crd_kit.integer("Replicas before.", **count),
             "toReplicas": crd_kit.integer("Replicas after.", **count),
-            "occupancy": crd_kit.number("Mean pool occupancy that led to it, in [0, 1]."),
+            "occupancy": crd_kit.number(
+                "Mean pool occupancy (an engine role's KV cache usage) that led to it, in [0, 1]."
+            ),
             "signal": crd_kit.string(
                 "The signal that drove it: " + ", ".join(autoscale.SIGNALS) + ".",
                 enum=list(autoscale.SIGNALS),

@@ -14,7 +14,7 @@ from typing import Any
 from disagg_core import contract
 from disagg_core.spec import ColocationGroup, Pipeline, Role
 from disagg_operator import names
-from disagg_operator.plan import gateway, groups, model, pods
+from disagg_operator.plan import engines, gateway, groups, model, pods
 
 
 def topology_config_map_name(pipeline: Pipeline) -> str:
@@ -108,11 +108,9 @@ def claim_template(
 
 
 def service(pipeline: Pipeline, unit: model.Workload, role: Role, namespace: str) -> dict[str, Any]:
-    ports = model.role_ports(unit)[role.name]
     service_ports = [
-        {"name": "ingress", "port": ports.ingress, "targetPort": ports.ingress, "protocol": "TCP"},
-        {"name": "lane", "port": ports.lane, "targetPort": ports.lane, "protocol": "TCP"},
-        {"name": "metrics", "port": ports.metrics, "targetPort": ports.metrics, "protocol": "TCP"},
+        {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
+        for name, port in _own_ports(pipeline, unit, role)
     ]
     service_ports += [
         {
@@ -136,6 +134,15 @@ def service(pipeline: Pipeline, unit: model.Workload, role: Role, namespace: str
             "ports": service_ports,
         },
     }
+
+
+def _own_ports(pipeline: Pipeline, unit: model.Workload, role: Role) -> list[tuple[str, int]]:
+    """(name, port) of what disagg runs in `role`'s container: the runtime's ingress, lane
+    and metrics ports, or an engine's HTTP and KV ports."""
+    if engines.is_engine(role):
+        return engines.ports(pipeline, role)
+    ports = model.role_ports(unit)[role.name]
+    return [("ingress", ports.ingress), ("lane", ports.lane), ("metrics", ports.metrics)]
 
 
 def _leaders(selector: dict[str, str], role: Role) -> dict[str, str]:
@@ -216,11 +223,26 @@ def network_policy(
     settings = pipeline.network_policy
     runtime: set[tuple[str, int]] = set()
     metrics: set[tuple[str, int]] = set()
+    kv: set[tuple[str, int]] = set()
+    producers: set[str] = set()  # the units of the roles that send KV blocks
     for unit in units:
         for role in unit.roles:
+            runtime |= {(port.protocol, port.container_port) for port in role.ports}
+            if engines.is_engine(role):
+                for name, port in engines.ports(pipeline, role):
+                    if name == engines.KV_PORT_NAME:
+                        kv.add(("TCP", port))
+                        producers |= {
+                            model.workload_of(pipeline, edge.source, options).unit
+                            for edge in pipeline.edges_to(role.name)
+                            if edge.kind == "kv"
+                        }
+                    else:  # the HTTP port: the gateway's requests, the scrapers' /metrics
+                        runtime.add(("TCP", port))
+                        metrics.add(("TCP", port))
+                continue
             ports = model.role_ports(unit)[role.name]
             runtime |= {("TCP", ports.ingress), ("TCP", ports.lane)}
-            runtime |= {(port.protocol, port.container_port) for port in role.ports}
             metrics.add(("TCP", ports.metrics))
     peers: list[dict[str, Any]] = [
         {"podSelector": role_selector(pipeline.name)},
@@ -247,12 +269,26 @@ def network_policy(
         "spec": {
             "podSelector": role_selector(pipeline.name),
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": copy.deepcopy(peers), "ports": _policy_ports(runtime)},
-                {"from": copy.deepcopy(scrapers), "ports": _policy_ports(metrics)},
+            "ingress": [  # a rule without ports would admit every port: left out
+                {"from": copy.deepcopy(sources), "ports": _policy_ports(ports)}
+                for sources, ports in (
+                    (peers, runtime),
+                    (scrapers, metrics),
+                    ([_unit_pods(pipeline.name, producers)], kv),  # from prefill pods only
+                )
+                if ports
             ],
         },
     }
+
+
+def _unit_pods(pipeline: str, units: set[str]) -> dict[str, Any]:
+    """A NetworkPolicy peer: the pods of the pipeline's `units`."""
+    selector = role_selector(pipeline)
+    selector["matchExpressions"] = [
+        {"key": names.LABEL_ROLE, "operator": "In", "values": sorted(units)}
+    ]
+    return {"podSelector": selector}
 
 
 def _policy_ports(ports: set[tuple[str, int]]) -> list[dict[str, Any]]:
@@ -315,10 +351,16 @@ def stateful_set(
         selector = groups.member_labels(selector, node_rank)
         name = groups.member_name(pipeline, unit.roles[0].name, node_rank)
         service = groups.ranks_service_name(pipeline, unit.roles[0].name)
+    commands = {
+        role.name: engines.command(pipeline, role.name, namespace=namespace, options=options)
+        for role in unit.roles
+        if engines.is_engine(role)
+    }
     template = pods.pod_template(
         pipeline,
         unit.roles,
         configs,
+        engine_commands=commands,
         labels=labels,
         spec_hash=model.spec_hash(pipeline, namespace, tuple(r.name for r in unit.roles)),
         config_map=topology_config_map_name(pipeline),
@@ -368,7 +410,12 @@ def gateway_objects(
     entries = tuple(
         contract.Peer(
             role,
-            (f"{pipeline.derived_name(role)}.{namespace}.svc.{domain}:{ports[role].ingress}",),
+            (
+                engines.http_address(pipeline, role, namespace=namespace, domain=domain)
+                if engines.is_engine(pipeline.role(role))
+                else f"{pipeline.derived_name(role)}.{namespace}.svc.{domain}:"
+                f"{ports[role].ingress}",
+            ),
         )
         for role in pipeline.entry_roles
     )

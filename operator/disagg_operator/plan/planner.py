@@ -85,6 +85,11 @@ Secret P-peer-key (its `key` only, mode 0440, group 65532 through the pod's fsGr
 mounted read-only at /etc/disagg-peer-key in every role container; roles authenticate each
 other (and clients, gateways) with it (docs/security.md).
 
+Engine roles (`roles[].engine`, vLLM) run the engine's server instead of `disagg role`: its
+command line and KV connector wiring from the kv edges, ports `engine` and `kv`, /health
+probes, no DISAGG_* contract and their own NetworkPolicy rules (`engines`); the rest of
+what follows holds for them too.
+
 Pod template:
 - image: the role's image, else spec.image; command: the role's, else ["disagg", "role"];
   args, resources, ports as in the spec;
@@ -156,7 +161,7 @@ from typing import Any
 from disagg_core import contract
 from disagg_core.spec import Pipeline, Problem, Role, SpecError, child
 from disagg_operator import names
-from disagg_operator.plan import groups, manifests, model, podmonitor
+from disagg_operator.plan import engines, groups, manifests, model, podmonitor
 
 MAX_STATEFULSET_NAME = 52
 
@@ -217,6 +222,7 @@ def check(pipeline: Pipeline, options: model.PlanOptions | None = None) -> list[
     for i, role in enumerate(pipeline.roles):
         problems += _group_problems(pipeline, role, i)
         problems += _rank_port_problems(role, i)
+        problems += _engine_problems(pipeline, role, i)
         for k, port in enumerate(role.ports):
             if _RESERVED_PORT_NAME.fullmatch(port.name):
                 problems.append(
@@ -243,6 +249,52 @@ def _rank_port_problems(role: Role, index: int) -> list[Problem]:
         for k, port in enumerate(role.ports)
         if port.container_port == contract.DEFAULT_RANK_PORT and port.protocol == "TCP"
     ]
+
+
+def _engine_problems(pipeline: Pipeline, role: Role, index: int) -> list[Problem]:
+    """An engine role runs in one pod per replica (a multi-node engine is not rendered),
+    and its HTTP and KV ports are its own in the pod (a colocation group's engines each
+    need their own `port` and `kvPort`)."""
+    if role.engine is None:
+        return []
+    path = f"spec.roles[{index}]"
+    problems = []
+    if role.nodes > 1:
+        problems.append(
+            Problem(f"{path}.nodes", "an engine role runs in one pod per replica: nodes must be 1")
+        )
+    unit = model.workload_of(pipeline, role.name)
+    mine = dict(engines.ports(pipeline, role))
+    for other in unit.roles:
+        if other.name == role.name:
+            break  # each clash is reported once, on the later role
+        theirs = {p.container_port for p in other.ports}
+        if other.engine is not None:
+            theirs |= {port for _, port in engines.ports(pipeline, other)}
+        for kind, port in mine.items():
+            if port in theirs:
+                field = "port" if kind == engines.ENGINE_PORT_NAME else "kvPort"
+                problems.append(
+                    Problem(
+                        f"{path}.engine.{field}",
+                        f"{port} is also a port of {other.name!r}, in the same pod "
+                        f"(colocation group {unit.unit!r})",
+                    )
+                )
+    own = set(mine.values())
+    for k, user in enumerate(role.ports):
+        if user.name in engines.RESERVED_PORT_NAMES:
+            problems.append(
+                Problem(f"{path}.ports[{k}].name", f"{user.name!r} is the engine's own port")
+            )
+        if user.container_port in own:
+            problems.append(
+                Problem(
+                    f"{path}.ports[{k}].containerPort",
+                    f"{user.container_port} is the engine's own port",
+                )
+            )
+    return problems
 
 
 def _group_problems(pipeline: Pipeline, role: Role, index: int) -> list[Problem]:

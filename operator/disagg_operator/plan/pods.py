@@ -11,7 +11,7 @@ from typing import Any, Final
 from disagg_core import contract, quantity
 from disagg_core.spec import EnvSetting, Pipeline, Role
 from disagg_operator import names
-from disagg_operator.plan import merge
+from disagg_operator.plan import engines, merge
 from disagg_operator.plan.groups import group_index_env
 
 TOPOLOGY_KEY: Final = os.path.basename(contract.DEFAULT_TOPOLOGY_FILE)  # topology.json
@@ -41,15 +41,18 @@ def pod_template(
     shared: bool,
     gpu: str,
     claim_template: str | None,
+    engine_commands: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """The PodTemplateSpec of one unit: a container per role of `roles` (in order).
 
     `shared` marks a colocation group (shared process namespace); `gpu` is the GPU mode
     (`dra` needs `claim_template`), "none" for a lone role. `peer_key_hash` (when the key is
-    known) becomes the pod annotation disagg.dev/peer-key-hash.
+    known) becomes the pod annotation disagg.dev/peer-key-hash. `engine_commands`: the
+    command of each engine role of `roles` (`engines.command`).
     """
+    commands = engine_commands or {}
     containers = [
-        _container(pipeline, role, configs[role.name], claim=gpu == "dra", index=k)
+        _container(pipeline, role, configs[role.name], claim=gpu == "dra", index=k, engine=commands)
         for k, role in enumerate(roles)
     ]
     if gpu == "device-plugin":
@@ -76,7 +79,7 @@ def pod_template(
     for role in roles:
         if role.pod_template:
             template = merge.deep_merge(template, role.pod_template)
-    ours = {role.name: contract_env(configs[role.name]) for role in roles}
+    ours = {role.name: _planned_env(role, configs[role.name]) for role in roles}
     return _reassert(template, labels, _pinned(spec_hash, peer_key_hash), ours)
 
 
@@ -86,6 +89,11 @@ def _pinned(spec_hash: str, peer_key_hash: str | None) -> dict[str, str]:
     if peer_key_hash is not None:
         result[names.ANNOTATION_PEER_KEY_HASH] = peer_key_hash
     return result
+
+
+def _planned_env(role: Role, config: contract.RoleConfig) -> list[dict[str, Any]]:
+    """The variables of a role container a podTemplate cannot change."""
+    return engines.env() if engines.is_engine(role) else contract_env(config)
 
 
 def contract_env(config: contract.RoleConfig) -> list[dict[str, Any]]:
@@ -114,28 +122,47 @@ def runtime_port_name(kind: str, index: int) -> str:
 
 
 def _container(
-    pipeline: Pipeline, role: Role, config: contract.RoleConfig, *, claim: bool, index: int
+    pipeline: Pipeline,
+    role: Role,
+    config: contract.RoleConfig,
+    *,
+    claim: bool,
+    index: int,
+    engine: Mapping[str, Sequence[str]],
 ) -> dict[str, Any]:
+    """A role's container: a handler's `disagg role` (or its command) with the contract
+    env, the runtime's ports and probes; an engine's server (`engines`)."""
     image = pipeline.image_for(role.name)
-    container: dict[str, Any] = {
-        "name": role.name,
-        "image": image,
-        "command": list(role.command if role.command is not None else DEFAULT_COMMAND),
-    }
-    if role.args is not None:
-        container["args"] = list(role.args)
-    own = {var.name for var in role.env}  # the role's own OTEL_* win over spec.monitoring's
-    tracing = [
-        {"name": k, "value": v} for k, v in contract.tracing_env(pipeline).items() if k not in own
-    ]
-    container["env"] = contract_env(config) + tracing + [_user_env(var) for var in role.env]
+    container: dict[str, Any] = {"name": role.name, "image": image}
+    if engines.is_engine(role):
+        container["command"] = list(engine[role.name])
+        own_env = engines.env()
+        ports = [
+            (engines.port_name(kind, index), port) for kind, port in engines.ports(pipeline, role)
+        ]
+        probes = engines.probes(role)
+    else:
+        container["command"] = list(role.command if role.command is not None else DEFAULT_COMMAND)
+        if role.args is not None:
+            container["args"] = list(role.args)
+        own = {var.name for var in role.env}  # the role's own OTEL_* win over spec.monitoring's
+        own_env = contract_env(config) + [
+            {"name": k, "value": v}
+            for k, v in contract.tracing_env(pipeline).items()
+            if k not in own
+        ]
+        ports = [
+            (runtime_port_name(kind, index), port)
+            for kind, port in (
+                ("ingress", config.ingress_port),
+                ("lane", config.lane_port),
+                ("metrics", config.metrics_port),
+            )
+        ]
+        probes = _probes(config.metrics_port, role.startup_seconds)
+    container["env"] = own_env + [_user_env(var) for var in role.env]
     container["ports"] = [
-        {"name": runtime_port_name(kind, index), "containerPort": port, "protocol": "TCP"}
-        for kind, port in (
-            ("ingress", config.ingress_port),
-            ("lane", config.lane_port),
-            ("metrics", config.metrics_port),
-        )
+        {"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports
     ] + [
         {"name": p.name, "containerPort": p.container_port, "protocol": p.protocol}
         for p in role.ports
@@ -149,7 +176,7 @@ def _container(
         resources["claims"] = [{"name": GPU_CLAIM}]
     if resources:
         container["resources"] = resources
-    container.update(_probes(config.metrics_port, role.startup_seconds))
+    container.update(probes)
     container["securityContext"] = _container_security()
     container["volumeMounts"] = [
         {"name": "topology", "mountPath": TOPOLOGY_DIR, "readOnly": True},
@@ -276,10 +303,12 @@ def _reassert(
         ours = planned_env.get(container.get("name"))
         if ours is None:
             continue
+        planned = {var["name"] for var in ours}
         theirs = [
             var
             for var in container.get("env") or []
             if not str(var.get("name", "")).startswith(contract.PREFIX)
+            and var.get("name") not in planned
         ]
         container["env"] = [*ours, *theirs]
     return template
