@@ -12,8 +12,9 @@ vLLM loads it in the scheduler and in every worker from
             "listen": "tcp://0.0.0.0:PORT",  # decode: where prefill engines send blocks
             "pool_bytes": 67108864,    # decode: the receive pool (shm)
             "lease_s": 30,             # how long blocks wait for the other side
-            "decodes": [ENDPOINT, ...],  # prefill: the only ingresses it sends to (else any
-                                         # that proves the peer key)
+            "decodes": [ENDPOINT, ...],  # prefill: the ingresses it may send to (peers.py;
+            "decodes_file": PATH,        # or a file of them, re-read on change; or
+                                         # "decodes": "any"; with none, sends are refused)
             "pipeline": NAME, "role": NAME,  # names the shm pool (/dev/shm/disagg-...)
             "log_level": "INFO",       # disagg_runtime's log records, to stderr beside vLLM's
         },
@@ -37,9 +38,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.request import RequestStatus
 
+from disagg_runtime.engines.vllm import stats
 from disagg_runtime.engines.vllm.layout import KvLayout, LayoutError
+from disagg_runtime.engines.vllm.peers import DecodePeers
 from disagg_runtime.engines.vllm.receiving import Loads
 from disagg_runtime.engines.vllm.scheduling import SchedulerSide, StepOrders
 from disagg_runtime.engines.vllm.sending import Sends
@@ -75,6 +83,72 @@ class DisaggMetadata(KVConnectorMetadata):
     orders: StepOrders
 
 
+@dataclass
+class DisaggKVStats(KVConnectorStats):
+    """Per-request bytes, blocks and seconds of the sends and loads (stats.py), as vLLM's
+    stats loggers collect, merge and log them ("KV Transfer metrics: ...")."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = stats.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        stats.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return stats.summary(self.data)
+
+    def is_empty(self) -> bool:
+        return stats.is_empty(self.data)
+
+
+SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0]
+BYTES_BUCKETS = [float(2**i) for i in range(12, 34, 2)]  # 4 KiB .. 8 GiB
+BLOCKS_BUCKETS = [1.0, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+
+
+class DisaggPromMetrics(KVConnectorPromMetrics):
+    """`vllm:disagg_kv_{send,load}_{seconds,bytes,blocks}` histograms and
+    `vllm:disagg_kv_{send,load}_failures` counters on the engine's /metrics."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, labels: Any) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, labels)
+        self._hists: dict[str, dict[int, Any]] = {}
+        self._fails: dict[str, dict[int, Any]] = {}
+        for side, verb in (("send", "sent to a decode engine"), ("load", "loaded from a prefill")):
+            for unit, buckets in (
+                ("seconds", SECONDS_BUCKETS),
+                ("bytes", BYTES_BUCKETS),
+                ("blocks", BLOCKS_BUCKETS),
+            ):
+                metric = self._histogram_cls(
+                    name=f"vllm:disagg_kv_{side}_{unit}",
+                    documentation=f"Per request: the KV {unit} {verb} (disagg connector).",
+                    buckets=buckets,
+                    labelnames=labelnames,
+                )
+                self._hists[f"{side}_{unit}"] = create_metric_per_engine(metric, labels)
+            failures = self._counter_cls(
+                name=f"vllm:disagg_kv_{side}_failures",
+                documentation=f"Requests whose KV {side} failed (disagg connector).",
+                labelnames=labelnames,
+            )
+            self._fails[f"{side}_failed"] = create_metric_per_engine(failures, labels)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._hists.items():
+            for value in transfer_stats_data.get(key, ()):
+                per_engine[engine_idx].observe(value)
+        for key, per_engine in self._fails.items():
+            count = len(transfer_stats_data.get(key, ()))
+            if count:
+                per_engine[engine_idx].inc(count)
+
+
 class DisaggConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -94,9 +168,8 @@ class DisaggConnector(KVConnectorBase_V1):
         self._sends: Sends | None = None
         self._loads: Loads | None = None
         if role == KVConnectorRole.SCHEDULER:
-            allowed = self._extra.get("decodes")
-            decodes = frozenset(map(str, allowed)) if isinstance(allowed, list) else None
-            self._scheduler = SchedulerSide(str(transfer.engine_id), self._block_size, decodes)
+            peers = DecodePeers.from_config(self._extra) if self._producer else None
+            self._scheduler = SchedulerSide(str(transfer.engine_id), self._block_size, peers)
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -226,6 +299,30 @@ class DisaggConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._loads.errors() if self._loads is not None else set()
+
+    # -- stats (vLLM's KV-connector stats hook) -----------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data: dict[str, list[float]] = {}
+        for side in (self._sends, self._loads):
+            taken = side.recorder.take() if side is not None else None
+            if taken is not None:
+                stats.merge(data, taken)
+        return DisaggKVStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return DisaggKVStats(stats.merge(stats.empty(), data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return DisaggPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._sends is not None:

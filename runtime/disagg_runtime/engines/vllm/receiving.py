@@ -24,6 +24,7 @@ import torch
 
 from disagg_runtime.engines.vllm.layout import KvLayout, LayoutError, mismatch, pair_runs, runs
 from disagg_runtime.engines.vllm.params import LoadFrom
+from disagg_runtime.engines.vllm.stats import Recorder
 from disagg_runtime.memory.pool import Pool, shm_name
 from disagg_runtime.relay import Ingress, Message
 
@@ -73,6 +74,7 @@ class Loads:
         self._pending: dict[str, tuple[Load, float]] = {}  # by request id
         self._errors: set[int] = set()
         self.stats = LoadStats()
+        self.recorder = Recorder()  # per request, for vLLM's stats (connector.py)
         self._pool = Pool.create(
             pool_bytes, device="shm", min_block=64 << 10, name=shm_name(pipeline, role)
         )
@@ -104,9 +106,16 @@ class Loads:
                 found = self._arrived.pop(load.order.transfer, None)
             if found is not None:
                 with found[0] as msg:
-                    self._land(load, msg)
+                    landed = self._land(load, msg)
+                self.recorder.load(
+                    time.monotonic() - (deadline - self.lease_s),
+                    found[0].nbytes,
+                    load.skip + len(load.block_ids),
+                    landed,
+                )
             elif now > deadline:
                 self.stats.timed_out += 1
+                self.recorder.load(self.lease_s, 0, 0, ok=False)
                 log.warning(
                     "KV transfer %s for request %s did not arrive in %.0f s: recomputing",
                     load.order.transfer,
@@ -126,14 +135,15 @@ class Loads:
         out, self._errors = self._errors, set()
         return out
 
-    def _land(self, load: Load, msg: Message) -> None:
+    def _land(self, load: Load, msg: Message) -> bool:
+        """Copy the transfer into the request's blocks; False: refused (load errors)."""
         try:
             blocks = self._check(load, msg)
         except LayoutError as exc:
             self.stats.refused += 1
             log.error("KV transfer %s refused: %s", load.order.transfer, exc)
             self._errors.update(load.block_ids)
-            return
+            return False
         plan = pair_runs(
             [int(t.shape[0]) for t in msg.payload["kv"][0]], load.skip, runs(load.block_ids)
         )
@@ -143,6 +153,7 @@ class Loads:
         self.stats.loaded += 1
         self.stats.blocks += blocks
         self.stats.bytes += msg.nbytes
+        return True
 
     def _check(self, load: Load, msg: Message) -> int:
         """The payload's block count, after checking it against this engine's layout."""

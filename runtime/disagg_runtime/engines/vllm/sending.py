@@ -25,6 +25,7 @@ import torch
 from disagg_runtime import relay as relays
 from disagg_runtime.engines.vllm.layout import KvLayout, runs
 from disagg_runtime.engines.vllm.params import SendTo
+from disagg_runtime.engines.vllm.stats import Recorder
 
 log = logging.getLogger(__name__)
 HANDSHAKE_S = 2.0  # one handshake's wait before it is tried again
@@ -74,6 +75,7 @@ class Sends:
         self._done: set[str] = set()
         self._futures: dict[str, Future[None]] = {}
         self.stats = SendStats()
+        self.recorder = Recorder()  # per request, for vLLM's stats (connector.py)
 
     def start(self, send: Send) -> None:
         self._futures[send.req_id] = self._pool.submit(self._send, send)
@@ -163,6 +165,7 @@ class Sends:
                 s.seconds += elapsed
                 s.last = {"transfer": send.order.transfer, "bytes": nbytes, "seconds": elapsed}
                 self._done.add(send.req_id)
+            self.recorder.send(elapsed, nbytes, len(send.block_ids), ok)
             log.debug(
                 "KV transfer %s: %d blocks, %d B in %.2f ms over %s",
                 send.order.transfer,
