@@ -241,3 +241,21 @@ def test_transfer_stats_record_take_merge_and_summarize() -> None:
     assert s["send avg ms"] == 3.0 and s["send MiB"] == 0.25
     assert s["loads"] == 1 and s["load p90 ms"] == 10.0
     assert stats.is_empty(stats.empty()) and not stats.is_empty(merged)
+
+
+def test_decode_orders_the_worker_to_forget_a_load_whose_request_went() -> None:
+    side = SchedulerSide("eng-d", 32)
+    params = {"do_remote_prefill": True, "transfer": "t-1", "tokens": 70, "engine": "eng-p"}
+    assert side.matched("r1", params, 70, 0) == (70, True)
+    side.allocated("r1", params, [1, 2, 3], 70)
+    side.gone("r1")  # aborted while its KV was on the way
+    orders = side.take()
+    assert [ld.req_id for ld in orders.loads] == ["r1"] and orders.aborts == ["r1"]
+    side.gone("r1")
+    assert side.take().aborts == []  # once
+    params2 = dict(params, transfer="t-2")
+    side.matched("r2", params2, 70, 0)
+    side.allocated("r2", params2, [4, 5, 6], 70)
+    side.loaded({"r2"})
+    side.gone("r2")  # finished normally after its load: nothing to forget
+    assert side.take().aborts == []

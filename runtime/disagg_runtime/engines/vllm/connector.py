@@ -202,6 +202,8 @@ class DisaggConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None and self._consumer:
+            self._scheduler.gone(request.request_id)
         if self._scheduler is None or not self._producer:
             return False, None
         aborted = request.status not in (
@@ -220,6 +222,7 @@ class DisaggConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             self._scheduler.sent(connector_output.finished_sending)
+            self._scheduler.loaded(connector_output.finished_recving)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.pending_push
@@ -280,6 +283,8 @@ class DisaggConnector(KVConnectorBase_V1):
         if self._loads is not None:
             for load in meta.orders.loads:
                 self._loads.start(load)
+            for rid in meta.orders.aborts:  # after: a load ordered and gone in one step
+                self._loads.abort(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads land whole, before the request is scheduled

@@ -13,19 +13,21 @@ the lease too, so an abandoned hand-off holds nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
 
 from disagg_runtime.engines.vllm.layout import KvLayout, LayoutError, mismatch, pair_runs, runs
 from disagg_runtime.engines.vllm.params import LoadFrom
-from disagg_runtime.engines.vllm.stats import Recorder
-from disagg_runtime.memory.pool import Pool, shm_name
+from disagg_runtime.engines.vllm.side import KvSide
+from disagg_runtime.memory.pool import Pool, reclaim_stale, shm_name, shm_prefix
 from disagg_runtime.relay import Ingress, Message
 
 log = logging.getLogger(__name__)
@@ -47,11 +49,12 @@ class LoadStats:
     loaded: int = 0
     refused: int = 0
     timed_out: int = 0
+    aborted: int = 0
     blocks: int = 0
     bytes: int = 0
 
 
-class Loads:
+class Loads(KvSide):
     """The ingress at `endpoint` over an shm pool of `pool_bytes`, and the pending loads."""
 
     def __init__(
@@ -66,18 +69,17 @@ class Loads:
         pipeline: str = "vllm",
         role: str = "decode",
     ) -> None:
-        self._caches = [caches[name] for name in layout.layers]
-        self.layout = layout
-        self.lease_s = lease_s
+        super().__init__(caches, layout, lease_s)
         self._lock = threading.Lock()
         self._arrived: dict[str, tuple[Message, float]] = {}  # by transfer id
         self._pending: dict[str, tuple[Load, float]] = {}  # by request id
         self._errors: set[int] = set()
         self.stats = LoadStats()
-        self.recorder = Recorder()  # per request, for vLLM's stats (connector.py)
+        reclaim_stale(shm_prefix(pipeline, role), why="a decode engine before this one died")
         self._pool = Pool.create(
             pool_bytes, device="shm", min_block=64 << 10, name=shm_name(pipeline, role)
         )
+        self._tracked = _track(self._pool.name)
         try:
             self._ingress = Ingress(
                 endpoint, self._pool, key=key, lease_s=lease_s, on_message=self._arrive, role=role
@@ -197,8 +199,11 @@ class Loads:
             msg.release()
 
     def abort(self, req_id: str) -> None:
-        """Forget a pending load (its request was aborted)."""
-        self._pending.pop(req_id, None)
+        """Forget a pending load (its request was aborted); its transfer, if it comes, is
+        freed unclaimed after the lease."""
+        if self._pending.pop(req_id, None) is not None:
+            self.stats.aborted += 1
+            log.info("KV load for request %s dropped: the request went", req_id)
 
     def close(self) -> None:
         with self._lock:
@@ -207,7 +212,22 @@ class Loads:
             msg.release()
         self._ingress.close()
         self._pool.close()
+        if self._tracked is not None:
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(self._tracked, "shared_memory")
 
     @property
     def waiting(self) -> dict[str, Any]:
         return {"pending": len(self._pending), "arrived": len(self._arrived)}
+
+
+def _track(name: str | None) -> str | None:
+    """Have Python's resource tracker (a process of its own, which outlives this worker)
+    unlink the pool's segment if the worker dies without `close` (vLLM kills its workers
+    with SIGKILL at shutdown, and an engine can be killed): no /dev/shm segment outlives
+    the engine."""
+    if name is None:
+        return None
+    tracked = "/" + name
+    resource_tracker.register(tracked, "shared_memory")
+    return tracked

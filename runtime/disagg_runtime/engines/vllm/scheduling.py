@@ -40,6 +40,7 @@ class StepOrders:
 
     sends: list[Send] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # decode: loads whose request went
 
 
 class SchedulerSide:
@@ -53,6 +54,7 @@ class SchedulerSide:
         self._orders = StepOrders()
         self._local: dict[str, int] = {}  # decode: locally cached tokens, by request
         self._sending: set[str] = set()  # prefill: sends not yet reported done
+        self._loading: set[str] = set()  # decode: loads ordered, not yet reported done
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -92,7 +94,21 @@ class SchedulerSide:
         skip = self._local.pop(req_id, 0) // self.block_size
         want = blocks_for(order.tokens, self.block_size)
         self._orders.loads.append(Load(req_id, order, tuple(block_ids[skip:want]), skip))
+        self._loading.add(req_id)
         params["do_remote_prefill"] = False  # loaded once, not again when rescheduled
+
+    def loaded(self, req_ids: set[str] | None) -> None:
+        """The worker reported these loads done (landed or failed)."""
+        self._loading -= req_ids or set()
+
+    def gone(self, req_id: str) -> None:
+        """A decode request finished (or was aborted) while its load was pending: the
+        worker forgets it, so a late arrival or the lease's expiry never touches blocks
+        vLLM has given to another request since."""
+        self._local.pop(req_id, None)
+        if req_id in self._loading:
+            self._loading.discard(req_id)
+            self._orders.aborts.append(req_id)
 
     # -- prefill --------------------------------------------------------------------------
 

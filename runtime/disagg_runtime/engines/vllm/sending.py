@@ -25,7 +25,7 @@ import torch
 from disagg_runtime import relay as relays
 from disagg_runtime.engines.vllm.layout import KvLayout, runs
 from disagg_runtime.engines.vllm.params import SendTo
-from disagg_runtime.engines.vllm.stats import Recorder
+from disagg_runtime.engines.vllm.side import KvSide
 
 log = logging.getLogger(__name__)
 HANDSHAKE_S = 2.0  # one handshake's wait before it is tried again
@@ -53,7 +53,7 @@ class SendStats:
     last: dict[str, Any] = field(default_factory=dict)
 
 
-class Sends:
+class Sends(KvSide):
     """Sending threads over one relay per decode endpoint (authenticated with `key`)."""
 
     def __init__(
@@ -65,17 +65,14 @@ class Sends:
         lease_s: float,
         threads: int = 2,
     ) -> None:
-        self._caches = [caches[name] for name in layout.layers]
-        self.layout = layout
+        super().__init__(caches, layout, lease_s)
         self._key = key
-        self.lease_s = lease_s
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="disagg-kv-send")
         self._relays: dict[tuple[str, str], relays.Relay] = {}
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._futures: dict[str, Future[None]] = {}
         self.stats = SendStats()
-        self.recorder = Recorder()  # per request, for vLLM's stats (connector.py)
 
     def start(self, send: Send) -> None:
         self._futures[send.req_id] = self._pool.submit(self._send, send)
