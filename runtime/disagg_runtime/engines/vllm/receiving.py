@@ -88,6 +88,16 @@ class Loads(KvSide):
             self._pool.close()
             raise
         self.endpoint = self._ingress.endpoint
+        # unclaimed arrivals expire on their own, not only when the engine steps (an idle
+        # engine does not, and would hold an abandoned transfer's slot until it did)
+        self._closing = threading.Event()
+        self._expirer = threading.Thread(target=self._expire_loop, name="disagg-kv-expire")
+        self._expirer.daemon = True
+        self._expirer.start()
+
+    def _expire_loop(self) -> None:
+        while not self._closing.wait(min(1.0, self.lease_s / 4)):
+            self._expire(time.monotonic())
 
     def _arrive(self, msg: Message) -> None:  # the ingress's I/O thread
         with self._lock:
@@ -206,6 +216,8 @@ class Loads(KvSide):
             log.info("KV load for request %s dropped: the request went", req_id)
 
     def close(self) -> None:
+        self._closing.set()
+        self._expirer.join(timeout=5)
         with self._lock:
             held, self._arrived = [m for m, _ in self._arrived.values()], {}
         for msg in held:
