@@ -17,6 +17,7 @@ vLLM loads it in the scheduler and in every worker from
                                          # "decodes": "any"; with none, sends are refused)
             "pipeline": NAME, "role": NAME,  # names the shm pool (/dev/shm/disagg-...)
             "log_level": "INFO",       # disagg_runtime's log records, to stderr beside vLLM's
+            "idle_sleep_s": 0.0002,    # the worker's idle wait sleeps, not spins (0: spin)
         },
     }
 
