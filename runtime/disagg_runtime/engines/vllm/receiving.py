@@ -74,6 +74,7 @@ class Loads(KvSide):
         self._arrived: dict[str, tuple[Message, float]] = {}  # by transfer id
         self._pending: dict[str, tuple[Load, float]] = {}  # by request id
         self._errors: set[int] = set()
+        self._gone: set[str] = set()  # aborted loads, reported done once (vLLM frees then)
         self.stats = LoadStats()
         reclaim_stale(shm_prefix(pipeline, role), why="a decode engine before this one died")
         self._pool = Pool.create(
@@ -112,7 +113,7 @@ class Loads(KvSide):
     def poll(self) -> set[str]:
         """Requests whose blocks are in (or failed: see `errors`) since the last call."""
         now = time.monotonic()
-        done: set[str] = set()
+        done, self._gone = self._gone, set()
         for rid, (load, deadline) in list(self._pending.items()):
             with self._lock:
                 found = self._arrived.pop(load.order.transfer, None)
@@ -212,6 +213,7 @@ class Loads(KvSide):
         """Forget a pending load (its request was aborted); its transfer, if it comes, is
         freed unclaimed after the lease."""
         if self._pending.pop(req_id, None) is not None:
+            self._gone.add(req_id)  # vLLM keeps its blocks until the load is reported done
             self.stats.aborted += 1
             log.info("KV load for request %s dropped: the request went", req_id)
 
