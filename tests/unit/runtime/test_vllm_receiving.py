@@ -20,14 +20,14 @@ LAYOUT = KvLayout("float32", 32, (2, 32, 128), ("l0",), "cpu:auto")
 
 def test_abort_is_reported_done_and_unclaimed_transfers_expire() -> None:
     key = auth.new_key()
-    caches = {"l0": torch.zeros(8, 2, 32, 128)}
+    caches = {"l0": torch.zeros(16, 2, 32, 128)}
     loads = Loads(
         caches,
         LAYOUT,
         endpoint="tcp://127.0.0.1:0",
         key=key,
         pool_bytes=4 << 20,
-        lease_s=1.0,
+        lease_s=2.0,
         pipeline="unit-vllm",
     )
     segment = loads._pool.name
@@ -38,13 +38,13 @@ def test_abort_is_reported_done_and_unclaimed_transfers_expire() -> None:
         assert loads.poll() == {"r1"} and loads.poll() == set()  # once
         assert loads.errors() == set()  # no load errors for blocks vLLM reuses
         sender = relays.connect("tcp", loads.endpoint, key=key, timeout=5)
-        try:
+        try:  # kept open until it landed: an inline send returns once queued
             sender.send({"kv": [[torch.ones(2, 2, 32, 128)]]}, request_id="t-1", timeout=5)
+            deadline = time.monotonic() + 8
+            while not loads.waiting["arrived"] and time.monotonic() < deadline:
+                time.sleep(0.01)
         finally:
             sender.close()
-        deadline = time.monotonic() + 5
-        while not loads.waiting["arrived"] and time.monotonic() < deadline:
-            time.sleep(0.01)
         assert loads.waiting["arrived"] == 1  # landed, nobody claims it
         while loads.waiting["arrived"] and time.monotonic() < deadline:
             time.sleep(0.05)
