@@ -19,11 +19,12 @@ class CorruptingConnector(DisaggConnector):
         land = loads._land
         caches = [kv_caches[name] for name in loads.layout.layers]
 
-        def land_then_corrupt(load: Load, msg: Any) -> None:
-            land(load, msg)
+        def land_then_corrupt(load: Load, msg: Any) -> bool:
+            landed = land(load, msg)
             gen = torch.Generator().manual_seed(0)
             for cache in caches:
                 for block in load.block_ids:
                     cache[block].add_(torch.randn(cache[block].shape, generator=gen))
+            return landed
 
         loads._land = land_then_corrupt  # type: ignore[method-assign]

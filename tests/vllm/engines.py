@@ -84,15 +84,21 @@ def kv_config(
     listen: str | None = None,
     module: str = CONNECTOR,
     connector: str = "DisaggConnector",
+    decodes: list[str] | None = None,
+    **more: Any,
 ) -> dict[str, Any]:
+    """A connector config: a decode engine `listen`s, a prefill engine sends to `decodes`."""
     extra: dict[str, Any] = {
         "key_file": str(key_file),
         "lease_s": 10,
         "pipeline": "test-vllm",
         "log_level": "DEBUG",
+        **more,
     }
     if listen is not None:
         extra |= {"listen": listen, "role": "decode"}
+    if decodes is not None:
+        extra["decodes"] = decodes
     return {
         "kv_connector": connector,
         "kv_connector_module_path": module,

@@ -13,7 +13,12 @@ engine for one that corrupts every block it lands: its answers must differ.
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
+import signal
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -46,7 +51,9 @@ class Rig:
         self.key = tmp / "peer.key"
         self.key.write_bytes(auth.new_key())
         self.listen = f"tcp://127.0.0.1:{E.free_port()}"
-        self.prefill = E.start("prefill", self.model, tmp, E.kv_config("kv_producer", self.key))
+        self.prefill = E.start(
+            "prefill", self.model, tmp, E.kv_config("kv_producer", self.key, decodes=[self.listen])
+        )
         self.decode = self.start_decode("decode")
 
     def start_decode(self, name: str, **kw: Any) -> E.Engine:
@@ -129,6 +136,135 @@ def test_prefill_then_decode_gives_one_engines_tokens(
     assert got == {p: t for p, (t, _) in reference.items()}
     log = rig.decode.log.read_text(errors="replace")
     assert "did not arrive" not in log and "refused" not in log  # loaded, not recomputed
+
+
+def _metric(engine: E.Engine, name: str) -> float:
+    """The sum of a metric's samples on an engine's /metrics (0 when absent)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{engine.port}/metrics", timeout=10).text
+    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in values)
+
+
+def _eventually(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def test_transfer_metrics_reach_vllms_metrics(rig: Rig) -> None:
+    """The connector's per-request stats (vLLM's KV-connector stats hook): after the nine
+    hand-offs above, each engine's /metrics counts them with plausible bytes and blocks."""
+    rig.pd(PROMPTS[-1], "tcp")  # at least one, whatever ran before
+    block = 2 * 2 * 32 * 64 * 2 * 4  # layers x kv heads x block x 2*head_dim x fp32
+    _eventually(
+        lambda: _metric(rig.decode, "vllm:disagg_kv_load_seconds_count") >= 1,
+        15,
+        "no load observed on the decode engine's /metrics",
+    )
+    sends = _metric(rig.prefill, "vllm:disagg_kv_send_seconds_count")
+    assert sends >= 1
+    sent = _metric(rig.prefill, "vllm:disagg_kv_send_bytes_sum")
+    blocks = _metric(rig.prefill, "vllm:disagg_kv_send_blocks_sum")
+    assert blocks >= sends and sent == blocks * block, (sent, blocks)
+    seconds = _metric(rig.prefill, "vllm:disagg_kv_send_seconds_sum")
+    assert 0 < seconds / sends < 10
+    assert _metric(rig.decode, "vllm:disagg_kv_load_bytes_sum") >= block
+
+
+def test_an_aborted_decode_request_frees_its_blocks_on_both_sides(rig: Rig) -> None:
+    """A decode request whose KV is still on the way is aborted by its client: the decode
+    engine frees the request's blocks and its connector forgets the load; the prefill
+    engine's delayed blocks are freed once their send returned; the transfer that lands
+    after nobody claims it is freed after the lease. Both engines' KV usage returns to 0."""
+    import httpx
+
+    params = {
+        "do_remote_decode": True,
+        "transfer": uuid.uuid4().hex,
+        "decode": rig.listen,
+        "relay": "tcp",
+    }
+    prompt = PROMPTS[-2]
+    pre = rig.complete(rig.prefill, rig.body(prompt, max_tokens=1, kv_transfer_params=params))
+    back = dict(pre["kv_transfer_params"], transfer=uuid.uuid4().hex)  # never sent: waits
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            rig.decode.url + "/completions",
+            json=rig.body(prompt, kv_transfer_params=back),
+            timeout=2,
+        )
+    for engine in (rig.prefill, rig.decode):
+        _eventually(
+            lambda e=engine: _metric(e, "vllm:kv_cache_usage_perc") == 0,
+            20,
+            f"{engine.name} kept KV blocks after the abort:\n{engine.tail()}",
+        )
+    log = rig.decode.log.read_text(errors="replace")
+    _eventually(
+        lambda: "was never claimed: freed" in rig.decode.log.read_text(errors="replace"),
+        20,
+        "the unclaimed transfer was not freed after the lease",
+    )
+    assert "dropped: the request went" in log
+    text, _ = rig.pd(PROMPTS[1], "tcp")  # the engines still serve
+    assert text
+
+
+def test_a_prefill_engine_refuses_an_unlisted_decode_endpoint(rig: Rig) -> None:
+    params = {
+        "do_remote_decode": True,
+        "transfer": uuid.uuid4().hex,
+        "decode": f"tcp://127.0.0.1:{E.free_port()}",
+    }
+    pre = rig.complete(rig.prefill, rig.body("hello", max_tokens=1, kv_transfer_params=params))
+    back = pre["kv_transfer_params"]
+    assert back["do_remote_prefill"] is False and "is not one of" in back["error"], back
+
+
+def test_killing_the_decode_engine_mid_stream_fails_the_stream_and_leaves_nothing(
+    rig: Rig,
+) -> None:
+    """The decode engine's server dies mid-stream: the client's stream ends with an error
+    within the timeout, and the engine leaves no process and no /dev/shm segment."""
+    import httpx
+
+    params = {
+        "do_remote_decode": True,
+        "transfer": uuid.uuid4().hex,
+        "decode": rig.listen,
+        "relay": "shm",
+    }
+    prompt = PROMPTS[-1]
+    pre = rig.complete(rig.prefill, rig.body(prompt, max_tokens=1, kv_transfer_params=params))
+    body = rig.body(
+        prompt, max_tokens=400, stream=True, kv_transfer_params=pre["kv_transfer_params"]
+    )
+    body["ignore_eos"] = True
+    started = time.monotonic()
+    chunks = 0
+    url = rig.decode.url + "/completions"
+    with (
+        pytest.raises(httpx.HTTPError),
+        httpx.stream("POST", url, json=body, timeout=30) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+                if chunks == 3:
+                    os.kill(rig.decode.proc.pid, signal.SIGKILL)  # the server, as a crash
+    assert chunks >= 3 and time.monotonic() - started < 30
+    group = rig.decode.proc.pid
+    rig.decode.proc.wait(timeout=10)
+
+    def gone() -> bool:
+        left = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True)
+        shm = [n for n in os.listdir("/dev/shm") if n.startswith("disagg-test-vllm-decode")]
+        return not left.stdout.strip() and not shm
+
+    _eventually(gone, 30, "the killed decode engine left processes or /dev/shm segments")
 
 
 def test_corrupted_blocks_change_the_answers(

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from disagg_runtime.engines.vllm import params as kvp
+from disagg_runtime.engines.vllm import stats
 from disagg_runtime.engines.vllm.layout import (
     KvLayout,
     LayoutError,
@@ -16,12 +17,14 @@ from disagg_runtime.engines.vllm.layout import (
     pair_runs,
     runs,
 )
+from disagg_runtime.engines.vllm.peers import DecodePeers
 from disagg_runtime.engines.vllm.scheduling import SchedulerSide
 
 LAYOUT = KvLayout(
     "float32", 32, (2, 32, 128), ("model.layers.0.attn", "model.layers.1.attn"), "cpu:auto"
 )
 DECODE = "tcp://127.0.0.1:7600"
+PEERS = DecodePeers(frozenset({DECODE}), open_=False)
 
 
 def test_runs_group_consecutive_ids_in_order() -> None:
@@ -90,7 +93,7 @@ def test_send_and_load_params_parse_and_refuse_naming_the_field() -> None:
 
 
 def test_prefill_delays_the_free_until_the_send_is_reported() -> None:
-    side = SchedulerSide("eng-p", 32)
+    side = SchedulerSide("eng-p", 32, PEERS)
     params = {"do_remote_decode": True, "transfer": "t-1", "decode": DECODE, "relay": "shm"}
     delay, out = side.finished("r1", params, 70, [4, 5, 6, 7], aborted=False)
     assert delay is True
@@ -104,22 +107,76 @@ def test_prefill_delays_the_free_until_the_send_is_reported() -> None:
 
 
 def test_prefill_frees_at_once_when_aborted_or_not_a_pd_request() -> None:
-    side = SchedulerSide("eng-p", 32)
+    side = SchedulerSide("eng-p", 32, PEERS)
     params = {"do_remote_decode": True, "transfer": "t-1", "decode": DECODE}
     assert side.finished("r1", params, 70, [1, 2, 3], aborted=True) == (False, None)
     assert side.finished("r2", None, 70, [1, 2, 3], aborted=False) == (False, None)
-    assert side.finished("r3", params | {"decode": "nowhere"}, 70, [1, 2, 3], False) == (
-        False,
-        None,
-    )
+    delay, out = side.finished("r3", params | {"decode": "nowhere"}, 70, [1, 2, 3], False)
+    assert delay is False and out is not None
+    assert out["do_remote_prefill"] is False and "kv_transfer_params.decode" in out["error"]
+    delay, out = side.finished("r4", params, 70, [1, 2], False)  # fewer blocks than the prompt
+    assert delay is False and out is not None and "only 2 blocks" in out["error"]
     assert side.take().sends == [] and not side.pending_push
 
 
 def test_prefill_sends_only_to_the_decode_engines_it_was_given() -> None:
-    side = SchedulerSide("eng-p", 32, frozenset({DECODE}))
+    side = SchedulerSide("eng-p", 32, PEERS)
     params = {"do_remote_decode": True, "transfer": "t-1", "decode": "tcp://10.0.0.9:7600"}
-    assert side.finished("r1", params, 70, [1, 2, 3], aborted=False) == (False, None)
+    delay, out = side.finished("r1", params, 70, [1, 2, 3], aborted=False)
+    assert delay is False and out is not None
+    assert out["error"].startswith("kv_transfer_params.decode tcp://10.0.0.9:7600 is not one")
     assert side.finished("r2", params | {"decode": DECODE}, 70, [1, 2, 3], False)[0] is True
+    assert [s.order.decode for s in side.take().sends] == [DECODE]
+
+
+def test_a_prefill_engine_without_configured_decodes_sends_nowhere() -> None:
+    """The safe default: no `decodes` means no connection to any endpoint a request names."""
+    side = SchedulerSide("eng-p", 32, DecodePeers.from_config({}))
+    params = {"do_remote_decode": True, "transfer": "t-1", "decode": DECODE}
+    delay, out = side.finished("r1", params, 70, [1, 2, 3], aborted=False)
+    assert delay is False and out is not None
+    assert "no decode engines configured" in out["error"] and "decodes" in out["error"]
+    assert side.take().sends == [] and not side.pending_push
+    anyone = SchedulerSide("eng-p", 32, DecodePeers.from_config({"decodes": "any"}))
+    assert anyone.finished("r1", params | {"decode": "tcp://10.9.9.9:1"}, 70, [1, 2, 3], False)[0]
+
+
+def test_decodes_config_is_checked_naming_the_key() -> None:
+    with pytest.raises(kvp.ParamsError, match=r"^kv_connector_extra_config.decodes\[1\]"):
+        DecodePeers.from_config({"decodes": [DECODE, "http://x:1"]})
+    with pytest.raises(kvp.ParamsError, match=r"^kv_connector_extra_config\.decodes:"):
+        DecodePeers.from_config({"decodes": "some"})
+    with pytest.raises(kvp.ParamsError, match=r"^kv_connector_extra_config\.decodes_file"):
+        DecodePeers.from_config({"decodes_file": 7})
+
+
+def test_malformed_prefill_params_are_a_request_error() -> None:
+    side = SchedulerSide("eng-p", 32, PEERS)
+    bad = {"do_remote_decode": True, "transfer": "a b", "decode": DECODE}
+    delay, out = side.finished("r1", bad, 70, [1, 2, 3], aborted=False)
+    assert delay is False and out == {
+        "do_remote_prefill": False,
+        "error": "kv_transfer_params.transfer: expected 1-128 characters of [A-Za-z0-9._:-], "
+        "got 'a b'",
+    }
+
+
+def test_a_peers_file_is_read_and_re_read_when_it_changes(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "decodes"
+    other = "tcp://10.0.0.2:7600"
+    path.write_text(f"# decode replicas\n{DECODE}\n\n")
+    peers = DecodePeers.from_config({"decodes_file": str(path), "decodes": [other]})
+    assert peers.check(DECODE).ok and peers.check(other).ok  # the union of both
+    assert not peers.check("tcp://10.0.0.3:7600").ok
+    path.write_text("tcp://10.0.0.3:7600  # a new replica\n")
+    assert peers.check("tcp://10.0.0.3:7600").ok and not peers.check(DECODE).ok
+    path.write_text("tcp://bad\n")
+    assert not peers.check(other + "0").ok
+    assert peers.check(other).ok  # the fixed list still holds
+    path.unlink()
+    alone = DecodePeers.from_config({"decodes_file": str(path)})
+    why = alone.check(DECODE).reason or ""
+    assert "decodes_file" in why and "No such file" in why
 
 
 def test_decode_loads_the_prompt_past_its_cached_prefix() -> None:
@@ -165,3 +222,40 @@ def test_the_tiny_vllm_model_has_head_dim_64(tmp_path: pathlib.Path) -> None:
     config = AutoConfig.from_pretrained(tiny.vllm_llm(tmp_path / "m"))
     assert config.hidden_size // config.num_attention_heads == 64
     assert (config.num_hidden_layers, config.num_key_value_heads) == (2, 2)
+
+
+def test_transfer_stats_record_take_merge_and_summarize() -> None:
+    rec = stats.Recorder()
+    assert rec.take() is None
+    rec.send(0.002, 3 * 65536, 3, ok=True)
+    rec.send(0.004, 65536, 1, ok=True)
+    rec.send(0.0, 0, 2, ok=False)
+    data = rec.take()
+    assert data is not None and rec.take() is None  # taken once
+    assert data["send_bytes"] == [3 * 65536, 65536] and data["send_failed"] == [1]
+    other = stats.Recorder()
+    other.load(0.01, 65536, 1, ok=True)
+    merged = stats.merge(data, other.take() or {})
+    s = stats.summary(merged)
+    assert s["sends"] == 2 and s["send failed"] == 1 and s["send blocks"] == 4
+    assert s["send avg ms"] == 3.0 and s["send MiB"] == 0.25
+    assert s["loads"] == 1 and s["load p90 ms"] == 10.0
+    assert stats.is_empty(stats.empty()) and not stats.is_empty(merged)
+
+
+def test_decode_orders_the_worker_to_forget_a_load_whose_request_went() -> None:
+    side = SchedulerSide("eng-d", 32)
+    params = {"do_remote_prefill": True, "transfer": "t-1", "tokens": 70, "engine": "eng-p"}
+    assert side.matched("r1", params, 70, 0) == (70, True)
+    side.allocated("r1", params, [1, 2, 3], 70)
+    side.gone("r1")  # aborted while its KV was on the way
+    orders = side.take()
+    assert [ld.req_id for ld in orders.loads] == ["r1"] and orders.aborts == ["r1"]
+    side.gone("r1")
+    assert side.take().aborts == []  # once
+    params2 = dict(params, transfer="t-2")
+    side.matched("r2", params2, 70, 0)
+    side.allocated("r2", params2, [4, 5, 6], 70)
+    side.loaded({"r2"})
+    side.gone("r2")  # finished normally after its load: nothing to forget
+    assert side.take().aborts == []

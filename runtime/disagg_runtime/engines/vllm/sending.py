@@ -25,6 +25,7 @@ import torch
 from disagg_runtime import relay as relays
 from disagg_runtime.engines.vllm.layout import KvLayout, runs
 from disagg_runtime.engines.vllm.params import SendTo
+from disagg_runtime.engines.vllm.side import KvSide
 
 log = logging.getLogger(__name__)
 HANDSHAKE_S = 2.0  # one handshake's wait before it is tried again
@@ -52,7 +53,7 @@ class SendStats:
     last: dict[str, Any] = field(default_factory=dict)
 
 
-class Sends:
+class Sends(KvSide):
     """Sending threads over one relay per decode endpoint (authenticated with `key`)."""
 
     def __init__(
@@ -64,10 +65,8 @@ class Sends:
         lease_s: float,
         threads: int = 2,
     ) -> None:
-        self._caches = [caches[name] for name in layout.layers]
-        self.layout = layout
+        super().__init__(caches, layout, lease_s)
         self._key = key
-        self.lease_s = lease_s
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="disagg-kv-send")
         self._relays: dict[tuple[str, str], relays.Relay] = {}
         self._lock = threading.Lock()
@@ -163,6 +162,7 @@ class Sends:
                 s.seconds += elapsed
                 s.last = {"transfer": send.order.transfer, "bytes": nbytes, "seconds": elapsed}
                 self._done.add(send.req_id)
+            self.recorder.send(elapsed, nbytes, len(send.block_ids), ok)
             log.debug(
                 "KV transfer %s: %d blocks, %d B in %.2f ms over %s",
                 send.order.transfer,
