@@ -23,7 +23,7 @@ from disagg_runtime.memory.layout import write_tensors
 from disagg_runtime.memory.pool import Backing, PoolError, attach_backing, check_shm_name
 from disagg_runtime.relay.errors import NotAPeer, RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
-from disagg_runtime.relay.sender import SPARE_MAX, Grant, Sender, Transfer
+from disagg_runtime.relay.sender import Grant, Sender, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class ShmSender(Sender):
     kind = "shm"
     control_on_lane = True
     binary_commit = True
+    commit_on_lane = True
     _backing: Backing | None = None
     _pin_tried = False
 
@@ -61,9 +62,6 @@ class ShmSender(Sender):
             self._backing = attach_backing(name)
         except PoolError as exc:
             raise RelayError(f"cannot map the receive pool of {self.endpoint}: {exc}") from None
-
-    def _spare_limit(self) -> int:
-        return SPARE_MAX if self.session.control else 0
 
     def _transfer(self, transfer: Transfer) -> None:
         commit, xid, offset = transfer.commit, transfer.xid, transfer.offset
