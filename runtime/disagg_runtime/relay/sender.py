@@ -106,6 +106,7 @@ class Sender(Link):
 
     binary_commit: ClassVar[bool] = False  # commits carry no backend fields: binary on the lane
     commit_on_lane: ClassVar[bool] = False  # commits go where control does: credit may be used
+    credit_below_inline: ClassVar[bool] = False  # inline-sized payloads in a stream use it too
 
     def send(
         self,
@@ -252,9 +253,9 @@ class Sender(Link):
         """Backend hook: whether a payload goes as one inline message (no pool slot), not
         through credit (session.py `wants_credit`) or a reservation."""
         session = self.session
-        return nbytes <= session.inline_max and not session.wants_credit(
-            nbytes, self._spare_limit()
-        )
+        if nbytes > session.inline_max:
+            return False
+        return not (self.credit_below_inline and session.wants_credit(nbytes, self._spare_limit()))
 
     def _send_staged(
         self,

@@ -37,6 +37,7 @@ class ShmSender(Sender):
     control_on_lane = True
     binary_commit = True
     commit_on_lane = True
+    credit_below_inline = True  # one copy into the pool instead of two through the lane
     _backing: Backing | None = None
     _pin_tried = False
 
