@@ -11,8 +11,8 @@ Larger ones reserve a slot in the receiver's pool first, so a slow receiver stal
 senders (flow control) rather than dropping or over-allocating:
 
     shm:  reserve -> grant -> copy tensors into the receiver's shared pool -> commit -> ack
-          (in a stream of medium payloads the ack grants the next slot ahead, a spare:
-          then copy -> commit -> ack)
+          (in a stream of medium payloads the ack grants the next slot ahead, credit:
+          then copy -> commit -> ack; nixl likewise, relay/credit.py)
     tcp:  reserve -> grant -> commit, then one message per chunk (zero-copy sends; the
           receiver `recv_into`s each chunk at its place in the slot) -> ack
 

@@ -1,7 +1,7 @@
 """The `shm` relay: roles on one node; the sender writes tensors once into the receiver's
 shared pool (reserve -> grant -> copy -> commit -> ack; in a stream of medium payloads
-the ack grants the next slot ahead, a spare: copy -> commit -> ack) and sends only the
-manifest.
+the ack grants the next slot ahead, credit: copy -> commit -> ack, relay/credit.py) and
+sends only the manifest.
 The receiver needs no landing of its own: the bytes are in its pool at commit.
 
 A caller that produces a payload's bytes itself (the gateway reading an HTTP body off its
