@@ -16,6 +16,7 @@ from disagg_runtime.memory.pool import MiB
 from disagg_runtime.relay import Ingress, Message, RelayError, RelayTimeout, inline_wire, lane
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.sender import Sender
+from disagg_runtime.relay.session import CREDIT_MIN
 from tests.payload_checks import assert_bit_exact
 from tests.relay_rig import (
     KINDS,
@@ -202,7 +203,8 @@ def test_a_receiver_that_stops_reading_times_out_the_lane_and_loses_nothing_sent
 
     ingress = rig.ingress(kind, on_message=on_message)
     sender = rig.sender(kind, ingress, timeout=0.5)
-    payload = {"x": torch.zeros(60 * 1024, dtype=torch.uint8)}  # inline, near the limit
+    # inline: under CREDIT_MIN (a stream's larger ones go through credit, not the lane)
+    payload = {"x": torch.zeros(CREDIT_MIN - 2 * 1024, dtype=torch.uint8)}
     sent = 0
     with pytest.raises(RelayTimeout, match="not draining"):
         for _ in range(5000):  # ~300 MiB: far more than any socket buffer

@@ -4,7 +4,8 @@ Every slot has an owner and a deadline:
 
     reserve ──> pending (arrival order; waits at most wait_s, clamped to a lease, for
                 room; bounded per sender and in all, by count and bytes) ──> granted (a lease)
-    ack of a commit that asks ──> a spare: granted ahead, for the sender's next payload
+    ack of a commit that asks ──> a credit: granted ahead, for the sender's next payload
+                                  (relay/credit.py: its own bounds and short lease)
     granted ──commit──> taken by a landing (the I/O side's; ends in deliver, nack or free)
     delivered ──release()──> free;   abort(rid) frees all a request holds, now and later
 
@@ -24,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from disagg_runtime.relay.credit import Credit, CreditBounds, CreditLedger
+
 MAX_WAIT_S = 3600.0
-SPARE_MAX = 16 << 20  # the largest slot granted ahead (relay/sender.py, "spare grants")
-SPARE_LEASE_S = 1.0  # a spare nobody committed is freed this soon
 MAX_PENDING_PER_PEER = 64  # a sender has one transfer at a time; leave room for abandoned ones
 MAX_PENDING = 4096  # waiting at one ingress, all senders together (one each for MAX_PEERS)
 PENDING_POOLS_PER_PEER = 4  # a sender's waiting bytes: at most this many pools' worth
@@ -79,7 +80,14 @@ class Reservation:
     deadline: float
     offset: int | None = None
     lane_sent: int = 0  # inline frames the sender had written to its lane before this
-    spare: bool = False  # granted ahead with an ack, for the sender's next payload
+    spare: bool = False  # a credit (granted ahead with an ack), spent or lapsed
+
+    @classmethod
+    def of_credit(cls, credit: Credit) -> Reservation:
+        """A credit as the grant its commit takes (its request id comes with the commit)."""
+        return cls(
+            credit.ident, credit.xid, "", credit.nbytes, credit.deadline, credit.offset, spare=True
+        )
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,11 @@ class SlotLedger:
         inline_budget: int,
         where: str = "the pool",
         bounds: PendingBounds | None = None,
+        capacity: int | None = None,
+        credit: CreditBounds | None = None,
     ) -> None:
+        """`capacity`: the pool's bytes, which bound the credit held ahead (None: only the
+        per-sender bounds, as in tests over a toy allocator)."""
         self.slots = slots
         self.where = where  # names the pool in denials
         self.lease_s = lease_s
@@ -150,7 +162,8 @@ class SlotLedger:
         self.pending_bytes = 0
         self._pending_rid: dict[str, set[Key]] = {}
         self._granted: dict[Key, Reservation] = {}
-        self._spares: dict[bytes, Key] = {}  # the spare each sender was granted last
+        credit = credit or CreditBounds(lease_s=min(CreditBounds().lease_s, lease_s))
+        self.credits = CreditLedger(slots, capacity=capacity or 1 << 62, bounds=credit)
         self._live: dict[str, list[Message]] = collections.defaultdict(list)
         self._aborted: dict[str, float] = {}
         self.delivered = 0
@@ -180,7 +193,7 @@ class SlotLedger:
             )
             return Denial(ident, xid, reason)
         key = (ident, xid)
-        if key in self._granted or key in self._pending:
+        if key in self._granted or key in self._pending or key in self.credits:
             return Denial(ident, xid, f"reservation xid {xid} is already in use", counted=True)
         denial = self._over_bounds(ident, xid, nbytes)
         if denial is not None:
@@ -258,43 +271,31 @@ class SlotLedger:
             granted.append(head)
         return granted
 
-    def grant_spare(self, ident: bytes, xid: int, nbytes: int, now: float) -> Reservation | None:
-        """A slot for a sender's next payload, granted ahead (with the ack of this one):
-        only when nobody waits for room, the sender holds no other spare, and the pool has
-        room for it and one more of its size (a spare never takes the last room). Its
-        lease is short, so an idle sender's spare never keeps a reservation waiting long."""
-        key = (ident, xid)
-        held = self._spares.get(ident)
-        if self._pending or (held is not None and held in self._granted):
+    def grant_spare(self, ident: bytes, xid: int, nbytes: int, now: float) -> Credit | None:
+        """A credit: a slot for a sender's next payload, granted ahead (with the ack of this
+        one) within relay/credit.py's bounds, and never while a reservation waits."""
+        if (ident, xid) in self._granted:
             return None
-        if not 0 < nbytes <= SPARE_MAX or key in self._granted:
-            return None
-        offset = self.slots.allocate(nbytes)
-        if offset is None:
-            return None
-        headroom = self.slots.allocate(nbytes)
-        if headroom is None:
-            self.slots.free(offset)
-            return None
-        self.slots.free(headroom)
-        lease = min(SPARE_LEASE_S, self.lease_s)
-        grant = Reservation(ident, xid, "", nbytes, now + lease, offset, spare=True)
-        self._granted[key] = grant
-        self._spares[ident] = key
-        return grant
+        return self.credits.grant(ident, xid, nbytes, now, waiting=bool(self._pending))
 
     def cancel(self, ident: bytes, xid: int) -> None:
         """The sender gave up on this reservation (granted or not): its slot is free."""
         grant = self._granted.pop((ident, xid), None)
         if grant is not None and grant.offset is not None:
             self.slots.free(grant.offset)
+        elif grant is None and self.credits.give_back(ident, xid):
+            return
         self._unpend((ident, xid))
 
     def take_grant(self, ident: bytes, xid: int) -> Reservation | None:
         """A commit: the grant leaves the lease clock; its slot is now the caller's (to
-        deliver, or to `free`). None when there is no live grant (lease expired?)."""
+        deliver, or to `free`); a credit is spent so. None when there is no live grant
+        (lease expired?)."""
         grant = self._granted.pop((ident, xid), None)
-        if grant is None or grant.offset is None:
+        if grant is None:
+            credit = self.credits.spend(ident, xid)
+            return None if credit is None else Reservation.of_credit(credit)
+        if grant.offset is None:
             return None
         return grant
 
@@ -317,10 +318,9 @@ class SlotLedger:
         return denied
 
     def forget(self, ident: bytes) -> None:
-        """`ident` is gone: its pending reservations go (its grants lapse with their lease:
-        a sender may still be writing one)."""
+        """`ident` is gone: its pending reservations go (its grants and credits lapse with
+        their lease: a sender may still be writing one)."""
         self.drop_pending(ident)
-        self._spares.pop(ident, None)
 
     def drop_pending(self, ident: bytes, reason: str = "") -> list[Denial]:
         """Take out `ident`'s pending reservations (its connection went): with a `reason`,
@@ -342,6 +342,7 @@ class SlotLedger:
                 if grant.offset is not None:
                     self.slots.free(grant.offset)
                 lapsed.append(grant)
+        lapsed += [Reservation.of_credit(c) for c in self.credits.expire(now)]
         denied = []
         while self._deadlines and self._deadlines[0][0] <= now:
             key = heapq.heappop(self._deadlines)[2]
@@ -360,6 +361,9 @@ class SlotLedger:
     def next_deadline(self) -> float | None:
         """The earliest grant lease or pending wait that `expire` will act on."""
         deadlines = [g.deadline for g in self._granted.values()]
+        credit = self.credits.next_deadline()
+        if credit is not None:
+            deadlines.append(credit)
         while self._deadlines and self._deadlines[0][2] not in self._pending:
             heapq.heappop(self._deadlines)  # stale: granted, cancelled or aborted
         if self._deadlines:

@@ -44,10 +44,14 @@ receiver's own account of how busy it is, for senders choosing among replicas
 message (inline payloads get no reply, so that is how their senders hear). A malformed
 one fails the connection (welcome) or the reply it came on, like any bad field.
 
-Spare grants: a commit may ask for a slot for the sender's next payload, `next {xid,
-nbytes}` (a fresh xid); the ack then may grant it at once, `spare {xid, offset, lease_s}`,
-with a short lease. The sender writes its next payload that fits there and commits it
-under that xid without a reservation (one round trip instead of two), or cancels it.
+Credit (on the wire a "spare"): a commit may ask for a slot for the sender's next
+payload, `next {xid, nbytes}` (a fresh xid); the ack then may grant it at once, `spare
+{xid, offset, lease_s}`, with a short lease, within the receiver's credit bounds
+(relay/credit.py). The sender writes its next payload that fits there and commits it
+under that xid without a reservation (no round trip before the data goes), or cancels
+it; the reservation handshake comes back only when credit runs out. A malformed `next`
+refuses its commit (nack); a commit under an xid the sender holds no grant or credit for
+is refused likewise.
 
 `goodbye` is the last thing a closing receiver (a role at the end of its drain) tells every
 peer, and every sender that completes a handshake after it. It keeps serving for a short

@@ -11,8 +11,8 @@ Larger ones reserve a slot in the receiver's pool first, so a slow receiver stal
 senders (flow control) rather than dropping or over-allocating:
 
     shm:  reserve -> grant -> copy tensors into the receiver's shared pool -> commit -> ack
-          (in a stream of medium payloads the ack grants the next slot ahead, a spare:
-          then copy -> commit -> ack)
+          (in a stream of medium payloads the ack grants the next slot ahead, credit:
+          then copy -> commit -> ack; nixl likewise, relay/credit.py)
     tcp:  reserve -> grant -> commit, then one message per chunk (zero-copy sends; the
           receiver `recv_into`s each chunk at its place in the slot) -> ack
 
@@ -40,6 +40,7 @@ import zmq
 from disagg_runtime.memory.layout import SlotPlan
 from disagg_runtime.relay import inline_wire, lane
 from disagg_runtime.relay import protocol as proto
+from disagg_runtime.relay.credit import CREDIT_MAX
 from disagg_runtime.relay.errors import NeverFits, Overloaded, RelayError, RelayTimeout
 from disagg_runtime.relay.link import Link
 from disagg_runtime.wire.manifest import Manifest
@@ -47,7 +48,6 @@ from disagg_runtime.wire.manifest import Manifest
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 ZERO_COPY_MIN = 64 * 1024
-SPARE_MAX = 16 << 20  # the largest payload that asks for its successor's slot ahead
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,8 @@ class Sender(Link):
     the slot themselves."""
 
     binary_commit: ClassVar[bool] = False  # commits carry no backend fields: binary on the lane
+    commit_on_lane: ClassVar[bool] = False  # commits go where control does: credit may be used
+    credit_below_inline: ClassVar[bool] = False  # inline-sized payloads in a stream use it too
 
     def send(
         self,
@@ -123,6 +125,7 @@ class Sender(Link):
         tree, tensors, placed = self._planner.plan(payload)
         nbytes = placed.data_bytes
         frame: bytearray | None = None
+        self.session.note_send()
         if self._inline(tensors, nbytes):  # the slot's bytes travel with the message
             frame, at = self._inline_frame(request_id, tree, placed, tensors, meta)
         with self._lock:
@@ -247,8 +250,12 @@ class Sender(Link):
         return frame, at
 
     def _inline(self, tensors: list[torch.Tensor], nbytes: int) -> bool:
-        """Backend hook: whether a payload goes as one inline message (no pool slot)."""
-        return nbytes <= self.session.inline_max
+        """Backend hook: whether a payload goes as one inline message (no pool slot), not
+        through credit (session.py `wants_credit`) or a reservation."""
+        session = self.session
+        if nbytes > session.inline_max:
+            return False
+        return not (self.credit_below_inline and session.wants_credit(nbytes, self._spare_limit()))
 
     def _send_staged(
         self,
@@ -350,11 +357,11 @@ class Sender(Link):
         return xid, proto.nonneg_int(grant, "offset"), granted + self.lease_s / 2
 
     def _spare_limit(self) -> int:
-        """Backend hook: the largest payload that asks for a spare (0: never; session.py).
-        Only where commits travel on the lane: a reservation there is what keeps a staged
-        payload behind the inline ones sent before it, and a spare commit must be ordered
-        too."""
-        return 0
+        """The largest payload that asks for credit (0: never; session.py, relay/credit.py).
+        Only where commits travel on the control lane (`commit_on_lane`): a reservation
+        there is what keeps a staged payload behind the inline ones sent before it, and a
+        commit under credit must be ordered too."""
+        return CREDIT_MAX if self.commit_on_lane and self.session.control else 0
 
     def _commit_fields(self) -> dict[str, Any]:
         """Backend hook: extra fields of the commit header."""

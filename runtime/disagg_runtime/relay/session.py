@@ -13,8 +13,8 @@ comes and goes:
     commit_wire   commits are binary on the lane (only where `binary_commit` and `control`)
     inline_ack    an inline payload over ZMQ waits for the receiver's verdict: `ack`, or
                   `overloaded` (its inline budget is full: the payload is reserved instead)
-    spare         a slot granted ahead with the last ack, while a stream of medium
-                  payloads lasts (see "spare grants" below)
+    spare         a credit: a slot granted ahead with the last ack, while a stream of
+                  medium payloads lasts (see "credit" below, and relay/credit.py)
 
 Losing the lane drops `control` and a backend's lane-only `inline_max` (back to
 INLINE_THRESHOLD: over ZMQ an inline payload the receiver's budget cannot take is
@@ -23,11 +23,17 @@ its sender); the encodings stay agreed but are used
 only on a lane. A sender holds one session for its life: a lost connection is a new
 sender (PeerLost), a lost lane only a smaller session.
 
-Spare grants: a sender of medium payloads asks, in each commit, for a slot for its next
-one (`next {xid, nbytes}`); the ingress grants it in the ack when its pool has room and
-nobody waits (`spare {xid, offset, lease_s}`, a short lease). The next payload that fits
-is written there at once and committed: one round trip instead of two. A spare that does
-not fit, or whose lease is half gone, is cancelled and the payload reserves as usual.
+Credit (the wire calls it a spare): a sender of medium payloads in a stream asks, in each
+commit, for a slot for its next one (`next {xid, nbytes}`); the ingress grants it in the
+ack within its credit bounds (`spare {xid, offset, lease_s}`, a short lease). The next
+payload that fits is written there at once and committed: no reservation round trip. A
+credit that does not fit, or whose lease is half gone, is cancelled and the payload
+reserves as usual. Where commits share the control lane (shm, nixl) credit is used; for
+shm (`credit_below_inline`: nixl's per-transfer registration costs more than the lane's
+copies at 64 KiB, as measured) a stream's payloads from CREDIT_MIN up to the inline
+limit go through credit too, written once into the
+receiver's pool instead of copied through the lane; the first of a stream reserves (and
+asks), and after an ack that granted nothing they go inline again for CREDIT_RETRY_S.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from disagg_runtime.relay import protocol as proto
 
 INLINE_THRESHOLD = 64 * 1024  # inline up to this unless a backend's `inline_limit` says more
 LANE_CONNECT_S = 2.0  # a filtered port must not stall start-up long
-SPARE_STREAM_S = 0.1  # a payload asks for a spare when the one before went this recently
+SPARE_STREAM_S = 0.1  # a payload asks for credit when the one before went this recently
+CREDIT_MIN = 32 * 1024  # payloads from this size up may go through credit instead of inline
+CREDIT_RETRY_S = 1.0  # after an ack that granted no credit, inline-sized ones wait this long
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,9 @@ class Session:
         self._lane_limit = False  # `inline_max` is the backend's, for while the lane is up
         self._reader: lane.LaneReader | None = None
         self._poll = select.poll()
-        self._last_staged = -SPARE_STREAM_S  # when the last staged payload was sent
+        self._last_send = -SPARE_STREAM_S  # when the last payload was sent (`note_send`)
+        self.streaming = False  # the payload being sent follows another closely
+        self._refused_at = -CREDIT_RETRY_S  # when an ack last granted no credit asked for
 
     @classmethod
     def agreed(cls, welcome: dict[str, Any], inline_max: int | None) -> Session:
@@ -177,13 +187,28 @@ class Session:
         self.replies.extend(bytes(f.header) for f in self._reader.read())
 
     # ---- spare grants ---------------------------------------------------------------------
-    def ask_spare(self, nbytes: int, limit: int, xids: Iterator[int]) -> dict[str, int] | None:
-        """The `next` a commit carries: only in a stream (the previous staged payload went
-        moments ago; a lone payload leaves no slot held behind it) and up to `limit`."""
+    def note_send(self) -> None:
+        """A payload is on its way: note whether it follows the one before closely."""
         now = time.monotonic()
-        streaming = now - self._last_staged < SPARE_STREAM_S
-        self._last_staged = now
-        if not streaming or not 0 < nbytes <= limit:
+        self.streaming = now - self._last_send < SPARE_STREAM_S
+        self._last_send = now
+
+    def wants_credit(self, nbytes: int, limit: int) -> bool:
+        """Whether a payload the inline limit admits goes through credit instead: from
+        CREDIT_MIN up to `limit` (0: never), into a credit held that fits, or, in a
+        stream, to be granted one (unless an ack granted none moments ago)."""
+        if not CREDIT_MIN <= nbytes <= limit:
+            return False
+        now = time.monotonic()
+        spare = self.spare
+        if spare is not None:
+            return nbytes <= spare.nbytes and now < spare.use_by
+        return self.streaming and now - self._refused_at >= CREDIT_RETRY_S
+
+    def ask_spare(self, nbytes: int, limit: int, xids: Iterator[int]) -> dict[str, int] | None:
+        """The `next` a commit carries: only in a stream (the previous payload went moments
+        ago; a lone payload leaves no slot held behind it) and up to `limit`."""
+        if not self.streaming or not 0 < nbytes <= limit:
             return None
         return {"xid": next(xids), "nbytes": nbytes}
 
@@ -196,6 +221,7 @@ class Session:
         its lease from `before` is always within the lease. ProtocolError if malformed."""
         spare = ack.get("spare")
         if not isinstance(spare, dict):
+            self._refused_at = time.monotonic()
             return
         xid = proto.nonneg_int(spare, "xid")
         offset = proto.nonneg_int(spare, "offset")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from disagg_runtime.memory.allocator import BuddyAllocator
+from disagg_runtime.relay.credit import CREDIT_LEASE_S, CREDIT_MAX
 from disagg_runtime.relay.ledger import (
     MAX_PENDING_PER_PEER,
-    SPARE_LEASE_S,
-    SPARE_MAX,
     Denial,
     Message,
     PendingBounds,
@@ -227,20 +226,21 @@ def test_a_spare_is_granted_ahead_only_with_room_to_spare_and_lapses_quickly() -
     slots = Slots(4 * MiB)
     book = ledger(slots, lease_s=10.0)
     spare = book.grant_spare(A, 7, MiB, now=0.0)
-    assert spare is not None and spare.spare and spare.offset in slots.live
-    assert spare.deadline == SPARE_LEASE_S  # a short lease, not the grant's 10 s
+    assert spare is not None and spare.offset in slots.live
+    assert spare.deadline == CREDIT_LEASE_S  # a short lease, not the grant's 10 s
     assert book.grant_spare(A, 8, MiB, now=0.0) is None  # one live spare per sender
-    assert book.grant_spare(B, 1, SPARE_MAX + 1, now=0.0) is None  # too large to hold ahead
+    assert book.grant_spare(B, 1, CREDIT_MAX + 1, now=0.0) is None  # too large to hold ahead
     assert book.grant_spare(B, 1, 2 * MiB, now=0.0) is None  # would take the last 2 MiB
     assert book.grant_spare(B, 1, MiB, now=0.0) is not None  # leaves 1 MiB beside it
     # committed like any grant; its request id comes with the commit
     taken = book.take_grant(A, 7)
-    assert taken is spare
+    assert taken is not None and taken.spare and taken.offset == spare.offset
+    assert book.take_grant(A, 7) is None  # spent once
     book.free(spare.offset)
     # nobody may wait behind a spare: none is granted while a reservation is pending
     assert reserve(book, A, 9, "big", 4 * MiB) is None
     assert book.grant_spare(A, 10, MiB, now=0.0) is None
     book.cancel(A, 9)
-    expired = book.expire(SPARE_LEASE_S)  # B's spare nobody committed
+    expired = book.expire(CREDIT_LEASE_S)  # B's spare nobody committed
     assert [g.ident for g in expired.lapsed] == [B] and expired.lapsed[0].spare
     assert slots.live == set()

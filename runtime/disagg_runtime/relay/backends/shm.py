@@ -1,7 +1,7 @@
 """The `shm` relay: roles on one node; the sender writes tensors once into the receiver's
 shared pool (reserve -> grant -> copy -> commit -> ack; in a stream of medium payloads
-the ack grants the next slot ahead, a spare: copy -> commit -> ack) and sends only the
-manifest.
+the ack grants the next slot ahead, credit: copy -> commit -> ack, relay/credit.py) and
+sends only the manifest.
 The receiver needs no landing of its own: the bytes are in its pool at commit.
 
 A caller that produces a payload's bytes itself (the gateway reading an HTTP body off its
@@ -23,7 +23,7 @@ from disagg_runtime.memory.layout import write_tensors
 from disagg_runtime.memory.pool import Backing, PoolError, attach_backing, check_shm_name
 from disagg_runtime.relay.errors import NotAPeer, RelayError, RelayTimeout
 from disagg_runtime.relay.registry import Backend
-from disagg_runtime.relay.sender import SPARE_MAX, Grant, Sender, Transfer
+from disagg_runtime.relay.sender import Grant, Sender, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class ShmSender(Sender):
     kind = "shm"
     control_on_lane = True
     binary_commit = True
+    commit_on_lane = True
+    credit_below_inline = True  # one copy into the pool instead of two through the lane
     _backing: Backing | None = None
     _pin_tried = False
 
@@ -61,9 +63,6 @@ class ShmSender(Sender):
             self._backing = attach_backing(name)
         except PoolError as exc:
             raise RelayError(f"cannot map the receive pool of {self.endpoint}: {exc}") from None
-
-    def _spare_limit(self) -> int:
-        return SPARE_MAX if self.session.control else 0
 
     def _transfer(self, transfer: Transfer) -> None:
         commit, xid, offset = transfer.commit, transfer.xid, transfer.offset

@@ -169,6 +169,7 @@ class Ingress(Lanes, Sessions, Operations):
             inline_budget=budget,
             where=f"the receive pool at {self.endpoint}",
             bounds=PendingBounds.for_pool(pool.allocator.capacity),
+            capacity=pool.allocator.capacity,
         )
         self.inline_budget = budget
         self._taking: dict[bytes, Landing] = {}  # senders whose next messages a landing takes
@@ -457,8 +458,8 @@ class Ingress(Lanes, Sessions, Operations):
             landing.expire(now)
         expired = self._ledger.expire(now)
         for grant in expired.lapsed:
-            if grant.spare:  # its sender had nothing more to send in time
-                log.debug("a spare grant expired unused; slot freed")
+            if grant.spare:  # its sender had nothing more to send in time (or died)
+                log.debug("a credit expired unused; slot freed")
             else:
                 log.warning("grant for request %s expired uncommitted; slot freed", grant.rid)
         for denial in expired.denied:

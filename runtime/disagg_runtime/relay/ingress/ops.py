@@ -25,7 +25,7 @@ import zmq
 from disagg_runtime.memory.layout import buffer_tensors, read_payload
 from disagg_runtime.relay import protocol as proto
 from disagg_runtime.relay.ingress.parts import IngressParts
-from disagg_runtime.relay.ledger import SPARE_LEASE_S, Denial, Message, Reservation
+from disagg_runtime.relay.ledger import Denial, Message, Reservation
 from disagg_runtime.wire.manifest import Manifest
 from disagg_runtime.wire.tree import unflatten
 
@@ -225,31 +225,33 @@ class Operations(IngressParts):
         meta: dict[str, Any] | None,
         ask: Any = None,
     ) -> None:
-        """Deliver a committed payload (its tensors view `slot`), then ack its commit."""
+        """Deliver a committed payload (its tensors view `slot`), then ack its commit. A
+        malformed credit ask (`next`) refuses the commit (ProtocolError, the slot freed)."""
+        try:
+            wanted = credit_ask(ask)
+        except proto.ProtocolError:
+            self._ledger.free(slot)
+            raise
         msg = Message(rid, payload, nbytes, slot, time.monotonic(), meta)
         if not self._admit(msg):
             self._reply(ident, "nack", xid=xid, reason=f"request {rid} was aborted")
             return
         # routed, not handled: then the load in the ack counts it, delivery does not wait
-        # for the ack's system call, and a message released at once leaves its room to a spare
+        # for the ack's system call, and a message released at once leaves its room to a credit
         self._hand_over(msg)
-        self._reply(ident, "ack", xid=xid, **self._load_field(), **self._spare(ident, ask))
+        self._reply(ident, "ack", xid=xid, **self._load_field(), **self._credit(ident, wanted))
 
-    def _spare(self, ident: bytes, ask: Any) -> dict[str, Any]:
-        """The ack's `spare`, when the commit asked for one (`next {xid, nbytes}`) and the
-        ledger grants it (relay/ledger.py `grant_spare`)."""
-        if not isinstance(ask, dict):
+    def _credit(self, ident: bytes, wanted: tuple[int, int] | None) -> dict[str, Any]:
+        """The ack's `spare` (a credit), when the commit asked for one (`next {xid,
+        nbytes}`) and the ledger grants it (relay/credit.py)."""
+        if wanted is None:
             return {}
-        try:
-            xid = proto.nonneg_int(ask, "xid")
-            nbytes = proto.nonneg_int(ask, "nbytes")
-        except proto.ProtocolError:
-            return {}  # the payload is delivered; a malformed ask only gets no spare
-        grant = self._ledger.grant_spare(ident, xid, nbytes, time.monotonic())
-        if grant is None:
+        xid, nbytes = wanted
+        credit = self._ledger.grant_spare(ident, xid, nbytes, time.monotonic())
+        if credit is None:
             return {}
-        lease = min(SPARE_LEASE_S, self.lease_s)
-        return {"spare": {"xid": xid, "offset": grant.offset, "lease_s": lease}}
+        lease = self._ledger.credits.bounds.lease_s
+        return {"spare": {"xid": xid, "offset": credit.offset, "lease_s": lease}}
 
     def _deliver(self, msg: Message) -> bool:
         """Queue a landed payload unless its request was aborted (then free its slot)."""
@@ -278,6 +280,18 @@ class Operations(IngressParts):
         xid = msg.get("xid")
         if msg.get("op") in ("commit", "inline") and isinstance(xid, int):
             self._reply(ident, "nack", xid=xid, reason=str(exc))
+
+
+def credit_ask(ask: Any) -> tuple[int, int] | None:
+    """A commit's `next {xid, nbytes}` (the credit it asks for), checked; None: no ask."""
+    if ask is None:
+        return None
+    if not isinstance(ask, dict):
+        raise proto.ProtocolError("commit: 'next' must be an object {xid, nbytes}")
+    xid, nbytes = proto.nonneg_int(ask, "xid"), proto.nonneg_int(ask, "nbytes")
+    if not nbytes:
+        raise proto.ProtocolError("commit: 'next' asks for 0 B")
+    return xid, nbytes
 
 
 Op = Callable[[Operations, bytes, dict[str, Any]], None]
