@@ -85,6 +85,16 @@ def handed_off(answer: Any, role: str) -> dict[str, Any]:
             kind="role_failed",
             role=role,
         )
+    if params.get("do_remote_prefill") is False:
+        # the connector refused the hand-off (e.g. a decode endpoint not in its `decodes`):
+        # decoding without the KV would recompute the prompt silently, so it is not tried
+        why = str(params.get("error") or "no reason given")[:500]
+        raise HttpError(
+            502,
+            f"engine role {role!r} refused the KV hand-off: {why}",
+            kind="role_failed",
+            role=role,
+        )
     return params
 
 

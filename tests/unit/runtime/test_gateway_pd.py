@@ -68,6 +68,13 @@ def test_handed_off_needs_the_params() -> None:
     assert caught.value.status == 502 and "kv_transfer_params" in str(caught.value)
 
 
+def test_a_refused_hand_off_is_not_decoded() -> None:
+    refused = {"kv_transfer_params": {"do_remote_prefill": False, "error": "decode not allowed"}}
+    with pytest.raises(HttpError) as caught:
+        pd.handed_off(refused, "prefill")
+    assert caught.value.status == 502 and "decode not allowed" in str(caught.value)
+
+
 def test_chunks_of_completions_and_chat() -> None:
     event = {"choices": [{"text": "ab", "token_ids": [1, 2], "finish_reason": None}]}
     assert pd.chunk_of(json.dumps(event), "decode") == {"text": "ab", "token_ids": [1, 2]}
