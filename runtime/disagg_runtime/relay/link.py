@@ -411,12 +411,13 @@ class Link:
         """Whether the receiver went away or restarted (the connection was lost, or it
         refused this sender): what it held of this sender's requests is lost with it. Not
         after a goodbye (that receiver hands on what it cannot finish). Reads what is
-        waiting, never blocks: False while a transfer holds the relay (it will find out)."""
+        waiting, never blocks: False while a transfer holds the relay (it will find out).
+        A relay closed after its loss was found stays gone (what went on it is lost)."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
             if self.closed:
-                return False
+                return self._lost is not None and not self._bye
             if self._lost is None:
                 with contextlib.suppress(PeerLost):
                     self._check_session()
