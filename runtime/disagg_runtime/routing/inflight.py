@@ -73,7 +73,9 @@ class InFlight:
         with self._lock:
             for s in self._sent.values():
                 if s.meta.deadline >= now:
-                    seen.setdefault((s.kind, s.endpoint, id(s.relay)), (s.kind, s.endpoint, s.relay))
+                    seen.setdefault(
+                        (s.kind, s.endpoint, id(s.relay)), (s.kind, s.endpoint, s.relay)
+                    )
         return list(seen.values())
 
     def lost_on(self, kind: str, endpoint: str, relay: Any) -> list[Sent]:
