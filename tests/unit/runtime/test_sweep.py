@@ -62,6 +62,10 @@ def _sent(rid: str, relay: Any) -> Sent:
     return Sent(meta, "middle", "tcp", ENDPOINT, relay)
 
 
+def _cached(cache: RelayCache) -> Any:
+    return cache.peek("tcp", ENDPOINT)
+
+
 def _cache() -> RelayCache:
     return RelayCache(timeout=5.0, key=b"k" * 32)
 
@@ -87,7 +91,7 @@ def test_a_fresh_relay_to_the_same_address_does_not_hide_the_old_ones_loss() -> 
     fwd.inflight.add(_sent("on-the-fresh", fresh))
     fwd.sweep()
     assert reported == ["on-the-old"]  # what went to the restarted process is not moved
-    assert cache.peek("tcp", ENDPOINT) is fresh and not fresh.closed
+    assert _cached(cache) is fresh and not fresh.closed
     assert [s.meta.rid for s in fwd.inflight.lost("tcp", ENDPOINT)] == ["on-the-fresh"]
 
 
@@ -98,7 +102,7 @@ def test_a_lost_relay_still_cached_is_dropped_and_reported() -> None:
     cache._relays[("tcp", ENDPOINT)] = (relay, time.monotonic())  # type: ignore[assignment]
     fwd.inflight.add(_sent("r", relay))
     fwd.sweep()
-    assert reported == [] and cache.peek("tcp", ENDPOINT) is relay  # alive: kept
+    assert reported == [] and _cached(cache) is relay  # alive: kept
     relay.lost = True
     fwd.sweep()
     assert reported == ["r"] and cache.peek("tcp", ENDPOINT) is None and relay.closed
