@@ -104,8 +104,9 @@ class Moves:
         owner = self.owner
         with owner._lock:
             pending = owner._pending.get(rid)
-        if pending is None:
-            return  # finished already
+        if pending is None:  # finished already (said: a report that came too late)
+            log.info("client: request %s: reported lost after it finished: %s", rid, error)
+            return
         role = error.get("role", "")
         verdict, why = migration.decide(
             self.policy,

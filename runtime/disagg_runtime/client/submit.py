@@ -364,7 +364,8 @@ class Client:
         try:
             meta = envelope.parse(msg.meta)
             payload = detach(msg.payload)
-        except envelope.EnvelopeError:
+        except envelope.EnvelopeError as exc:  # said: a report dropped here is not moved
+            log.warning("client: a malformed reply dropped (request %s): %s", msg.request_id, exc)
             return
         finally:
             msg.release()

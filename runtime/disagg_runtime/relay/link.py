@@ -47,6 +47,7 @@ from disagg_runtime.wire.load import Load, LoadError, View
 
 log = logging.getLogger(__name__)
 HWM = 16
+LOST_CONNECTION = "the connection was lost (the receiver restarted or went away)"
 LOST_GRACE_S = 0.2  # after a lane broke: how long libzmq may take to report its connection lost
 WATCH_GAP_S = 0.0005  # a stream of sends asks for replies and monitor events this often
 _POLLIN = int(zmq.POLLIN)  # a plain int: `x & zmq.POLLIN` goes through enum.Flag
@@ -184,7 +185,7 @@ class Link:
             self._drain_monitor()
             or (grace and self._monitor.poll(int(grace * 1000)) and self._drain_monitor())
         ):
-            self._lost = "the connection was lost (the receiver restarted or went away)"
+            self._lost = LOST_CONNECTION
         if self._lost is not None:
             self._close_lane()
             raise PeerLost(f"{self.kind} relay to {self.endpoint}: {self._lost}; reconnect")
@@ -381,11 +382,22 @@ class Link:
     def _next_reply(self, timeout: float) -> bytes | None:
         """The next reply header, or None when none came within `timeout` s."""
         session = self.session
-        if not session.control:
-            if not self._sock.poll(int(timeout * 1000) + 1, zmq.POLLIN):
-                return None
-            return bytes(self._sock.recv())
         deadline = time.monotonic() + timeout
+        if not session.control:
+            # the monitor too: a receiver killed before it replied sends nothing, and
+            # waiting for the reply alone would hold the request (and this relay, so the
+            # sweep cannot see it gone) until its deadline
+            watch = [(self._sock, zmq.POLLIN), (self._monitor, zmq.POLLIN)]
+            while True:
+                remaining = deadline - time.monotonic()
+                ready = zmq.zmq_poll(watch, max(0, int(remaining * 1000)) + 1)
+                if any(sock is self._sock for sock, _ in ready):
+                    return bytes(self._sock.recv())
+                if ready and self._drain_monitor():
+                    self._lost = LOST_CONNECTION
+                    raise PeerLost(f"{self.kind} relay to {self.endpoint}: {self._lost}")
+                if remaining <= 0:
+                    return None
         while not session.replies:
             remaining = deadline - time.monotonic()  # a partial frame must not extend it
             if remaining <= 0 or not session.readable(int(remaining * 1000) + 1):
@@ -394,6 +406,7 @@ class Link:
                 session.read_replies()
             except lane.LaneError as exc:
                 self._close_lane()
+                self._check_session(LOST_GRACE_S)  # the receiver went away: PeerLost
                 raise RelayError(
                     f"lost the connection to {self.endpoint} mid-transfer (receiver gone?): {exc}"
                 ) from None
@@ -426,12 +439,13 @@ class Link:
         """Whether the receiver went away or restarted (the connection was lost, or it
         refused this sender): what it held of this sender's requests is lost with it. Not
         after a goodbye (that receiver hands on what it cannot finish). Reads what is
-        waiting, never blocks: False while a transfer holds the relay (it will find out)."""
+        waiting, never blocks: False while a transfer holds the relay (it will find out).
+        A relay closed after its loss was found stays gone (what went on it is lost)."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
             if self.closed:
-                return False
+                return self._lost is not None and not self._bye
             if self._lost is None:
                 with contextlib.suppress(PeerLost):
                     self._check_session()

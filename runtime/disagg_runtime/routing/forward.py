@@ -99,7 +99,7 @@ class Forwarder:
             peers.unpin(meta.rid)
             self.inflight.forget(meta.rid, target)
         elif meta.kind in ("data", "ref") or (meta.kind == "chunk" and meta.seq == 0):
-            sent = Sent(meta, target, relay.kind, route.endpoint)
+            sent = Sent(meta, target, relay.kind, route.endpoint, relay)
             self.inflight.add(sent)
             if self.relays.peek(relay.kind, route.endpoint) is not relay:
                 # the relay it went on was dropped since (the sweep found its receiver
@@ -171,14 +171,20 @@ class Forwarder:
         whose receiver went away or restarted (relay `gone`) is dropped and what went to it
         reported lost. So a request is moved even when nothing else is sent there (the
         last message into a connection that just died had no receipt)."""
-        for kind, endpoint in self.inflight.replicas():
-            relay = self.relays.peek(kind, endpoint)
-            if relay is not None and relay.gone():
+        for kind, endpoint, went_on in self.inflight.relays():
+            cached = self.relays.peek(kind, endpoint)
+            relay = cached if went_on is None else went_on
+            if relay is None or not relay.gone():
+                continue
+            # the relay requests went on, even when dropped (another thread's send found
+            # it lost while a transfer held it, so that one did not report) or replaced
+            # by a fresh one to the restarted replica's same address
+            if cached is relay:
                 self.relays.drop(kind, endpoint, relay)
-                sent = self.inflight.lost(kind, endpoint)
-                for target in {s.target for s in sent}:
-                    self.peers[target].lost(endpoint)
-                self.lost(sent)
+            sent = self.inflight.lost_on(kind, endpoint, went_on)
+            for target in {s.target for s in sent}:
+                self.peers[target].lost(endpoint)
+            self.lost(sent)
 
     def send_reply(self, meta: Meta, payload: Any) -> tuple[str, int]:
         """To the request's reply endpoint, which must prove the peer key (so it is one of

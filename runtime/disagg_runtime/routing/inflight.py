@@ -14,7 +14,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from disagg_runtime.wire.envelope import Meta
 
@@ -23,12 +24,15 @@ LIMIT = 1 << 16
 
 @dataclass(frozen=True)
 class Sent:
-    """A request passed on: to which role, at which replica, over which relay kind."""
+    """A request passed on: to which role, at which replica, over which relay kind, and
+    on which relay (that one's loss is what loses it: a cache may have dropped it, or
+    opened a fresh one to the restarted replica's same address, since)."""
 
     meta: Meta
     target: str
     kind: str
     endpoint: str
+    relay: Any = field(default=None, compare=False)  # relay.Relay; None: unknown
 
 
 class InFlight:
@@ -60,6 +64,32 @@ class InFlight:
         now = time.time()
         with self._lock:
             return {(s.kind, s.endpoint) for s in self._sent.values() if s.meta.deadline >= now}
+
+    def relays(self) -> list[tuple[str, str, Any]]:
+        """(relay kind, endpoint, relay) of each relay something live went on (once each;
+        relay None for entries that did not say)."""
+        now = time.time()
+        seen: dict[tuple[str, str, int], tuple[str, str, Any]] = {}
+        with self._lock:
+            for s in self._sent.values():
+                if s.meta.deadline >= now:
+                    seen.setdefault(
+                        (s.kind, s.endpoint, id(s.relay)), (s.kind, s.endpoint, s.relay)
+                    )
+        return list(seen.values())
+
+    def lost_on(self, kind: str, endpoint: str, relay: Any) -> list[Sent]:
+        """Take out what went to `endpoint` on `relay` (that relay's receiver is lost; what
+        went to the same address on a later relay went to its successor), live only."""
+        now = time.time()
+        with self._lock:
+            gone = [
+                k
+                for k, s in self._sent.items()
+                if s.endpoint == endpoint and s.kind == kind and s.relay is relay
+            ]
+            taken = [self._sent.pop(k) for k in gone]
+        return [s for s in taken if s.meta.deadline >= now]
 
     def lost(self, kind: str, endpoint: str, *, but: str = "") -> list[Sent]:
         """Take out what went to the replica at `endpoint` (except request `but`), live
