@@ -134,6 +134,9 @@ class RoleRuntime:
         self._threads: list[threading.Thread] = []
         # aborts to pass on, requests to refuse as overloaded: network sends, off the I/O thread
         self._control: queue.Queue[tuple[str, Meta, str]] = queue.Queue(CONTROL_BACKLOG)
+        # aborts to pass downstream wait on their own thread: one blocked on a dead replica
+        # must not hold up the lost reports that let clients move requests in time
+        self._aborts: queue.Queue[tuple[str, Meta, str]] = queue.Queue(CONTROL_BACKLOG)
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
@@ -220,7 +223,7 @@ class RoleRuntime:
         seconds = self.runner.setup(ctx)
         self.metrics.setup_seconds(seconds)
         log.info("role %s/%d: handler set up in %.2f s", self.name, self.config.replica, seconds)
-        for name, target in [("control", self._control_loop)] + [
+        for name, target in [("control", self._control_loop), ("aborts", self._abort_loop)] + [
             (f"worker-{i}", self._worker) for i in range(self.config.concurrency)
         ]:
             thread = threading.Thread(target=target, name=f"disagg-{self.name}-{name}", daemon=True)
@@ -232,7 +235,7 @@ class RoleRuntime:
 
     def idle(self) -> bool:
         """Nothing held: no work, no joins, nothing queued or reserved at the ingress."""
-        busy = self.requests.busy() or not self._control.empty()
+        busy = self.requests.busy() or not self._control.empty() or not self._aborts.empty()
         stats = self.ingress.stats()
         return not busy and stats.queued == 0 and stats.pending_reservations == 0
 
@@ -386,8 +389,8 @@ class RoleRuntime:
 
     def _control_loop(self) -> None:
         """Expire joins that waited too long, look for downstream replicas lost with requests
-        in flight there (forward.sweep); pass aborts downstream, refuse, report lost
-        requests to their clients (network sends)."""
+        in flight there (forward.sweep); refuse, report lost requests to their clients
+        (network sends; aborts go on the abort thread)."""
         swept = 0.0
         while not self._stopping.is_set():
             try:
@@ -402,9 +405,7 @@ class RoleRuntime:
                 log.exception("role %s: error while expiring requests", self.name)
                 continue
             try:
-                if action == "abort":
-                    self.handling.pass_abort(meta)
-                elif action == "lost":
+                if action == "lost":
                     self.handling.hand_on(meta, migration.LOST, why, role=meta.source)
                 else:
                     self.handling.fail(
@@ -416,11 +417,25 @@ class RoleRuntime:
             except Exception:
                 log.exception("role %s: error on %s of %s", self.name, action, meta.rid)
 
+    def _abort_loop(self) -> None:
+        """Pass aborts downstream (network sends), apart from the control thread."""
+        while not self._stopping.is_set():
+            try:
+                _, meta, _ = self._aborts.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self.handling.pass_abort(meta)
+            except Exception:  # the loop must outlive any one abort's failure
+                log.exception("role %s: error passing on the abort of %s", self.name, meta.rid)
+
     def _later(self, action: str, meta: Meta, why: str = "") -> None:
-        """Leave a network send to the control thread; dropped when its backlog is full
-        (an abort is then not passed on: the request's deadline frees its slots)."""
+        """Leave a network send to the control thread (aborts: the abort thread); dropped
+        when its backlog is full (an abort is then not passed on: the request's deadline
+        frees its slots)."""
+        backlog = self._aborts if action == "abort" else self._control
         try:
-            self._control.put_nowait((action, meta, why))
+            backlog.put_nowait((action, meta, why))
         except queue.Full:
             log.warning("role %s: backlog full; %s of %s dropped", self.name, action, meta.rid)
 
