@@ -330,10 +330,9 @@ def kill_pipeline() -> dict[str, Any]:
 @pytest.mark.xfail(
     strict=False,
     reason=(
-        "issue 31, open: 1 of 500 requests timed out in 3 of 4 runs (h31b). Prefill reported "
-        "it lost at the kill, but the client never acted on the report. Suspect, not "
-        "confirmed: the role's control thread sends lost reports and passes aborts one at a "
-        "time, so an abort blocked on the dead replica delays the report past the deadline"
+        "issue 31, open: 1 of 500 requests timed out in 3 of 4 runs (h31b), and in 1 of 3 "
+        "after aborts got their own thread. Prefill reported it lost at the kill; the "
+        "client did not act on the report in time (cause not found)"
     ),
 )
 def test_kill_9_of_one_of_two_middle_replicas_under_load_fails_nothing(
