@@ -29,7 +29,7 @@ from disagg_core.contract import ENV, EngineLaunch, engine_command
 from disagg_core.spec import Pipeline
 from disagg_runtime.gateway.engines import EngineReplica
 from disagg_runtime.local.restarts import Restarts
-from disagg_runtime.local.rundir import RunDir, open_run
+from disagg_runtime.local.rundir import RunDir, log_tail, open_run
 from disagg_runtime.local.supervisor import HOST, _die_with_parent, free_ports
 from disagg_runtime.memory.pool import reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
@@ -120,9 +120,7 @@ class EngineProcess:
         return EngineReplica(self.label, self.url, self.launch.kv_listen)
 
     def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-        return ""
+        return log_tail(self.log_path, lines)
 
 
 @dataclass

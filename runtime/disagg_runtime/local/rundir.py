@@ -247,6 +247,13 @@ def prune_kept(root: str, keep: int = KEEP_LOGS) -> list[str]:
     return gone
 
 
+def log_tail(path: str, lines: int) -> str:
+    """The last `lines` lines of a process's log in the run directory ("" if unreadable)."""
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+    return ""
+
+
 def open_run(pipeline: str, root: str | None = None) -> RunDir:
     """Clean up after runs whose supervisor was killed (one log line) and old kept logs,
     then start a run."""

@@ -44,7 +44,7 @@ from disagg_core.contract import (
 from disagg_core.spec import Pipeline
 from disagg_runtime.client import Client
 from disagg_runtime.local.restarts import Restarts
-from disagg_runtime.local.rundir import RunDir, open_run
+from disagg_runtime.local.rundir import RunDir, log_tail, open_run
 from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
 from disagg_runtime.role.health import fetch, scrape
@@ -149,9 +149,7 @@ class RoleProcess:
         return f"{self.config.role}/{self.config.replica}"
 
     def log_tail(self, lines: int = 15) -> str:
-        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-        return ""
+        return log_tail(self.log_path, lines)
 
 
 @dataclass
