@@ -201,6 +201,14 @@ def test_replica_killed_under_a_stream_of_requests_loses_none(
             thread.start()
         time.sleep(0.5)
         before = len(outcomes)
+        # killed while something is at it (load dispatch can leave one replica idle a moment)
+        port = f":{replicas[0][0].ingress_port}"
+        wait_for(
+            lambda: any(e.endswith(port) for _, e in client.moves.inflight.replicas()),
+            10,
+            interval=0.001,
+            message="a request in flight at replica 0",
+        )
         killed.kill()
         killed.wait(timeout=30)
         time.sleep(1.0)
