@@ -57,6 +57,7 @@ class Controller:
             n = sts["spec"].get("replicas", 1)  # absent (an HPA's to set): Kubernetes' default
             partition = sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
             pods = self.pods.setdefault(name, [revision] * n)
+            self.resize(sts, pods)  # from this listing: a later one may say other replicas
             self.revisions[name] = revision
             moving = next(
                 (i for i in reversed(range(n)) if i >= partition and pods[i] != revision), None
@@ -84,6 +85,9 @@ class Controller:
             fractions[unit] = sum(p != old for p in pods) / n if old else updated / n
         if fractions:
             self.seen.append(fractions)
+
+    def resize(self, sts: dict[str, Any], pods: list[str]) -> None:
+        """Follow a change of spec.replicas (this one does not: a subclass does)."""
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Controller]:

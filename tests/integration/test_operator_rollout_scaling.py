@@ -31,19 +31,15 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(240)]
 class ResizingController(Controller):
     """`Controller` that also follows spec.replicas changes the way the real one does."""
 
-    def tick(self) -> None:
-        for sts in self.k8s.list(s.STS, NS, f"disagg.dev/pipeline={NAME}"):
-            name = sts["metadata"]["name"]
-            pods = self.pods.get(name)
-            n = sts["spec"].get("replicas", 1)
-            if pods is None or len(pods) == n:
-                continue
-            partition = sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
-            update = self.revisions.get(name, "")
-            current = pods[0]  # the lowest ordinal moves last: it holds the current revision
-            del pods[n:]
-            pods += [update if i >= partition else current for i in range(len(pods), n)]
-        super().tick()
+    def resize(self, sts: dict[str, Any], pods: list[str]) -> None:
+        n = sts["spec"].get("replicas", 1)
+        if len(pods) == n:
+            return
+        partition = sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
+        update = self.revisions.get(sts["metadata"]["name"], "")
+        current = pods[0]  # the lowest ordinal moves last: it holds the current revision
+        del pods[n:]
+        pods += [update if i >= partition else current for i in range(len(pods), n)]
 
 
 def with_replicas(d: dict[str, Any], prefill: int, decode: int) -> dict[str, Any]:
