@@ -8,6 +8,7 @@ a prompt it saw before), its log in the test's temporary directory. Engines star
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -22,6 +23,9 @@ from typing import Any
 
 import httpx
 import pytest
+
+from disagg_runtime.local.groupshm import mapped_by_group, unlink_unmapped, wait_gone
+from disagg_runtime.memory.pool import SHM_PREFIX
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENV = pathlib.Path(os.environ.get("DISAGG_VLLM_VENV", ROOT / ".venv-vllm"))
@@ -69,13 +73,19 @@ class Engine:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
+        """SIGTERM the group, SIGKILL what is left after 30 s, then remove the /dev/shm
+        files its processes mapped (their resource tracker goes with the group:
+        local/groupshm.py), as `disagg up` does."""
+        shm = mapped_by_group(self.proc.pid, skip_prefix=SHM_PREFIX)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        if wait_gone(self.proc.pid, timeout=10):
+            unlink_unmapped(shm)
 
 
 def kv_config(

@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from disagg_runtime.memory.pool import reclaim_stale, shm_prefix
+from disagg_runtime.local.groupshm import mapped_by_group, unlink_unmapped
+from disagg_runtime.memory.pool import SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
 from tests.vllm import engines as E
 
@@ -248,6 +249,8 @@ def test_killing_the_decode_engine_mid_stream_fails_the_stream_and_leaves_nothin
     started = time.monotonic()
     chunks = 0
     url = rig.decode.url + "/completions"
+    group = rig.decode.proc.pid
+    own_shm = mapped_by_group(group, skip_prefix=SHM_PREFIX)  # the engine's own (psm_*)
     with (
         pytest.raises(httpx.HTTPError),
         httpx.stream("POST", url, json=body, timeout=30) as r,
@@ -258,12 +261,12 @@ def test_killing_the_decode_engine_mid_stream_fails_the_stream_and_leaves_nothin
                 if chunks == 3:
                     os.kill(rig.decode.proc.pid, signal.SIGKILL)  # the server, as a crash
     assert chunks >= 3 and time.monotonic() - started < 30
-    group = rig.decode.proc.pid
     rig.decode.proc.wait(timeout=10)
     # vLLM's engine core and workers outlive their server (vLLM sets them no death signal):
     # what is left is the launcher's to end, as local/engines.py does on an engine's death
-    # (SIGKILL to the engine's group, then reclaim_stale on its pool prefix) and as a pod's
-    # container goes whole. The same two steps here, then nothing may be left.
+    # (SIGKILL to the engine's group, reclaim_stale on its pool prefix, and the /dev/shm
+    # files its processes mapped: local/groupshm.py) and as a pod's container goes whole.
+    # The same steps here, then nothing may be left.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(group, signal.SIGKILL)
     prefix = shm_prefix("test-vllm", "decode")
@@ -273,7 +276,9 @@ def test_killing_the_decode_engine_mid_stream_fails_the_stream_and_leaves_nothin
         if left.stdout.strip():
             return False
         reclaim_stale(prefix, why=None)
-        return not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        unlink_unmapped(own_shm)
+        mine = [p for p in own_shm if os.path.exists(p)]
+        return not mine and not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
     _eventually(gone, 30, "the killed decode engine left processes or /dev/shm segments")
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from disagg_core.contract import ENV, EngineLaunch, engine_command
 from disagg_core.spec import Pipeline
 from disagg_runtime.gateway.engines import EngineReplica
+from disagg_runtime.local.groupshm import mapped_by_group, unlink_unmapped, wait_gone
 from disagg_runtime.local.restarts import Restarts
 from disagg_runtime.local.rundir import RunDir, log_tail, open_run
 from disagg_runtime.local.supervisor import HOST, _die_with_parent, free_ports
-from disagg_runtime.memory.pool import reclaim_stale, shm_prefix
+from disagg_runtime.memory.pool import SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
 from disagg_runtime.role.health import fetch
 
@@ -107,6 +108,7 @@ class EngineProcess:
     ready: bool = False
     stopping: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    shm: set[str] = field(default_factory=set)  # /dev/shm files its group was seen to map
 
     @property
     def label(self) -> str:
@@ -245,8 +247,7 @@ class LocalEngines:
     def _died(self, p: EngineProcess, code: int) -> None:
         assert p.proc is not None
         p.stopping, p.ready = True, False
-        _kill_group(p.proc.pid, signal.SIGKILL)  # what the server left (engine core, workers)
-        self._reclaim(p)
+        self._end(p)  # what the server left (engine core, workers)
         if self.restart:
             now = time.monotonic()
             delay = self.restarts.died(p.label, code, now=now, ran_s=now - p.started_at)
@@ -256,7 +257,18 @@ class LocalEngines:
         if self.on_death is not None:
             self.on_death(p, code)
 
-    def _reclaim(self, p: EngineProcess) -> None:
+    def _end(self, p: EngineProcess) -> None:
+        """SIGKILL the replica's group, then free its shared memory: its pool (by prefix)
+        and what the engine's own processes mapped (local/groupshm.py: their resource
+        tracker dies with them)."""
+        assert p.proc is not None
+        p.shm |= mapped_by_group(p.proc.pid, skip_prefix=SHM_PREFIX)
+        _kill_group(p.proc.pid, signal.SIGKILL)
+        if wait_gone(p.proc.pid, timeout=5.0):
+            removed = unlink_unmapped(p.shm)
+            if removed:
+                log.info("engine %s: removed %d /dev/shm files it left", p.label, len(removed))
+        p.shm = set()
         with contextlib.suppress(OSError, ValueError):
             reclaim_stale(shm_prefix(self.pipeline.name, p.launch.name), why=None)
 
@@ -271,6 +283,7 @@ class LocalEngines:
             for p in live:
                 p.stopping = True
                 assert p.proc is not None
+                p.shm |= mapped_by_group(p.proc.pid, skip_prefix=SHM_PREFIX)
                 _kill_group(p.proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + self.grace_s
             for p in live:
@@ -280,8 +293,7 @@ class LocalEngines:
                 except subprocess.TimeoutExpired:
                     p.proc.kill()
                     p.proc.wait(timeout=5)
-                _kill_group(p.proc.pid, signal.SIGKILL)  # children that outlived the server
-                self._reclaim(p)
+                self._end(p)  # children that outlived the server
         self.run.close(keep=bool(self.deaths), secrets=(os.path.basename(self.key_file),))
 
     def __enter__(self) -> LocalEngines:
