@@ -15,7 +15,7 @@ from disagg_core import spec
 from disagg_operator import names
 from disagg_operator.k8s import client as kube
 from disagg_operator.plan import manifests, model, planner
-from disagg_operator.reconcile import apply, reconcile
+from disagg_operator.reconcile import apply, reads
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
 
@@ -187,11 +187,11 @@ async def test_ensure_created_creates_once_and_never_overwrites(k8s: EmulatorThr
     _, pipeline, owner = await make_pipeline(k8s)
     first = manifests.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
     stored, created = await apply.ensure_created(api, first)
-    assert created and reconcile.peer_key_text(stored) == "a" * 64
+    assert created and reads.peer_key_text(stored) == "a" * 64
     second = manifests.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
     k8s.clear_calls()
     again, created = await apply.ensure_created(api, second)
-    assert not created and reconcile.peer_key_text(again) == "a" * 64
+    assert not created and reads.peer_key_text(again) == "a" * 64
     assert again["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
     assert {c.verb for c in k8s.calls if c.resource == "secrets"} == {"get"}  # no writes
 
@@ -203,10 +203,10 @@ async def test_ensure_created_when_likely_absent_creates_first_and_reads_a_taken
     first = manifests.peer_key_secret(pipeline.name, namespace=NS, key="a" * 64, owner=owner)
     k8s.clear_calls()
     stored, created = await apply.ensure_created(api, first, likely_absent=True)
-    assert created and reconcile.peer_key_text(stored) == "a" * 64
+    assert created and reads.peer_key_text(stored) == "a" * 64
     assert [c.verb for c in k8s.calls if c.resource == "secrets"] == ["create"]  # no GET
     second = manifests.peer_key_secret(pipeline.name, namespace=NS, key="b" * 64, owner=owner)
     k8s.clear_calls()
     again, created = await apply.ensure_created(api, second, likely_absent=True)
-    assert not created and reconcile.peer_key_text(again) == "a" * 64  # kept, not overwritten
+    assert not created and reads.peer_key_text(again) == "a" * 64  # kept, not overwritten
     assert [c.verb for c in k8s.calls if c.resource == "secrets"] == ["create", "get"]

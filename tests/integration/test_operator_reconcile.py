@@ -18,7 +18,7 @@ from disagg_operator import names
 from disagg_operator.app import handlers
 from disagg_operator.plan import manifests, model, planner
 from disagg_operator.reconcile import events as reconcile_events
-from disagg_operator.reconcile import reconcile
+from disagg_operator.reconcile import reads
 from disagg_operator.reconcile.metrics import Metrics
 from disagg_operator.reconcile.status import REASON_CHILD_CONFLICT
 from tests.integration import operator_support as s
@@ -60,7 +60,7 @@ async def test_create_makes_the_planned_children_with_the_contract(k8s_crd: Emul
         for policy in s.guards(k8s, NAME, "NetworkPolicy"):  # the roles' and the gateway's
             kids[f"NetworkPolicy/{policy['metadata']['name']}"] = policy
         (secret,) = s.guards(k8s, NAME, "Secret")
-        digest = manifests.peer_key_digest(reconcile.peer_key_text(secret))
+        digest = manifests.peer_key_digest(reads.peer_key_text(secret))
         pipeline = spec.parse_pipeline(s.example())
         owner = model.Owner.of(pipeline_obj)
         for planned in planner.plan(pipeline, namespace=NS, owner=owner, peer_key_hash=digest):

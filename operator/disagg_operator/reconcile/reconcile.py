@@ -32,20 +32,13 @@ computed from older reads never overwrites a newer one. Refreshes requested whil
 waiting for the lock are merged into it.
 
 Reads come from the watch cache (`cache`: the workloads, the peer key Secret, and the
-pipeline for a refresh) when kopf has bound it, so a reconcile costs a GET of the pipeline,
-one fresh list of its StatefulSets and Deployment (a rollout must not act on a lagging cache;
-the apply compares against the same list), one list per other child kind, plus one apply per
-child (and a GET for a child not seen yet; a POST for a peer key Secret not seen yet), and a
-refresh no request at all unless the status changed. The parsed spec is kept per pipeline
-until its content changes, and so is what the rollout reads of the plan: a refresh neither
-parses nor plans again.
-Child events are coalesced (`request_refresh`): events within `coalesce` seconds give one
-refresh. A refresh that fails on the API is tried again with jittered exponential backoff.
-The status last written is remembered, so a cache that has not caught up with our own write
-does not make us write it again.
-
-While Progressing is True, a refresh is scheduled for when the progress deadline passes, so
-that `Degraded/ProgressDeadlineExceeded` appears without any event.
+pipeline for a refresh) when kopf has bound it, else from the API (`reads`: what each costs).
+The parsed spec is kept per pipeline until its content changes, and so is what the rollout
+reads of the plan: a refresh neither parses nor plans again. The status last written is
+remembered, so a cache that has not caught up with our own write does not make us write it
+again. When a refresh happens without an event of its own (coalesced child events, retries
+with backoff, the progress deadline's recheck) and the next rollout step's reconcile are
+`refresh.Scheduler`'s.
 
 Per-pipeline state (`PipelineState`) also holds `replicas`: the autoscaler's decisions per
 workload unit, passed to the planner as `PlanOptions.replicas` so that a reconcile does not
@@ -58,14 +51,10 @@ snapping back to spec.roles[].replicas, and drops units that are no longer autos
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
 import datetime
 import functools
 import logging
-import random
-import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,8 +64,8 @@ from disagg_core import spec
 from disagg_core.spec import Pipeline, SpecError, pod_policy_findings
 from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.k8s import client as kube
-from disagg_operator.plan import manifests, model, planner, podmonitor, pods
-from disagg_operator.reconcile import apply, cache, status
+from disagg_operator.plan import manifests, model, planner, podmonitor
+from disagg_operator.reconcile import apply, cache, reads, status
 from disagg_operator.reconcile.events import (
     EVENT_FAILED,
     EVENT_ROLLOUT_STALLED,
@@ -89,19 +78,15 @@ from disagg_operator.reconcile.events import (
 )
 from disagg_operator.reconcile.metrics import Metrics
 from disagg_operator.reconcile.progress import Progress
+from disagg_operator.reconcile.refresh import COALESCE, Scheduler, Timers
 from disagg_operator.rollout import state as rollout_state
 from disagg_operator.rollout.tracker import PlanKey, RolloutTracker
 
-PEER_KEY_BYTES: Final = 32
 PARALLEL: Final = 32  # reconciles and refreshes in flight at once (the rest queue)
-COALESCE: Final = 0.1  # seconds: child events within this window give one status refresh
-REFRESH_RETRY: Final = 1.0  # seconds before a failed refresh is tried again; doubles ...
-REFRESH_RETRY_CAP: Final = 60.0  # ... up to this, jittered
-WORKLOAD_KINDS: Final = (("apps/v1", "StatefulSet"), ("apps/v1", "Deployment"))  # rollouts
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, str]  # namespace, name
+Key = cache.Key  # namespace, name
 Clock = Callable[[], datetime.datetime]
 
 
@@ -117,11 +102,9 @@ class PipelineState:
     conflicts: tuple[apply.Conflict, ...] = ()
     privileged: tuple[str, ...] = ()  # the weakening settings last warned about
     refresh_waiting: bool = False
-    recheck: asyncio.TimerHandle | None = None
+    timers: Timers = field(default_factory=Timers)  # scheduled refreshes (`refresh`)
     rollout: RolloutTracker = field(default_factory=RolloutTracker)  # partitions, step
     peer_key_hash: str | None = None  # of the key last reconciled: templates carry it
-    refresh_due: asyncio.TimerHandle | None = None  # a coalesced refresh, scheduled
-    refresh_failures: int = 0
     generation: int = 0  # the newest generation read from the API
     written: dict[str, Any] = field(default_factory=dict)  # the status we last wrote
     applied: dict[str, dict[str, Any]] = field(default_factory=dict)  # StatefulSets, by name
@@ -156,12 +139,18 @@ class Reconciler:
     parallel: int = PARALLEL
     progress: Progress = field(default_factory=Progress)  # for the probe
     states: dict[Key, PipelineState] = field(default_factory=dict, init=False)
+    scheduler: Scheduler = field(init=False, repr=False)  # refreshes and steps, later
     _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
-    _tasks: set[asyncio.Task[Any]] = field(default_factory=set, init=False, repr=False)
     _pod_monitors_detected: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics.count_pipelines(lambda: len(self.states))
+        self.scheduler = Scheduler(
+            refresh=lambda key: self.refresh(*key),
+            reconcile=lambda key: self.reconcile(*key),
+            timers=self._timers,
+            coalesce=self.coalesce,
+        )
 
     # ------------------------------------------------------------------ entry points
 
@@ -204,7 +193,9 @@ class Reconciler:
                 state.refresh_waiting = False  # also when cancelled while waiting
             try:
                 async with self._slot(), self._measured("status"):
-                    body = await self._current_body(namespace, name, state)
+                    body = await reads.current_pipeline(
+                        self.api, self.cache, (namespace, name), state.generation
+                    )
                     if body is None:
                         self.forget(namespace, name)
                         return None
@@ -217,22 +208,7 @@ class Reconciler:
         once for all the changes that come in meanwhile (a rollout gives dozens of
         StatefulSet events; they cost one status computation and at most one write)."""
         state = self.states.setdefault((namespace, name), PipelineState())
-        if state.refresh_due is None:
-            state.refresh_due = asyncio.get_running_loop().call_later(
-                self.coalesce, self._due_refresh, (namespace, name)
-            )
-
-    async def _current_body(
-        self, namespace: str, name: str, state: PipelineState
-    ) -> dict[str, Any] | None:
-        """The pipeline from the watch cache when it is at least as new as what the last
-        reconcile read, else from the API."""
-        cached = self.cache.pipeline((namespace, name))
-        if cached is not None:
-            generation = int((cached.get("metadata") or {}).get("generation") or 0)
-            if generation >= state.generation:
-                return cached
-        return await apply.get_pipeline(self.api, namespace, name)
+        self.scheduler.request((namespace, name), state.timers)
 
     async def child_deleted(self, namespace: str, name: str) -> Outcome | None:
         """A StatefulSet of the pipeline was deleted: put it back (a full reconcile)."""
@@ -247,19 +223,17 @@ class Reconciler:
         state = self.states.pop((namespace, name), None)
         self.metrics.forget(namespace, name)
         if state is not None:
-            for timer in (state.recheck, state.refresh_due):
-                if timer is not None:
-                    timer.cancel()
+            state.timers.cancel()
 
     async def close(self) -> None:
         for state in self.states.values():
-            for timer in (state.recheck, state.refresh_due):
-                if timer is not None:
-                    timer.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+            state.timers.cancel()
+        await self.scheduler.close()
         await self.api.close()
+
+    def _timers(self, key: Key) -> Timers | None:
+        state = self.states.get(key)
+        return state.timers if state is not None else None
 
     # ------------------------------------------------------------------ steps
 
@@ -288,18 +262,24 @@ class Reconciler:
         extra = privileged_events(pipeline, state.privileged)
         state.privileged = tuple(str(p) for p in pod_policy_findings(pipeline))
         kinds = planner.child_kinds(options)
-        others = [k for k in kinds if k not in WORKLOAD_KINDS]
+        others = [k for k in kinds if k not in reads.WORKLOAD_KINDS]
         # the reads, all at once (one round trip: a slow API server costs one wait, not three)
-        secret = asyncio.ensure_future(self._peer_key(pipeline, namespace, owner))
+        secret = asyncio.ensure_future(
+            reads.peer_key(self.api, self.cache, pipeline, namespace, owner)
+        )
         # fresh, not cached: a rollout must not act on a lagging cache; also what the apply
         # compares these kinds against (no second list of them)
         listed = asyncio.ensure_future(
-            apply.list_children(self.api, WORKLOAD_KINDS, namespace=namespace, pipeline=owner.name)
+            apply.list_children(
+                self.api, reads.WORKLOAD_KINDS, namespace=namespace, pipeline=owner.name
+            )
         )
-        children = asyncio.ensure_future(self._existing_children(others, namespace, owner.name))
+        children = asyncio.ensure_future(
+            reads.existing_children(self.api, self.cache, others, (namespace, owner.name))
+        )
         await apply.all_of([secret, listed, children])
         (key, created), workloads, existing = secret.result(), listed.result(), children.result()
-        digest = manifests.peer_key_digest(peer_key_text(key))
+        digest = manifests.peer_key_digest(reads.peer_key_text(key))
         objects = self._plan(pipeline, state, namespace, owner, options, digest)
         state.peer_key_hash = digest
         live = [
@@ -326,23 +306,6 @@ class Reconciler:
         return await self._finish(
             body, state, pipeline, result, known_conflicts=known, extra_events=extra
         )
-
-    async def _peer_key(
-        self, pipeline: Pipeline, namespace: str, owner: model.Owner
-    ) -> tuple[dict[str, Any], bool]:
-        """The pipeline's peer key Secret as stored, and whether it was created now."""
-        wanted = manifests.peer_key_secret(
-            pipeline.name,
-            namespace=namespace,
-            key=secrets.token_hex(PEER_KEY_BYTES),
-            owner=owner,
-        )
-        cached = self.cache.secrets((namespace, owner.name))
-        name = wanted["metadata"]["name"]
-        found = next((s for s in cached or () if s["metadata"]["name"] == name), None)
-        if found is not None and peer_key_text(found):
-            return found, False
-        return await apply.ensure_created(self.api, wanted, likely_absent=cached is not None)
 
     async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
         parsed = self.validated(body, state, self.options_for(state))
@@ -419,7 +382,7 @@ class Reconciler:
                 o["metadata"]["name"]: cache.slim(o, "apps/v1", o["kind"]) for o in statefulsets
             }
         else:
-            statefulsets = await self._statefulsets(body, state)
+            statefulsets = await reads.workloads(self.api, self.cache, body, state.applied)
         after = status.build_status(
             parsed,
             statefulsets,
@@ -443,7 +406,9 @@ class Reconciler:
         )
         for type_, reason, message in events:
             self.post_event(body, type_, reason, message[:MAX_EVENT_MESSAGE])
-        self._schedule_recheck(body, state, after, now)
+        meta = body["metadata"]
+        delay = status.recheck_delay(after, now=now, deadline=self.progress_deadline)
+        self.scheduler.recheck((meta["namespace"], meta["name"]), state.timers, delay)
         return Outcome(
             phase=str(after.get("phase")),
             result=result,
@@ -485,111 +450,11 @@ class Reconciler:
         if stalled is not None:
             self.post_event(body, "Warning", EVENT_ROLLOUT_STALLED, stalled)
         state.rollout.schedule_step_deadline(
-            decision, pipeline, functools.partial(self._spawn_refresh, key)
+            decision, pipeline, functools.partial(self.scheduler.spawn_refresh, key)
         )
         if state.rollout.next_step_due(decision):
-            self._spawn_reconcile(key)
+            self.scheduler.spawn_reconcile(key)
         return {**built, "rollout": rollout_state.status(decision, pipeline.rollout.paused)}
-
-    def _spawn_reconcile(self, key: Key) -> None:
-        task = asyncio.create_task(self._reconcile_logged(key), name=f"disagg-step-{key[1]}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _reconcile_logged(self, key: Key) -> None:
-        try:
-            await self.reconcile(*key)
-        except Exception:  # kopf's own retries take over on the next event
-            log.exception("rollout step of %s/%s failed", *key)
-
-    def _schedule_recheck(
-        self,
-        body: Mapping[str, Any],
-        state: PipelineState,
-        after: Mapping[str, Any],
-        now: datetime.datetime,
-    ) -> None:
-        if state.recheck is not None:
-            state.recheck.cancel()
-            state.recheck = None
-        delay = status.recheck_delay(after, now=now, deadline=self.progress_deadline)
-        if delay is None:
-            return
-        meta = body["metadata"]
-        key = (meta["namespace"], meta["name"])
-        state.recheck = asyncio.get_running_loop().call_later(delay, self._spawn_refresh, key)
-
-    async def _existing_children(
-        self, kinds: Sequence[tuple[str, str]], namespace: str, name: str
-    ) -> dict[kube.ObjectRef, dict[str, Any]]:
-        """The pipeline's labelled children: the cached kinds from the cache, the others
-        listed (one request per kind)."""
-        cached = [k for k in kinds if self.cache.children([k], (namespace, name)) is not None]
-        listed = [k for k in kinds if k not in cached]
-        found = {
-            kube.ObjectRef.of(o): o for o in self.cache.children(cached, (namespace, name)) or []
-        }
-        if listed:
-            found.update(
-                await apply.list_children(self.api, listed, namespace=namespace, pipeline=name)
-            )
-        return found
-
-    async def _statefulsets(
-        self, body: Mapping[str, Any], state: PipelineState
-    ) -> list[dict[str, Any]]:
-        """The pipeline's StatefulSets and gateway Deployment (controlled by its uid): cached,
-        else listed. One the last reconcile applied that the cache has not seen yet, or has
-        seen only in an older generation, counts as it was applied (the watch lags our own
-        writes; a status built from it would flap to ChildMissing or report the old spec)."""
-        owner = model.Owner.of(body)
-        namespace = body["metadata"]["namespace"]
-        found = self.cache.children(WORKLOAD_KINDS, (namespace, owner.name))
-        if found is None:
-            return await apply.owned_statefulsets(self.api, owner, namespace)
-        ours = {
-            o["metadata"]["name"]: o
-            for o in found
-            if (apply.controller_of(o) or {}).get("uid") == owner.uid
-        }
-        for name, applied in state.applied.items():
-            seen = ours.get(name)
-            if seen is None or _generation(seen) < _generation(applied):
-                ours[name] = applied  # the cache has not caught up with our own apply
-        return list(ours.values())
-
-    def _due_refresh(self, key: Key) -> None:
-        state = self.states.get(key)
-        if state is not None:
-            state.refresh_due = None
-        self._spawn_refresh(key)
-
-    def _spawn_refresh(self, key: Key) -> None:
-        task = asyncio.create_task(self._refresh_task(key), name=f"disagg-refresh-{key[1]}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _refresh_task(self, key: Key) -> None:
-        """A scheduled refresh; on an API error, again later (backoff with jitter) while
-        the pipeline is tracked, so a failed status write never leaves it stale."""
-        try:
-            await self.refresh(*key)
-        except kube.ApiError as error:
-            state = self.states.get(key)
-            if state is None:
-                return
-            state.refresh_failures += 1
-            ceiling = min(REFRESH_RETRY_CAP, REFRESH_RETRY * 2 ** (state.refresh_failures - 1))
-            delay = random.uniform(ceiling / 2, ceiling)
-            log.warning("status of %s/%s: %s; again in %.1f s", *key, error, delay)
-            if state.refresh_due is None:
-                state.refresh_due = asyncio.get_running_loop().call_later(
-                    delay, self._due_refresh, key
-                )
-        else:
-            state = self.states.get(key)
-            if state is not None:
-                state.refresh_failures = 0
 
     def _slot(self) -> asyncio.Semaphore:
         """At most `parallel` reconciles and refreshes at once: a thousand pipelines created
@@ -625,11 +490,6 @@ class _Measured:
 # ---------------------------------------------------------------------------- pure parts
 
 
-def _generation(obj: Mapping[str, Any]) -> int:
-    value = (obj.get("metadata") or {}).get("generation")
-    return value if isinstance(value, int) else 0
-
-
 def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
     """The pipeline document as plain dicts (kopf hands out read-only mappings)."""
     return {key: value for key, value in body.items()}
@@ -643,15 +503,6 @@ def validate(body: Mapping[str, Any], options: model.PlanOptions) -> Pipeline | 
         return error
     problems = planner.check(pipeline, options)
     return SpecError(problems) if problems else pipeline
-
-
-def peer_key_text(secret: Mapping[str, Any]) -> str:
-    """The `key` of a peer key Secret as stored (base64 in `data`); "" when it has none."""
-    raw = (secret.get("data") or {}).get(pods.PEER_KEY_KEY) or ""
-    try:
-        return base64.b64decode(str(raw), validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
-        return ""
 
 
 def _plan_key(

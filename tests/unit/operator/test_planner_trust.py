@@ -18,7 +18,7 @@ from disagg_operator import names
 from disagg_operator.plan import manifests, planner, pods
 from disagg_operator.plan import model as plan_model
 from disagg_operator.reconcile import events as reconcile_events
-from disagg_operator.reconcile import reconcile
+from disagg_operator.reconcile import reads
 
 NS = "ml"
 NEWEST = kubernetes_validate.utils.latest_version()
@@ -108,9 +108,9 @@ def test_the_peer_key_secret() -> None:
     assert base64.b64decode(secret["data"]["key"]).decode() == key
     assert secret["metadata"]["ownerReferences"] == [owner.reference()]
     assert plan_model.child_selector("p").items() <= secret["metadata"]["labels"].items()
-    assert reconcile.peer_key_text(secret) == key
-    assert reconcile.peer_key_text({"data": {"key": "not base64!"}}) == ""
-    assert reconcile.peer_key_text({}) == ""
+    assert reads.peer_key_text(secret) == key
+    assert reads.peer_key_text({"data": {"key": "not base64!"}}) == ""
+    assert reads.peer_key_text({}) == ""
     assert len(manifests.peer_key_digest(key)) == 16
     # the Secret is never planned (so never pruned, never overwritten by an apply)
     kinds = {kind for _, kind in planner.child_kinds()}
