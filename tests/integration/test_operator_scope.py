@@ -11,6 +11,7 @@ saw new objects after taking over. See the operator notes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -18,6 +19,8 @@ import pytest
 from disagg_operator.reconcile.metrics import Metrics
 from tests.integration import operator_support as s
 from tests.k8s.server import EmulatorThread
+
+PEERING_LOGGER = "kopf._core.engines.peering"
 
 pytestmark = pytest.mark.asyncio
 RECONCILES = "disagg_operator_reconcile_duration_seconds_count"
@@ -50,6 +53,33 @@ async def test_a_namespaced_operator_leaves_other_namespaces_alone(
         assert s.pipeline_status(k8s, "outside") == {}
 
 
+class PauseWatch(logging.Handler):
+    """kopf's peering log: its "Pausing operations in favour of ..." line is written by the
+    lower-priority operator as it turns its pause on (kopf/_core/engines/peering.py). A
+    fixed sleep for it was too short on a loaded machine (the low one reconciled first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        self.logger = logging.getLogger(PEERING_LOGGER)
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)  # the line is INFO; the root's default drops it
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Pausing operations in favour of"):
+            self.loop.call_soon_threadsafe(self.seen.set)
+
+    async def wait_for_pause(self, timeout: float = 60.0) -> None:
+        try:
+            await asyncio.wait_for(self.seen.wait(), timeout)
+        finally:
+            self.logger.removeHandler(self)
+            self.logger.setLevel(self.level)
+        await asyncio.sleep(0.2)  # the pause reaches the watch streams
+
+
 async def test_with_peering_one_replica_works_and_the_next_takes_over(
     k8s: EmulatorThread, disagg_crd: Any
 ):
@@ -57,10 +87,11 @@ async def test_with_peering_one_replica_works_and_the_next_takes_over(
     k8s.apply(s.PEERING_CRD)
     k8s.create(s.peering("disagg"))
     low, high = Metrics(), Metrics()
+    paused = PauseWatch()
     async with s.running_operator(k8s, peering="disagg", priority=10, metrics=low):
         await asyncio.sleep(1.0)  # the low one is up and watching
         async with s.running_operator(k8s, peering="disagg", priority=20, metrics=high):
-            await asyncio.sleep(1.0)  # the peers see each other; the lower one pauses
+            await paused.wait_for_pause()  # the lower one has seen the higher one
             await s.call(k8s.create, in_namespace(s.example(), s.NS, "first"))
             await s.until(k8s, lambda: len(s.children(k8s, "first")) == 9, "first")
             # counted when the reconcile returns, after its last child and status write
