@@ -32,7 +32,7 @@ def send(endpoint: str, key: bytes, name: str, count: int, nbytes: int) -> None:
 
 
 def hang(endpoint: str, key: bytes, nbytes: int) -> None:
-    real = nixl.Agent.write
+    real = nixl.Agent.write_prepped
 
     def write_then_hang(self: nixl.Agent, *args: object, **kwargs: object) -> str | None:
         state = real(self, *args, **kwargs)  # type: ignore[arg-type]
@@ -40,7 +40,7 @@ def hang(endpoint: str, key: bytes, nbytes: int) -> None:
         time.sleep(3600)  # killed here: granted and written, never committed
         return state
 
-    nixl.Agent.write = write_then_hang  # type: ignore[method-assign]
+    nixl.Agent.write_prepped = write_then_hang  # type: ignore[method-assign]
     relay = connect("nixl", endpoint, key=key, timeout=60.0)
     relay.send({"x": torch.ones(nbytes, dtype=torch.uint8)}, request_id="hung")
 

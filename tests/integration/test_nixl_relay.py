@@ -137,24 +137,25 @@ def test_a_receiver_without_nixl_says_so_in_its_welcome(tmp_path: Path, keyfile:
 
 def test_writes_outside_the_registered_pool_are_refused_by_nixl(rig: Rig) -> None:
     """The one-sided WRITE is bounded by what the receiver registered, whatever a sender
-    asks for: NIXL finds no registration that covers it."""
+    asks for: NIXL finds no registration that covers it (when the far list is prepared)."""
     from disagg_runtime.relay.backends import nixl
+    from disagg_runtime.relay.backends.nixl_cache import SendCache
 
     ingress: Ingress = rig.ingress("nixl", size=4 * MiB)
     rig.sender("nixl", ingress)  # the pool is registered at the first nixl hello
     agent = nixl.process_agent()
+    cache = SendCache(agent)
     src = torch.ones(MiB, dtype=torch.uint8)
     end = ingress.pool.backing.tensor.data_ptr() + 4 * MiB
-    registered = agent.register([src])
     try:
         with pytest.raises(Exception, match="NOT_FOUND"):
-            agent.write(
+            cache.prepare(
+                [src],
                 [(src.data_ptr(), MiB, 0)],
                 "DRAM",
                 [(end - MiB // 2, MiB, 0)],
                 "DRAM",
                 agent.name,
-                1e18,
             )
     finally:
-        agent.deregister(registered)
+        cache.close()

@@ -12,8 +12,9 @@ imports `nixl` until a nixl relay or landing is made (relay/registry.py).
     load METADATA once (add_remote_agent)
     reserve {rid, xid, nbytes}             -->
                                            <--     grant {xid, offset, lease_s}
-    register the payload's tensors (cheap, no copy), one WRITE of every tensor to its place
-    in the slot, wait for DONE (by the lease's half-way mark), deregister
+    one WRITE of every tensor to its place in the slot (its registration and NIXL's
+    prepared descriptor lists made once and reused: relay/backends/nixl_cache.py), wait
+    for DONE (by the lease's half-way mark)
     commit {rid, xid, offset, manifest}    -->     (the bytes are in the slot: UCX completes a
                                                     WRITE once it is remotely complete)
                                            <--     ack {xid[, spare]}
@@ -52,6 +53,7 @@ from disagg_runtime.relay.backends.nixl_agent import (
     process_agent,
     unavailable_reason,
 )
+from disagg_runtime.relay.backends.nixl_cache import SendCache
 from disagg_runtime.relay.errors import RelayError, RelayTimeout
 from disagg_runtime.relay.landing import Host, Landing
 from disagg_runtime.relay.registry import Backend
@@ -126,6 +128,7 @@ class NixlLanding(Landing):
     welcome; commits are plain (the bytes are in the slot when the sender commits)."""
 
     kind = "nixl"
+    binary_commits = True  # a nixl commit carries no field of its own
 
     def __init__(self, host: Host) -> None:
         self.host = host
@@ -176,6 +179,7 @@ class NixlSender(Sender):
     kind = "nixl"
     control_on_lane = True  # the data never crosses the socket: control only, as shm
     commit_on_lane = True  # so credit (a slot granted ahead) keeps its place in line
+    binary_commit = True  # no backend fields: binary on the lane (~25 us of JSON less)
 
     def __init__(self, endpoint: str, **kwargs: Any) -> None:
         reason = unavailable_reason()
@@ -184,6 +188,7 @@ class NixlSender(Sender):
         self._agent = process_agent()
         self._offer: Offer | None = None
         self._remote: str | None = None
+        self._cache = SendCache(self._agent)  # this connection's: a reconnect starts afresh
         super().__init__(endpoint, **kwargs)
 
     def _on_welcome(self, welcome: dict[str, Any]) -> None:
@@ -232,16 +237,14 @@ class NixlSender(Sender):
     ) -> None:
         assert self._offer is not None and self._remote is not None
         try:
-            registered = self._agent.register(tensors)
-        except Exception as exc:
+            lists = self._cache.prepare(tensors, local, mem, far, self._offer.mem, self._remote)
+        except Exception as exc:  # NIXL's own errors (NIXL_ERR_NOT_FOUND: outside the pool)
             self._control(proto.pack("cancel", xid=xid))
-            raise RelayError(f"nixl relay to {self.endpoint}: cannot register: {exc}") from None
+            raise RelayError(f"nixl relay to {self.endpoint}: cannot prepare: {exc}") from None
         try:
-            state = self._agent.write(local, mem, far, self._offer.mem, self._remote, write_by)
+            state = self._agent.write_prepped(*lists, len(local), write_by)
         except Exception as exc:  # NIXL_ERR_REMOTE_DISCONNECT and kin: nothing was written
             state = f"ERR: {type(exc).__name__}: {exc}"
-        finally:
-            self._agent.deregister(registered)
         if state is None:  # still running: released (cancelled); the lease frees the slot
             raise RelayTimeout(f"nixl write to {self.endpoint} did not finish within the lease")
         if state != "DONE":
@@ -249,6 +252,7 @@ class NixlSender(Sender):
             raise RelayError(f"nixl write to {self.endpoint} failed: {state}")
 
     def _on_close(self) -> None:
+        self._cache.close()  # its far lists name the remote: released before it goes
         if self._remote is not None:
             self._agent.drop_remote(self._remote)
             self._remote = None

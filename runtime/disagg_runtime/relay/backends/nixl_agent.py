@@ -157,24 +157,30 @@ class Agent:
             except Exception as exc:  # already gone with its peer: nothing to free
                 log.debug("nixl: removing agent %s: %s", name, exc)
 
-    def write(
-        self,
-        local: list[tuple[int, int, int]],
-        mem: str,
-        remote: list[tuple[int, int, int]],
-        remote_mem: str,
-        agent: str,
-        deadline: float,
-    ) -> str | None:
-        """WRITE local regions to the remote ones; "DONE", "ERR: ..." or None (still running
-        at `deadline`: released, which cancels it)."""
+    LOCAL = "NIXL_INIT_AGENT"  # `prep`'s agent for this process's side of a transfer
+
+    def register_region(self, ptr: int, nbytes: int, device: int, mem: str) -> Any:
+        """Register one contiguous region (DRAM or VRAM) with UCX."""
+        return self.api.register_memory([(ptr, nbytes, device, "")], mem)
+
+    def prep(self, agent: str, regions: list[tuple[int, int, int]], mem: str) -> Any:
+        """A prepared descriptor list of `regions` on `agent` (LOCAL: ours; our own name:
+        loopback), for `write_prepped`; released with `release_list`."""
+        return self.api.prep_xfer_dlist(agent, regions, mem)
+
+    def release_list(self, handle: Any) -> None:
+        self.api.release_dlist_handle(handle)
+
+    def write_prepped(self, local: Any, far: Any, count: int, deadline: float) -> str | None:
+        """WRITE every region of the prepared list `local` to its peer in `far`: "DONE",
+        "ERR: ..." or None (still running at `deadline`: released, which cancels it)."""
+        indices = list(range(count))
+        handle = self.api.make_prepped_xfer("WRITE", local, indices, far, indices)
+        return self._run(handle, deadline)
+
+    def _run(self, handle: Any, deadline: float) -> str | None:
+        """Post a transfer and poll it to its end (or `deadline`), then release it."""
         api = self.api
-        handle = api.initialize_xfer(
-            "WRITE",
-            api.get_xfer_descs(local, mem),
-            api.get_xfer_descs(remote, remote_mem),
-            agent,
-        )
         try:
             state = api.transfer(handle)
             # a medium WRITE is done in tens of us, and a sleep costs ~60 us more than asked:
