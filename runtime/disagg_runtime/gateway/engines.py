@@ -68,7 +68,7 @@ class EngineRouter:
         self._scraper: asyncio.Task[None] | None = None
         self.loads: dict[str, capacity.Load] = {}
         self.inflight: collections.Counter[str] = collections.Counter()
-        self._turn = itertools.count()
+        self._turns: dict[str, itertools.count[int]] = {}  # per role: a request picks from two
         self.prefill_s: collections.deque[float] = collections.deque(maxlen=1024)  # stage 1
         self.listed = listed
         self.up: set[str] = set()  # listed: the replicas whose last scrape answered
@@ -182,7 +182,7 @@ class EngineRouter:
             self.loads,
             self.inflight,
             now=time.monotonic(),
-            turn=next(self._turn),
+            turn=next(self._turns.setdefault(role, itertools.count())),
             stale_s=self.stale_s,
         )
         return by_key[key]
