@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import pathlib
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from disagg_core import spec
 from disagg_operator.plan import planner, render
+from disagg_runtime.gateway import server
 from tests.integration import operator_support as s
+from tests.integration.rendered_gateway import RenderedGateway, free_port, rendered_env
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.server import EmulatorThread
 
@@ -120,3 +125,52 @@ async def test_the_operator_runs_an_engine_pipeline(k8s: EmulatorThread, kubectl
         await s.until(k8s, lambda: s.pipeline_status(k8s, NAME).get("phase") == "Ready", "Ready")
         table = (await s.call(kubectl, "get", "dpipe")).stdout.splitlines()
         assert table[1].split()[:3] == [NAME, "2/2", "Ready"]
+
+
+@pytest.mark.asyncio
+async def test_the_rendered_gateway_refuses_what_it_lacks_and_waits_for_engines(
+    k8s: EmulatorThread,
+    kubectl: Kubectl,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`disagg gateway` from the operator's rendering (no engines running): a topology
+    without the `engines` section is refused at start, naming it; with it, the gateway
+    serves and its /readyz says which engine role has no replica answering (none resolves
+    here), so its pod is not Ready and a request is a 503, not a hang."""
+    await s.call(kubectl, "apply", "-f", str(s.CRD))
+    async with s.running_operator(k8s):
+        await s.call(kubectl, "apply", "-f", "-", input=yaml.safe_dump(_doc()))
+        await s.until(k8s, lambda: k8s.list(s.DEPLOY, s.NS), "the gateway")
+        await s.until(k8s, lambda: k8s.get("v1/secrets", "pd-peer-key", s.NS), "the peer key")
+    env = rendered_env(k8s, NAME, s.NS, tmp_path, {}, port=free_port())
+    gateway = RenderedGateway(env, tmp_path)
+    try:
+        # the same configuration lacking the table: `disagg gateway` (cli -> server.main)
+        # refuses at start, naming it (here in-process: a second start would import again)
+        lacking = rendered_env(
+            k8s, NAME, s.NS, tmp_path / "lacking", {}, port=0, edit_topology=_drop_engines
+        )
+        for name, value in lacking.items():
+            monkeypatch.setenv(name, value)
+        with caplog.at_level(logging.ERROR):
+            assert server.main() == 2
+        assert "no `engines` section" in caplog.text and "'decode'" in caplog.text
+
+        answer = await s.call(gateway.readyz, 90.0, 503)
+        assert answer.status_code == 503
+        assert "none of its" in answer.text and "replicas answers" in answer.text, answer.text
+        r = await s.call(
+            httpx.post,
+            gateway.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+            timeout=30,
+        )
+        assert r.status_code == 503 and "no ready replica" in r.json()["error"]["message"]
+    finally:
+        assert gateway.stop() == 0, gateway.tail()
+
+
+def _drop_engines(topology: Obj) -> None:
+    del topology["engines"]

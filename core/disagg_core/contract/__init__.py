@@ -19,7 +19,8 @@ DISAGG_POOL_SIZE sizes its reply pool), parsed by `parse_gateway_env` into a
 `GatewayConfig`.
 
 An engine role (spec/engines.py) runs no `disagg role`: `engine` renders its command
-line and KV connector configuration (`engine_command`, `EngineLaunch`).
+line and KV connector configuration (`engine_command`, `EngineLaunch`); `engine_table`
+the gateway's list of engine replicas (`EngineTable`, the topology file's `engines`).
 
 Modules: role (ENV, RoleConfig), ranks (RANK_ENV: what each rank process of a replica of
 several ranks is told, torch.distributed's names), topology, gateway (GATEWAY_ENV,
@@ -30,6 +31,13 @@ package only re-exports.
 from __future__ import annotations
 
 from disagg_core.contract.engine import EngineLaunch, engine_command, kv_transfer_config
+from disagg_core.contract.engine_table import (
+    EngineEndpoint,
+    EngineRoute,
+    EngineTable,
+    replica_endpoint,
+    route_of,
+)
 from disagg_core.contract.env import (
     DISPATCH_MODES,
     PREFIX,
@@ -98,7 +106,10 @@ __all__ = [
     "RANK_ENV",
     "TOPOLOGY_VERSION",
     "ContractError",
+    "EngineEndpoint",
     "EngineLaunch",
+    "EngineRoute",
+    "EngineTable",
     "EnvVar",
     "GatewayConfig",
     "Kind",
@@ -120,6 +131,8 @@ __all__ = [
     "read_topology",
     "render_env",
     "render_gateway_env",
+    "replica_endpoint",
+    "route_of",
     "tracing_env",
     "write_topology",
 ]

@@ -182,13 +182,35 @@ def parse_gateway_env(env: Mapping[str, str], topology: Topology | None = None) 
         topology = read_topology(values["topology_file"])
     if values["api"] == "openai" and not values["model"]:
         raise ContractError(f"{PREFIX}GATEWAY_MODEL is required with {PREFIX}GATEWAY_API=openai")
+    if topology.engine_roles:
+        _check_engines(topology, values["api"])
     missing = set(topology.entry_roles) - {p.role for p in values["entries"]}
-    if missing:
+    if topology.engines is None and missing:
         raise ContractError(f"{PREFIX}DOWNSTREAM lacks addresses for entry roles {sorted(missing)}")
     if not values["advertise_host"]:
         wildcard = values["bind_host"] in ("0.0.0.0", "::")
         values["advertise_host"] = "127.0.0.1" if wildcard else values["bind_host"]
     return GatewayConfig(**values, topology=topology)
+
+
+def _check_engines(topology: Topology, api: str) -> None:
+    """A gateway in front of engine roles routes from the topology's `engines` section (the
+    replicas' HTTP and KV endpoints) and speaks only the OpenAI API."""
+    if topology.engines is None:
+        raise ContractError(
+            f"the topology names engine roles {list(topology.engine_roles)} but has no "
+            "`engines` section (their replicas' HTTP endpoints and the decode replicas' KV "
+            "endpoints): the gateway cannot route to them; render it with an operator that "
+            "writes it"
+        )
+    if api != "openai":
+        raise ContractError(
+            f"{PREFIX}GATEWAY_API={api!r}: a gateway in front of engine roles serves "
+            f"only the OpenAI API ({PREFIX}GATEWAY_API=openai)"
+        )
+    unknown = set(topology.engines.route.roles) - set(topology.engine_roles)
+    if unknown:
+        raise ContractError(f"topology: engines routes to {sorted(unknown)}, not engine roles")
 
 
 def env_table() -> list[tuple[str, str | None, str]]:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from disagg_core.contract.engine_table import EngineTable
 from disagg_core.contract.env import ContractError
 from disagg_core.spec import DEFAULT_MIGRATION_ATTEMPTS, Pipeline
 
@@ -33,6 +34,7 @@ class RoleTopology:
     refs_out: tuple[RefSpec, ...] = ()
     refs_in: tuple[RefSpec, ...] = ()
     idempotent: bool = True  # roles[].idempotent: a request may run here twice
+    engine: bool = False  # roles[].engine: a vLLM server, reached over HTTP, not a peer
 
     @property
     def entry(self) -> bool:
@@ -57,6 +59,11 @@ class Topology:
     namespace: str
     roles: Mapping[str, RoleTopology]
     migration_attempts: int = DEFAULT_MIGRATION_ATTEMPTS  # spec.transport.migrationAttempts
+    engines: EngineTable | None = None  # the gateway's engine replicas (the operator's)
+
+    @property
+    def engine_roles(self) -> tuple[str, ...]:
+        return tuple(n for n, r in self.roles.items() if r.engine)
 
     @property
     def entry_roles(self) -> tuple[str, ...]:
@@ -129,6 +136,7 @@ class Topology:
                 refs_out=tuple(by_source.get(name, ())),
                 refs_in=tuple(by_target.get(name, ())),
                 idempotent=pipeline.role(name).idempotent,
+                engine=pipeline.role(name).engine is not None,
             )
             for name in pipeline.topological_order
         }
@@ -144,6 +152,7 @@ class Topology:
         """The topology file's document (with `only`, just those roles' entries)."""
         wanted = None if only is None else frozenset(only)
         chosen = [r for r in self.roles.values() if wanted is None or r.name in wanted]
+        engines = {} if self.engines is None or only is not None else {"engines": self.engines}
         return {
             "version": TOPOLOGY_VERSION,
             "pipeline": self.pipeline,
@@ -157,9 +166,11 @@ class Topology:
                     "refsOut": [{"path": x.path, "to": x.target} for x in r.refs_out],
                     "refsIn": [{"path": x.path, "from": x.source} for x in r.refs_in],
                     **({} if r.idempotent else {"idempotent": False}),
+                    **({"engine": True} if r.engine else {}),
                 }
                 for r in chosen
             ],
+            **{k: v.to_json() for k, v in engines.items()},
         }
 
     @classmethod
@@ -173,6 +184,9 @@ class Topology:
                 idempotent = r.get("idempotent", True)
                 if not isinstance(idempotent, bool):
                     raise ContractError(f"topology: role {name}: idempotent is not a boolean")
+                engine = r.get("engine", False)
+                if not isinstance(engine, bool):
+                    raise ContractError(f"topology: role {name}: engine is not a boolean")
                 roles[name] = RoleTopology(
                     name=name,
                     upstream=tuple(str(x) for x in r["upstream"]),
@@ -184,6 +198,7 @@ class Topology:
                         RefSpec(str(x["from"]), str(x["path"]), name) for x in r["refsIn"]
                     ),
                     idempotent=idempotent,
+                    engine=engine,
                 )
             attempts = obj.get("migrationAttempts", DEFAULT_MIGRATION_ATTEMPTS)
             if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0:
@@ -193,6 +208,7 @@ class Topology:
                 namespace=str(obj["namespace"]),
                 roles=roles,
                 migration_attempts=attempts,
+                engines=EngineTable.from_json(obj["engines"]) if "engines" in obj else None,
             )
         except (KeyError, TypeError) as exc:
             raise ContractError(f"topology: malformed ({exc!r})") from None

@@ -27,6 +27,7 @@ Pure; `pods` and `manifests` call these for the roles with an `engine`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Final
 
 from disagg_core import contract
@@ -60,19 +61,74 @@ def replica_bound(role: Role, unit: model.Workload) -> int:
     return max(unit.replicas, ceiling)
 
 
+def endpoints(
+    pipeline: Pipeline, role: str, *, namespace: str, options: model.PlanOptions
+) -> tuple[contract.EngineEndpoint, ...]:
+    """Every replica of engine role `role` by its pod's DNS name under the unit's headless
+    Service, up to the unit's replica bound (contract.replica_endpoint: as `disagg up`)."""
+    engine = pipeline.role(role).engine
+    assert engine is not None
+    home = model.workload_of(pipeline, role, options)
+    service = pipeline.derived_name(home.roles[0].name)  # the governing Service
+    domain = f"{service}.{namespace}.svc.{options.cluster_domain}"
+    count = replica_bound(pipeline.role(role), home)
+    return tuple(
+        contract.replica_endpoint(
+            pipeline,
+            role,
+            i,
+            host=f"{home.name}-{i}.{domain}",
+            port=engine.port,
+            kv_port=engine.kv_port,
+        )
+        for i in range(count)
+    )
+
+
+def colocated(pipeline: Pipeline, role: str, other: str, options: model.PlanOptions) -> bool:
+    """Both roles run in one pod (a colocation group)."""
+    return any(r.name == other for r in model.workload_of(pipeline, role, options).roles)
+
+
 def kv_endpoints(
     pipeline: Pipeline, decode: str, *, near: str, namespace: str, options: model.PlanOptions
 ) -> tuple[str, ...]:
     """The KV endpoints of every replica of consumer `decode` as seen from role `near`."""
     engine = pipeline.role(decode).engine
     assert engine is not None
-    home = model.workload_of(pipeline, decode, options)
-    if any(role.name == near for role in home.roles):
+    if colocated(pipeline, decode, near, options):
         return (f"tcp://127.0.0.1:{engine.kv_port}",)
-    service = pipeline.derived_name(home.roles[0].name)  # the governing Service
-    domain = f"{service}.{namespace}.svc.{options.cluster_domain}"
-    count = replica_bound(pipeline.role(decode), home)
-    return tuple(f"tcp://{home.name}-{i}.{domain}:{engine.kv_port}" for i in range(count))
+    found = endpoints(pipeline, decode, namespace=namespace, options=options)
+    return tuple(e.kv_endpoint for e in found)
+
+
+def gateway_table(
+    pipeline: Pipeline, namespace: str, options: model.PlanOptions
+) -> contract.EngineTable | None:
+    """What the gateway routes over (the topology file's `engines`): the route and every
+    replica of its roles; the decode replicas' `kv` is what the prefill engines are told
+    (`kv_endpoints`), so the gateway names only endpoints they send to. Prefill and decode
+    in one pod are `paired`: a request's prefill replica is its decode replica's pod's.
+    None for a pipeline without engine roles."""
+    if not pipeline.engine_roles:
+        return None
+    route = contract.route_of(pipeline, node_local=False)
+    replicas = {
+        role: endpoints(pipeline, role, namespace=namespace, options=options)
+        for role in route.roles
+    }
+    decode = route.decode
+    if decode is not None:
+        near = route.entry
+        told = kv_endpoints(pipeline, decode, near=near, namespace=namespace, options=options)
+        if colocated(pipeline, decode, route.entry, options):
+            route = dataclasses.replace(route, paired=True)
+            told = told * len(replicas[decode])
+        replicas[decode] = tuple(
+            dataclasses.replace(e, kv_endpoint=kv)
+            for e, kv in zip(replicas[decode], told, strict=True)
+        )
+    return contract.EngineTable(route, replicas)
 
 
 def launch(

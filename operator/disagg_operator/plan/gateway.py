@@ -11,6 +11,9 @@ the autoscaler never counts them. They get the gateway's contract (DISAGG_GATEWA
 `ingress` (7400) at the pod's IP (DISAGG_POD_IP from the downward API), the topology file
 from the ConfigMap, the pipeline's peer key (Secret P-peer-key, as role pods: the gateway is
 a peer of the roles) and with `auth` the token Secret's key mounted at /etc/disagg-gateway.
+In front of engine roles it routes from the topology file's `engines` section
+(plan/engines.gateway_table: every replica's HTTP endpoint by pod DNS name, the decode
+replicas' KV endpoints) over HTTP, not as a peer.
 Probes: readiness GET /readyz (every entry role reachable), liveness GET /healthz. Hardened
 as role pods are (non-root, read-only root, no capabilities, no service-account token).
 spec.gateway.podTemplate is deep-merged last; labels and DISAGG_* variables are put back.

@@ -61,7 +61,11 @@ def _meta(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
     return {"name": name, "namespace": namespace, "labels": labels}
 
 
-def config_map(pipeline: Pipeline, namespace: str) -> dict[str, Any]:
+def config_map(
+    pipeline: Pipeline, namespace: str, options: model.PlanOptions | None = None
+) -> dict[str, Any]:
+    """The topology ConfigMap; for engine roles with the gateway's `engines` section."""
+    table = engines.gateway_table(pipeline, namespace, options or model.PlanOptions())
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -70,7 +74,7 @@ def config_map(pipeline: Pipeline, namespace: str) -> dict[str, Any]:
             namespace,
             model.common_labels(pipeline.name, "topology"),
         ),
-        "data": {pods.TOPOLOGY_KEY: model.topology_text(pipeline, namespace)},
+        "data": {pods.TOPOLOGY_KEY: model.topology_text(pipeline, namespace, table)},
     }
 
 
@@ -433,7 +437,9 @@ def gateway_objects(
             namespace,
             entries,
             config_map=topology_config_map_name(pipeline),
-            spec_hash=model.gateway_hash(pipeline, namespace),
+            spec_hash=model.gateway_hash(
+                pipeline, namespace, engines.gateway_table(pipeline, namespace, options)
+            ),
             peer_key_secret=peer_key_secret_name(pipeline.name),
         ),
     ]

@@ -5,6 +5,7 @@ inputs. Pure; the rules are stated in `planner`'s docstring."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -175,13 +176,21 @@ def _free_ports(start: int, taken: set[int], count: int) -> list[int]:
     return result
 
 
-def topology(pipeline: Pipeline, namespace: str) -> contract.Topology:
-    return contract.Topology.from_pipeline(pipeline, namespace=namespace)
+def topology(
+    pipeline: Pipeline, namespace: str, engines: contract.EngineTable | None = None
+) -> contract.Topology:
+    """The pipeline's topology; with `engines` (plan/engines.gateway_table), the gateway's
+    engine replicas in it."""
+    topo = contract.Topology.from_pipeline(pipeline, namespace=namespace)
+    return topo if engines is None else dataclasses.replace(topo, engines=engines)
 
 
-def topology_text(pipeline: Pipeline, namespace: str) -> str:
+def topology_text(
+    pipeline: Pipeline, namespace: str, engines: contract.EngineTable | None = None
+) -> str:
     """The ConfigMap's topology.json, byte for byte."""
-    return json.dumps(topology(pipeline, namespace).to_json(), indent=2, sort_keys=True) + "\n"
+    document = topology(pipeline, namespace, engines).to_json()
+    return json.dumps(document, indent=2, sort_keys=True) + "\n"
 
 
 def spec_hash(pipeline: Pipeline, namespace: str, roles: tuple[str, ...]) -> str:
@@ -195,11 +204,15 @@ def spec_hash(pipeline: Pipeline, namespace: str, roles: tuple[str, ...]) -> str
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def gateway_hash(pipeline: Pipeline, namespace: str) -> str:
+def gateway_hash(
+    pipeline: Pipeline, namespace: str, engines: contract.EngineTable | None = None
+) -> str:
     """The hash of what the gateway reads from the topology file: the pipeline and
     namespace, its entry roles (and which of them join inputs: those it sends to by hash),
     its exit roles, and how often (and past which roles not idempotent) it resends a request
-    lost with a replica. A graph edit that changes none of these (a role added in the
+    lost with a replica, and the engine replicas it routes to (`engines`: bounded by the
+    autoscalers' maxima, so scaling inside them leaves it). A graph edit that changes none
+    of these (a role added in the
     middle, or after an exit role that stays one) leaves the gateway's pods, and their
     streams, alone."""
     topo = topology(pipeline, namespace)
@@ -210,6 +223,8 @@ def gateway_hash(pipeline: Pipeline, namespace: str) -> str:
         "exits": sorted(topo.exit_roles),
         "migrationAttempts": topo.migration_attempts,
     }
+    if engines is not None:
+        mine["engines"] = engines.to_json()
     if topo.not_idempotent:  # which requests it may not resend (absent: the hash stays)
         mine["notIdempotent"] = sorted(topo.not_idempotent)
         mine["unsafeBefore"] = {r: sorted(found) for r, found in topo.resend_unsafe().items()}

@@ -344,7 +344,7 @@ def plan(
         raise SpecError(problems)
     units = model.workloads(pipeline, options)
     mode = model.gpu_mode(pipeline, options)
-    objects: list[dict[str, Any]] = [manifests.config_map(pipeline, namespace)]
+    objects: list[dict[str, Any]] = [manifests.config_map(pipeline, namespace, options)]
     if mode == "dra":
         objects += [
             manifests.claim_template(pipeline, unit, unit.group, namespace, options)

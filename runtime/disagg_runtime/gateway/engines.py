@@ -6,6 +6,10 @@ connections, bounded timeouts) on the gateway's event loop: every request is a c
 so concurrent requests reach an engine concurrently and its continuous batching is kept.
 Replicas are chosen by free capacity (capacity.py) from each engine's own /metrics,
 scraped every `scrape_s` in the background, and the requests this gateway has at each.
+With `listed` (Kubernetes: every replica up to the autoscaler's maximum, by pod DNS name)
+a replica counts as up only while its last scrape answered: one that does not resolve or
+is not listening (scaled below the maximum, restarting) is skipped when choosing, and a
+request that cannot connect to one marks it down until a scrape answers again.
 Leaving the stream early (the client went away, a stop sequence matched) closes the
 decode engine's stream, which aborts the request there.
 """
@@ -20,11 +24,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from disagg_core.contract import EngineEndpoint
 from disagg_runtime.gateway import capacity, pd
 from disagg_runtime.gateway.errors import RETRY_AFTER_S, HttpError
 
@@ -34,16 +38,7 @@ MAX_CONNECTIONS = 256  # to all engines together; further requests wait for one
 MAX_EVENT_BYTES = 1 << 20  # one SSE line of an engine's stream
 
 
-@dataclass(frozen=True)
-class EngineReplica:
-    """One ready replica of an engine role: `key` ("decode/0"), its HTTP base URL, and
-    (a decode replica) the KV endpoint its connector listens on."""
-
-    key: str
-    url: str
-    kv_endpoint: str = ""
-
-
+EngineReplica = EngineEndpoint  # one replica: key ("decode/0"), HTTP URL, KV endpoint
 Replicas = Callable[[str], Sequence[EngineReplica]]  # a role's ready replicas, now
 
 
@@ -60,6 +55,7 @@ class EngineRouter:
         scrape_s: float = capacity.SCRAPE_S,
         stale_s: float = capacity.STALE_S,
         max_connections: int = MAX_CONNECTIONS,
+        listed: bool = False,
     ) -> None:
         self.route = route
         self.replicas = replicas
@@ -72,12 +68,15 @@ class EngineRouter:
         self._scraper: asyncio.Task[None] | None = None
         self.loads: dict[str, capacity.Load] = {}
         self.inflight: collections.Counter[str] = collections.Counter()
-        self._turn = itertools.count()
+        self._turns: dict[str, itertools.count[int]] = {}  # per role: a request picks from two
         self.prefill_s: collections.deque[float] = collections.deque(maxlen=1024)  # stage 1
+        self.listed = listed
+        self.up: set[str] = set()  # listed: the replicas whose last scrape answered
+        self._scraped: asyncio.Event | None = None  # set once the first scrape is done
 
     @property
     def roles(self) -> tuple[str, ...]:
-        return (self.route.entry,) + ((self.route.decode,) if self.route.decode else ())
+        return self.route.roles
 
     def _client(self) -> httpx.AsyncClient:
         """The upstream client, made on the running loop at first use; the scraper too."""
@@ -90,6 +89,7 @@ class EngineRouter:
                 ),
                 trust_env=False,  # engines are local or in-cluster: no proxy
             )
+            self._scraped = asyncio.Event()
             self._scraper = asyncio.get_running_loop().create_task(self._scrape_forever())
         return self._http
 
@@ -105,7 +105,31 @@ class EngineRouter:
     async def _scrape_forever(self) -> None:
         while True:
             await self.scrape()
+            if self._scraped is not None:
+                self._scraped.set()
             await asyncio.sleep(self.scrape_s)
+
+    async def started(self) -> None:
+        """Return once the first scrape is done (`listed`: which replicas are up is known)."""
+        self._client()
+        assert self._scraped is not None
+        await self._scraped.wait()
+
+    async def unready(self) -> str:
+        """Why the router cannot route now ("": it can): a role none of whose replicas is
+        up (`listed`) or ready."""
+        await self.started()
+        problems = []
+        for role in self.roles:
+            replicas = self._ready(role)
+            if not replicas:
+                listed = len(self.replicas(role))
+                problems.append(f"engine role {role!r}: none of its {listed} replicas answers")
+        return "; ".join(problems)
+
+    def _ready(self, role: str) -> list[EngineReplica]:
+        replicas = list(self.replicas(role))
+        return [r for r in replicas if r.key in self.up] if self.listed else replicas
 
     async def scrape(self) -> None:
         """Every ready replica's load, at once; one that does not answer keeps its last
@@ -115,23 +139,40 @@ class EngineRouter:
         live = {r.key for r in replicas}
         for key in [k for k in self.loads if k not in live]:
             del self.loads[key]
+        self.up &= live
 
     async def _scrape(self, replica: EngineReplica) -> None:
         http = self._client()
         try:
             r = await http.get(replica.url + "/metrics", timeout=min(2.0, self.stale_s))
-            if r.status_code != 200 or len(r.content) > capacity.MAX_METRICS_BYTES:
-                return
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # no such pod, not listening
+            self.up.discard(replica.key)
+            log.debug("scraping %s: %s", replica.url, exc)
+            return
+        except httpx.HTTPError as exc:  # a busy engine's slow answer: it stays up
+            log.debug("scraping %s: %s", replica.url, exc)
+            return
+        if r.status_code != 200:
+            self.up.discard(replica.key)
+            return
+        self.up.add(replica.key)
+        if len(r.content) > capacity.MAX_METRICS_BYTES:
+            return
+        try:
             self.loads[replica.key] = capacity.parse_load(r.text, time.monotonic())
-        except (httpx.HTTPError, ValueError) as exc:
+        except ValueError as exc:
             log.debug("scraping %s: %s", replica.url, exc)
 
-    def _pick(self, role: str) -> EngineReplica:
-        ready = list(self.replicas(role))
+    def _pick(self, role: str, paired_with: EngineReplica | None = None) -> EngineReplica:
+        ready = self._ready(role)
+        if paired_with is not None:  # the prefill replica in the decode replica's pod
+            index = paired_with.key.rsplit("/", 1)[1]
+            ready = [r for r in ready if r.key.rsplit("/", 1)[1] == index]
         if not ready:
             raise HttpError(
                 503,
-                f"no ready replica of engine role {role!r}",
+                f"no ready replica of engine role {role!r}"
+                + (f" beside {paired_with.key}" if paired_with is not None else ""),
                 kind="unavailable",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
@@ -141,7 +182,7 @@ class EngineRouter:
             self.loads,
             self.inflight,
             now=time.monotonic(),
-            turn=next(self._turn),
+            turn=next(self._turns.setdefault(role, itertools.count())),
             stale_s=self.stale_s,
         )
         return by_key[key]
@@ -150,6 +191,8 @@ class EngineRouter:
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """The answer's chunks (gateway/openai.py's shape) for one parsed request."""
         http = self._client()
+        if self.listed:
+            await self.started()
         body = pd.engine_body(payload, self.model)
         path = "/v1/chat/completions" if pd.is_chat(payload) else "/v1/completions"
         params = None
@@ -171,7 +214,7 @@ class EngineRouter:
         self, http: httpx.AsyncClient, path: str, body: dict[str, Any], decode: EngineReplica
     ) -> dict[str, Any]:
         role = self.route.entry
-        prefill = self._pick(role)
+        prefill = self._pick(role, decode if self.route.paired else None)
         sent = pd.prefill_body(
             body, transfer=uuid.uuid4().hex, decode=decode.kv_endpoint, relay=self.route.relay
         )
@@ -180,7 +223,7 @@ class EngineRouter:
         try:
             r = await http.post(prefill.url + path, json=sent)
         except httpx.HTTPError as exc:
-            raise _unreachable(role, prefill, exc) from None
+            raise self._unreachable(role, prefill, exc) from None
         finally:
             self.inflight[prefill.key] -= 1
         if r.status_code != 200:
@@ -225,7 +268,14 @@ class EngineRouter:
                         return
                     yield chunk
         except httpx.HTTPError as exc:
-            raise _unreachable(role, target, exc) from None
+            raise self._unreachable(role, target, exc) from None
+
+    def _unreachable(self, role: str, replica: EngineReplica, exc: httpx.HTTPError) -> HttpError:
+        """The client's error; a replica that could not be connected to is down until a
+        scrape answers again (`listed`: the next request chooses among the others)."""
+        if isinstance(exc, httpx.ConnectError):
+            self.up.discard(replica.key)
+        return _unreachable(role, replica, exc)
 
 
 def _unreachable(role: str, replica: EngineReplica, exc: httpx.HTTPError) -> HttpError:

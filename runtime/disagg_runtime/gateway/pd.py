@@ -1,7 +1,7 @@
 """OpenAI requests over engine roles, as pure functions: the route a pipeline's engines
-give (`route_of`), the bodies sent to the prefill and decode engines, the engines'
-streamed chunks -> the gateway's chunks, and an engine's error -> the client's error.
-The I/O (httpx, the scraper) is in `engines`.
+give (`route_of`, in the contract: the operator writes it for the gateway), the bodies
+sent to the prefill and decode engines, the engines' streamed chunks -> the gateway's
+chunks, and an engine's error -> the client's error. The I/O (httpx, the scraper) is in `engines`.
 
 A P/D request is two: the prefill engine gets the request with `max_tokens: 1` and
 `kv_transfer_params: {do_remote_decode, transfer, decode, relay}` (docs/vllm.md); its
@@ -12,45 +12,14 @@ streams the answer. A lone engine (no kv edge) gets the request once.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Final
 
-from disagg_core.spec import Pipeline
+from disagg_core.contract import EngineRoute as EngineRoute  # re-exported
+from disagg_core.contract import route_of as route_of
 from disagg_runtime.gateway.errors import RETRY_AFTER_S, HttpError, bounded
 
 FORWARDED: Final = ("max_tokens", "temperature", "top_p", "seed", "stop")
 MAX_ERROR_BYTES: Final = 64 * 1024  # of an engine's error body, read to quote it
-
-
-@dataclass(frozen=True)
-class EngineRoute:
-    """The engine roles an OpenAI request goes through: `entry` (the prefill role, or a
-    lone engine), then `decode` (None: the entry answers), KV over `relay`."""
-
-    entry: str
-    decode: str | None = None
-    relay: str = "tcp"
-
-
-def route_of(pipeline: Pipeline, *, node_local: bool) -> EngineRoute:
-    """The pipeline's engine route (the spec allows one entry engine role); an `auto` kv
-    edge is shm on one node, tcp otherwise."""
-    entries = [
-        name
-        for name in pipeline.engine_roles
-        if not any(edge.kind == "kv" for edge in pipeline.edges_to(name))
-    ]
-    if not entries:
-        raise ValueError(f"pipeline {pipeline.name!r} has no engine role to route to")
-    entry = entries[0]
-    targets = pipeline.kv_targets(entry)
-    if not targets:
-        return EngineRoute(entry)
-    edge = next(e for e in pipeline.edges_from(entry) if e.kind == "kv")
-    relay = pipeline.relay_for(edge)
-    if relay == "auto":
-        relay = "shm" if node_local else "tcp"
-    return EngineRoute(entry, targets[0], relay)
 
 
 def is_chat(payload: dict[str, Any]) -> bool:

@@ -3,8 +3,10 @@
 The gateway is the pipeline's client inside the cluster: its `Client` binds the reply
 ingress (DISAGG_INGRESS_PORT, advertised at DISAGG_POD_IP) that exit roles send results
 to, and submits to the entry roles of DISAGG_DOWNSTREAM. `disagg up --serve` builds the
-same objects around its local pipeline. SIGTERM: stop taking connections, let requests in
-flight finish for the grace period, then close the client.
+same objects around its local pipeline. A topology with `engines` (the operator's, for
+engine roles) gets no `Client`: the engine router, over HTTP (`engine_gateway_for`).
+SIGTERM: stop taking connections, let requests in flight finish for the grace period,
+then close the client.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from disagg_runtime.client import Client
 from disagg_runtime.gateway import limits
 from disagg_runtime.gateway.app import READY_CACHE_S, GatewayApp, Settings
 from disagg_runtime.gateway.bridge import Bridge
+from disagg_runtime.gateway.engines import EngineRouter
 from disagg_runtime.gateway.token import BearerToken
 from disagg_runtime.memory.pool import PoolError
 from disagg_runtime.relay import NotAPeer, RelayError, TcpSender
@@ -119,6 +122,29 @@ def gateway_for(client: Client, settings: Settings) -> GatewayApp:
     )
 
 
+def engine_gateway_for(config: GatewayConfig, settings: Settings) -> GatewayApp:
+    """The gateway in front of engine roles (the topology's `engines`: every replica up to
+    the autoscalers' maxima): OpenAI requests routed P/D by the same router `disagg up`
+    uses, over the replicas whose /metrics answers; ready once every role has one."""
+    table = config.topology.engines
+    assert table is not None
+    table.check()
+    router = EngineRouter(
+        table.route,
+        lambda role: table.replicas.get(role, ()),
+        model=config.model,
+        timeout=config.request_timeout,
+        listed=True,
+    )
+    tracer = open_tracer(
+        f"{settings.pipeline}/gateway",
+        resource={"disagg.pipeline": settings.pipeline, "disagg.role": "gateway"},
+    )
+    return GatewayApp(
+        settings=settings, pipeline=None, ready=router.unready, tracer=tracer, engines=router
+    )
+
+
 class Server:
     """An aiohttp server for one `GatewayApp` on the running loop; with `unix`, on that Unix
     socket too (a sidecar or a local client: no TCP stack between them)."""
@@ -199,14 +225,18 @@ def main(unix: str | None = None) -> int:
     import os
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    client: Client | None = None
     try:
         config = parse_gateway_env(os.environ)
         settings = settings_for(config)
-        client = client_for(config)
+        if config.topology.engines is not None:
+            gateway = engine_gateway_for(config, settings)
+        else:
+            client = client_for(config)
+            gateway = gateway_for(client, settings)
     except (ContractError, PeerKeyError, PoolError, OSError) as exc:
         log.error("cannot start the gateway: %s", exc)
         return 2
-    gateway = gateway_for(client, settings)
     try:
         asyncio.run(
             serve_until(
@@ -224,7 +254,8 @@ def main(unix: str | None = None) -> int:
             )
         )
     finally:
-        gateway.bridge.close()
-        client.close()
+        if client is not None:
+            gateway.bridge.close()
+            client.close()
         gateway.tracer.shutdown()
     return 0

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from disagg_core.contract import ENV, EngineLaunch, engine_command
+from disagg_core.contract import ENV, EngineEndpoint, EngineLaunch, engine_command, replica_endpoint
 from disagg_core.spec import Pipeline
 from disagg_runtime.gateway.engines import EngineReplica
 from disagg_runtime.local.groupshm import mapped_by_group, unlink_unmapped, wait_gone
@@ -66,34 +66,41 @@ def engine_python(explicit: str = "") -> str:
 
 def plan_engines(
     pipeline: Pipeline, ports: Iterator[int], key_file: str, host: str = HOST
-) -> list[tuple[str, int, EngineLaunch]]:
-    """(role, replica, launch) of every engine replica: ports assigned, decode replicas'
-    KV endpoints handed to the prefill replicas that send to them (pure)."""
-    launches: dict[str, list[EngineLaunch]] = {}
+) -> list[tuple[str, int, EngineLaunch, EngineEndpoint]]:
+    """(role, replica, launch, endpoint) of every engine replica: ports assigned, each
+    replica's endpoint (what the gateway routes to: contract.replica_endpoint, as on
+    Kubernetes), the decode replicas' KV endpoints handed to the prefill replicas that send
+    to them (pure)."""
+    planned: dict[str, list[tuple[EngineLaunch, EngineEndpoint]]] = {}
     consumers_first = sorted(
         pipeline.engine_roles, key=lambda name: pipeline.kv_role(name) != "kv_consumer"
     )
     for name in consumers_first:
         role = pipeline.role(name)
-        consumer = pipeline.kv_role(name) == "kv_consumer"
         decodes = tuple(
-            launch.kv_listen for target in pipeline.kv_targets(name) for launch in launches[target]
+            endpoint.kv_endpoint
+            for target in pipeline.kv_targets(name)
+            for _, endpoint in planned[target]
         )
-        launches[name] = [
-            EngineLaunch(
+        planned[name] = []
+        for index in range(max(1, role.replicas)):
+            port, kv_port = next(ports), next(ports)  # kv_port unused by a prefill replica
+            endpoint = replica_endpoint(
+                pipeline, name, index, host=host, port=port, kv_port=kv_port
+            )
+            launch = EngineLaunch(
                 name=f"{name}-{index}",
                 host=host,
-                port=next(ports),
+                port=port,
                 key_file=key_file,
-                kv_listen=f"tcp://{host}:{next(ports)}" if consumer else "",
+                kv_listen=endpoint.kv_endpoint,  # here the bound address is the reached one
                 decodes=decodes,
             )
-            for index in range(max(1, role.replicas))
-        ]
+            planned[name].append((launch, endpoint))
     return [
-        (name, index, launch)
+        (name, index, launch, endpoint)
         for name in pipeline.engine_roles
-        for index, launch in enumerate(launches[name])
+        for index, (launch, endpoint) in enumerate(planned[name])
     ]
 
 
@@ -102,6 +109,7 @@ class EngineProcess:
     role: str
     replica: int
     launch: EngineLaunch
+    endpoint: EngineEndpoint  # what the gateway routes to
     argv: list[str]
     log_path: str
     proc: subprocess.Popen[bytes] | None = None
@@ -119,7 +127,7 @@ class EngineProcess:
         return f"http://{self.launch.host}:{self.launch.port}"
 
     def as_replica(self) -> EngineReplica:
-        return EngineReplica(self.label, self.url, self.launch.kv_listen)
+        return self.endpoint
 
     def log_tail(self, lines: int = 30) -> str:
         return log_tail(self.log_path, lines)
@@ -152,10 +160,11 @@ class LocalEngines:
         return self.run.path
 
     def start(self) -> None:
-        for role, index, launch in plan_engines(self.pipeline, free_ports(), self.key_file):
+        plan = plan_engines(self.pipeline, free_ports(), self.key_file)
+        for role, index, launch, endpoint in plan:
             argv = engine_command(self.pipeline, role, launch, python=self.python)
             log_path = os.path.join(self.workdir, f"{role}-{index}.log")
-            process = EngineProcess(role, index, launch, argv, log_path)
+            process = EngineProcess(role, index, launch, endpoint, argv, log_path)
             self._spawn(process)
             self.processes.append(process)
         self._monitor = threading.Thread(target=self._watch, name="disagg-engines", daemon=True)

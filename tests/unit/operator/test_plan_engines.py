@@ -219,3 +219,65 @@ def test_the_engine_image_recipe_runs_what_the_planner_renders(engine_doc: Obj) 
     assert f"EXPOSE {DEFAULT_ENGINE_PORT} {DEFAULT_KV_PORT}" in text
     assert f"ENV HOME={engines.HOME}" in text
     assert not re.findall(r"^COPY ", text, re.MULTILINE), "its build context is empty"
+
+
+def _topology(objects: dict[str, dict[str, Obj]]) -> contract.Topology:
+    text = objects["ConfigMap"]["pd-topology"]["data"]["topology.json"]
+    return contract.Topology.from_json(json.loads(text))
+
+
+def _gateway_env(objects: dict[str, dict[str, Obj]]) -> dict[str, str]:
+    container = objects["Deployment"]["pd-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    return {v["name"]: v["value"] for v in container["env"] if "value" in v}
+
+
+def test_the_topology_gives_the_gateway_every_engine_replica_up_to_the_ceiling(
+    engine_doc: Obj,
+) -> None:
+    engine_doc["spec"]["roles"][1]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3}
+    objects = _plan(engine_doc)
+    table = _topology(objects).engines
+    assert table is not None
+    assert table.route == contract.EngineRoute("prefill", "decode", "tcp")
+    prefill_dns = "pd-prefill.ns.svc.cluster.local"
+    assert [r.url for r in table.replicas["prefill"]] == [f"http://pd-prefill-0.{prefill_dns}:8000"]
+    decodes = table.replicas["decode"]
+    assert [r.key for r in decodes] == ["decode/0", "decode/1", "decode/2"]
+    assert [r.url for r in decodes] == [f"http://pd-decode-{i}.{DECODE_DNS}:8000" for i in range(3)]
+    told = _kv_config(_container(objects, "prefill"))["kv_connector_extra_config"]["decodes"]
+    assert [r.kv_endpoint for r in decodes] == told, "one derivation: the prefill's allow-list"
+    # the gateway's pods see the same file and start an engine gateway from it
+    config = contract.parse_gateway_env(_gateway_env(objects), topology=_topology(objects))
+    assert config.topology.engines == table and config.api == "openai"
+    # scaling decode inside its bounds changes neither the file nor the gateway's pods
+    scaled = _plan(engine_doc, plan_model.PlanOptions(replicas={"decode": 3}))
+    assert scaled["ConfigMap"] == objects["ConfigMap"]
+    assert scaled["Deployment"] == objects["Deployment"]
+    # a new ceiling is a new list: the gateway's pods roll to read it
+    engine_doc["spec"]["roles"][1]["autoscaling"]["maxReplicas"] = 4
+    wider = _plan(engine_doc)
+    hash_key = "disagg.dev/spec-hash"
+    meta = [o["Deployment"]["pd-gateway"]["spec"]["template"]["metadata"] for o in (objects, wider)]
+    assert meta[0]["annotations"][hash_key] != meta[1]["annotations"][hash_key]
+
+
+def test_colocated_engines_are_paired_in_the_gateways_table(engine_doc: Obj) -> None:
+    engine_doc["spec"]["roles"][0]["engine"]["port"] = 8001
+    engine_doc["spec"]["colocation"] = [{"name": "pair", "roles": ["prefill", "decode"]}]
+    for role in engine_doc["spec"]["roles"]:
+        role.pop("ranks", None)
+    objects = _plan(engine_doc, plan_model.PlanOptions(gpu_mode="none"))
+    table = _topology(objects).engines
+    assert table is not None and table.route.paired
+    pods_dns = "pd-prefill.ns.svc.cluster.local"  # the governing Service: the first role's
+    assert [r.url for r in table.replicas["prefill"]] == [f"http://pd-pair-0.{pods_dns}:8001"]
+    assert [(r.url, r.kv_endpoint) for r in table.replicas["decode"]] == [
+        (f"http://pd-pair-0.{pods_dns}:8000", "tcp://127.0.0.1:7601")
+    ]
+
+
+def test_handler_pipelines_have_no_engines_section(full_doc: Obj) -> None:
+    objects = _plan(full_doc)
+    text = next(iter(objects["ConfigMap"].values()))["data"]["topology.json"]
+    assert "engines" not in json.loads(text)
+    assert '"engine"' not in text

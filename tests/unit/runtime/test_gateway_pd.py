@@ -120,7 +120,11 @@ def test_plan_engines_hands_the_decode_endpoints_to_prefill() -> None:
     document = doc()
     document["spec"]["roles"][0]["replicas"] = 2
     plan = plan_engines(spec.parse_pipeline(document), iter(range(20000, 20100)), "/k")
-    by = {(role, index): launch for role, index, launch in plan}
+    by = {(role, index): launch for role, index, launch, _ in plan}
+    routed = {(role, index): endpoint for role, index, _, endpoint in plan}
+    assert routed["decode", 1].kv_endpoint == by["decode", 1].kv_listen
+    assert routed["prefill", 0].url == f"http://127.0.0.1:{by['prefill', 0].port}"
+    assert routed["decode", 1].key == "decode/1" and routed["prefill", 0].kv_endpoint == ""
     assert sorted(by) == [("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1)]
     decodes = (by["decode", 0].kv_listen, by["decode", 1].kv_listen)
     assert all(d.startswith("tcp://127.0.0.1:") for d in decodes) and len(set(decodes)) == 2

@@ -262,7 +262,8 @@ class DisaggConnector(KVConnectorBase_V1):
         layout = self._layout(kv_caches)
         key = auth.read_key(str(self._extra.get("key_file") or os.environ.get(auth.KEY_ENV, "")))
         if self._producer:
-            self._sends = Sends(kv_caches, layout, key=key, lease_s=self._lease_s)
+            peers = DecodePeers.from_config(self._extra)  # checked again at send time
+            self._sends = Sends(kv_caches, layout, key=key, lease_s=self._lease_s, peers=peers)
         if self._consumer:
             listen = self._extra.get("listen")
             if not isinstance(listen, str):

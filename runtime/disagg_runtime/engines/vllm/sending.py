@@ -4,7 +4,11 @@ The scheduler hands each finished P/D request's block ids over (`Send`); `Sends.
 puts it on a sending thread, which reads the blocks straight out of the KV cache (views,
 no staging copy: whole blocks, one tensor per run of consecutive ids per layer) and
 `send`s them through the relay to the decode engine's ingress, where they land in its
-pool. vLLM keeps the blocks allocated meanwhile (`request_finished` delayed their free);
+pool. The sending thread asks the allow-list (peers.py) again before it connects: an
+endpoint taken out of `decodes_file` between the scheduler's check and the send (a decode
+replica scaled away, its name about to be another's) is refused then, without a
+connection, and the request's blocks are freed as for a failed send. vLLM keeps the
+blocks allocated meanwhile (`request_finished` delayed their free);
 `Sends.finished` reports each request once its send returned (delivered, or failed, or
 past its lease: a decode engine that never takes them cannot hold them), so vLLM frees
 them then.
@@ -25,6 +29,7 @@ import torch
 from disagg_runtime import relay as relays
 from disagg_runtime.engines.vllm.layout import KvLayout, runs
 from disagg_runtime.engines.vllm.params import SendTo
+from disagg_runtime.engines.vllm.peers import DecodePeers
 from disagg_runtime.engines.vllm.side import KvSide
 
 log = logging.getLogger(__name__)
@@ -50,11 +55,17 @@ class SendStats:
     blocks: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    refused: int = 0  # by the allow-list at send time (counted in `failed` too)
     last: dict[str, Any] = field(default_factory=dict)
 
 
+class Refused(Exception):
+    """The decode endpoint is no longer allowed (peers.py): nothing was sent."""
+
+
 class Sends(KvSide):
-    """Sending threads over one relay per decode endpoint (authenticated with `key`)."""
+    """Sending threads over one relay per decode endpoint (authenticated with `key`), to
+    the endpoints `peers` allows at send time (None: the scheduler's check alone)."""
 
     def __init__(
         self,
@@ -64,9 +75,11 @@ class Sends(KvSide):
         key: bytes,
         lease_s: float,
         threads: int = 2,
+        peers: DecodePeers | None = None,
     ) -> None:
         super().__init__(caches, layout, lease_s)
         self._key = key
+        self._peers = peers
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="disagg-kv-send")
         self._relays: dict[tuple[str, str], relays.Relay] = {}
         self._lock = threading.Lock()
@@ -122,9 +135,13 @@ class Sends(KvSide):
 
     def _send(self, send: Send) -> None:
         started = time.perf_counter()
-        ok = False
+        ok = refused = False
         nbytes = 0
         try:
+            allowed = self._peers.check(send.order.decode) if self._peers is not None else None
+            if allowed is not None and allowed.reason is not None:
+                refused = True
+                raise Refused(allowed.reason)
             meta = {
                 "transfer": send.order.transfer,
                 "tokens": send.tokens,
@@ -157,6 +174,7 @@ class Sends(KvSide):
                 s = self.stats
                 s.requests += 1
                 s.failed += 0 if ok else 1
+                s.refused += 1 if refused else 0
                 s.blocks += len(send.block_ids) if ok else 0
                 s.bytes += nbytes
                 s.seconds += elapsed
