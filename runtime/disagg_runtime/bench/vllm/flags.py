@@ -26,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="tiny vLLM model directory (default: write one to a temp dir)")
     p.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="levels (default 1,8,32)")
     p.add_argument(
-        "--requests", type=_ints, default=[16, 32, 64], help="requests per level (16,32,64)"
+        "--requests", type=_ints, default=[8, 16, 32], help="requests per level (8,16,32)"
     )
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (default 16)")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma list of {', '.join(SETUPS)}")
     p.add_argument("--engine-python", help="the vLLM env's interpreter (default: as disagg up)")
     p.add_argument("--json", action="store_true", help="print JSON")

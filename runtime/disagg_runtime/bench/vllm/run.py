@@ -140,6 +140,25 @@ def measure(setup: setups.Setup, args: argparse.Namespace, model: str) -> dict[s
             f"{row.get('handoff_mean_ms')} ms, load avg {row['load_avg']}",
             file=sys.stderr,
         )
+    if setup.metrics and args.requests:  # the decode engine alone: the engine, not the hops
+        got, wall = asyncio.run(
+            load.drive(
+                setup.engines[-1] + "/v1",
+                model,
+                prompts,
+                requests=args.requests[0],
+                concurrency=1,
+                max_tokens=args.max_tokens,
+            )
+        )
+        row = {"setup": f"{setup.name}-decode-only", **level_summary(got, 1, wall)}
+        row["load_avg"] = round(os.getloadavg()[0], 1)
+        levels.append(row)
+        timings += got
+        print(
+            f"  {row['setup']} c=1: {row['tokens_per_s']} tok/s, ITL p50 {row['itl_p50_ms']} ms",
+            file=sys.stderr,
+        )
     return {"answers": answers, "levels": levels, "timings": timings}
 
 
@@ -230,12 +249,13 @@ def run_cli(args: argparse.Namespace) -> int:
     result = run(args)
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        print(table(result["rows"]))
-        print(
-            f"hand-off: disagg {setups.DISAGG_METRICS[0]}, nixl {setups.NIXL_METRICS[0]} "
-            "(mean exact; p50~/p99~ estimated from the histograms' buckets)"
-        )
+    out = sys.stderr if args.json else sys.stdout  # the table always, JSON on stdout
+    print(table(result["rows"]), file=out)
+    print(
+        f"hand-off: disagg {setups.DISAGG_METRICS[0]}, nixl {setups.NIXL_METRICS[0]} "
+        "(mean exact; p50~/p99~ estimated from the histograms' buckets)",
+        file=out,
+    )
     for name, bad in result["mismatches"].items():
         print(f"bench vllm: {name}: {len(bad)} answers differ from one engine's:", file=sys.stderr)
         for line in bad[:10]:
