@@ -169,3 +169,19 @@ def test_stream_events_become_arrivals_text_and_tokens() -> None:
     assert t.arrivals == [1.0, 2.0] and t.text == "a" and t.tokens == 2
     with pytest.raises(RuntimeError, match="stream error"):
         load.record_event(t, '{"error": {"message": "boom"}}', 5.0)
+
+
+def test_the_levels_and_counts_are_comma_lists_of_positive_integers() -> None:
+    import argparse
+
+    from disagg_runtime.bench.vllm import flags
+
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser)
+    args = parser.parse_args(["--concurrency", "1,4", "--requests", "2,8"])
+    assert args.concurrency == [1, 4] and args.requests == [2, 8]
+    defaults = parser.parse_args([])
+    assert defaults.concurrency == [1, 8, 32] and len(defaults.requests) == 3
+    for bad in ("0,8", "1,x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="integers"):
+            flags._ints(bad)
