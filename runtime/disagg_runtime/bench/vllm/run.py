@@ -2,8 +2,9 @@
 DisaggConnector) against vLLM's own P/D (NixlConnector behind vLLM's toy proxy protocol)
 and one engine without disaggregation, on the same prompts, in one run.
 
-Each setup (bench/vllm/setups.py) is started once, then: every prompt once at concurrency
-1 (the warm-up, whose greedy texts are the setup's answers), then each concurrency level
+Each setup (bench/vllm/setups.py) is started once, then: a warm-up at concurrency 1 (on
+the single engine every prompt once: its greedy texts are the answers; on the P/D setups
+two requests, so their first hand-offs' connecting is not measured), then each level
 (`--requests` streamed requests, prompts in turn), the engines' /metrics scraped before and
 after it for the connector's hand-off histograms. Setups run one after another, never
 together. The answers of disagg and NIXL must equal the single engine's, at every level,
@@ -56,6 +57,7 @@ PROMPTS = (
     "prefill and decode engines exchange KV blocks " * 12,
 )
 BASELINE = "single"
+WARM_UP = 2  # requests before the levels of a P/D setup (its first hand-offs connect)
 SETTLE_S = 15.0  # for an engine's stats of a level to reach its /metrics
 
 
@@ -100,7 +102,7 @@ def measure(setup: setups.Setup, args: argparse.Namespace, model: str) -> dict[s
             setup.url,
             model,
             prompts,
-            requests=len(prompts),
+            requests=len(prompts) if setup.name == BASELINE else WARM_UP,
             concurrency=1,
             max_tokens=args.max_tokens,
         )
