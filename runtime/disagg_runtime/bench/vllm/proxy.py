@@ -63,7 +63,7 @@ def _serve(prefill: str, decode: str, host: str, port: int) -> None:
     from aiohttp import web
 
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(300.0, connect=5.0),
+        timeout=None,  # as vLLM's toy proxy: a busy engine is waited for, not failed
         limits=httpx.Limits(max_connections=256, max_keepalive_connections=256),
     )
 
