@@ -185,3 +185,34 @@ def test_the_levels_and_counts_are_comma_lists_of_positive_integers() -> None:
     for bad in ("0,8", "1,x", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="integers"):
             flags._ints(bad)
+
+
+def test_the_report_fails_on_a_differing_answer_or_a_failed_setup() -> None:
+    import argparse
+
+    from disagg_runtime.bench.vllm import run
+
+    args = argparse.Namespace(max_tokens=4)
+    row = {"concurrency": 1, "requests": 1, "tokens_per_s": 10.0}
+    same = {
+        "single": {
+            "answers": {0: "a"},
+            "levels": [{"setup": "single", **row}],
+            "timings": [Timing(prompt=0, sent=0.0, text="a")],
+            "failed": "",
+        },
+        "disagg": {
+            "answers": {},
+            "levels": [{"setup": "disagg", **row}],
+            "timings": [Timing(prompt=0, sent=0.0, text="a")],
+            "failed": "",
+        },
+    }
+    good = run.report(same, "m", args)
+    assert good["outputs_equal"] and not good["failed"] and good["rows"][1]["vs_single"] == 1.0
+    same["disagg"]["timings"] = [Timing(prompt=0, sent=0.0, text="b")]
+    same["disagg"]["failed"] = "c=8: RuntimeError: boom"
+    bad = run.report(same, "m", args)
+    assert not bad["outputs_equal"] and len(bad["mismatches"]["disagg"]) == 1
+    assert bad["failed"] == {"disagg": "c=8: RuntimeError: boom"}
+    assert not run.report({"disagg": same["disagg"]}, "m", args)["outputs_equal"]  # no baseline

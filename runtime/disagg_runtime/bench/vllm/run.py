@@ -109,19 +109,25 @@ def measure(setup: setups.Setup, args: argparse.Namespace, model: str) -> dict[s
     )
     answers = {t.prompt: t.text for t in warm}
     levels = []
+    failed = ""
     timings: list[Timing] = list(warm)
     for concurrency, requests in zip(args.concurrency, args.requests, strict=True):
         before = _scrape(setup) if setup.metrics else {}
-        got, wall = asyncio.run(
-            load.drive(
-                setup.url,
-                model,
-                prompts,
-                requests=requests,
-                concurrency=concurrency,
-                max_tokens=args.max_tokens,
+        try:
+            got, wall = asyncio.run(
+                load.drive(
+                    setup.url,
+                    model,
+                    prompts,
+                    requests=requests,
+                    concurrency=concurrency,
+                    max_tokens=args.max_tokens,
+                )
             )
-        )
+        except (RuntimeError, httpx.HTTPError) as exc:  # kept: the levels before it count
+            failed = f"c={concurrency}: {type(exc).__name__}: {str(exc)[:300]}"
+            print(f"  {setup.name} {failed}", file=sys.stderr)
+            break
         setup.check()
         row = {"setup": setup.name, **level_summary(got, concurrency, wall)}
         handoff = _handoffs(setup, before, requests)
@@ -142,7 +148,7 @@ def measure(setup: setups.Setup, args: argparse.Namespace, model: str) -> dict[s
             f"{row.get('handoff_mean_ms')} ms, load avg {row['load_avg']}",
             file=sys.stderr,
         )
-    if setup.metrics and args.requests:  # the decode engine alone: the engine, not the hops
+    if setup.metrics and not failed:  # the decode engine alone: the engine, not the hops
         got, wall = asyncio.run(
             load.drive(
                 setup.engines[-1] + "/v1",
@@ -161,7 +167,7 @@ def measure(setup: setups.Setup, args: argparse.Namespace, model: str) -> dict[s
             f"  {row['setup']} c=1: {row['tokens_per_s']} tok/s, ITL p50 {row['itl_p50_ms']} ms",
             file=sys.stderr,
         )
-    return {"answers": answers, "levels": levels, "timings": timings}
+    return {"answers": answers, "levels": levels, "timings": timings, "failed": failed}
 
 
 def _tiny_model(python: str, out: str) -> str:
@@ -228,6 +234,7 @@ def report(
         "rows": rows,
         "outputs_equal": not differ and BASELINE in results,
         "mismatches": differ,
+        "failed": {name: r["failed"] for name, r in results.items() if r["failed"]},
     }
 
 
@@ -262,6 +269,10 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"bench vllm: {name}: {len(bad)} answers differ from one engine's:", file=sys.stderr)
         for line in bad[:10]:
             print(f"    {line}", file=sys.stderr)
+    for name, why in result["failed"].items():
+        print(f"bench vllm: FAILED: {name} {why}", file=sys.stderr)
+    if result["failed"]:
+        return 1
     if not result["outputs_equal"]:
         print(
             "bench vllm: FAILED: outputs differ (or no single engine to compare with)",
