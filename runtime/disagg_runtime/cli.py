@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from disagg_core.contract import DISPATCH_MODES
 from disagg_operator.app import flags as operator_flags
+from disagg_runtime.bench.vllm import flags as vllm_args
 
 
 def _version() -> str:
@@ -225,6 +226,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--without-migration", action="store_true", help="the baseline: migrationAttempts 0"
     )
     faults.add_argument("--json", action="store_true", help="print JSON")
+    bench_vllm = bench_sub.add_parser(
+        "vllm", help="vLLM P/D: disagg vs vLLM's NixlConnector vs one engine (TTFT, ITL, KV)"
+    )
+    vllm_args.add_arguments(bench_vllm)
     bench_operator = bench_sub.add_parser(
         "operator", help="operator latency, throughput and memory against an API server"
     )
@@ -305,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from disagg_runtime.bench import ranks as ranks_bench
 
         return ranks_bench.run_cli(args)
+    if args.command == "bench" and args.bench_command == "vllm":
+        from disagg_runtime.bench.vllm import run as vllm_bench
+
+        return vllm_bench.run_cli(args)
     if args.command == "bench" and args.bench_command == "operator":
         from disagg_operator.bench import run as operator_bench
 
