@@ -212,7 +212,7 @@ def pod_lines(cluster: LocalCluster, name: str, client_log: list[str]) -> list[s
             for x in text.splitlines()
             if any(r in x for r in rids)
         ]
-    return found[:40]
+    return found[:200]
 
 
 def settled(cluster: LocalCluster, name: str, replicas: int) -> bool:
