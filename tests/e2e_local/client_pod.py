@@ -34,6 +34,8 @@ def main() -> None:
     # the client's own notes (a replica re-picked, one that did not answer) land in the pod
     # log, kept with DISAGG_TEST_NODE_KEEP for diagnosis
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # and every report of a lost request, also those that came after it ended or moved
+    logging.getLogger("disagg_runtime.client").setLevel(logging.DEBUG)
     entries = [Peer(e.split("=", 1)[0], (e.split("=", 1)[1],)) for e in args.entry]
     client = Client(
         entries,

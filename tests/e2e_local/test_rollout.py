@@ -212,7 +212,7 @@ def pod_lines(cluster: LocalCluster, name: str, client_log: list[str]) -> list[s
             for x in text.splitlines()
             if any(r in x for r in rids)
         ]
-    return found[:40]
+    return found[:200]
 
 
 def settled(cluster: LocalCluster, name: str, replicas: int) -> bool:
@@ -331,8 +331,11 @@ def kill_pipeline() -> dict[str, Any]:
     strict=False,
     reason=(
         "issue 31, open: 1 of 500 requests timed out in 3 of 4 runs (h31b), and in 1 of 3 "
-        "after aborts got their own thread. Prefill reported it lost at the kill; the "
-        "client did not act on the report in time (cause not found)"
+        "after aborts got their own thread; 0 of 500 in 4 of 4 runs of h31's session "
+        "(middle-1 had served 1-9 requests when killed: the kill rarely catches one). "
+        "Prefill reported it lost at the kill; the client did not act on the report in "
+        "time (cause not found: a failure now shows when prefill's report went out and "
+        "whether it reached the client after the request ended)"
     ),
 )
 def test_kill_9_of_one_of_two_middle_replicas_under_load_fails_nothing(

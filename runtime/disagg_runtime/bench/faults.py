@@ -3,7 +3,8 @@
 One local pipeline, `front` -> `middle` (2 replicas, each request held `hold_s`) ->
 `sink`, real `disagg role` processes restarted when they die (`disagg up --serve`'s
 supervision). `load` threads submit back to back for the whole run; the run goes through
-phases, and each request counts in the phase it started in:
+phases, and each request counts in the phase it ended in (a change hits what is in flight
+when it comes: counted by when they started, the kill's losses fell in `steady`):
 
     steady      nothing changes (the baseline: what is lost with no change at all)
     kill        kill -9 of middle/1; it is restarted and taken back once ready
@@ -97,7 +98,7 @@ class Phase:
 
 
 class Load:
-    """`threads` senders, each request counted in the phase current when it started."""
+    """`threads` senders, each request counted in the phase current when it ended."""
 
     def __init__(self, client: Client, threads: int, hold_s: float) -> None:
         self.client = client
@@ -127,7 +128,6 @@ class Load:
     def _send(self, seed: int) -> None:
         x = torch.full((4096,), float(seed))
         while not self._stop.is_set():
-            phase = self.phase
             began = time.monotonic()
             error = None
             try:
@@ -135,7 +135,7 @@ class Load:
             except RequestFailed as exc:
                 error = f"{type(exc).__name__}: {exc}"
             with self._lock:
-                phase.count(time.monotonic() - began, error)
+                self.phase.count(time.monotonic() - began, error)
 
 
 def _wait(check: Callable[[], bool], timeout_s: float, what: str) -> None:

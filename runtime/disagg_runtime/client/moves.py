@@ -118,7 +118,13 @@ class Moves:
             remaining_s=pending.deadline - time.monotonic(),
             kept=pending.kept,
         )
-        log.info("client: request %s: %s (%s)", pending.first, why, error.get("message", ""))
+        log.info(
+            "client: request %s (attempt %s): %s (%s)",
+            pending.first,
+            rid,
+            why,
+            error.get("message", ""),
+        )
         if verdict == "ignore":
             return
         if verdict == "fail":
@@ -134,6 +140,7 @@ class Moves:
             self._aliases[pending.first] = new
             pending.moved += 1
             self.count += 1
+        log.info("client: request %s: attempt %s moved on as %s", pending.first, rid, new)
         for peers in owner.entries:
             peers.unpin(rid)
             sent = self.inflight.forget(rid, peers.peer.role)

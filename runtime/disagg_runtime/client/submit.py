@@ -319,7 +319,15 @@ class Client:
                 self._send(peers, meta, None)
 
     def _timeout_error(self, rid: str) -> RequestTimeout:
-        return RequestTimeout(f"request {rid} timed out after {self.timeout} s")
+        """Named by the id the caller knows; a request that moved names its attempts too."""
+        with self._lock:
+            pending = self._pending.get(rid)
+        if pending is None or not pending.moved:
+            return RequestTimeout(f"request {rid} timed out after {self.timeout} s")
+        return RequestTimeout(
+            f"request {pending.first} timed out after {self.timeout} s; it moved "
+            f"{pending.moved} times, its last attempt {rid}"
+        )
 
     def _track(self, rid: str, pending: Pending) -> None:
         """`rid` is in flight: its replies go to `pending` (client/pending.py `Requests`)."""
@@ -381,9 +389,12 @@ class Client:
     def _on_message(self, meta: Meta, payload: Any) -> None:
         with self._lock:
             pending = self._pending.get(meta.rid)
-        if pending is None:
-            return  # finished already (timed out, failed, cancelled)
-        if meta.kind == "error" and meta.error.get("reason") in migration.MIGRATE_REASONS:
+        moving = meta.kind == "error" and meta.error.get("reason") in migration.MIGRATE_REASONS
+        if pending is None:  # finished already (timed out, failed, cancelled), or moved
+            if moving:  # (a replica's loss reports all that went there: most are done)
+                log.debug("client: request %s: a report of it came after it ended", meta.rid)
+            return
+        if moving:
             self.moves.report(meta.rid, dict(meta.error))  # (resending: not on this thread)
             return
         outcome = pending.take(meta, payload)

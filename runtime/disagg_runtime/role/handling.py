@@ -208,7 +208,6 @@ class Handling:
         it to a live replica unless output of it has reached it already (client.py):
         `reason` is migration.HANDED_BACK (this role is going) or LOST (`role`'s replica it
         went to is gone). Counted, and not a failure here."""
-        log.info("role %s: request %s handed on (%s): %s", self.name, meta.rid, reason, message)
         self.metrics.handed_on(reason)
         error = {
             "role": role or self.name,
@@ -217,10 +216,21 @@ class Handling:
             "type": "",
             "message": message,
         }
+        started = time.monotonic()
         try:
             self.forward.send_reply(meta.with_(kind="error", source=self.name, error=error), None)
         except Exception as exc:  # the client may be gone
             log.warning("role %s: could not hand %s back: %s", self.name, meta.rid, exc)
+            return
+        # said once sent, with how long that took (a report that comes late moves nothing)
+        log.info(
+            "role %s: request %s handed on (%s) in %.3f s: %s",
+            self.name,
+            meta.rid,
+            reason,
+            time.monotonic() - started,
+            message,
+        )
 
     def fail(
         self,

@@ -23,6 +23,8 @@
   the same of the other end. Deadlines are clamped on receipt to the request timeout, so
   no sender can hold a worker longer. Requests waiting for a worker are bounded
   (`max_queue`): beyond it a new request fails at once as `overloaded`.
+- The ingress's I/O thread never waits on a peer: refusals, reports of requests lost with
+  a downstream replica, and aborts to pass on go to threads of their own (control.py).
 - Dispatch (routing/dispatch.py): the ingress advertises this role's load (requests waiting for a
   worker, being handled, workers, free pool bytes, draining) to its senders; this role
   sends each new request to the downstream replica its load reports favour, and the
@@ -33,7 +35,6 @@
 from __future__ import annotations
 
 import logging
-import queue
 import resource
 import signal
 import threading
@@ -57,6 +58,7 @@ from disagg_runtime.relay import (
 )
 from disagg_runtime.relay.auth import PeerKeyError, read_key
 from disagg_runtime.relay.select import relay_kind
+from disagg_runtime.role.control import Control
 from disagg_runtime.role.handler import Handler as LoadedHandler
 from disagg_runtime.role.handler import HandlerError, Runner, SetupContext, default_device, load
 from disagg_runtime.role.handling import Handling
@@ -70,16 +72,12 @@ from disagg_runtime.routing.peers import RESOLVE_EVERY, PeerSet, PeersFile, Reso
 from disagg_runtime.routing.relays import RelayCache
 from disagg_runtime.tracing import open_tracer
 from disagg_runtime.wire import envelope
-from disagg_runtime.wire.envelope import Meta
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]  # a function handler; classes are loaded by name (handler.py)
-ABORT_MEMORY_S = 120.0
 QUEUE_PER_WORKER = 16  # requests that may wait for each worker before new ones are refused
-CONTROL_BACKLOG = 4096  # aborts and refusals waiting to be sent on; more are dropped
 LINGER_QUIET_S = 0.3  # after its goodbye a role serves until nothing came for this long
 LINGER_MAX_S = 3.0  # ... or at most this long
-SWEEP_S = 0.25  # how often relays to replicas holding requests are looked at (forward.sweep)
 
 
 class RoleRuntime:
@@ -132,11 +130,6 @@ class RoleRuntime:
         self._draining = threading.Event()
         self._leaving = threading.Event()  # drained: requests waiting for a partner give up
         self._threads: list[threading.Thread] = []
-        # aborts to pass on, requests to refuse as overloaded: network sends, off the I/O thread
-        self._control: queue.Queue[tuple[str, Meta, str]] = queue.Queue(CONTROL_BACKLOG)
-        # aborts to pass downstream wait on their own thread: one blocked on a dead replica
-        # must not hold up the lost reports that let clients move requests in time
-        self._aborts: queue.Queue[tuple[str, Meta, str]] = queue.Queue(CONTROL_BACKLOG)
         self.metrics = RoleMetrics(
             pipeline=config.pipeline, role=config.role, replica=config.replica, sample=self._sample
         )
@@ -199,6 +192,14 @@ class RoleRuntime:
             self.spans,
             stopping=self._stopping,
         )
+        # refusals, lost reports and aborts: network sends, off the I/O thread (control.py)
+        self.control = Control(
+            self.name,
+            self.handling,
+            self.forward,
+            stopping=self._stopping,
+            max_queue=self.max_queue,
+        )
         self.pairing = PairingCheck(self.name, self.peers, self.relays)  # pairing.py
         self.health = HealthServer(
             self.metrics,
@@ -223,7 +224,7 @@ class RoleRuntime:
         seconds = self.runner.setup(ctx)
         self.metrics.setup_seconds(seconds)
         log.info("role %s/%d: handler set up in %.2f s", self.name, self.config.replica, seconds)
-        for name, target in [("control", self._control_loop), ("aborts", self._abort_loop)] + [
+        for name, target in self.control.loops() + [
             (f"worker-{i}", self._worker) for i in range(self.config.concurrency)
         ]:
             thread = threading.Thread(target=target, name=f"disagg-{self.name}-{name}", daemon=True)
@@ -235,7 +236,7 @@ class RoleRuntime:
 
     def idle(self) -> bool:
         """Nothing held: no work, no joins, nothing queued or reserved at the ingress."""
-        busy = self.requests.busy() or not self._control.empty() or not self._aborts.empty()
+        busy = self.requests.busy() or not self.control.empty()
         stats = self.ingress.stats()
         return not busy and stats.queued == 0 and stats.pending_reservations == 0
 
@@ -387,67 +388,10 @@ class RoleRuntime:
             log.exception("role %s: error accepting a message", self.name)
             msg.release()
 
-    def _control_loop(self) -> None:
-        """Expire joins that waited too long, look for downstream replicas lost with requests
-        in flight there (forward.sweep); refuse, report lost requests to their clients
-        (network sends; aborts go on the abort thread)."""
-        swept = 0.0
-        while not self._stopping.is_set():
-            try:
-                self.handling.expire_joins()
-                if time.monotonic() - swept >= SWEEP_S:
-                    swept = time.monotonic()
-                    self.forward.sweep()
-                action, meta, why = self._control.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            except Exception:  # the loop must outlive any one request's failure
-                log.exception("role %s: error while expiring requests", self.name)
-                continue
-            try:
-                if action == "lost":
-                    self.handling.hand_on(meta, migration.LOST, why, role=meta.source)
-                else:
-                    self.handling.fail(
-                        meta,
-                        "overloaded",
-                        f"role {self.name} is overloaded: {self.max_queue} requests are "
-                        "waiting for a worker; try again later",
-                    )
-            except Exception:
-                log.exception("role %s: error on %s of %s", self.name, action, meta.rid)
-
-    def _abort_loop(self) -> None:
-        """Pass aborts downstream (network sends), apart from the control thread."""
-        while not self._stopping.is_set():
-            try:
-                _, meta, _ = self._aborts.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                self.handling.pass_abort(meta)
-            except Exception:  # the loop must outlive any one abort's failure
-                log.exception("role %s: error passing on the abort of %s", self.name, meta.rid)
-
-    def _later(self, action: str, meta: Meta, why: str = "") -> None:
-        """Leave a network send to the control thread (aborts: the abort thread); dropped
-        when its backlog is full (an abort is then not passed on: the request's deadline
-        frees its slots)."""
-        backlog = self._aborts if action == "abort" else self._control
-        try:
-            backlog.put_nowait((action, meta, why))
-        except queue.Full:
-            log.warning("role %s: backlog full; %s of %s dropped", self.name, action, meta.rid)
-
     def _lost(self, sent: list[inflight.Sent]) -> None:
-        """Requests passed on to a downstream replica that is now lost: their clients are
-        told (by the control thread), to move them to a live replica."""
-        for s in sent:
-            why = (
-                f"replica {s.endpoint} of role {s.target} was lost (killed or restarted) "
-                f"while request {s.meta.rid} may have been there"
-            )
-            self._later("lost", s.meta.with_(source=s.target), why)
+        """Requests passed on to a downstream replica now lost (forward.Forwarder's
+        `on_lost`, made before `control`): their clients are told (control.py)."""
+        self.control.lost(sent)
 
     def _accept(self, msg: Message) -> None:
         payload = msg.payload
@@ -463,14 +407,14 @@ class RoleRuntime:
         if meta.kind == "abort":
             msg.release()
             if self.requests.drop(meta.rid):  # at once; telling downstream is a network send
-                self._later("abort", meta)
+                self.control.later("abort", meta)
             return
         if self.requests.aborted(meta.rid):
             msg.release()
             return
         if not self.requests.offer(meta, payload, msg):
             msg.release()  # told at once (by the control thread), so the client can back off
-            self._later("overloaded", meta)
+            self.control.later("overloaded", meta)
 
     def _worker(self) -> None:
         while (taken := self.requests.take(self._stopping)) is not None:

@@ -13,7 +13,11 @@ sender keeps the last one per replica, with its age and the requests it sent the
 - then power of two choices: two candidates at random, the one with the lower `score`,
   the time a new request would take there: the requests ahead of it and itself, per
   worker, times the replica's recent time per request (so an idle replica five times
-  slower loses to a fast one with a request or three ahead).
+  slower loses to a fast one with a request or three ahead). Scores within `TIE` of each
+  other are a tie, which goes either way: idle replicas differ in their measured times by
+  noise, and where the lower one always won, the winner kept a fresh time and the other's
+  stayed frozen, so one replica took nearly every request (prefill -> middle x 2, each
+  idle: 1 to 9 of 50 went to the second; a kill of it caught almost nothing).
   Why not least-loaded: every sender sees loads that are a little old, and all of them
   sending to the replica that looked emptiest pile onto it until the next report (herd
   behaviour, Mitzenmacher 2000, "How useful is old information?"); two random choices
@@ -41,6 +45,7 @@ from disagg_runtime.wire.load import Load, LoadError, View
 __all__ = ["Load", "LoadError", "View", "choose", "not_draining", "rendezvous", "score"]
 
 MAX_AGE_S = 1.0  # a load report older than this is not used
+TIE = 0.25  # scores closer than this share of the larger are a tie (random)
 
 
 def score(view: View, service_s: float = 1.0) -> float:
@@ -106,4 +111,5 @@ def choose(
         return candidates[0]
     neutral = statistics.fmean(known.values())
     a, b = rng.sample(candidates, 2)  # in random order: a tie goes either way
-    return a if known.get(a, neutral) <= known.get(b, neutral) else b
+    score_a, score_b = known.get(a, neutral), known.get(b, neutral)
+    return a if score_a <= score_b or score_a - score_b <= TIE * score_a else b

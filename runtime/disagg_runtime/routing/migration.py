@@ -99,6 +99,8 @@ def decide(
         return "ignore", f"output of it came already; role {role} had most likely passed it on"
     if seen.output_from:
         return "fail", f"{what} after output of it had reached the client: it is not moved"
+    if policy.max_attempts <= 0:  # (nor is its payload kept: said before `kept`)
+        return "fail", f"{what}, and request migration is off (migrationAttempts 0)"
     if not kept:
         return "fail", f"{what}, and its payload was written in place: it cannot be resent"
     if moved >= policy.max_attempts:
