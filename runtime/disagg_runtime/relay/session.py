@@ -30,8 +30,8 @@ payload that fits is written there at once and committed: no reservation round t
 credit that does not fit, or whose lease is half gone, is cancelled and the payload
 reserves as usual. Where commits share the control lane (shm, nixl) credit is used; for
 shm (`credit_below_inline`: nixl's per-transfer registration cost more than the lane's
-copies at 64 KiB, as measured before nixl cached its registrations) a stream's payloads from CREDIT_MIN up to the inline
-limit go through credit too, written once into the
+copies at 64 KiB, as measured before nixl cached its registrations) a stream's payloads
+from CREDIT_MIN up to the inline limit go through credit too, written once into the
 receiver's pool instead of copied through the lane; the first of a stream reserves (and
 asks), and after an ack that granted nothing they go inline again for CREDIT_RETRY_S.
 """
