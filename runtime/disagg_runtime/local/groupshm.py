@@ -39,9 +39,11 @@ def shm_paths(maps: str, skip_prefix: str = "") -> set[str]:
     return found
 
 
-def _group_of(pid: str) -> int | None:
+def _live_group(pid: str) -> int | None:
+    """The process group of `pid`, None once it is a zombie (it maps nothing) or gone."""
     with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[2])
+        state, _ppid, pgrp = f.read().rpartition(")")[2].split()[:3]
+        return None if state in ("Z", "X") else int(pgrp)
     return None
 
 
@@ -59,7 +61,7 @@ def mapped_by_group(pgid: int, skip_prefix: str = "") -> set[str]:
     """The /dev/shm files the live processes of group `pgid` map now."""
     found: set[str] = set()
     for pid in _pids():
-        if _group_of(pid) == pgid:
+        if _live_group(pid) == pgid:
             found |= shm_paths(_maps(pid), skip_prefix)
     return found
 
@@ -68,16 +70,10 @@ def wait_gone(pgid: int, timeout: float) -> bool:
     """Wait until no process of group `pgid` is alive (a zombie maps nothing); False if
     one still is after `timeout` seconds (what it maps is then kept)."""
     deadline = time.monotonic() + timeout
-    while any(_group_of(pid) == pgid and not _zombie(pid) for pid in _pids()):
+    while any(_live_group(pid) == pgid for pid in _pids()):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
-    return True
-
-
-def _zombie(pid: str) -> bool:
-    with contextlib.suppress(OSError, IndexError), open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
     return True
 
 
