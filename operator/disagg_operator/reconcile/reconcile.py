@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -449,9 +448,8 @@ class Reconciler:
         decision, stalled = state.rollout.observe(pipeline, planned, statefulsets)
         if stalled is not None:
             self.post_event(body, "Warning", EVENT_ROLLOUT_STALLED, stalled)
-        state.rollout.schedule_step_deadline(
-            decision, pipeline, functools.partial(self.scheduler.spawn_refresh, key)
-        )
+        delay = state.rollout.step_deadline_delay(decision, pipeline)
+        self.scheduler.recheck_step(key, state.timers, delay)
         if state.rollout.next_step_due(decision):
             self.scheduler.spawn_reconcile(key)
         return {**built, "rollout": rollout_state.status(decision, pipeline.rollout.paused)}
