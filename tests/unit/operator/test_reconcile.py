@@ -18,7 +18,7 @@ from disagg_operator.app import handlers, main
 from disagg_operator.k8s import client as kube
 from disagg_operator.k8s import times
 from disagg_operator.plan import model
-from disagg_operator.reconcile import apply, reconcile, status
+from disagg_operator.reconcile import apply, reconcile, status, tracked
 from disagg_operator.reconcile import events as reconcile_events
 from disagg_operator.reconcile.metrics import Metrics
 from disagg_runtime import cli
@@ -349,7 +349,7 @@ async def test_a_forgotten_or_closed_pipeline_is_not_rechecked() -> None:
 
     reconciler.scheduler.refresh = refresh
     for name in ("p", "q"):
-        timers = reconciler.states.setdefault(("ns", name), reconcile.PipelineState()).timers
+        timers = reconciler.states.setdefault(("ns", name), tracked.PipelineState()).timers
         reconciler.scheduler.recheck(("ns", name), timers, 0.05)
         reconciler.scheduler.recheck_step(("ns", name), timers, 0.05)
     reconciler.forget("ns", "p")
