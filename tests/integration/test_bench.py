@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from disagg_runtime import cli
 from disagg_runtime.bench import ratios
 from disagg_runtime.bench.sizes import format_size, parse_size
 from disagg_runtime.bench.transport import METHODS, NIXL_METHODS
@@ -21,6 +22,13 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*DISAGG, *args], capture_output=True, text=True, timeout=timeout, env=os.environ.copy()
     )
+
+
+def refused(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """The exit code and stderr of a command refused for its arguments: in this process
+    (a CLI process costs seconds of imports, and a refusal starts nothing)."""
+    capsys.readouterr()
+    return cli.main(list(args)), capsys.readouterr().err
 
 
 def test_transport_json_has_every_method_and_size():
@@ -64,17 +72,19 @@ def test_transport_json_has_every_method_and_size():
             assert row["receiver_rss_delta_bytes"] is not None
 
 
-def test_transport_table_and_bad_arguments():
+def test_transport_table_and_bad_arguments(capsys: pytest.CaptureFixture[str]):
     proc = run("bench", "transport", "--sizes", "1MiB", "--repeats", "2", "--methods", "shm")
     assert proc.returncode == 0, proc.stderr
     assert "memcpy" in proc.stdout and "shm" in proc.stdout  # the limit always comes along
-    bad = run("bench", "transport", "--sizes", "lots")
-    assert bad.returncode == 2 and "bad size 'lots'" in bad.stderr
-    bad = run("bench", "transport", "--methods", "carrier_pigeon")
-    assert bad.returncode == 2 and "unknown method" in bad.stderr
+    code, err = refused(capsys, "bench", "transport", "--sizes", "lots")
+    assert code == 2 and "bad size 'lots'" in err
+    code, err = refused(capsys, "bench", "transport", "--methods", "carrier_pigeon")
+    assert code == 2 and "unknown method" in err
 
 
-def test_transport_cpu_mode_reports_cpu_per_message_beside_the_references():
+def test_transport_cpu_mode_reports_cpu_per_message_beside_the_references(
+    capsys: pytest.CaptureFixture[str],
+):
     proc = run(
         "bench", "transport", "--cpu-messages", "300", "--sizes", "4KiB,1KiB", "--json",
         "--methods", "raw_unix,py_unix,shm,tcp",
@@ -101,10 +111,10 @@ def test_transport_cpu_mode_reports_cpu_per_message_beside_the_references():
     table = run("bench", "transport", "--cpu-messages", "100", "--methods", "py_unix,shm")
     assert table.returncode == 0, table.stderr
     assert "us/msg" in table.stdout and "shm" in table.stdout and "4KiB" in table.stdout
-    bad = run("bench", "transport", "--cpu-messages", "10", "--methods", "memcpy")
-    assert bad.returncode == 2 and "unknown method(s) memcpy for --cpu-messages" in bad.stderr
-    bad = run("bench", "transport", "--cpu-messages", "-3")
-    assert bad.returncode == 2 and "--cpu-messages must be at least 1" in bad.stderr
+    code, err = refused(capsys, "bench", "transport", "--cpu-messages", "10", "--methods", "memcpy")
+    assert code == 2 and "unknown method(s) memcpy for --cpu-messages" in err
+    code, err = refused(capsys, "bench", "transport", "--cpu-messages", "-3")
+    assert code == 2 and "--cpu-messages must be at least 1" in err
 
 
 def test_pipeline_bench_reports_per_hop_overhead():

@@ -112,7 +112,7 @@ class ScalingLoop:
             body = await apply.get_pipeline(self.reconciler.api, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return []
-        parsed = self.reconciler.validated(body, state, self.reconciler.options)
+        parsed = state.validated(body, self.reconciler.options)
         if isinstance(parsed, SpecError):
             return []
         plan = autoscaling.scaling_plan(parsed)

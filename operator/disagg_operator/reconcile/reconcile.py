@@ -33,19 +33,13 @@ waiting for the lock are merged into it.
 
 Reads come from the watch cache (`cache`: the workloads, the peer key Secret, and the
 pipeline for a refresh) when kopf has bound it, else from the API (`reads`: what each costs).
-The parsed spec is kept per pipeline until its content changes, and so is what the rollout
-reads of the plan: a refresh neither parses nor plans again. The status last written is
-remembered, so a cache that has not caught up with our own write does not make us write it
-again. When a refresh happens without an event of its own (coalesced child events, retries
-with backoff, the progress deadline's recheck) and the next rollout step's reconcile are
-`refresh.Scheduler`'s.
-
-Per-pipeline state (`PipelineState`) also holds `replicas`: the autoscaler's decisions per
-workload unit, passed to the planner as `PlanOptions.replicas` so that a reconcile does not
-undo them, and `scaling`: the autoscaler's history (see `scaling_loop`). Before each
-reconcile, `autoscaling.resumed_replicas` completes `replicas` from the status
-(`autoscaledReplicas`), so a restarted operator resumes from its last decisions instead of
-snapping back to spec.roles[].replicas, and drops units that are no longer autoscaled.
+What is kept per pipeline between reconciles (`tracked.PipelineState`: the autoscaler's
+replicas, the rollout, the parsed spec and what the rollout reads of the plan, the status
+last written) and what is derived from it without I/O are `tracked`'s: a refresh neither
+parses nor plans again, and a cache that has not caught up with our own write does not make
+us write the status again. When a refresh happens without an event of its own (coalesced
+child events, retries with backoff, the progress and rollout step deadlines' rechecks) and
+the next rollout step's reconcile are `refresh.Scheduler`'s.
 """
 
 from __future__ import annotations
@@ -53,14 +47,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from disagg_core import spec
 from disagg_core.spec import Pipeline, SpecError, pod_policy_findings
 from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.k8s import client as kube
@@ -79,8 +71,8 @@ from disagg_operator.reconcile.events import (
 from disagg_operator.reconcile.metrics import Metrics
 from disagg_operator.reconcile.progress import Progress
 from disagg_operator.reconcile.refresh import COALESCE, Scheduler, Timers
+from disagg_operator.reconcile.tracked import PipelineState
 from disagg_operator.rollout import state as rollout_state
-from disagg_operator.rollout.tracker import PlanKey, RolloutTracker
 
 PARALLEL: Final = 32  # reconciles and refreshes in flight at once (the rest queue)
 
@@ -92,23 +84,6 @@ Clock = Callable[[], datetime.datetime]
 
 def utc_now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
-
-
-@dataclass
-class PipelineState:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    replicas: dict[str, int] = field(default_factory=dict)  # autoscaler decisions, by unit
-    scaling: autoscaling.ScalingState | None = None  # the autoscaler's windows
-    conflicts: tuple[apply.Conflict, ...] = ()
-    privileged: tuple[str, ...] = ()  # the weakening settings last warned about
-    refresh_waiting: bool = False
-    timers: Timers = field(default_factory=Timers)  # scheduled refreshes (`refresh`)
-    rollout: RolloutTracker = field(default_factory=RolloutTracker)  # partitions, step
-    peer_key_hash: str | None = None  # of the key last reconciled: templates carry it
-    generation: int = 0  # the newest generation read from the API
-    written: dict[str, Any] = field(default_factory=dict)  # the status we last wrote
-    applied: dict[str, dict[str, Any]] = field(default_factory=dict)  # StatefulSets, by name
-    parsed: tuple[tuple[str, str], Pipeline | SpecError] | None = None  # see `validated`
 
 
 @dataclass(frozen=True)
@@ -254,8 +229,8 @@ class Reconciler:
         namespace = body["metadata"]["namespace"]
         owner = model.Owner.of(body)
         await self._detect_pod_monitors(body)
-        options = self.options_for(state)
-        pipeline = self.validated(body, state, options)
+        options = state.options(self.options)
+        pipeline = state.validated(body, options)
         if isinstance(pipeline, SpecError):
             state.conflicts = ()
             return await self._finish(body, state, pipeline, None)
@@ -280,15 +255,15 @@ class Reconciler:
         await apply.all_of([secret, listed, children])
         (key, created), workloads, existing = secret.result(), listed.result(), children.result()
         digest = manifests.peer_key_digest(reads.peer_key_text(key))
-        objects = self._plan(pipeline, state, namespace, owner, options, digest)
+        objects = state.plan(pipeline, namespace, owner, options, digest)
         state.peer_key_hash = digest
         live = [
             o for o in workloads.values() if (apply.controller_of(o) or {}).get("uid") == owner.uid
         ]
         state.rollout.step(pipeline, objects, live)
-        if self.options_for(state) != options:  # the rollout moved a partition
-            options = self.options_for(state)
-            objects = self._plan(pipeline, state, namespace, owner, options, digest)
+        if state.options(self.options) != options:  # the rollout moved a partition
+            options = state.options(self.options)
+            objects = state.plan(pipeline, namespace, owner, options, digest)
         result = await apply.apply_children(
             self.api,
             objects,
@@ -308,60 +283,8 @@ class Reconciler:
         )
 
     async def _refresh(self, body: Mapping[str, Any], state: PipelineState) -> Outcome:
-        parsed = self.validated(body, state, self.options_for(state))
+        parsed = state.validated(body, state.options(self.options))
         return await self._finish(body, state, parsed, None)
-
-    def validated(
-        self, body: Mapping[str, Any], state: PipelineState, options: model.PlanOptions
-    ) -> Pipeline | SpecError:
-        """`validate`, remembered per pipeline for the body's content (`cache.digest`: all
-        but status and server-kept metadata) and the options: the status refreshes that
-        child events cause, and the autoscaler's rounds, parse a pipeline once per edit,
-        not once per event (at a thousand pipelines, parsing was a tenth of the CPU). Of the
-        options, `planner.check` reads the GPU mode and the DRA version (not the replicas
-        and partitions, which change often)."""
-        key = (cache.digest(body), f"{options.gpu_mode} {options.dra_api_version}")
-        if state.parsed is not None and state.parsed[0] == key:
-            return state.parsed[1]
-        parsed = validate(body, options)
-        state.parsed = (key, parsed)
-        return parsed
-
-    def _plan(
-        self,
-        pipeline: Pipeline,
-        state: PipelineState,
-        namespace: str,
-        owner: model.Owner,
-        options: model.PlanOptions,
-        peer_key_hash: str,
-    ) -> list[dict[str, Any]]:
-        """`planner.plan`; what the rollout reads of it is kept (`RolloutTracker.remember`)."""
-        objects = planner.plan(
-            pipeline,
-            namespace=namespace,
-            owner=owner,
-            options=options,
-            peer_key_hash=peer_key_hash,
-        )
-        key = _plan_key(pipeline, namespace, owner, options, peer_key_hash)
-        state.rollout.remember(key, objects)
-        return objects
-
-    def _planned_for_rollout(
-        self,
-        pipeline: Pipeline,
-        state: PipelineState,
-        namespace: str,
-        owner: model.Owner,
-        options: model.PlanOptions,
-        peer_key_hash: str,
-    ) -> list[dict[str, Any]]:
-        """The planned StatefulSets as the rollout reads them (`RolloutTracker.planned_for`)."""
-        key = _plan_key(pipeline, namespace, owner, options, peer_key_hash)
-        return state.rollout.planned_for(
-            key, lambda: self._plan(pipeline, state, namespace, owner, options, peer_key_hash)
-        )
 
     async def _finish(
         self,
@@ -390,7 +313,7 @@ class Reconciler:
             now=now,
             previous_conditions=before.get("conditions") or (),
             progress_deadline=self.progress_deadline,
-            options=self.options_for(state),
+            options=state.options(self.options),
         )
         if not isinstance(parsed, SpecError):
             after = status.with_conflicts(after, state.conflicts, now=now, previous=before)
@@ -417,15 +340,6 @@ class Reconciler:
             events=tuple(events),
         )
 
-    def options_for(self, state: PipelineState) -> model.PlanOptions:
-        if not state.replicas and not state.rollout.partitions:
-            return self.options
-        return dataclasses.replace(
-            self.options,
-            replicas={**self.options.replicas, **state.replicas},
-            partitions=dict(state.rollout.partitions),
-        )
-
     # ------------------------------------------------------------------ rollouts
 
     def _rollout_status(
@@ -442,16 +356,15 @@ class Reconciler:
             return dict(built)
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
-        owner, options = model.Owner.of(body), self.options_for(state)
-        planned = self._planned_for_rollout(
-            pipeline, state, meta["namespace"], owner, options, state.peer_key_hash
+        owner, options = model.Owner.of(body), state.options(self.options)
+        planned = state.planned_for_rollout(
+            pipeline, meta["namespace"], owner, options, state.peer_key_hash
         )
         decision, stalled = state.rollout.observe(pipeline, planned, statefulsets)
         if stalled is not None:
             self.post_event(body, "Warning", EVENT_ROLLOUT_STALLED, stalled)
-        state.rollout.schedule_step_deadline(
-            decision, pipeline, functools.partial(self.scheduler.spawn_refresh, key)
-        )
+        delay = state.rollout.step_deadline_delay(decision, pipeline)
+        self.scheduler.recheck_step(key, state.timers, delay)
         if state.rollout.next_step_due(decision):
             self.scheduler.spawn_reconcile(key)
         return {**built, "rollout": rollout_state.status(decision, pipeline.rollout.paused)}
@@ -485,32 +398,3 @@ class _Measured:
         if kind is not None and not issubclass(kind, asyncio.CancelledError):
             reason = error.reason if isinstance(error, kube.ApiError) else kind.__name__
             self.metrics.errors.labels(kind=self.kind, reason=reason).inc()
-
-
-# ---------------------------------------------------------------------------- pure parts
-
-
-def _plain(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The pipeline document as plain dicts (kopf hands out read-only mappings)."""
-    return {key: value for key, value in body.items()}
-
-
-def validate(body: Mapping[str, Any], options: model.PlanOptions) -> Pipeline | SpecError:
-    """The validated pipeline, or every problem of the spec and of the planner's `check`."""
-    try:
-        pipeline = spec.parse_pipeline(_plain(body))
-    except SpecError as error:
-        return error
-    problems = planner.check(pipeline, options)
-    return SpecError(problems) if problems else pipeline
-
-
-def _plan_key(
-    pipeline: Pipeline,
-    namespace: str,
-    owner: model.Owner,
-    options: model.PlanOptions,
-    peer_key_hash: str,
-) -> PlanKey:
-    """What a plan is made of: the key under which the rollout keeps what it read of one."""
-    return (pipeline, namespace, owner, repr(options), peer_key_hash)

@@ -9,6 +9,9 @@ and background tasks (`Scheduler`), apart from what one reconcile or refresh doe
 - While Progressing is True, a refresh is scheduled for when the progress deadline passes
   (`Scheduler.recheck`, with `status.recheck_delay`), so that
   `Degraded/ProgressDeadlineExceeded` appears without any event.
+- While a rollout step waits, a refresh is scheduled for when its deadline passes
+  (`Scheduler.recheck_step`, with `RolloutTracker.step_deadline_delay`), so that a stuck
+  pod's step is reported stalled without any event.
 - A rollout step that is done spawns the reconcile that applies the next
   (`Scheduler.spawn_reconcile`).
 
@@ -55,10 +58,11 @@ class Timers:
 
     due: asyncio.TimerHandle | None = None  # a coalesced (or retried) refresh
     recheck: asyncio.TimerHandle | None = None  # when the progress deadline passes
+    step: asyncio.TimerHandle | None = None  # when the rollout step's deadline passes
     failures: int = 0  # refreshes failed on the API in a row
 
     def cancel(self) -> None:
-        for timer in (self.recheck, self.due):
+        for timer in (self.recheck, self.step, self.due):
             if timer is not None:
                 timer.cancel()
 
@@ -81,14 +85,14 @@ class Scheduler:
             timers.due = asyncio.get_running_loop().call_later(self.coalesce, self._due, key)
 
     def recheck(self, key: Key, timers: Timers, delay: float | None) -> None:
-        """A refresh `delay` seconds from now, instead of the one scheduled before; None:
-        none."""
-        if timers.recheck is not None:
-            timers.recheck.cancel()
-            timers.recheck = None
-        if delay is None:
-            return
-        timers.recheck = asyncio.get_running_loop().call_later(delay, self.spawn_refresh, key)
+        """A refresh `delay` seconds from now (the progress deadline), instead of the one
+        scheduled before; None: none."""
+        timers.recheck = self._later(timers.recheck, key, delay)
+
+    def recheck_step(self, key: Key, timers: Timers, delay: float | None) -> None:
+        """As `recheck`, for the rollout step's deadline (a timer of its own: the two
+        deadlines pass at different times)."""
+        timers.step = self._later(timers.step, key, delay)
 
     def spawn_refresh(self, key: Key) -> None:
         self._spawn(self._refresh_task(key), f"disagg-refresh-{key[1]}")
@@ -100,6 +104,15 @@ class Scheduler:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _later(
+        self, before: asyncio.TimerHandle | None, key: Key, delay: float | None
+    ) -> asyncio.TimerHandle | None:
+        if before is not None:
+            before.cancel()
+        if delay is None:
+            return None
+        return asyncio.get_running_loop().call_later(delay, self.spawn_refresh, key)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)

@@ -14,7 +14,8 @@ from disagg_core.spec import SpecError
 from disagg_operator.k8s import client as kube
 from disagg_operator.plan import model
 from disagg_operator.reconcile import apply, regroup
-from disagg_operator.reconcile.reconcile import PipelineState, Reconciler
+from disagg_operator.reconcile.reconcile import Reconciler
+from disagg_operator.reconcile.tracked import PipelineState
 
 log = logging.getLogger(__name__)
 EVENT_GROUP_RESTARTED: Final = "GroupRestarted"
@@ -34,10 +35,10 @@ async def restart_groups(
     if body is None:
         return ()
     state = reconciler.states.setdefault(key, PipelineState())
-    parsed = reconciler.validated(body, state, reconciler.options)
+    parsed = state.validated(body, reconciler.options)
     if isinstance(parsed, SpecError):
         return ()
-    options = reconciler.options_for(state)
+    options = state.options(reconciler.options)
     shapes = {
         unit.unit: regroup.Shape(unit.roles[0].nodes, unit.replicas)
         for unit in model.workloads(parsed, options)

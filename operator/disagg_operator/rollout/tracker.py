@@ -1,13 +1,12 @@
 """One pipeline's rollout as the reconciler drives it: the partitions in effect, the current
-step and when it began, the units already reported stalled, the timer for the step's
-deadline, and what the rollout reads of the last plan. The decisions are `state.decide`'s
+step and when it began, the units already reported stalled, when the step's deadline
+passes, and what the rollout reads of the last plan. The decisions are `state.decide`'s
 (pure); this keeps what must outlive one reconcile, so the reconciler holds one per pipeline
 and calls `step` before applying, `observe` when building the status.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,6 @@ class RolloutTracker:
     step_targets: dict[str, int] = field(default_factory=dict)  # the current rollout step
     step_started: float = 0.0  # monotonic seconds
     stalled: tuple[str, ...] = ()  # units whose step missed its deadline (Event once)
-    step_recheck: asyncio.TimerHandle | None = None  # a refresh when the step deadline passes
     planned: tuple[PlanKey, list[dict[str, Any]]] | None = None  # `remember`: slim
 
     def remember(self, key: PlanKey, objects: Sequence[Mapping[str, Any]]) -> None:
@@ -80,21 +78,16 @@ class RolloutTracker:
         self.stalled = stalled
         return decision, message
 
-    def schedule_step_deadline(
-        self,
-        decision: rollout_state.RolloutDecision,
-        pipeline: Pipeline,
-        refresh: Callable[[], None],
-    ) -> None:
-        """While a step waits, `refresh` once its deadline passes (a stuck pod sends no event)."""
-        if self.step_recheck is not None:
-            self.step_recheck.cancel()
-            self.step_recheck = None
+    def step_deadline_delay(
+        self, decision: rollout_state.RolloutDecision, pipeline: Pipeline
+    ) -> float | None:
+        """Seconds until the waiting step's deadline has passed, for a refresh then (a stuck
+        pod sends no event); None when no step waits or it is stalled already. The timer is
+        the pipeline's (`refresh.Timers.step`), so forgetting the pipeline cancels it."""
         if not decision.step.waiting or decision.step.stalled:
-            return
+            return None
         age = time.monotonic() - self.step_started
-        delay = max(0.0, pipeline.rollout.step_deadline_seconds - age) + 0.1
-        self.step_recheck = asyncio.get_running_loop().call_later(delay, refresh)
+        return max(0.0, pipeline.rollout.step_deadline_seconds - age) + 0.1
 
     def next_step_due(self, decision: rollout_state.RolloutDecision) -> bool:
         """The observed StatefulSets finished the current step: a reconcile applies the next."""

@@ -12,7 +12,6 @@ failure handling NIXL asks for) or `tcp` alone.
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
 import os
 import struct
 import time
@@ -20,6 +19,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from disagg_runtime.bench import procs
 
 UCX = {
     "nixl_cma": {"UCX_TLS": "cma,tcp", "UCX_NET_DEVICES": "lo"},
@@ -32,12 +33,12 @@ WAIT_S = 60.0
 
 def measure(method: str, size: int, repeats: int) -> list[float]:
     """One-way delays of `repeats` WRITEs (+ notification) of `size` bytes (warm-up dropped)."""
-    spawn = mp.get_context("spawn")
-    rx_control, rx_end = spawn.Pipe()
-    tx_control, tx_end = spawn.Pipe()
-    answers, asks = spawn.Pipe()
-    rx = spawn.Process(target=_receive, args=(UCX[method], size, rx_end, answers), daemon=True)
-    tx = spawn.Process(target=_send, args=(UCX[method], size, repeats, tx_end, asks), daemon=True)
+    mp_ctx = procs.context()
+    rx_control, rx_end = mp_ctx.Pipe()
+    tx_control, tx_end = mp_ctx.Pipe()
+    answers, asks = mp_ctx.Pipe()
+    rx = mp_ctx.Process(target=_receive, args=(UCX[method], size, rx_end, answers), daemon=True)
+    tx = mp_ctx.Process(target=_send, args=(UCX[method], size, repeats, tx_end, asks), daemon=True)
     rx.start()
     try:
         offer = _answer(rx_control, f"{method} receiver")

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -30,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from disagg_runtime.bench import peer
+from disagg_runtime.bench import peer, procs
 from disagg_runtime.bench.ratios import COPIES
 from disagg_runtime.bench.sizes import parse_size
 
@@ -108,7 +107,7 @@ def _unix_delays(
     """Run `serve(path, nbytes)` in another process, write it `repeats` + 1 messages (each
     `message()`, which stamps itself) over a unix stream socket, one at a time, and return
     the one-way delays it answers (the first, a warm-up, dropped)."""
-    spawn = mp.get_context("spawn")
+    mp_ctx = procs.context()
     delays: list[float] = []
     with tempfile.TemporaryDirectory(prefix="disagg-bench-") as tmp:
         path = os.path.join(tmp, "raw.sock")
@@ -116,7 +115,7 @@ def _unix_delays(
         listener.bind(path)
         listener.listen(1)
         listener.settimeout(60)
-        proc = spawn.Process(target=serve, args=(path, nbytes), daemon=True)
+        proc = mp_ctx.Process(target=serve, args=(path, nbytes), daemon=True)
         proc.start()
         try:
             conn, _ = listener.accept()

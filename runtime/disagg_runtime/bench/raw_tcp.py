@@ -11,12 +11,12 @@ one-way delay its receiver saw (perf_counter is one clock for every process here
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import socket
 import struct
 import threading
 import time
 
+from disagg_runtime.bench import procs
 from disagg_runtime.relay.backends.tcp import stripe_plan
 
 STAMP = struct.Struct("d")
@@ -53,7 +53,7 @@ def measure(size: int, repeats: int, streams: int) -> list[float]:
     view = memoryview(buf)
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(60)
-    proc = mp.get_context("spawn").Process(
+    proc = procs.context().Process(
         target=serve, args=(listener.getsockname()[1], size, len(parts)), daemon=True
     )
     proc.start()

@@ -27,7 +27,7 @@ from disagg_operator.autoscaling import podmetrics
 from disagg_operator.autoscaling import scaling as autoscaling
 from disagg_operator.k8s import client as kube
 from disagg_operator.plan import model, planner
-from disagg_operator.reconcile import apply, reconcile
+from disagg_operator.reconcile import apply, reconcile, tracked
 from disagg_runtime.role.health import HealthServer
 from disagg_runtime.role.metrics import RoleMetrics, RoleSample
 
@@ -432,7 +432,7 @@ class Harness:
             post_event=lambda _, *event: self.events.append(event),
             clock=lambda: NOW,
         )
-        self.reconciler.states[("ns", "p")] = self.state = reconcile.PipelineState()
+        self.reconciler.states[("ns", "p")] = self.state = tracked.PipelineState()
         self.scraper = FakeScraper()
         self.loop = ScalingLoop(self.reconciler, interval=0.05, monotonic=lambda: self.clock)
         self.loop._scraper = self.scraper  # type: ignore[assignment]

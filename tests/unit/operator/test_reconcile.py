@@ -5,6 +5,7 @@ the progress deadline needs a recheck, ownership and pruning rules, kopf setting
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import datetime
 from typing import Any, cast
@@ -17,7 +18,7 @@ from disagg_operator.app import handlers, main
 from disagg_operator.k8s import client as kube
 from disagg_operator.k8s import times
 from disagg_operator.plan import model
-from disagg_operator.reconcile import apply, reconcile, status
+from disagg_operator.reconcile import apply, reconcile, status, tracked
 from disagg_operator.reconcile import events as reconcile_events
 from disagg_operator.reconcile.metrics import Metrics
 from disagg_runtime import cli
@@ -333,3 +334,27 @@ async def test_a_failed_reconcile_is_timed_and_counted() -> None:
     reconciler.forget("ns", "p")
     assert metrics.value("disagg_operator_pipelines_managed") == 0
     await reconciler.close()
+
+
+@pytest.mark.asyncio
+async def test_a_forgotten_or_closed_pipeline_is_not_rechecked() -> None:
+    """Forgetting a pipeline cancels every refresh scheduled for it, the rollout step's
+    deadline too (it used to fire after `forget`, and the refresh it spawned tracked the
+    pipeline again); closing the reconciler cancels those of every pipeline."""
+    reconciler = reconcile.Reconciler(api=kube.Api())
+    refreshed: list[tuple[str, str]] = []
+
+    async def refresh(key: tuple[str, str]) -> None:
+        refreshed.append(key)
+
+    reconciler.scheduler.refresh = refresh
+    for name in ("p", "q"):
+        timers = reconciler.states.setdefault(("ns", name), tracked.PipelineState()).timers
+        reconciler.scheduler.recheck(("ns", name), timers, 0.05)
+        reconciler.scheduler.recheck_step(("ns", name), timers, 0.05)
+    reconciler.forget("ns", "p")
+    await asyncio.sleep(0.01)
+    await reconciler.close()
+    await asyncio.sleep(0.2)
+    assert refreshed == []
+    assert ("ns", "p") not in reconciler.states

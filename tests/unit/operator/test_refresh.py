@@ -160,15 +160,34 @@ async def test_a_failed_rollout_step_is_logged_and_the_tasks_end_on_close(
     assert not p.scheduler._tasks
 
 
-def test_cancelling_the_timers_cancels_both() -> None:
+def test_cancelling_the_timers_cancels_every_one() -> None:
     loop = asyncio.new_event_loop()
     try:
         timers = refresh.Timers(
-            due=loop.call_later(3600, lambda: None), recheck=loop.call_later(3600, lambda: None)
+            due=loop.call_later(3600, lambda: None),
+            recheck=loop.call_later(3600, lambda: None),
+            step=loop.call_later(3600, lambda: None),
         )
         timers.cancel()
         assert timers.due is not None and timers.due.cancelled()
         assert timers.recheck is not None and timers.recheck.cancelled()
+        assert timers.step is not None and timers.step.cancelled()
         refresh.Timers().cancel()  # none scheduled: nothing to do
     finally:
         loop.close()
+
+
+@pytest.mark.asyncio
+async def test_the_step_recheck_is_a_timer_of_its_own_beside_the_progress_recheck() -> None:
+    p = Pipelines()
+    p.scheduler.recheck(KEY, p.timers, 3600.0)
+    progress = p.timers.recheck
+    p.scheduler.recheck_step(KEY, p.timers, 3600.0)
+    first = p.timers.step
+    assert first is not None and progress is not None and not progress.cancelled()
+    p.scheduler.recheck_step(KEY, p.timers, None)
+    assert first.cancelled() and p.timers.step is None
+    assert p.timers.recheck is progress and not progress.cancelled()
+    p.scheduler.recheck_step(KEY, p.timers, 0.0)  # due now: a refresh
+    await until(lambda: p.refreshed == [KEY])
+    p.timers.cancel()
