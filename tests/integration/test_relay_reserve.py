@@ -240,7 +240,7 @@ def test_an_upload_reconnects_when_its_kept_connection_lost_its_receiver(rig: Ri
             # its abort goes out on the client's control thread: taken here, so that a late
             # one cannot reach the restarted ingress in place of the next upload
             with ingress.recv(timeout=WAIT) as msg:
-                assert (msg.request_id, msg.meta["kind"]) == (rid, "abort")
+                assert msg.meta is not None and (msg.request_id, msg.meta["kind"]) == (rid, "abort")
             (kept,) = [r for idle in client.uploads._idle.values() for r, _ in idle]
             if i == 0:
                 before = kept
