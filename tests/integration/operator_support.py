@@ -97,6 +97,37 @@ def pipeline_doc(name: str, roles: list[Obj], edges: list[Obj] | None = None) ->
     }
 
 
+def engine_pipeline_doc(
+    name: str,
+    engine: Obj,
+    *,
+    model: str,
+    prefill: Obj | None = None,
+    decode: Obj | None = None,
+    edge: Obj | None = None,
+) -> Obj:
+    """A vLLM prefill -> decode pipeline over a kv edge behind the OpenAI gateway serving
+    `model`: `engine` is both roles' engine (kind vllm), `prefill` and `decode` add to their
+    role (an `engine` there to the shared one), `edge` to the kv edge."""
+
+    def role(role: str, extra: Obj | None) -> Obj:
+        extra = copy.deepcopy(extra or {})
+        own = {"kind": "vllm", **copy.deepcopy(engine), **extra.pop("engine", {})}
+        return {"name": role, "engine": own, **extra}
+
+    return {
+        "apiVersion": names.PIPELINE_API_VERSION,
+        "kind": names.PIPELINE_KIND,
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "image": "ghcr.io/disagg/runtime-vllm:0.1.0",
+            "roles": [role("prefill", prefill), role("decode", decode)],
+            "edges": [{"from": "prefill", "to": "decode", "kind": "kv", **(edge or {})}],
+            "gateway": {"api": "openai", "model": model},
+        },
+    }
+
+
 @contextlib.asynccontextmanager
 async def running_operator(
     k8s: EmulatorThread,

@@ -74,14 +74,18 @@ def rendered_env(
         edit_topology(topology)
     topology_file = tmp / "topology.json"
     topology_file.write_text(json.dumps(topology))
-    env = {v["name"]: v["value"] for v in container["env"] if "value" in v}
-    return env | {  # the mounted files, and this host's address for the pod's
+    rendered = {v["name"]: v.get("value") for v in container["env"]}
+    env = {k: v for k, v in rendered.items() if v is not None}
+    local = {  # the mounted files, and this host's address for the pod's
         "DISAGG_TOPOLOGY_FILE": str(topology_file),
-        "DISAGG_PEER_KEY_FILE": peer_key(k8s, pipeline, namespace, tmp),
         "DISAGG_BIND_HOST": "127.0.0.1",
-        "DISAGG_POD_IP": "127.0.0.1",
         "DISAGG_GATEWAY_PORT": str(port),
     }
+    if "DISAGG_PEER_KEY_FILE" in rendered:  # a peer of the roles (not in front of engines)
+        local["DISAGG_PEER_KEY_FILE"] = peer_key(k8s, pipeline, namespace, tmp)
+    if "DISAGG_POD_IP" in rendered:
+        local["DISAGG_POD_IP"] = "127.0.0.1"
+    return env | local
 
 
 class RenderedGateway:

@@ -27,36 +27,24 @@ from tests.k8s.server import EmulatorThread
 Obj = dict[str, Any]
 NAME = "pd"
 POLICIES = "networking.k8s.io/v1/networkpolicies"
-DOC: Obj = {
-    "apiVersion": "disagg.dev/v1alpha1",
-    "kind": "DisaggregatedPipeline",
-    "metadata": {"name": NAME, "namespace": s.NS},
-    "spec": {
-        "image": "ghcr.io/disagg/runtime-vllm:0.1.0",
-        "roles": [
-            {
-                "name": "prefill",
-                "engine": {
-                    "kind": "vllm",
-                    "model": "/models/tiny",
-                    "args": {"maxModelLen": 512, "enforceEager": True, "dtype": "float32"},
-                },
-                "resources": {"requests": {"cpu": "1", "memory": "3Gi"}},
-                "startupSeconds": 300,
-            },
-            {
-                "name": "decode",
-                "replicas": 2,
-                "ranks": 2,
-                "engine": {"kind": "vllm", "model": "/models/tiny", "kvPort": 7601},
-                "resources": {"limits": {"nvidia.com/gpu": 1}},
-                "autoscaling": {"minReplicas": 1, "maxReplicas": 3},
-            },
-        ],
-        "edges": [{"from": "prefill", "to": "decode", "kind": "kv", "relay": "tcp"}],
-        "gateway": {"api": "openai", "model": "tiny"},
+DOC: Obj = s.engine_pipeline_doc(
+    NAME,
+    {"model": "/models/tiny"},
+    model="tiny",
+    prefill={
+        "engine": {"args": {"maxModelLen": 512, "enforceEager": True, "dtype": "float32"}},
+        "resources": {"requests": {"cpu": "1", "memory": "3Gi"}},
+        "startupSeconds": 300,
     },
-}
+    decode={
+        "replicas": 2,
+        "ranks": 2,
+        "engine": {"kvPort": 7601},
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 3},
+    },
+    edge={"relay": "tcp"},
+)
 
 
 def _doc() -> Obj:

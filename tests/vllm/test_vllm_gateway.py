@@ -23,9 +23,10 @@ from typing import Any
 import httpx
 import pytest
 
+from disagg_runtime.bench.vllm.run import PROMPTS
 from tests.support import EXAMPLES
 from tests.vllm import engines as E
-from tests.vllm.test_vllm_pd import MAX_TOKENS, PROMPTS
+from tests.vllm.test_vllm_pd import MAX_TOKENS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MODEL = "tiny-vllm"  # spec.gateway.model of the example

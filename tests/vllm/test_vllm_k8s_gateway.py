@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from disagg_runtime.bench.vllm.run import PROMPTS
 from tests.integration import operator_support as s
 from tests.integration.rendered_gateway import (
     RenderedGateway,
@@ -31,7 +32,7 @@ from tests.integration.rendered_gateway import (
 from tests.k8s.fixtures import Kubectl
 from tests.k8s.server import EmulatorThread
 from tests.vllm import engines as E
-from tests.vllm.test_vllm_pd import MAX_TOKENS, PROMPTS, _eventually, _metric
+from tests.vllm.test_vllm_pd import MAX_TOKENS, _eventually, _metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NAME = "pd"
@@ -50,25 +51,12 @@ ARGS = {  # as tests/vllm/engines.py starts the reference engine
 
 
 def _doc(model: pathlib.Path) -> dict[str, Any]:
-    engine = {"kind": "vllm", "model": str(model), "args": ARGS}
-    return {
-        "apiVersion": "disagg.dev/v1alpha1",
-        "kind": "DisaggregatedPipeline",
-        "metadata": {"name": NAME, "namespace": s.NS},
-        "spec": {
-            "image": "ghcr.io/disagg/runtime-vllm:0.1.0",
-            "roles": [
-                {"name": "prefill", "engine": engine},
-                {
-                    "name": "decode",
-                    "engine": engine,
-                    "autoscaling": {"minReplicas": 1, "maxReplicas": 3},
-                },
-            ],
-            "edges": [{"from": "prefill", "to": "decode", "kind": "kv"}],
-            "gateway": {"api": "openai", "model": MODEL},
-        },
-    }
+    return s.engine_pipeline_doc(
+        NAME,
+        {"model": str(model), "args": ARGS},
+        model=MODEL,
+        decode={"autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
+    )
 
 
 def _pod(role: str, i: int) -> str:

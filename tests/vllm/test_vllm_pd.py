@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from disagg_runtime.bench.vllm.run import PROMPTS
 from disagg_runtime.local.groupshm import mapped_by_group, unlink_unmapped
 from disagg_runtime.memory.pool import SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
@@ -33,17 +34,6 @@ from tests.vllm import engines as E
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-PROMPTS = [
-    "hello",
-    "The quick brown fox jumps over the lazy dog.",
-    "0123456789 " * 3,
-    "roles: prefill runs the prompt, decode streams tokens " * 2,
-    "hello world " * 7,
-    "Tensors move through shared memory, TCP or CUDA IPC. (){}[]<>.,;:?!'\"-_+=*/ " * 3,
-    "a disaggregated pipeline splits a model into roles " * 6,
-    "hello world " * 40,
-    "x9 y8 z7 " * 30,
-]
 MAX_TOKENS = 12
 
 

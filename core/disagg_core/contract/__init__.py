@@ -16,7 +16,9 @@ The gateway (`disagg gateway`, the pipeline's HTTP front door) is configured the
 `GATEWAY_ENV` is its table (the role variables it shares keep their meaning: DISAGG_DOWNSTREAM
 names the entry roles, DISAGG_INGRESS_PORT is where exit roles send replies,
 DISAGG_POOL_SIZE sizes its reply pool), parsed by `parse_gateway_env` into a
-`GatewayConfig`.
+`GatewayConfig`. In front of engine roles it is no peer of the roles (it routes over HTTP
+from the topology's `engines`), so those reply-path variables (`REPLY_PATH`) are not
+rendered for it.
 
 An engine role (spec/engines.py) runs no `disagg role`: `engine` renders its command
 line and KV connector configuration (`engine_command`, `EngineLaunch`); `engine_table`
@@ -55,10 +57,12 @@ from disagg_core.contract.gateway import (
     DEFAULT_GATEWAY_PORT,
     GATEWAY_APIS,
     GATEWAY_ENV,
+    REPLY_PATH,
     GatewayConfig,
     env_table,
     parse_gateway_env,
     render_gateway_env,
+    takes_replies,
 )
 from disagg_core.contract.ranks import RANK_ENV, Rank, pod_ranks, rank_of
 from disagg_core.contract.role import (
@@ -104,6 +108,7 @@ __all__ = [
     "GATEWAY_ENV",
     "PREFIX",
     "RANK_ENV",
+    "REPLY_PATH",
     "TOPOLOGY_VERSION",
     "ContractError",
     "EngineEndpoint",
@@ -133,6 +138,7 @@ __all__ = [
     "render_gateway_env",
     "replica_endpoint",
     "route_of",
+    "takes_replies",
     "tracing_env",
     "write_topology",
 ]

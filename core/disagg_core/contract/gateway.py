@@ -1,6 +1,8 @@
 """What `disagg gateway` (the pipeline's HTTP front door) is told: `GATEWAY_ENV`, its table.
 The role variables it shares keep their meaning: DISAGG_DOWNSTREAM names the entry roles,
-DISAGG_INGRESS_PORT is where exit roles send replies, DISAGG_POOL_SIZE sizes its reply pool."""
+DISAGG_INGRESS_PORT is where exit roles send replies, DISAGG_POOL_SIZE sizes its reply pool.
+In front of engine roles the gateway is no peer (it routes over HTTP from the topology's
+`engines`), so the variables of `REPLY_PATH` are not rendered for it."""
 
 from __future__ import annotations
 
@@ -168,11 +170,25 @@ GATEWAY_ENV: Final[tuple[EnvVar, ...]] = (
     ),
 )
 _GATEWAY_ONLY: Final = frozenset(v.key for v in GATEWAY_ENV) - frozenset(v.key for v in ENV)
+# What only a gateway over handler roles reads (server.client_for: it submits to the entry
+# roles as their peer and takes the exit roles' replies at its pod's address).
+REPLY_PATH: Final = frozenset(
+    ("DOWNSTREAM", "INGRESS_PORT", "POOL_SIZE", "NODE_LOCAL", "PEERS_FILE", "PEER_KEY_FILE")
+) | {"POD_IP"}
+
+
+def takes_replies(topology: Topology) -> bool:
+    """Whether the gateway is a peer of the roles (submits to them, takes replies): not in
+    front of engine roles, which it asks over HTTP."""
+    return not topology.engine_roles
 
 
 def render_gateway_env(config: GatewayConfig) -> dict[str, str]:
-    """The environment of a gateway container (the operator and `disagg bench`)."""
-    return render(GATEWAY_ENV, config)
+    """The environment of a gateway container (the operator and `disagg bench`): without
+    `REPLY_PATH` in front of engine roles."""
+    if takes_replies(config.topology):
+        return render(GATEWAY_ENV, config)
+    return render(tuple(v for v in GATEWAY_ENV if v.key not in REPLY_PATH), config)
 
 
 def parse_gateway_env(env: Mapping[str, str], topology: Topology | None = None) -> GatewayConfig:

@@ -209,10 +209,3 @@ def probes(role: Role) -> dict[str, Any]:
             "failureThreshold": 3,
         },
     }
-
-
-def http_address(pipeline: Pipeline, role: str, *, namespace: str, domain: str) -> str:
-    """An engine role's HTTP endpoint through its headless Service (every ready replica)."""
-    engine = pipeline.role(role).engine
-    assert engine is not None
-    return f"{pipeline.derived_name(role)}.{namespace}.svc.{domain}:{engine.port}"

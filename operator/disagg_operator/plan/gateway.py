@@ -13,7 +13,9 @@ from the ConfigMap, the pipeline's peer key (Secret P-peer-key, as role pods: th
 a peer of the roles) and with `auth` the token Secret's key mounted at /etc/disagg-gateway.
 In front of engine roles it routes from the topology file's `engines` section
 (plan/engines.gateway_table: every replica's HTTP endpoint by pod DNS name, the decode
-replicas' KV endpoints) over HTTP, not as a peer.
+replicas' KV endpoints) over HTTP, not as a peer: so without the reply path
+(`contract.takes_replies`): no DISAGG_DOWNSTREAM and the other `contract.REPLY_PATH`
+variables, no `ingress` port or its NetworkPolicy rule, no peer key.
 Probes: readiness GET /readyz (every entry role reachable), liveness GET /healthz. Hardened
 as role pods are (non-root, read-only root, no capabilities, no service-account token).
 spec.gateway.podTemplate is deep-merged last; labels and DISAGG_* variables are put back.
@@ -91,6 +93,8 @@ def config(
 
 def env(config: contract.GatewayConfig) -> list[dict[str, Any]]:
     rendered = [{"name": k, "value": v} for k, v in contract.render_gateway_env(config).items()]
+    if not contract.takes_replies(config.topology):
+        return rendered
     pod_ip = {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
     return [*rendered, {"name": contract.PREFIX + "POD_IP", "valueFrom": pod_ip}]
 
@@ -106,7 +110,10 @@ def deployment(
 ) -> dict[str, Any]:
     spec = pipeline.gateway
     tracing = [{"name": k, "value": v} for k, v in contract.tracing_env(pipeline).items()]
-    ours = env(config(pipeline, namespace, entries)) + tracing
+    ours_config = config(pipeline, namespace, entries)
+    replies = contract.takes_replies(ours_config.topology)
+    ours = env(ours_config) + tracing
+    reply_port = [{"name": "ingress", "containerPort": REPLY_PORT, "protocol": "TCP"}]
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": image(pipeline),
@@ -114,7 +121,7 @@ def deployment(
         "env": ours,
         "ports": [
             {"name": "http", "containerPort": spec.port, "protocol": "TCP"},
-            {"name": "ingress", "containerPort": REPLY_PORT, "protocol": "TCP"},
+            *(reply_port if replies else []),
         ],
         "readinessProbe": {
             "httpGet": {"path": "/readyz", "port": "http"},
@@ -132,7 +139,6 @@ def deployment(
         "volumeMounts": [
             {"name": "topology", "mountPath": pods.TOPOLOGY_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
-            {"name": pods.PEER_KEY_VOLUME, "mountPath": pods.PEER_KEY_DIR, "readOnly": True},
         ],
     }
     resources: dict[str, Any] = {}
@@ -145,15 +151,21 @@ def deployment(
     volumes: list[dict[str, Any]] = [
         {"name": "topology", "configMap": {"name": config_map}},
         {"name": "tmp", "emptyDir": {}},
-        {
-            "name": pods.PEER_KEY_VOLUME,
-            "secret": {
-                "secretName": peer_key_secret,
-                "defaultMode": pods.PEER_KEY_MODE,
-                "items": [{"key": pods.PEER_KEY_KEY, "path": pods.PEER_KEY_KEY}],
-            },
-        },
     ]
+    if replies:  # a peer of the roles: it authenticates to them with the pipeline's key
+        container["volumeMounts"].append(
+            {"name": pods.PEER_KEY_VOLUME, "mountPath": pods.PEER_KEY_DIR, "readOnly": True}
+        )
+        volumes.append(
+            {
+                "name": pods.PEER_KEY_VOLUME,
+                "secret": {
+                    "secretName": peer_key_secret,
+                    "defaultMode": pods.PEER_KEY_MODE,
+                    "items": [{"key": pods.PEER_KEY_KEY, "path": pods.PEER_KEY_KEY}],
+                },
+            }
+        )
     if spec.auth is not None:
         container["volumeMounts"].append(
             {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}
@@ -210,7 +222,20 @@ def network_policy(
     """NetworkPolicy P-gateway-network (with the pipeline's, unless spec.networkPolicy is
     off): the gateway's HTTP port admits its namespace's pods and `clients`
     (spec.networkPolicy.clients); its reply port (`ingress`) only the role pods (`roles`, a
-    selector), which send it results. Egress stays open."""
+    selector), which send it results (none in front of engine roles). Egress stays open."""
+    ingress: list[dict[str, Any]] = [
+        {
+            "from": [{"podSelector": {}}, *copy.deepcopy(clients)],
+            "ports": [{"protocol": "TCP", "port": pipeline.gateway.port}],
+        }
+    ]
+    if contract.takes_replies(contract.Topology.from_pipeline(pipeline, namespace=namespace)):
+        ingress.append(
+            {
+                "from": [{"podSelector": copy.deepcopy(roles)}],
+                "ports": [{"protocol": "TCP", "port": REPLY_PORT}],
+            }
+        )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -222,16 +247,7 @@ def network_policy(
         "spec": {
             "podSelector": {"matchLabels": selector(pipeline)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {
-                    "from": [{"podSelector": {}}, *copy.deepcopy(clients)],
-                    "ports": [{"protocol": "TCP", "port": pipeline.gateway.port}],
-                },
-                {
-                    "from": [{"podSelector": copy.deepcopy(roles)}],
-                    "ports": [{"protocol": "TCP", "port": REPLY_PORT}],
-                },
-            ],
+            "ingress": ingress,
         },
     }
 

@@ -411,17 +411,14 @@ def gateway_objects(
 ) -> list[dict[str, Any]]:
     ports = {name: p for w in units for name, p in model.role_ports(w).items()}
     domain = options.cluster_domain
+    # in front of engine roles the gateway routes from the topology's `engines`, no peers
+    peers = contract.takes_replies(contract.Topology.from_pipeline(pipeline, namespace=namespace))
     entries = tuple(
         contract.Peer(
             role,
-            (
-                engines.http_address(pipeline, role, namespace=namespace, domain=domain)
-                if engines.is_engine(pipeline.role(role))
-                else f"{pipeline.derived_name(role)}.{namespace}.svc.{domain}:"
-                f"{ports[role].ingress}",
-            ),
+            (f"{pipeline.derived_name(role)}.{namespace}.svc.{domain}:{ports[role].ingress}",),
         )
-        for role in pipeline.entry_roles
+        for role in (pipeline.entry_roles if peers else ())
     )
     policy = []
     if pipeline.network_policy.enabled:

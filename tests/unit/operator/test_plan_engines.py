@@ -162,14 +162,39 @@ def test_the_network_policy_admits_kv_from_prefill_and_http_from_the_gateway(
     assert any("namespaceSelector" in p for p in http), "the autoscaler scrapes /metrics"
 
 
-def test_the_gateway_enters_at_the_prefill_engine(engine_doc: Obj) -> None:
-    deployment = _plan(engine_doc)["Deployment"]["pd-gateway"]
-    env = {
-        var["name"]: var.get("value")
-        for var in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
-    assert env["DISAGG_DOWNSTREAM"] == "prefill=pd-prefill.ns.svc.cluster.local:8000"
-    assert env["DISAGG_GATEWAY_API"] == "openai"
+def _gateway_pod(objects: dict[str, dict[str, Obj]], name: str) -> tuple[Obj, Obj, set[int]]:
+    """The gateway's container, its pod spec and the ports its NetworkPolicy admits."""
+    pod: Obj = objects["Deployment"][f"{name}-gateway"]["spec"]["template"]["spec"]
+    policy = objects["NetworkPolicy"][f"{name}-gateway-network"]["spec"]["ingress"]
+    return pod["containers"][0], pod, {p["port"] for rule in policy for p in rule["ports"]}
+
+
+@pytest.mark.parametrize("doc", ["engine_doc", "full_doc"])
+def test_only_a_gateway_over_handler_roles_has_the_reply_path(
+    doc: str, request: pytest.FixtureRequest
+) -> None:
+    """In front of engines the gateway is no peer: no entry roles to submit to, no reply
+    port, pool, pod address or peer key; over handler roles it has them all."""
+    document = request.getfixturevalue(doc)
+    pipeline = spec.parse_pipeline(document)
+    objects = _plan(document)
+    container, pod, admitted = _gateway_pod(objects, pipeline.name)
+    names = {v["name"] for v in container["env"]}
+    mounts = {m["name"] for m in container["volumeMounts"]}
+    reply_path = {contract.PREFIX + key for key in contract.REPLY_PATH} & names
+    ports = {p["name"] for p in container["ports"]}
+    if doc == "engine_doc":
+        assert reply_path == set(), "what only gateway.server.client_for reads"
+        assert ports == {"http"} and admitted == {pipeline.gateway.port}
+        assert pods.PEER_KEY_VOLUME not in mounts | {v["name"] for v in pod["volumes"]}
+        assert contract.PREFIX + "GATEWAY_API" in names
+    else:
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        entry = pipeline.entry_roles[0]
+        assert env["DISAGG_DOWNSTREAM"].startswith(f"{entry}={pipeline.derived_name(entry)}.")
+        assert {"DISAGG_INGRESS_PORT", "DISAGG_PEER_KEY_FILE", "DISAGG_POD_IP"} <= reply_path
+        assert ports == {"http", "ingress"} and contract.DEFAULT_INGRESS_PORT in admitted
+        assert pods.PEER_KEY_VOLUME in mounts
 
 
 def _problems(doc: Obj) -> list[str]:

@@ -44,6 +44,8 @@ from disagg_runtime.bench.vllm.stats import (
 from disagg_runtime.local.engines import SOURCE_ROOT, engine_python
 
 # 1 to ~5 KV blocks of 32 tokens, most with a partly filled last block
+# Also tests/vllm's prompts: lengths 3-291 tokens (the tiny model's tokenizer), most longer
+# than one 32-token block and most with a partly filled last block.
 PROMPTS = (
     "hello",
     "The quick brown fox jumps over the lazy dog.",
