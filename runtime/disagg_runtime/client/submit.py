@@ -272,6 +272,7 @@ class Client:
             first=rid,
         )
         self._track(rid, pending)
+        log.debug("client: request %s submitted", rid)
         meta = Meta(rid, "data", "client", time.time() + seconds, self.reply, trace=trace)
         try:
             for peers in self.entries:
@@ -341,6 +342,7 @@ class Client:
                 self.moves.finished(rid, pending)
         if pending is None:
             return
+        log.debug("client: request %s ended: %s", rid, "ok" if exc is None else exc)
         if exc is not None:
             self._later_abort(rid)  # let every role drop what it holds of the request
             pending.future.set_exception(exc)
