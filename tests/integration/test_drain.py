@@ -31,7 +31,8 @@ import torch
 from disagg_core.contract import Peer, RoleConfig, render_env, write_topology
 from disagg_core.spec import load_pipeline_file
 from disagg_runtime.client import Client, RequestFailed
-from disagg_runtime.local.supervisor import free_ports, plan_local
+from disagg_runtime.local.ports import free_ports
+from disagg_runtime.local.supervisor import plan_local
 from disagg_runtime.memory.pool import reclaim_stale, shm_prefix
 from disagg_runtime.routing import dispatch
 from tests.relay_rig import KEY, write_key

@@ -18,7 +18,7 @@ from disagg_core import contract
 from disagg_core.contract import Peer
 from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestFailed
-from disagg_runtime.local import supervisor
+from disagg_runtime.local import ports, supervisor
 from disagg_runtime.role.handler import Handler, SetupContext
 from disagg_runtime.role.health import fetch, scrape
 from disagg_runtime.role.runtime import RoleRuntime
@@ -79,7 +79,7 @@ def role() -> Any:
     workdir = tempfile.mkdtemp(prefix="disagg-it-")
     topology_file = os.path.join(workdir, "topology.json")
     pipeline = parse_pipeline(_doc(8))
-    [config] = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+    [config] = supervisor.plan_local(pipeline, ports.free_ports(), topology_file)
     config = dataclasses.replace(config, peer_key_file=write_key(workdir))
     contract.write_topology(config.topology, topology_file)
     handler = Handler(Scaler)

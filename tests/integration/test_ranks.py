@@ -133,7 +133,7 @@ def test_the_feed_carries_trees_through_the_pool_and_refuses_foreign_notices() -
     tree; a notice of an unknown kind is a FeedError, not garbage."""
     import multiprocessing
 
-    from disagg_runtime.local.supervisor import free_ports
+    from disagg_runtime.local.ports import free_ports
     from disagg_runtime.memory.pool import shm_name
     from tests.integration import rank_handlers
 

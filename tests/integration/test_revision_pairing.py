@@ -19,7 +19,7 @@ from disagg_core.compat import Compat
 from disagg_core.contract import Peer
 from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestFailed
-from disagg_runtime.local import supervisor
+from disagg_runtime.local import ports, supervisor
 from disagg_runtime.relay import RelayError
 from disagg_runtime.role.runtime import RoleRuntime
 from tests.integration.handler_pipelines import pipeline_doc
@@ -73,7 +73,7 @@ class _Pair:
         pipeline = parse_pipeline(doc)
         self.dir = tempfile.mkdtemp(prefix="disagg-pair-")
         topology_file = os.path.join(self.dir, "topology.json")
-        configs = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+        configs = supervisor.plan_local(pipeline, ports.free_ports(), topology_file)
         contract.write_topology(configs[0].topology, topology_file)
         key_file = write_key(self.dir)
         self.roles: list[RoleRuntime] = []
@@ -205,7 +205,7 @@ def test_readiness_answers_at_once_while_downstream_replicas_do_not() -> None:
     pipeline = parse_pipeline(doc)
     folder = tempfile.mkdtemp(prefix="disagg-pair-")
     topology_file = os.path.join(folder, "topology.json")
-    configs = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+    configs = supervisor.plan_local(pipeline, ports.free_ports(), topology_file)
     contract.write_topology(configs[0].topology, topology_file)
     silent = []
     for config in configs[1:]:  # the decode replicas: listening, never answering

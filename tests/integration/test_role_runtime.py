@@ -26,7 +26,7 @@ from disagg_core import contract
 from disagg_core.contract import Peer
 from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestFailed, RequestTimeout
-from disagg_runtime.local import supervisor
+from disagg_runtime.local import ports, supervisor
 from disagg_runtime.memory.pool import SHM_DIR, Pool
 from disagg_runtime.relay import Ingress, connect
 from disagg_runtime.role.health import fetch, scrape
@@ -58,7 +58,7 @@ class Running:
         self.pipeline = parse_pipeline(doc)
         self.dir = tempfile.mkdtemp(prefix="disagg-it-")
         topology_file = os.path.join(self.dir, "topology.json")
-        configs = supervisor.plan_local(self.pipeline, supervisor.free_ports(), topology_file)
+        configs = supervisor.plan_local(self.pipeline, ports.free_ports(), topology_file)
         key_file = write_key(self.dir)
         configs = [dataclasses.replace(c, peer_key_file=key_file) for c in configs]
         contract.write_topology(configs[0].topology, topology_file)

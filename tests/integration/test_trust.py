@@ -35,7 +35,7 @@ from disagg_core import contract
 from disagg_core.contract import Peer
 from disagg_core.spec import parse_pipeline
 from disagg_runtime.client import Client, RequestOverloaded
-from disagg_runtime.local import supervisor
+from disagg_runtime.local import ports, supervisor
 from disagg_runtime.memory.pool import SHM_DIR, MiB, Pool, shm_name
 from disagg_runtime.relay import (
     Ingress,
@@ -80,7 +80,7 @@ class Roles:
         key_file = write_key(self.dir)
         self.configs = [
             dataclasses.replace(c, peer_key_file=key_file)
-            for c in supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+            for c in supervisor.plan_local(pipeline, ports.free_ports(), topology_file)
         ]
         contract.write_topology(self.configs[0].topology, topology_file)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -253,7 +253,7 @@ def test_roles_and_clients_refuse_to_start_without_a_good_key(tmp_path: Path) ->
     doc = pipeline_doc("trust-nokey", [("r", "identity")])
     pipeline = parse_pipeline(doc)
     topology_file = str(tmp_path / "topology.json")
-    (config,) = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+    (config,) = supervisor.plan_local(pipeline, ports.free_ports(), topology_file)
     contract.write_topology(config.topology, topology_file)
     short = tmp_path / "short-key"
     short.write_bytes(b"  too-short  \n")
@@ -480,7 +480,7 @@ def test_reply_relays_are_bounded_and_evicted(tmp_path: Path, replies: Replies) 
     doc = pipeline_doc("trust-cache", [("r", "identity")])
     pipeline = parse_pipeline(doc)
     topology_file = str(tmp_path / "topology.json")
-    (config,) = supervisor.plan_local(pipeline, supervisor.free_ports(), topology_file)
+    (config,) = supervisor.plan_local(pipeline, ports.free_ports(), topology_file)
     config = dataclasses.replace(config, peer_key_file=write_key(str(tmp_path)))
     contract.write_topology(config.topology, topology_file)
     role = RoleRuntime(config, handler=ph.identity, grace_s=2.0, max_relays=4)

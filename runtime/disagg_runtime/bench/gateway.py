@@ -46,7 +46,8 @@ from disagg_runtime.bench.limits import measure_best_copy
 from disagg_runtime.bench.sizes import format_size, parse_size
 from disagg_runtime.client import Client
 from disagg_runtime.gateway import native
-from disagg_runtime.local.supervisor import HOST, LocalPipeline, free_ports
+from disagg_runtime.local.ports import HOST, free_ports
+from disagg_runtime.local.supervisor import LocalPipeline
 from disagg_runtime.role.health import fetch
 
 SMALL = 4096

@@ -112,7 +112,7 @@ def _feed_rank(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -
 
 
 def measure_feed(sizes: list[int], repeats: int) -> list[FeedRow]:
-    from disagg_runtime.local.supervisor import free_ports
+    from disagg_runtime.local.ports import free_ports
 
     port = next(free_ports())
     ctx = multiprocessing.get_context("spawn")

@@ -24,7 +24,8 @@ from disagg_core.autoscale import (
     signals,
 )
 from disagg_core.spec import Pipeline
-from disagg_runtime.local.supervisor import HOST, LocalPipeline
+from disagg_runtime.local.ports import HOST
+from disagg_runtime.local.supervisor import LocalPipeline
 from disagg_runtime.role.health import fetch, scrape
 
 log = logging.getLogger(__name__)

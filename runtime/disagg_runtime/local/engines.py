@@ -29,9 +29,10 @@ from disagg_core.contract import ENV, EngineEndpoint, EngineLaunch, engine_comma
 from disagg_core.spec import Pipeline
 from disagg_runtime.gateway.engines import EngineReplica
 from disagg_runtime.local.groupshm import mapped_by_group, unlink_unmapped, wait_gone
+from disagg_runtime.local.ports import HOST, free_ports
 from disagg_runtime.local.restarts import Restarts
 from disagg_runtime.local.rundir import RunDir, log_tail, open_run
-from disagg_runtime.local.supervisor import HOST, _die_with_parent, free_ports
+from disagg_runtime.local.supervisor import _die_with_parent
 from disagg_runtime.memory.pool import SHM_PREFIX, reclaim_stale, shm_prefix
 from disagg_runtime.relay import auth
 from disagg_runtime.role.health import fetch
@@ -160,7 +161,8 @@ class LocalEngines:
         return self.run.path
 
     def start(self) -> None:
-        plan = plan_engines(self.pipeline, free_ports(), self.key_file)
+        self._ports = free_ports()  # claimed while this launcher lives (local/ports.py)
+        plan = plan_engines(self.pipeline, self._ports, self.key_file)
         for role, index, launch, endpoint in plan:
             argv = engine_command(self.pipeline, role, launch, python=self.python)
             log_path = os.path.join(self.workdir, f"{role}-{index}.log")

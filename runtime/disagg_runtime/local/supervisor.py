@@ -20,10 +20,8 @@ import functools
 import json
 import logging
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +41,7 @@ from disagg_core.contract import (
 )
 from disagg_core.spec import Pipeline
 from disagg_runtime.client import Client
+from disagg_runtime.local.ports import HOST, free_ports
 from disagg_runtime.local.restarts import Restarts
 from disagg_runtime.local.rundir import RunDir, log_tail, open_run
 from disagg_runtime.memory.pool import SHM_DIR, SHM_PREFIX, reclaim_stale, shm_prefix
@@ -52,42 +51,7 @@ from disagg_runtime.routing import migration
 from disagg_runtime.routing.peers import FILE_RESOLVE_EVERY, write_peers_file
 
 log = logging.getLogger(__name__)
-HOST = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
-
-
-def ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for port-0 binds (net.ipv4.ip_local_port_range)."""
-    with (
-        contextlib.suppress(OSError, ValueError),
-        open("/proc/sys/net/ipv4/ip_local_port_range") as f,
-    ):
-        low, high = (int(p) for p in f.read().split())
-        return low, high
-    return 32768, 60999
-
-
-def free_ports(rng: random.Random | None = None) -> Iterator[int]:
-    """Ports free now, never the same one twice, and outside the kernel's ephemeral range:
-    a role's lane binds port 0 while its neighbours start, and the kernel could otherwise
-    hand it a port already promised to another role's ingress or metrics server."""
-    rng = rng or random.Random()
-    low, _ = ephemeral_range()
-    first = max(1024, low - 16384)
-    if low - first < 256:  # an unusual range: fall back to what the kernel picks
-        first, low = low, 65536
-    seen: set[int] = set()
-    while True:
-        port = rng.randrange(first, low)
-        if port in seen:
-            continue
-        seen.add(port)
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-        yield port
 
 
 def plan_local(

@@ -31,7 +31,8 @@ import httpx
 from disagg_core.contract import ENV
 from disagg_core.contract.engine import VLLM_SERVER, engine_args, served_model
 from disagg_core.spec import Pipeline
-from disagg_runtime.local.supervisor import HOST, _die_with_parent, free_ports
+from disagg_runtime.local.ports import HOST, free_ports
+from disagg_runtime.local.supervisor import _die_with_parent
 
 START_S = 300.0
 # the connectors' per-request hand-off histograms: (engine, metric) of each setup
